@@ -1,0 +1,153 @@
+"""Plain numpy implementations of every op: the reference that fast kernels are tested against.
+
+They follow the seeds' contracts: RMSNorm and softmax accumulate in float64; RoPE pairs dimensions by
+the model's layout; the KV store writes rows at the positions it is given and refuses a position outside
+the context; attention reads the window ``pos[t] + 1`` with masked scores at -inf (weights exactly 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minfer.errors import ContextOverflowError
+from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.quants import GGMLType, dequantize_rows
+from minfer.graph.ir import AttnMeta, RopeMeta, RopeStyle
+
+# rows dequantized at once by the reference matmul: bounds the f32 scratch to a few MB per call
+MATMUL_CHUNK_VALUES = 1 << 21
+
+
+def rms_norm(x: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
+    g = x.reshape(-1, width)
+    mean_sq = np.einsum("ij,ij->i", g, g, dtype=np.float64) / width
+    scale = (1.0 / np.sqrt(mean_sq.astype(np.float32) + np.float32(eps))).astype(np.float32)
+    np.multiply(g, scale[:, None], out=out.reshape(-1, width))
+
+
+def mul(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    if y.shape == x.shape:
+        np.multiply(x, y, out=out)
+    else:
+        np.multiply(x.reshape(-1, y.shape[0]), y, out=out.reshape(-1, y.shape[0]))
+
+
+def add(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    if y.shape == x.shape:
+        np.add(x, y, out=out)
+    else:
+        np.add(x.reshape(-1, y.shape[0]), y, out=out.reshape(-1, y.shape[0]))
+
+
+def silu(x: np.ndarray, out: np.ndarray) -> None:
+    np.divide(x, 1.0 + np.exp(-x), out=out)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    silu(gate, out)
+    np.multiply(out, up, out=out)
+
+
+def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
+    rms_norm(x, eps, width, out)
+    mul(out, gain, out)
+
+
+def get_rows(table: np.ndarray | GGUFTensor, ids: np.ndarray, out: np.ndarray) -> None:
+    if isinstance(table, GGUFTensor):
+        out[:] = dequantize_rows(table.data[ids], table.ggml_type, table.shape[-1])
+    else:
+        np.take(table, ids, axis=0, out=out)
+
+
+def matmul(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray) -> None:
+    """``out = x @ W^T``; a quantized W is dequantized a chunk of rows at a time, never whole."""
+    if isinstance(w, np.ndarray):
+        np.matmul(x, w.T, out=out)
+        return
+    n_out, n_in = w.shape
+    rows = max(1, MATMUL_CHUNK_VALUES // n_in)
+    for r0 in range(0, n_out, rows):
+        r1 = min(n_out, r0 + rows)
+        wf = dequantize_rows(w.data[r0:r1], w.ggml_type, n_in)
+        np.matmul(x, wf.T, out=out[:, r0:r1])
+
+
+def rope_freqs(meta: RopeMeta) -> np.ndarray:
+    """Angular speed of each rotating pair: ``freq_scale / base^(2i / head_dim)``, float64."""
+    i = np.arange(meta.n_rot // 2, dtype=np.float64)
+    return meta.freq_scale / meta.freq_base ** (2.0 * i / meta.head_dim)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
+    nt = x.shape[0]
+    if out is not x:
+        out[:] = x
+    heads = out.reshape(nt, meta.n_head, meta.head_dim)
+    theta = positions.astype(np.float64)[:, None] * rope_freqs(meta)[None, :]  # [nt, n_rot/2]
+    cos = np.cos(theta).astype(np.float32)[:, None, :]
+    sin = np.sin(theta).astype(np.float32)[:, None, :]
+    half = meta.n_rot // 2
+    if meta.style is RopeStyle.NEOX:
+        i0, i1 = slice(0, half), slice(half, meta.n_rot)
+    else:
+        i0, i1 = slice(0, meta.n_rot, 2), slice(1, meta.n_rot, 2)
+    x0 = heads[:, :, i0].copy()
+    x1 = heads[:, :, i1].copy()
+    heads[:, :, i0] = x0 * cos - x1 * sin
+    heads[:, :, i1] = x0 * sin + x1 * cos
+
+
+def kv_store(
+    k: np.ndarray, v: np.ndarray, positions: np.ndarray, k_region: np.ndarray, v_region: np.ndarray, layer: int
+) -> None:
+    n_ctx = k_region.shape[0]
+    bad = np.flatnonzero((positions < 0) | (positions >= n_ctx))
+    if bad.size:
+        t = int(bad[0])
+        raise ContextOverflowError(
+            f"layer {layer}: KV store position {int(positions[t])} (token {t}) is outside the context "
+            f"of {n_ctx} positions"
+        )
+    k_region[positions] = k
+    v_region[positions] = v
+
+
+def softmax_rows(scores: np.ndarray) -> np.ndarray:
+    """Stable softmax over the last axis: subtract the row max, exp, normalize by a float64 sum."""
+    m = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - m)
+    s = e.sum(axis=-1, keepdims=True, dtype=np.float64)
+    return e * (1.0 / s).astype(np.float32)
+
+
+def attention(
+    q: np.ndarray,
+    k_region: np.ndarray,
+    v_region: np.ndarray,
+    positions: np.ndarray,
+    meta: AttnMeta,
+    out: np.ndarray,
+) -> None:
+    """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group."""
+    if meta.head_dim_k < 1 or meta.n_head % meta.n_head_kv:
+        raise ValueError(f"bad head geometry {meta}")
+    nt = q.shape[0]
+    nkv = int(positions.max()) + 1
+    group = meta.n_head // meta.n_head_kv
+    qh = q.reshape(nt, meta.n_head_kv, group, meta.head_dim_k).transpose(1, 2, 0, 3)  # [hk, g, t, d]
+    kh = k_region[:nkv].reshape(nkv, meta.n_head_kv, meta.head_dim_k).transpose(1, 2, 0)  # [hk, d, s]
+    vh = v_region[:nkv].reshape(nkv, meta.n_head_kv, meta.head_dim_v).transpose(1, 0, 2)  # [hk, s, dv]
+    scores = np.matmul(qh, kh[:, None]) * np.float32(meta.scale)  # [hk, g, t, s]
+    masked = np.arange(nkv)[None, :] > positions[:, None]  # [t, s]: the window is the mask
+    scores[:, :, masked] = -np.inf
+    weights = softmax_rows(scores)
+    o = np.matmul(weights, vh[:, None])  # [hk, g, t, dv]
+    out.reshape(nt, meta.n_head_kv, group, meta.head_dim_v)[:] = o.transpose(2, 0, 1, 3)
+
+
+def dequantize_tensor(t: GGUFTensor) -> np.ndarray:
+    """The whole tensor as float32 in its numpy shape (for small tensors: norms, biases)."""
+    if t.ggml_type == GGMLType.F32:
+        return t.data.view(np.float32).reshape(t.shape)
+    return dequantize_rows(t.data, t.ggml_type, t.shape[-1]).reshape(t.shape)

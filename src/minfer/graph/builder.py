@@ -1,0 +1,115 @@
+"""Graph builder: emits nodes in build order, checking shapes as it goes.
+
+Architecture recipes (``minfer.models``) call these primitives; a shape mismatch here is a bug in a
+recipe or a model file whose tensors disagree with its metadata, and raises ModelError naming both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minfer.errors import ModelError
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, NormMeta, Op, RopeMeta
+
+
+class GraphBuilder:
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.inputs: dict[str, Node] = {}
+        self._weights: dict[str, Node] = {}
+
+    def _emit(
+        self,
+        op: Op,
+        inputs: tuple[Node, ...],
+        shape: tuple[int, ...],
+        *,
+        meta: Any = None,
+        name: str = "",
+        layer: int | None = None,
+        dtype: str = "f32",
+        source: Any = None,
+    ) -> Node:
+        node = Node(len(self.nodes), op, inputs, shape, dtype, meta, name, layer, source)
+        self.nodes.append(node)
+        return node
+
+    # -- leaves --------------------------------------------------------------------------------
+
+    def input(self, role: str, length: int) -> Node:
+        node = self._emit(Op.INPUT, (), (length,), name=role, dtype="i32", source=role)
+        self.inputs[role] = node
+        return node
+
+    def weight(self, tensor: Any) -> Node:
+        """A leaf for a model tensor (anything with ``name`` and ``shape``); one node per tensor."""
+        if tensor.name not in self._weights:
+            self._weights[tensor.name] = self._emit(
+                Op.WEIGHT, (), tuple(tensor.shape), name=tensor.name, source=tensor
+            )
+        return self._weights[tensor.name]
+
+    # -- ops -----------------------------------------------------------------------------------
+
+    def get_rows(self, table: Node, ids: Node, name: str = "") -> Node:
+        return self._emit(Op.GET_ROWS, (table, ids), (ids.shape[0], table.shape[-1]), name=name)
+
+    def rms_norm(self, x: Node, eps: float, width: int | None = None, name: str = "", layer=None) -> Node:
+        width = width or x.shape[-1]
+        if x.shape[-1] % width:
+            raise ModelError(f"{name}: cannot normalize width {x.shape[-1]} in groups of {width}")
+        return self._emit(Op.RMS_NORM, (x,), x.shape, meta=NormMeta(eps, width), name=name, layer=layer)
+
+    def mul(self, x: Node, w: Node, name: str = "", layer=None) -> Node:
+        self._check_broadcast(x, w, name)
+        return self._emit(Op.MUL, (x, w), x.shape, name=name, layer=layer)
+
+    def add(self, x: Node, y: Node, name: str = "", layer=None) -> Node:
+        self._check_broadcast(x, y, name)
+        return self._emit(Op.ADD, (x, y), x.shape, name=name, layer=layer)
+
+    def matmul(self, x: Node, w: Node, name: str = "", layer=None) -> Node:
+        if len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
+            raise ModelError(
+                f"{name}: weight {w.name!r} has shape {w.shape}, expected (*, {x.shape[-1]}) "
+                f"to multiply activations of width {x.shape[-1]}"
+            )
+        return self._emit(Op.MATMUL, (x, w), (x.shape[0], w.shape[0]), name=name, layer=layer)
+
+    def rope(self, x: Node, positions: Node, meta: RopeMeta, name: str = "", layer=None) -> Node:
+        if x.shape[-1] != meta.n_head * meta.head_dim:
+            raise ModelError(f"{name}: width {x.shape[-1]} != {meta.n_head} heads x {meta.head_dim}")
+        return self._emit(Op.ROPE, (x, positions), x.shape, meta=meta, name=name, layer=layer)
+
+    def kv_store(self, k: Node, v: Node, positions: Node, meta: KVMeta, n_ctx: int, name: str = "") -> Node:
+        if k.shape[-1] != meta.k_width or v.shape[-1] != meta.v_width:
+            raise ModelError(f"{name}: K/V widths {k.shape[-1]}/{v.shape[-1]} != {meta.k_width}/{meta.v_width}")
+        # the output stands for the layer's K region, [n_ctx, k_width], as in the seed's contract
+        return self._emit(
+            Op.KV_STORE, (k, v, positions), (n_ctx, meta.k_width), meta=meta, name=name, layer=meta.layer
+        )
+
+    def kv_load(self, store: Node, name: str = "") -> Node:
+        return self._emit(Op.KV_LOAD, (store,), store.shape, meta=store.meta, name=name, layer=store.layer)
+
+    def attn(self, q: Node, kv: Node, positions: Node, meta: AttnMeta, name: str = "") -> Node:
+        if meta.head_dim_k < 1 or meta.n_head % meta.n_head_kv:
+            raise ModelError(f"{name}: {meta.n_head} query heads cannot share {meta.n_head_kv} kv heads")
+        if q.shape[-1] != meta.n_head * meta.head_dim_k:
+            raise ModelError(f"{name}: q width {q.shape[-1]} != {meta.n_head} x {meta.head_dim_k}")
+        out = (q.shape[0], meta.n_head * meta.head_dim_v)
+        return self._emit(Op.ATTN, (q, kv, positions), out, meta=meta, name=name, layer=meta.layer)
+
+    def silu(self, x: Node, name: str = "", layer=None) -> Node:
+        return self._emit(Op.SILU, (x,), x.shape, name=name, layer=layer)
+
+    def build(self, output: Node) -> Graph:
+        return Graph(self.nodes, self.inputs, output)
+
+    @staticmethod
+    def _check_broadcast(x: Node, y: Node, name: str) -> None:
+        if y.shape == x.shape:
+            return
+        if len(y.shape) == 1 and x.shape[-1] % y.shape[0] == 0:
+            return
+        raise ModelError(f"{name}: cannot combine shapes {x.shape} and {y.shape} ({y.label()})")

@@ -1,0 +1,54 @@
+"""Fusion pass: rewrite op pairs that a backend runs better as one op.
+
+* ``rms_norm`` followed by a ``mul`` with a weight (the norm gain) -> ``rms_norm_mul``
+* ``silu(gate)`` followed by a ``mul`` with ``up`` -> ``swiglu``
+
+A pair is fused only when the first node has no other consumer, so no intermediate anyone reads is lost.
+The rewritten graph keeps build order (the fused node takes the second node's place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from minfer.graph.ir import Graph, Node, Op
+
+
+def fuse(graph: Graph) -> Graph:
+    consumers = graph.consumers()
+    replaced: dict[int, Node] = {}  # old node id -> node that now stands for it
+    dropped: set[int] = set()
+    new_nodes: list[Node] = []
+
+    def sole_consumer(n: Node) -> bool:
+        return len(consumers[n.id]) == 1 and n is not graph.output
+
+    for node in graph.nodes:
+        inputs = tuple(replaced.get(i.id, i) for i in node.inputs)
+        fused: Node | None = None
+        if node.op is Op.MUL:
+            a, w = node.inputs
+            if a.op is Op.RMS_NORM and w.op is Op.WEIGHT and sole_consumer(a):
+                fused = replace(node, op=Op.RMS_NORM_MUL, inputs=(inputs[0].inputs[0], inputs[1]), meta=a.meta)
+            elif a.op is Op.SILU and sole_consumer(a) and w.op is not Op.WEIGHT:
+                fused = replace(node, op=Op.SWIGLU, inputs=(inputs[0].inputs[0], inputs[1]))
+            if fused is not None:
+                dropped.add(a.id)
+        new = fused or (replace(node, inputs=inputs) if inputs != node.inputs else node)
+        replaced[node.id] = new
+        new_nodes.append(new)
+
+    kept = [n for n in new_nodes if n.id not in dropped]
+    return _renumber(Graph(kept, graph.inputs, replaced[graph.output.id]))
+
+
+def _renumber(graph: Graph) -> Graph:
+    """Give nodes consecutive ids in build order, rewiring inputs to the renumbered nodes."""
+    mapping: dict[int, Node] = {}
+    nodes: list[Node] = []
+    for i, n in enumerate(graph.nodes):
+        new = replace(n, id=i, inputs=tuple(mapping[x.id] for x in n.inputs))
+        mapping[n.id] = new
+        nodes.append(new)
+    inputs = {k: mapping[v.id] for k, v in graph.inputs.items()}
+    return Graph(nodes, inputs, mapping[graph.output.id])

@@ -1,0 +1,107 @@
+"""The compute graph's intermediate representation: ops, nodes and their metas.
+
+A graph is a list of nodes in build order. Every activation is a 2-D float32 array ``[tokens, width]``
+(heads packed along the width, as the projections produce them); inputs (token ids, positions, output
+row ids) are 1-D int32. Weights are leaf nodes that point at a model tensor. Execution is build order,
+which is what guarantees that a layer's KV store runs before the attention that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Op(StrEnum):
+    INPUT = "input"  # tokens, positions, output row ids: filled per call
+    WEIGHT = "weight"  # a model tensor, read in place from the memory map
+    GET_ROWS = "get_rows"  # rows of a table: embedding lookup, selecting the rows to output
+    RMS_NORM = "rms_norm"  # x / sqrt(mean(x^2) + eps) over groups of `width` values
+    MUL = "mul"  # elementwise product, the second operand broadcast over rows/heads (norm gains)
+    ADD = "add"  # elementwise sum (residuals) or broadcast (biases)
+    MATMUL = "matmul"  # x @ W^T, W stored [out, in] in any supported block type
+    ROPE = "rope"  # rotary position embedding, in place on q or k
+    KV_STORE = "kv_store"  # write this call's K/V rows at their positions into the layer's regions
+    KV_LOAD = "kv_load"  # a view of the layer's K/V regions (no data moves)
+    ATTN = "attn"  # causal GQA attention over the window pos[t] + 1
+    SILU = "silu"  # x * sigmoid(x)
+    # fused ops, produced only by the fusion pass
+    RMS_NORM_MUL = "rms_norm_mul"  # rms_norm followed by the gain multiply
+    SWIGLU = "swiglu"  # silu(gate) * up
+
+
+class RopeStyle(StrEnum):
+    NORMAL = "normal"  # pairs (2i, 2i+1): GGUF llama, whose converter permuted W_q/W_k rows
+    NEOX = "neox"  # pairs (i, i + n_rot/2): Qwen2, Qwen3, Gemma, unpermuted HF weights
+
+
+@dataclass(frozen=True)
+class NormMeta:
+    eps: float
+    width: int  # normalize every group of `width` consecutive values (n_embd, or head_dim for QK-norm)
+
+
+@dataclass(frozen=True)
+class RopeMeta:
+    n_head: int
+    head_dim: int
+    n_rot: int  # leading dims of each head that rotate (== head_dim for every model supported now)
+    freq_base: float
+    freq_scale: float
+    style: RopeStyle
+
+
+@dataclass(frozen=True)
+class KVMeta:
+    layer: int
+    k_width: int  # n_head_kv * head_dim_k
+    v_width: int  # n_head_kv * head_dim_v
+
+
+@dataclass(frozen=True)
+class AttnMeta:
+    layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    scale: float
+
+
+@dataclass(eq=False)
+class Node:
+    """One operation. ``inputs`` are other nodes; ``shape`` is the output's shape."""
+
+    id: int
+    op: Op
+    inputs: tuple[Node, ...]
+    shape: tuple[int, ...]
+    dtype: str = "f32"
+    meta: Any = None
+    name: str = ""
+    layer: int | None = None
+    # for WEIGHT nodes, the model tensor; for INPUT nodes, the input's role ("tokens", "positions", ...)
+    source: Any = field(default=None, repr=False)
+
+    def label(self) -> str:
+        return self.name or f"{self.op}#{self.id}"
+
+
+@dataclass
+class Graph:
+    """Nodes in build order plus the named inputs and the output node."""
+
+    nodes: list[Node]
+    inputs: dict[str, Node]
+    output: Node
+
+    def compute_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.op not in (Op.INPUT, Op.WEIGHT)]
+
+    def consumers(self) -> dict[int, list[Node]]:
+        out: dict[int, list[Node]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i.id].append(n)
+        return out

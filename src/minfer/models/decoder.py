@@ -1,0 +1,79 @@
+"""The pre-norm decoder layer recipe shared by llama, qwen2 and qwen3, emitted as a compute graph.
+
+    x = embed(tokens)
+    per layer:  h = x + W_o · attn(rope(norm_qk(W_q·n(x))), rope(norm_qk(W_k·n(x))), W_v·n(x))
+                x = h + W_down · (silu(W_gate·n(h)) * W_up·n(h))
+    logits = W_out · n(x[output rows])
+
+Positions are an input: the same graph serves prefill, decode and continuation. Only the rows named by
+the ``output_rows`` input reach the output matmul (the last layer's FFN runs on them alone too).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from minfer.graph.builder import GraphBuilder
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, RopeMeta
+
+if TYPE_CHECKING:
+    from minfer.models.model import TransformerModel
+
+
+def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, n_ctx: int) -> Graph:
+    hp, arch = model.hparams, model.arch
+    b = GraphBuilder()
+    w = lambda name: b.weight(model.tensor(name))  # noqa: E731
+    tokens = b.input("tokens", n_tokens)
+    positions = b.input("positions", n_tokens)
+    out_rows = b.input("output_rows", n_outputs) if n_outputs != n_tokens else None
+    eps = hp.rms_eps
+
+    def norm(x: Node, gain: str, name: str, layer: int | None, width: int | None = None) -> Node:
+        return b.mul(b.rms_norm(x, eps, width, name=name, layer=layer), w(gain), name=name + ".gain", layer=layer)
+
+    def projection(x: Node, p: str, which: str, il: int) -> Node:
+        y = b.matmul(x, w(f"{p}attn_{which}.weight"), name=f"{p}{which}", layer=il)
+        bias = f"{p}attn_{which}.bias"
+        if model.has_tensor(bias):
+            y = b.add(y, w(bias), name=f"{p}{which}.bias", layer=il)
+        return y
+
+    x = b.get_rows(w("token_embd.weight"), tokens, name="embd")
+    for il in range(hp.n_layer):
+        p = f"blk.{il}."
+        h = norm(x, p + "attn_norm.weight", p + "attn_norm", il)
+        q = projection(h, p, "q", il)
+        k = projection(h, p, "k", il)
+        v = projection(h, p, "v", il)
+        if arch.qk_norm:
+            q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=hp.head_dim_k)
+            k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=hp.head_dim_k)
+        rope = dict(
+            head_dim=hp.head_dim_k,
+            n_rot=hp.n_rot,
+            freq_base=hp.rope_freq_base,
+            freq_scale=hp.rope_freq_scale,
+            style=arch.rope_style,
+        )
+        q = b.rope(q, positions, RopeMeta(n_head=hp.n_head, **rope), name=p + "q_rope", layer=il)
+        k = b.rope(k, positions, RopeMeta(n_head=hp.n_head_kv, **rope), name=p + "k_rope", layer=il)
+        store = b.kv_store(k, v, positions, KVMeta(il, hp.k_width, hp.v_width), n_ctx, name=p + "kv_store")
+        kv = b.kv_load(store, name=p + "kv_load")
+        attn_meta = AttnMeta(il, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.attn_scale)
+        a = b.attn(q, kv, positions, attn_meta, name=p + "attn")
+        o = b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il)
+        if out_rows is not None and il == hp.n_layer - 1:
+            # from here on only the rows whose logits are wanted matter
+            o = b.get_rows(o, out_rows, name=p + "attn_out.rows")
+            x = b.get_rows(x, out_rows, name=p + "residual.rows")
+        x = b.add(x, o, name=p + "attn_residual", layer=il)
+        h = norm(x, p + "ffn_norm.weight", p + "ffn_norm", il)
+        gate = b.matmul(h, w(p + "ffn_gate.weight"), name=p + "ffn_gate", layer=il)
+        up = b.matmul(h, w(p + "ffn_up.weight"), name=p + "ffn_up", layer=il)
+        act = b.mul(b.silu(gate, name=p + "ffn_silu", layer=il), up, name=p + "ffn_act", layer=il)
+        down = b.matmul(act, w(p + "ffn_down.weight"), name=p + "ffn_down", layer=il)
+        x = b.add(x, down, name=p + "ffn_residual", layer=il)
+    x = norm(x, "output_norm.weight", "output_norm", None)
+    logits = b.matmul(x, w(model.output_tensor_name), name="output")
+    return b.build(logits)

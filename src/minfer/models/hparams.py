@@ -1,0 +1,117 @@
+"""Hyperparameters of a decoder-only transformer, read from GGUF metadata with clear errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minfer.errors import FormatError, ModelError
+from minfer.formats.gguf_file import GGUFFile
+
+
+@dataclass(frozen=True)
+class HParams:
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    head_dim_k: int  # query and key head dim (Qwen3 decouples it from n_embd / n_head)
+    head_dim_v: int
+    n_rot: int  # rotated dims per head
+    rope_freq_base: float
+    rope_freq_scale: float
+    rms_eps: float
+    attn_scale: float
+
+    @property
+    def n_group(self) -> int:
+        """Query heads per kv head (GQA)."""
+        return self.n_head // self.n_head_kv
+
+    @property
+    def k_width(self) -> int:
+        return self.n_head_kv * self.head_dim_k
+
+    @property
+    def v_width(self) -> int:
+        return self.n_head_kv * self.head_dim_v
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * self.head_dim_k
+
+    @property
+    def kv_f32_bytes_per_position(self) -> int:
+        return 4 * self.n_layer * (self.k_width + self.v_width)
+
+
+def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
+    arch = f.architecture
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    def req_int(name: str) -> int:
+        return int(f.require(key(name), int))
+
+    n_embd = req_int("embedding_length")
+    n_layer = req_int("block_count")
+    n_head = req_int("attention.head_count")
+    n_head_kv = int(f.get(key("attention.head_count_kv"), n_head))
+    n_ff = req_int("feed_forward_length")
+    n_ctx_train = req_int("context_length")
+    for name, value in [
+        ("embedding_length", n_embd),
+        ("block_count", n_layer),
+        ("attention.head_count", n_head),
+        ("attention.head_count_kv", n_head_kv),
+        ("feed_forward_length", n_ff),
+        ("context_length", n_ctx_train),
+    ]:
+        if value <= 0:
+            raise FormatError(f"{f.path}: metadata key {key(name)!r} must be positive, got {value}")
+    if n_head % n_head_kv:
+        raise ModelError(
+            f"{f.path}: {n_head} attention heads is not a multiple of {n_head_kv} kv heads ({key('attention.head_count_kv')})"
+        )
+    if n_embd % n_head and key("attention.key_length") not in f.metadata:
+        raise ModelError(f"{f.path}: n_embd {n_embd} is not divisible by {n_head} heads and no key_length is given")
+    head_dim_k = int(f.get(key("attention.key_length"), n_embd // n_head))
+    head_dim_v = int(f.get(key("attention.value_length"), head_dim_k))
+    n_rot = int(f.get(key("rope.dimension_count"), head_dim_k))
+    if n_rot > head_dim_k or n_rot % 2:
+        raise ModelError(f"{f.path}: rope.dimension_count {n_rot} must be even and <= head dim {head_dim_k}")
+
+    freq_base = float(f.get(key("rope.freq_base"), 10000.0))
+    freq_scale = 1.0
+    scaling_type = f.get(key("rope.scaling.type"), "none")
+    if scaling_type == "linear":
+        factor = float(f.require(key("rope.scaling.factor"), float))
+        if factor <= 0:
+            raise FormatError(f"{f.path}: {key('rope.scaling.factor')} must be positive, got {factor}")
+        freq_scale = 1.0 / factor
+    elif scaling_type not in ("none", ""):
+        raise ModelError(f"{f.path}: rope scaling type {scaling_type!r} is not supported yet (supported: none, linear)")
+    rms_eps = float(f.require(key("attention.layer_norm_rms_epsilon"), float))
+
+    return HParams(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_ctx_train=n_ctx_train,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
+        n_rot=n_rot,
+        rope_freq_base=freq_base,
+        rope_freq_scale=freq_scale,
+        rms_eps=rms_eps,
+        attn_scale=1.0 / math.sqrt(head_dim_k),
+    )

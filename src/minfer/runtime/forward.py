@@ -1,0 +1,74 @@
+"""Forward passes: build (or reuse) the graph for a batch shape, bind it, run it.
+
+One graph per (tokens, outputs) shape: build -> fusion -> allocation -> plan. Plans are kept for the
+shapes seen recently (decode reuses the one-token plan every step).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from minfer.errors import BadRequestError, ContextOverflowError
+from minfer.graph.fusion import fuse
+from minfer.graph.scheduler import Backend, Plan
+from minfer.models.model import TransformerModel
+from minfer.runtime.kv_cache import KVCache
+
+MAX_PLANS = 8
+
+
+class ForwardRunner:
+    def __init__(self, model: TransformerModel, backend: Backend, kv: KVCache) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv = kv
+        self._plans: OrderedDict[tuple[int, int], Plan] = OrderedDict()
+
+    def plan(self, n_tokens: int, n_outputs: int) -> Plan:
+        key = (n_tokens, n_outputs)
+        plan = self._plans.get(key)
+        if plan is None:
+            graph = fuse(self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx))
+            plan = Plan(graph, self.backend, self.kv.regions)
+            self._plans[key] = plan
+            if len(self._plans) > MAX_PLANS:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def forward(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        output_rows: Sequence[int] | np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Logits ``[len(output_rows), n_vocab]`` (every row when ``output_rows`` is None); a fresh array."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        n = tokens.shape[0]
+        if n == 0:
+            raise BadRequestError("no tokens to evaluate")
+        if positions.shape != tokens.shape:
+            raise BadRequestError(f"{n} tokens but {positions.shape[0]} positions")
+        n_vocab = self.model.hparams.n_vocab
+        bad = np.flatnonzero((tokens < 0) | (tokens >= n_vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise BadRequestError(f"token id {int(tokens[i])} at index {i} is outside the vocabulary (0..{n_vocab - 1})")
+        over = np.flatnonzero((positions < 0) | (positions >= self.kv.n_ctx))
+        if over.size:
+            i = int(over[0])
+            raise ContextOverflowError(
+                f"position {int(positions[i])} (token {i}) does not fit in the context of {self.kv.n_ctx} tokens"
+            )
+        rows = np.arange(n) if output_rows is None else np.asarray(output_rows, dtype=np.int64)
+        plan = self.plan(n, rows.shape[0])
+        plan.inputs["tokens"][:] = tokens
+        plan.inputs["positions"][:] = positions
+        if "output_rows" in plan.inputs:
+            plan.inputs["output_rows"][:] = rows
+        return plan.run().copy()
