@@ -1,4 +1,4 @@
-"""GGUF files: metadata and memory-mapped tensors, read with the ``gguf`` package.
+"""GGUF files: metadata and memory-mapped tensors (layout and types as the ``gguf`` package defines them).
 
 Nothing here copies tensor data: every tensor is a read-only view into the file's memory map, so a
 model costs page cache, not private RAM. Everything that can be wrong with a file (missing, not GGUF,
@@ -7,15 +7,18 @@ truncated, a key of the wrong type) becomes a :class:`FormatError` naming the fi
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFValueType
 
-from minfer.errors import FormatError
+from minfer.errors import FormatError, MinferError
 from minfer.formats.quants import GGMLType, row_nbytes
 
 GGUF_MAGIC = b"GGUF"
@@ -63,60 +66,41 @@ class GGUFFile:
             raise FormatError(f"{path}: is a directory, not a GGUF file")
         try:
             with open(path, "rb") as f:
-                head = f.read(8)
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise FormatError(f"{path}: empty file, not a GGUF file")
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
             raise FormatError(f"{path}: cannot read: {e.strerror}") from None
-        if head[:4] != GGUF_MAGIC:
-            raise FormatError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
-        if len(head) < 8:
-            raise FormatError(f"{path}: truncated GGUF file (only {len(head)} bytes)")
-        version = int.from_bytes(head[4:8], "little")
-        if version not in SUPPORTED_VERSIONS:
-            raise FormatError(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
-        self.version = version
-
-        import gguf  # imported lazily: it pulls in a few modules the CLI's --help does not need
-
-        try:
-            reader = gguf.GGUFReader(path, "r")
-        except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-            raise FormatError(f"{path}: truncated or corrupt GGUF file ({e})") from None
-        file_size = os.path.getsize(path)
-
-        metadata: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                metadata[key] = field.contents()
-            except (ValueError, IndexError, UnicodeDecodeError) as e:
-                raise FormatError(f"{path}: metadata key {key!r} is corrupt ({e})") from None
+        self._mmap = mm
+        header = _HeaderParser(mm, path)
+        self.version, metadata, infos = header.parse()
         self.metadata = metadata
 
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise FormatError(f"{path}: general.alignment must be a power of two, got {alignment!r}")
+        data_start = -(-header.offset // alignment) * alignment
+        buffer = np.frombuffer(mm, dtype=np.uint8)  # read-only, zero-copy view of the whole file
         tensors: dict[str, GGUFTensor] = {}
-        for t in reader.tensors:
+        for name, dims, type_id, offset in infos:
             try:
-                ggml_type = GGMLType(int(t.tensor_type))
+                ggml_type = GGMLType(type_id)
             except ValueError:
-                raise FormatError(
-                    f"{path}: tensor {t.name!r} has ggml type {int(t.tensor_type)} which minfer does not know"
-                ) from None
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > file_size:
-                raise FormatError(
-                    f"{path}: truncated GGUF file: tensor {t.name!r} needs bytes up to {end}, "
-                    f"file has {file_size}"
-                )
+                raise FormatError(f"{path}: tensor {name!r} has unknown ggml type {type_id}") from None
+            shape = tuple(reversed(dims))
             n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-            expected = n_rows * row_nbytes(ggml_type, shape[-1])
-            if expected != int(t.n_bytes):
+            try:
+                row_bytes = row_nbytes(ggml_type, shape[-1])
+            except MinferError as e:
+                raise FormatError(f"{path}: tensor {name!r}: {e}") from None
+            begin = data_start + offset
+            end = begin + n_rows * row_bytes
+            if end > size:
                 raise FormatError(
-                    f"{path}: tensor {t.name!r} ({ggml_type.name}, shape {shape}) has {int(t.n_bytes)} bytes, "
-                    f"expected {expected}"
+                    f"{path}: truncated GGUF file: tensor {name!r} needs bytes up to {end}, the file has {size}"
                 )
-            raw = reader.data[int(t.data_offset) : end].reshape(n_rows, expected // n_rows)
-            tensors[t.name] = GGUFTensor(t.name, ggml_type, shape, raw)
+            tensors[name] = GGUFTensor(name, ggml_type, shape, buffer[begin:end].reshape(n_rows, row_bytes))
         self.tensors = tensors
 
     # -- typed metadata access ------------------------------------------------------------------
@@ -160,6 +144,132 @@ class GGUFFile:
             else:
                 out[k] = v
         return out
+
+
+class _HeaderParser:
+    """Reads the GGUF header (metadata and tensor infos) from the memory map.
+
+    The layout and value types are the ``gguf`` package's (``GGUFValueType``); this parser exists because
+    ``gguf.GGUFReader`` builds a numpy view per array element, which takes seconds on a real vocabulary
+    (~100k strings). ``tests/test_gguf_file.py`` checks that both read every file identically.
+    """
+
+    _SCALARS = {
+        GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+        GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+        GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+        GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    }
+    _NUMPY = {
+        GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+        GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+        GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "<u8",
+        GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
+    }
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf = buf
+        self.size = len(buf)
+        self.path = path
+        self.offset = 0
+        self.where = "header"
+
+    def _need(self, n: int) -> int:
+        start = self.offset
+        if n < 0 or start + n > self.size:
+            raise FormatError(
+                f"{self.path}: truncated GGUF file: {self.where} needs bytes up to {start + n}, "
+                f"the file has {self.size}"
+            )
+        self.offset = start + n
+        return start
+
+    def _unpack(self, fmt: str) -> Any:
+        start = self._need(struct.calcsize(fmt))
+        return struct.unpack_from(fmt, self.buf, start)[0]
+
+    def _string(self) -> str:
+        n = self._unpack("<Q")
+        start = self._need(n)
+        try:
+            return self.buf[start : start + n].decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"{self.path}: {self.where}: a string is not valid UTF-8") from None
+
+    def _string_array(self, count: int) -> list[str]:
+        # the hot loop of loading a vocabulary: kept free of method calls per element
+        buf, size, off = self.buf, self.size, self.offset
+        unpack = struct.unpack_from
+        out: list[str] = []
+        append = out.append
+        try:
+            for _ in range(count):
+                if off + 8 > size:
+                    raise IndexError
+                (n,) = unpack("<Q", buf, off)
+                off += 8
+                if off + n > size:
+                    raise IndexError
+                append(buf[off : off + n].decode("utf-8"))
+                off += n
+        except IndexError:
+            raise FormatError(f"{self.path}: truncated GGUF file: {self.where} runs past the end ({size} B)") from None
+        except UnicodeDecodeError:
+            raise FormatError(f"{self.path}: {self.where}: a string is not valid UTF-8") from None
+        self.offset = off
+        return out
+
+    def _value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self._string()
+        if vtype == GGUFValueType.ARRAY:
+            etype = self._unpack("<I")
+            count = self._unpack("<Q")
+            if etype == GGUFValueType.STRING:
+                return self._string_array(count)
+            if etype in self._NUMPY:
+                dt = np.dtype(self._NUMPY[GGUFValueType(etype)])
+                start = self._need(count * dt.itemsize)
+                return np.frombuffer(self.buf, dtype=dt, count=count, offset=start).tolist()
+            if etype == GGUFValueType.ARRAY:
+                return [self._value(GGUFValueType.ARRAY) for _ in range(count)]
+            raise FormatError(f"{self.path}: {self.where}: unknown array element type {etype}")
+        try:
+            fmt = self._SCALARS[GGUFValueType(vtype)]
+        except (ValueError, KeyError):
+            raise FormatError(f"{self.path}: {self.where}: unknown value type {vtype}") from None
+        return self._unpack(fmt)
+
+    def parse(self) -> tuple[int, dict[str, Any], list[tuple[str, tuple[int, ...], int, int]]]:
+        if self.size < 4 or self.buf[:4] != GGUF_MAGIC:
+            raise FormatError(f"{self.path}: not a GGUF file (magic {bytes(self.buf[:4])!r}, expected b'GGUF')")
+        self.offset = 4
+        version = self._unpack("<I")
+        if version not in SUPPORTED_VERSIONS:
+            if version & 0xFFFF == 0:
+                raise FormatError(f"{self.path}: big-endian GGUF files are not supported")
+            raise FormatError(f"{self.path}: GGUF version {version} is not supported (supported: 2, 3)")
+        n_tensors = self._unpack("<Q")
+        n_kv = self._unpack("<Q")
+        metadata: dict[str, Any] = {}
+        for i in range(n_kv):
+            self.where = f"metadata entry {i}"
+            key = self._string()
+            self.where = f"metadata key {key!r}"
+            metadata[key] = self._value(self._unpack("<I"))
+        infos = []
+        for i in range(n_tensors):
+            self.where = f"tensor info {i}"
+            name = self._string()
+            self.where = f"tensor info {name!r}"
+            n_dims = self._unpack("<I")
+            if not 1 <= n_dims <= 4:
+                raise FormatError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (1 to 4 allowed)")
+            dims = tuple(self._unpack("<Q") for _ in range(n_dims))
+            type_id = self._unpack("<I")
+            offset = self._unpack("<Q")
+            infos.append((name, dims, type_id, offset))
+        return version, metadata, infos
 
 
 def _is_kind(value: Any, kind: type | tuple[type, ...]) -> bool:

@@ -9,6 +9,7 @@ keeps each layer's KV store before the attention that reads it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,6 +23,8 @@ class Backend(Protocol):
     def prepare_weight(self, tensor: Any) -> Any: ...
 
     def kernel(self, node: Node) -> Callable[..., None]: ...
+
+    def running(self) -> AbstractContextManager[Any]: ...
 
 
 @dataclass

@@ -76,7 +76,8 @@ def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
             raise FormatError(f"{f.path}: metadata key {key(name)!r} must be positive, got {value}")
     if n_head % n_head_kv:
         raise ModelError(
-            f"{f.path}: {n_head} attention heads is not a multiple of {n_head_kv} kv heads ({key('attention.head_count_kv')})"
+            f"{f.path}: {n_head} attention heads is not a multiple of {n_head_kv} kv heads "
+            f"({key('attention.head_count_kv')})"
         )
     if n_embd % n_head and key("attention.key_length") not in f.metadata:
         raise ModelError(f"{f.path}: n_embd {n_embd} is not divisible by {n_head} heads and no key_length is given")

@@ -58,7 +58,9 @@ class ForwardRunner:
         bad = np.flatnonzero((tokens < 0) | (tokens >= n_vocab))
         if bad.size:
             i = int(bad[0])
-            raise BadRequestError(f"token id {int(tokens[i])} at index {i} is outside the vocabulary (0..{n_vocab - 1})")
+            raise BadRequestError(
+                f"token id {int(tokens[i])} at index {i} is outside the vocabulary (0..{n_vocab - 1})"
+            )
         over = np.flatnonzero((positions < 0) | (positions >= self.kv.n_ctx))
         if over.size:
             i = int(over[0])
@@ -71,4 +73,5 @@ class ForwardRunner:
         plan.inputs["positions"][:] = positions
         if "output_rows" in plan.inputs:
             plan.inputs["output_rows"][:] = rows
-        return plan.run().copy()
+        with self.backend.running():
+            return plan.run().copy()

@@ -7,9 +7,12 @@ Kernels take ``(node, out, *operands)`` in the order the node's inputs were buil
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from minfer.backends.cpu import reference as ref
 from minfer.formats.gguf_file import GGUFTensor
@@ -35,10 +38,6 @@ def _mul(node: Node, out, x, y) -> None:
 
 def _add(node: Node, out, x, y) -> None:
     ref.add(x, y, out)
-
-
-def _matmul(node: Node, out, x, w) -> None:
-    ref.matmul(x, w, out)
 
 
 def _rope(node: Node, out, x, positions) -> None:
@@ -71,7 +70,6 @@ KERNELS: dict[Op, Callable[..., None]] = {
     Op.RMS_NORM_MUL: _rms_norm_mul,
     Op.MUL: _mul,
     Op.ADD: _add,
-    Op.MATMUL: _matmul,
     Op.ROPE: _rope,
     Op.KV_STORE: _kv_store,
     Op.KV_LOAD: _kv_load,
@@ -82,12 +80,23 @@ KERNELS: dict[Op, Callable[..., None]] = {
 
 
 class CPUBackend:
-    """The numpy reference backend."""
+    """The numpy reference backend.
+
+    Matmuls are split into fixed row chunks (``reference.matmul_row_chunks``) that ``threads`` workers
+    share; BLAS itself runs single-threaded while a plan executes, so results are bit-identical at any
+    thread count (OpenBLAS's own threading changes rounding with the thread count).
+    """
 
     name = "cpu-reference"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer") if threads > 1 else None
+        self._blas = ThreadpoolController()
+
+    def running(self) -> AbstractContextManager[Any]:
+        """Context in which plans execute: BLAS limited to one thread."""
+        return self._blas.limit(limits=1, user_api="blas")
 
     def prepare_weight(self, tensor: GGUFTensor) -> Any:
         # F32 tensors and every 1-D tensor (norm gains, biases) are used as float32 arrays; a 1-D tensor
@@ -97,4 +106,19 @@ class CPUBackend:
         return tensor
 
     def kernel(self, node: Node) -> Callable[..., None]:
+        if node.op is Op.MATMUL:
+            return self._matmul
         return KERNELS[node.op]
+
+    def _matmul(self, node: Node, out, x, w) -> None:
+        chunks = ref.matmul_row_chunks(w.shape)
+        if self._pool is None or len(chunks) == 1:
+            for r0, r1 in chunks:
+                ref.matmul_chunk(x, w, out, r0, r1)
+        else:
+            # numpy releases the GIL inside matmul and dequantization, so the chunks run in parallel
+            list(self._pool.map(lambda c: ref.matmul_chunk(x, w, out, c[0], c[1]), chunks))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

@@ -14,7 +14,7 @@ from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType, dequantize_rows
 from minfer.graph.ir import AttnMeta, RopeMeta, RopeStyle
 
-# rows dequantized at once by the reference matmul: bounds the f32 scratch to a few MB per call
+# values of W handled per matmul chunk: bounds the dequantized f32 scratch to 8 MB
 MATMUL_CHUNK_VALUES = 1 << 21
 
 
@@ -60,17 +60,30 @@ def get_rows(table: np.ndarray | GGUFTensor, ids: np.ndarray, out: np.ndarray) -
         np.take(table, ids, axis=0, out=out)
 
 
-def matmul(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray) -> None:
-    """``out = x @ W^T``; a quantized W is dequantized a chunk of rows at a time, never whole."""
-    if isinstance(w, np.ndarray):
-        np.matmul(x, w.T, out=out)
-        return
-    n_out, n_in = w.shape
+def matmul_row_chunks(w_shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Fixed row ranges of W that a matmul computes independently.
+
+    They depend on the shape only, never on the thread count: workers may take the chunks in any
+    order and the result is bit-identical to the serial loop.
+    """
+    n_out, n_in = w_shape
     rows = max(1, MATMUL_CHUNK_VALUES // n_in)
-    for r0 in range(0, n_out, rows):
-        r1 = min(n_out, r0 + rows)
-        wf = dequantize_rows(w.data[r0:r1], w.ggml_type, n_in)
+    return [(r0, min(n_out, r0 + rows)) for r0 in range(0, n_out, rows)]
+
+
+def matmul_chunk(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray, r0: int, r1: int) -> None:
+    """``out[:, r0:r1] = x @ W[r0:r1]^T``; a quantized W is dequantized for these rows only."""
+    if isinstance(w, np.ndarray):
+        np.matmul(x, w[r0:r1].T, out=out[:, r0:r1])
+    else:
+        wf = dequantize_rows(w.data[r0:r1], w.ggml_type, w.shape[1])
         np.matmul(x, wf.T, out=out[:, r0:r1])
+
+
+def matmul(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray) -> None:
+    """``out = x @ W^T``, W ``[out, in]``; never dequantizes the whole of a quantized W."""
+    for r0, r1 in matmul_row_chunks(w.shape):
+        matmul_chunk(x, w, out, r0, r1)
 
 
 def rope_freqs(meta: RopeMeta) -> np.ndarray:

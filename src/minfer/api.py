@@ -1,0 +1,142 @@
+"""The Python API: ``minfer.load(path)`` returns a :class:`Model`.
+
+    model = minfer.load("smollm2")                # a GGUF path or a known model name
+    model.generate("The capital of France is", max_tokens=16, temperature=0)
+    for piece in model.chat([{"role": "user", "content": "Hi!"}], stream=True): print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from minfer.backends.cpu.backend import CPUBackend
+from minfer.errors import BadRequestError, ContextOverflowError
+from minfer.formats.chat_template import ChatTemplate
+from minfer.formats.tokenizer import Tokenizer
+from minfer.models.hparams import HParams
+from minfer.models.model import TransformerModel
+from minfer.pull import resolve_model
+from minfer.runtime.forward import ForwardRunner
+from minfer.runtime.generate import GenerationStats, generate
+from minfer.runtime.kv_cache import KVCache
+from minfer.runtime.sampler import Sampler, SamplingParams
+
+DEFAULT_N_CTX = 4096
+
+
+def default_threads() -> int:
+    """Cores this process may run on (the machine's physical cores where affinity is not restricted)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Model:
+    """A loaded model with its tokenizer, chat template, KV cache and backend."""
+
+    def __init__(self, path: str | os.PathLike[str], n_ctx: int | None = None, threads: int | None = None) -> None:
+        self.transformer = TransformerModel.from_gguf(path)
+        self.path = self.transformer.path
+        hp = self.transformer.hparams
+        if n_ctx is None:
+            n_ctx = min(hp.n_ctx_train, DEFAULT_N_CTX)
+        if not isinstance(n_ctx, int) or n_ctx < 1:
+            raise BadRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if threads is None:
+            threads = default_threads()
+        if not isinstance(threads, int) or threads < 1:
+            raise BadRequestError(f"threads must be a positive integer, got {threads!r}")
+        self.n_ctx = n_ctx
+        self.threads = threads
+        metadata = self.transformer.gguf.metadata
+        self.tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(self.path))
+        self.chat_template = ChatTemplate.from_gguf_metadata(metadata, self.tokenizer)
+        self.backend = CPUBackend(threads=threads)
+        self.kv = KVCache(hp, n_ctx)
+        self.runner = ForwardRunner(self.transformer, self.backend, self.kv)
+        self.last_stats: GenerationStats | None = None
+
+    @property
+    def hparams(self) -> HParams:
+        return self.transformer.hparams
+
+    # -- tokens ----------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits ``[len(token_ids), n_vocab]`` of a fresh sequence at positions 0..n-1."""
+        ids = list(token_ids)
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
+        return self.runner.forward(ids, range(len(ids)))
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        seed: int | None = None,
+        stream: bool = False,
+        add_special: bool = True,
+    ) -> str | Iterator[str]:
+        """Continue ``prompt`` (text, or token ids); the text, or an iterator of text pieces with ``stream``."""
+        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
+        # checked here, not at the first step of a lazy stream, so a bad call fails where it is made
+        if not ids:
+            raise BadRequestError("the prompt is empty (no tokens to start from)")
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx}")
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        pieces = self._stream(ids, sampler, max_tokens)
+        return pieces if stream else "".join(pieces)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        seed: int | None = None,
+        stream: bool = False,
+    ) -> str | Iterator[str]:
+        """The assistant's reply to ``messages`` rendered with the model's own chat template."""
+        prompt = self.render_chat(messages)
+        # the template writes BOS itself when the model wants one
+        return self.generate(prompt, max_tokens, temperature, top_k, top_p, seed, stream, add_special=False)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise BadRequestError(f"{self.path} has no chat template (tokenizer.chat_template)")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def _stream(self, ids: list[int], sampler: Sampler, max_tokens: int) -> Iterator[str]:
+        stats = GenerationStats()
+        self.last_stats = stats
+        steps = generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats)
+        for step in steps:
+            if step.text:
+                yield step.text
+
+
+def load(path: str | os.PathLike[str] | None = None, n_ctx: int | None = None, threads: int | None = None) -> Model:
+    """Load a GGUF model: a file path, or a known model name such as ``"smollm2"`` (pulled on first use)."""
+    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads)

@@ -1,0 +1,188 @@
+"""The ``minfer`` command: run, inspect, pull.
+
+User mistakes print one line ``minfer: error: ...`` on stderr and exit with status 1 (2 for bad
+command-line usage, as argparse does); no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from minfer.errors import MinferError
+from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256,
+                   help="maximum number of tokens to generate (default: 256)")
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8,
+                   help="sampling temperature, 0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens, 0 = off (default: 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, 1 = off (default: 0.95)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed for sampling (default: random)")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
+                   help="context size in tokens (default: the model's, at most 4096)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minfer", description="Run GGUF language models on the CPU.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    run = sub.add_parser("run", help="generate text from a prompt",
+                         description="Generate text. MODEL is a GGUF path or a known model name "
+                         f"({', '.join(KNOWN_MODELS)}; default {DEFAULT_MODEL}, pulled on first use).")
+    run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="the model (optional) and the prompt")
+    _add_sampling_flags(run)
+    _add_model_flags(run)
+    run.add_argument("--chat", action="store_true", help="treat PROMPT as a user message in the model's chat template")
+    run.add_argument("--system", default=None, help="system message (with --chat)")
+    run.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
+    run.add_argument("-q", "--quiet", action="store_true", help="do not print timings on stderr")
+
+    insp = sub.add_parser("inspect", help="show a model's metadata, tensors and compute graph")
+    insp.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    insp.add_argument("--tensors", action="store_true", help="list every tensor")
+    insp.add_argument("--graph", action="store_true", help="print the compute graph of one forward pass")
+    insp.add_argument("--format", choices=["text", "dot", "json"], default="text", help="graph format (default: text)")
+    insp.add_argument("--tokens", type=int, default=1, help="tokens in the graph's batch (default: 1)")
+    insp.add_argument("--layer", type=int, action="append", default=None,
+                      help="only show this layer's nodes (repeatable; text and dot)")
+    insp.add_argument("--no-fuse", action="store_true", help="show the graph before the fusion pass")
+
+    pull = sub.add_parser("pull", help="download a known model into the cache")
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
+    pull.add_argument("--force", action="store_true", help="download again even if cached")
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import minfer
+
+    if len(args.args) > 2:
+        raise MinferError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
+    model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
+    model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads)
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stream=True)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": prompt})
+        pieces = model.chat(messages, **sampling)
+    else:
+        if args.system:
+            raise MinferError("--system needs --chat")
+        pieces = model.generate(prompt, **sampling)
+    if args.echo:
+        sys.stdout.write(prompt)
+    t0 = time.perf_counter()
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    stats = model.last_stats
+    if stats is not None and not args.quiet:
+        print(
+            f"minfer: prompt {stats.prompt_tokens} tokens ({stats.prefill_tokens_per_s:.1f} t/s), "
+            f"generated {stats.generated_tokens} tokens ({stats.decode_tokens_per_s:.1f} t/s), "
+            f"{time.perf_counter() - t0:.2f} s, finish: {stats.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from minfer.formats.gguf_file import GGUFFile
+    from minfer.graph import printing
+    from minfer.graph.fusion import fuse
+    from minfer.models.model import TransformerModel
+    from minfer.pull import resolve_model
+
+    path = resolve_model(args.model)
+    if args.graph:
+        model = TransformerModel.from_gguf(path)
+        if args.tokens < 1:
+            raise MinferError(f"--tokens must be >= 1, got {args.tokens}")
+        graph = model.build_graph(args.tokens, args.tokens, min(model.hparams.n_ctx_train, 4096))
+        if not args.no_fuse:
+            graph = fuse(graph)
+        layers = set(args.layer) if args.layer else None
+        if args.format == "dot":
+            print(printing.to_dot(graph, layers))
+        elif args.format == "json":
+            print(printing.to_json(graph))
+        else:
+            print(printing.to_text(graph, layers))
+        return 0
+
+    f = GGUFFile(path)
+    print(f"file: {f.path}")
+    print(f"format: GGUF v{f.version}, {len(f.tensors)} tensors, {_fmt_bytes(sum(t.nbytes for t in f))} of weights")
+    print(f"architecture: {f.get('general.architecture', '?')}")
+    print("\nmetadata:")
+    for k, v in f.summary_metadata().items():
+        print(f"  {k} = {v}")
+    types = Counter(t.ggml_type.name for t in f)
+    print("\ntensor types: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()))
+    try:
+        model = TransformerModel.from_gguf(path)
+    except MinferError as e:
+        print(f"\nnot runnable: {e}")
+    else:
+        hp = model.hparams
+        print("\nhyperparameters:")
+        for k, v in vars(hp).items():
+            print(f"  {k} = {v}")
+        print(f"  rope style = {model.arch.rope_style}, qkv bias = {model.has_tensor('blk.0.attn_q.bias')}, "
+              f"qk norm = {model.arch.qk_norm}, tied output = {model.tied_output}")
+        print(f"  kv cache (f32) = {_fmt_bytes(hp.kv_f32_bytes_per_position)} per position")
+    if args.tensors:
+        print("\ntensors:")
+        for t in f:
+            print(f"  {t.name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {_fmt_bytes(t.nbytes):>12s}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from minfer.pull import pull
+
+    path = pull(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "pull": cmd_pull}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except MinferError as e:
+        print(f"minfer: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

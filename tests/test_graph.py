@@ -1,0 +1,111 @@
+"""Graph IR, builder, fusion, allocator and printing on the tiny fixture models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import fixture_dir
+
+from minfer.backends.cpu.backend import CPUBackend
+from minfer.graph import printing
+from minfer.graph.allocator import UNPOOLED, allocate
+from minfer.graph.fusion import fuse
+from minfer.graph.ir import Op
+from minfer.graph.scheduler import Plan
+from minfer.models.model import TransformerModel
+from minfer.runtime.kv_cache import KVCache
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return TransformerModel.from_gguf(fixture_dir("qwen3") / "model-f32.gguf")
+
+
+def test_layer_recipe_order(qwen3):
+    g = qwen3.build_graph(5, 5, 64)
+    ops = [n.op for n in g.nodes if n.layer == 0]
+    # QK-norm before RoPE, store before load before attention
+    assert ops.index(Op.RMS_NORM) < ops.index(Op.MATMUL) < ops.index(Op.ROPE)
+    names = [n.name for n in g.nodes]
+    assert names.index("blk.0.q_norm") < names.index("blk.0.q_rope")
+    assert names.index("blk.0.kv_store") < names.index("blk.0.kv_load") < names.index("blk.0.attn")
+    assert g.output.shape == (5, qwen3.hparams.n_vocab)
+    # q is 4 heads x 32 = 128 wide while n_embd is 64 (decoupled head dim)
+    assert next(n for n in g.nodes if n.name == "blk.0.q").shape == (5, 128)
+
+
+def test_output_rows_select_before_last_ffn(qwen3):
+    g = qwen3.build_graph(6, 1, 64)
+    assert g.output.shape == (1, qwen3.hparams.n_vocab)
+    last_ffn = next(n for n in g.nodes if n.name == "blk.2.ffn_gate")
+    assert last_ffn.shape[0] == 1
+    first_ffn = next(n for n in g.nodes if n.name == "blk.0.ffn_gate")
+    assert first_ffn.shape[0] == 6
+
+
+def test_fusion_rewrites_pairs_and_keeps_results(qwen3):
+    g = qwen3.build_graph(4, 4, 16)
+    fused = fuse(g)
+    count = lambda graph, op: sum(n.op is op for n in graph.nodes)  # noqa: E731
+    n_layer = qwen3.hparams.n_layer
+    # attn_norm, ffn_norm, q_norm, k_norm per layer + output_norm
+    assert count(fused, Op.RMS_NORM_MUL) == 4 * n_layer + 1
+    assert count(fused, Op.SWIGLU) == n_layer
+    assert count(fused, Op.RMS_NORM) == 0 and count(fused, Op.SILU) == 0
+    assert [n.id for n in fused.nodes] == list(range(len(fused.nodes)))
+    results = []
+    for graph in (g, fused):
+        kv = KVCache(qwen3.hparams, 16)
+        plan = Plan(graph, CPUBackend(), kv.regions)
+        plan.inputs["tokens"][:] = [0, 5, 9, 3]
+        plan.inputs["positions"][:] = [0, 1, 2, 3]
+        results.append(plan.run().copy())
+    np.testing.assert_allclose(results[0], results[1], atol=1e-6)
+
+
+def test_allocator_reuses_buffers_without_clobbering_live_values(qwen3):
+    g = fuse(qwen3.build_graph(8, 8, 32))
+    alloc = allocate(g)
+    pooled = [n for n in g.nodes if n.op not in UNPOOLED and n.op is not Op.INPUT]
+    assert len(alloc.slot_sizes) < len(pooled) / 5  # real reuse
+    # liveness: a slot is never handed to a node while a value in it still has a reader ahead
+    last_use = {}
+    for step, n in enumerate(g.nodes):
+        for i in n.inputs:
+            last_use[i.id] = step
+    last_use[g.output.id] = len(g.nodes)
+    holder: dict[int, int] = {}  # slot -> node id holding a live value
+    for step, n in enumerate(g.nodes):
+        slot = alloc.slot_of.get(n.id)
+        if slot is None:
+            continue
+        prev = holder.get(slot)
+        if prev is not None:
+            assert last_use.get(prev, -1) <= step, f"slot {slot} reused by %{n.id} while %{prev} is live"
+            assert prev not in {i.id for i in n.inputs} or last_use[prev] == step
+        holder[slot] = n.id
+    # a node never writes the slot it reads from (no aliasing without an in-place op)
+    for n in g.nodes:
+        if n.id in alloc.slot_of:
+            assert alloc.slot_of[n.id] not in {alloc.slot_of.get(i.id) for i in n.inputs}
+
+
+def test_kv_regions_are_persistent_not_pooled(qwen3):
+    kv = KVCache(qwen3.hparams, 16)
+    plan = Plan(fuse(qwen3.build_graph(2, 2, 16)), CPUBackend(), kv.regions)
+    stores = [s for s in plan.steps if s.node.op is Op.KV_STORE]
+    assert len(stores) == qwen3.hparams.n_layer
+    for s in stores:
+        assert s.out is kv.regions[s.node.meta.layer]
+
+
+def test_printing_formats(qwen3):
+    g = fuse(qwen3.build_graph(1, 1, 16))
+    text = printing.to_text(g, layers={0})
+    assert "rope(" in text and "blk.0.attn" in text and "blk.1." not in text
+    dot = printing.to_dot(g)
+    assert dot.startswith("digraph") and dot.rstrip().endswith("}") and "->" in dot
+    data = json.loads(printing.to_json(g))
+    assert len(data["nodes"]) == len(g.nodes) and data["output"] == g.output.id
