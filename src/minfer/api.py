@@ -19,6 +19,7 @@ from minfer.formats.chat_template import ChatTemplate
 from minfer.formats.tokenizer import Tokenizer
 from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
+from minfer.perplexity import PerplexityResult, perplexity
 from minfer.pull import resolve_model
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, generate
@@ -127,6 +128,31 @@ class Model:
         if self.chat_template is None:
             raise BadRequestError(f"{self.path} has no chat template (tokenizer.chat_template)")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def perplexity(
+        self, text: str, n_ctx: int = 256, n_batch: int | None = None, progress: bool = False
+    ) -> PerplexityResult:
+        """Perplexity of ``text`` by the llama-perplexity method (see :mod:`minfer.perplexity`)."""
+        tokens = self.tokenize(text, add_special=True)
+        bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=max(len(tokens) // max(n_ctx, 1), 1), unit="chunk", desc="perplexity", leave=False)
+
+        def on_chunk(i: int, n: int, running: float) -> None:
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"PPL {running:.4f}")
+
+        try:
+            return perplexity(self.runner, tokens, n_ctx, n_batch, bos_id=bos, on_chunk=on_chunk)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _stream(self, ids: list[int], sampler: Sampler, max_tokens: int) -> Iterator[str]:
         stats = GenerationStats()

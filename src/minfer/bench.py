@@ -1,0 +1,184 @@
+"""``minfer bench``: llama-bench style throughput of prompt processing (pp) and generation (tg).
+
+pp<N>: N random tokens evaluated from position 0 in one forward pass. tg<N>: N random tokens evaluated
+one at a time at positions 0..N-1 (what a decode loop does, without sampling). Each test runs once to
+warm up, then ``repetitions`` times; tokens/s are reported as mean and standard deviation over runs.
+Peers (``--compare``) run the same workload on the same file in child processes, after minfer, so
+minfer's peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minfer.api import Model
+from minfer.errors import BadRequestError
+
+
+@dataclass
+class BenchRecord:
+    engine: str
+    test: str
+    threads: int
+    runs: list[float]
+    tokens_per_s: float = 0.0
+    stddev: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.runs:
+            self.tokens_per_s = statistics.fmean(self.runs)
+            self.stddev = statistics.stdev(self.runs) if len(self.runs) > 1 else 0.0
+
+
+@dataclass
+class BenchReport:
+    model: str
+    model_bytes: int
+    n_params: int
+    weight_bytes_per_token: int
+    load_s: float = 0.0
+    peak_rss_bytes: int = 0
+    kv_bytes_per_position: int = 0
+    records: list[BenchRecord] = field(default_factory=list)
+    peers: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        out = []
+        for r in self.records:
+            d = asdict(r)
+            d.update(model=self.model, load_s=self.load_s, peak_rss_bytes=self.peak_rss_bytes,
+                     weight_bytes_per_token=self.weight_bytes_per_token)
+            if r.test.startswith("tg") and r.engine == "minfer":
+                d["bandwidth_gb_s"] = self.weight_bytes_per_token * r.tokens_per_s / 1e9
+            out.append(d)
+        return out
+
+
+def weight_bytes_per_token(model: Model) -> int:
+    """Bytes of weights one decode step reads: every tensor, except that the embedding gives one row."""
+    total = 0
+    for t in model.transformer.gguf.tensors.values():
+        if t.name == "token_embd.weight" and not model.transformer.tied_output:
+            total += t.nbytes // t.shape[0]
+        else:
+            total += t.nbytes
+    return total
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int],
+               reps: int, report: BenchReport | None = None) -> BenchReport:
+    n_ctx = max([*prompts, *gens, 1])
+    report_ = report
+    for t in threads:
+        t0 = time.perf_counter()
+        model = Model(model_path, n_ctx=n_ctx, threads=t)
+        load_s = time.perf_counter() - t0
+        if report_ is None:
+            hp = model.hparams
+            report_ = BenchReport(
+                model=model.path.name,
+                model_bytes=model.path.stat().st_size,
+                n_params=sum(int(np.prod(x.shape)) for x in model.transformer.gguf.tensors.values()),
+                weight_bytes_per_token=weight_bytes_per_token(model),
+                load_s=load_s,
+                kv_bytes_per_position=hp.kv_f32_bytes_per_position,
+            )
+        vocab = model.hparams.n_vocab
+        runner = model.runner
+        for kind, sizes in (("pp", prompts), ("tg", gens)):
+            for n in sizes:
+                runs = []
+                for r in range(reps + 1):
+                    toks = np.random.default_rng(r).integers(0, vocab, n)
+                    t1 = time.perf_counter()
+                    if kind == "pp":
+                        runner.forward(toks, np.arange(n), output_rows=[n - 1])
+                    else:
+                        for i in range(n):
+                            runner.forward(toks[i : i + 1], [i])
+                    dt = time.perf_counter() - t1
+                    if r > 0:
+                        runs.append(n / dt)
+                report_.records.append(BenchRecord("minfer", f"{kind}{n}", t, runs))
+        model.backend.close()
+    assert report_ is not None
+    report_.peak_rss_bytes = _peak_rss()
+    return report_
+
+
+def run_peer(engine: str, model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int],
+             reps: int, python: str) -> dict[str, Any]:
+    script = Path(__file__).with_name("bench_peers.py")
+    cmd = [python, str(script), engine, str(model_path), "--prompts", ",".join(map(str, prompts)),
+           "--gens", ",".join(map(str, gens)), "--threads", ",".join(map(str, threads)), "--reps", str(reps)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"engine": engine, "error": str(e)}
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"engine": engine, "error": f"exit {r.returncode}: {tail}"}
+
+
+def markdown(report: BenchReport) -> str:
+    lines = [
+        f"model: {report.model}, {report.model_bytes / 2**20:.1f} MiB, {report.n_params / 1e6:.1f} M params, "
+        f"load {report.load_s:.2f} s, peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB, "
+        f"weights read per token {report.weight_bytes_per_token / 2**20:.1f} MiB, "
+        f"KV (f32) {report.kv_bytes_per_position / 1024:.1f} KiB/position",
+        "",
+        "| engine | threads | test | t/s | vs minfer |",
+        "| --- | ---: | --- | ---: | ---: |",
+    ]
+    ours = {(r.test, r.threads): r.tokens_per_s for r in report.records if r.engine == "minfer"}
+    for r in report.records:
+        ratio = ""
+        if r.engine != "minfer" and (r.test, r.threads) in ours and r.tokens_per_s:
+            ratio = f"{ours[(r.test, r.threads)] / r.tokens_per_s:.2f}x"
+        lines.append(f"| {r.engine} | {r.threads} | {r.test} | {r.tokens_per_s:.2f} ± {r.stddev:.2f} | {ratio} |")
+    tg = [r for r in report.records if r.engine == "minfer" and r.test.startswith("tg")]
+    for r in tg:
+        gbs = report.weight_bytes_per_token * r.tokens_per_s / 1e9
+        lines.append(f"\n{r.test} at {r.threads} threads reads weights at {gbs:.1f} GB/s")
+    for p in report.peers:
+        if "error" in p:
+            lines.append(f"\npeer {p['engine']}: skipped ({p['error']})")
+        else:
+            lines.append(f"\npeer {p['engine']}: {p.get('version', '')}, load {p.get('load_s', 0):.2f} s")
+    lines.append("\n'vs minfer' = minfer t/s / peer t/s (above 1: minfer is faster)")
+    return "\n".join(lines)
+
+
+def bench(model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int], reps: int,
+          compare: bool = False, peer_python: dict[str, str] | None = None) -> BenchReport:
+    """Run the tests; with ``compare`` also the peers (``peer_python`` maps an engine to its interpreter)."""
+    if reps < 1:
+        raise BadRequestError(f"repetitions must be >= 1, got {reps}")
+    if any(n < 1 for n in [*prompts, *gens]) or any(t < 1 for t in threads):
+        raise BadRequestError("test sizes and thread counts must be positive")
+    report = run_minfer(model_path, prompts, gens, threads, reps)
+    if compare:
+        for engine in ("llama.cpp", "transformers"):
+            python = (peer_python or {}).get(engine, sys.executable)
+            peer = run_peer(engine, model_path, prompts, gens, threads, reps, python)
+            report.peers.append(peer)
+            for rec in peer.get("records", []):
+                report.records.append(BenchRecord(engine, rec["test"], rec["threads"], rec["runs"]))
+    return report
