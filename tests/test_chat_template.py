@@ -1,0 +1,178 @@
+"""Chat templates rendered as transformers' ``apply_chat_template(..., tokenize=False)`` renders them.
+
+References (tests/data/tokenizer_refs/smollm2.json "chat", and chat_templates.json) come from
+scripts/make_tokenizer_refs.py, run with transformers 5.24.0.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minfer.errors import BadRequestError, FormatError
+from minfer.formats.chat_template import ChatTemplate
+from minfer.formats.gguf_file import GGUFFile
+from minfer.formats.tokenizer import Tokenizer
+
+TESTS = Path(__file__).resolve().parent
+REFS = TESTS / "data" / "tokenizer_refs"
+FIXTURES = TESTS / "fixtures"
+
+
+@cache
+def refs(name: str) -> dict[str, Any]:
+    return json.loads((REFS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+@cache
+def read_metadata(path: str) -> dict[str, Any]:
+    return GGUFFile(path).metadata
+
+
+def smollm2_template() -> ChatTemplate:
+    chat = refs("smollm2")["chat"]
+    return ChatTemplate(chat["template"], bos_token=chat["bos_token"], eos_token=chat["eos_token"])
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# --- against transformers -------------------------------------------------------------------------------
+@pytest.mark.parametrize("index", range(len(refs("smollm2")["chat"]["conversations"])))
+def test_smollm2_template_matches_transformers(index: int) -> None:
+    conversation = refs("smollm2")["chat"]["conversations"][index]
+    rendered = smollm2_template().render(
+        conversation["messages"], add_generation_prompt=conversation["add_generation_prompt"]
+    )
+    assert rendered == conversation["rendered"]
+
+
+@pytest.mark.parametrize("name", [t["name"] for t in refs("chat_templates")["templates"]])
+def test_template_features_match_transformers(name: str) -> None:
+    # tojson (no HTML escaping, indent, separators), loop controls, namespace, trim/lstrip blocks,
+    # {% generation %}, dict(), tools/documents defaults and extra variables.
+    data = refs("chat_templates")
+    spec = next(t for t in data["templates"] if t["name"] == name)
+    template = ChatTemplate(spec["template"], bos_token=data["bos_token"], eos_token=data["eos_token"])
+    rendered = template.render(spec["messages"], add_generation_prompt=spec["add_generation_prompt"], **spec["kwargs"])
+    assert rendered == spec["rendered"]
+
+
+@pytest.mark.slow
+def test_smollm2_from_gguf_metadata(smollm2_path: Path) -> None:
+    metadata = GGUFFile(smollm2_path).metadata
+    template = ChatTemplate.from_gguf_metadata(metadata, Tokenizer.from_gguf_metadata(metadata))
+    assert template is not None
+    chat = refs("smollm2")["chat"]
+    assert (template.source, template.bos_token, template.eos_token) == (
+        chat["template"],
+        chat["bos_token"],
+        chat["eos_token"],
+    )
+    for conversation in chat["conversations"]:
+        rendered = template.render(conversation["messages"], conversation["add_generation_prompt"])
+        assert rendered == conversation["rendered"]
+
+
+def test_no_template_in_file() -> None:
+    metadata = read_metadata(str(FIXTURES / "llama" / "model-f32.gguf"))
+    assert "tokenizer.chat_template" not in metadata
+    assert ChatTemplate.from_gguf_metadata(metadata, Tokenizer.from_gguf_metadata(metadata)) is None
+    with_template = {**metadata, "tokenizer.chat_template": "{{ bos_token }}|{{ eos_token }}"}
+    template = ChatTemplate.from_gguf_metadata(with_template, Tokenizer.from_gguf_metadata(metadata))
+    assert template is not None
+    assert template.render([{"role": "user", "content": "x"}]) == "<|bos|>|<|eos|>"
+
+
+# --- behaviour ------------------------------------------------------------------------------------------
+def test_add_generation_prompt_defaults_to_true() -> None:
+    template = ChatTemplate(CHATML)
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert template.render(messages, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_messages_are_not_modified_and_extra_keys_pass_through() -> None:
+    template = ChatTemplate("{% for m in messages %}{{ m.name }}:{{ m.content }};{% endfor %}{{ flag }}")
+    messages = [{"role": "user", "content": "a", "name": "bob", "tool_calls": None}]
+    before = copy.deepcopy(messages)
+    assert template.render(messages, flag=True) == "bob:a;True"
+    assert messages == before
+
+
+def test_missing_bos_token_is_undefined() -> None:
+    template = ChatTemplate("{% if bos_token is defined %}B{% else %}none{% endif %}{{ eos_token }}")
+    assert template.render([{"role": "user", "content": "x"}]) == "none"
+    assert (
+        ChatTemplate(template.source, bos_token="<s>", eos_token="</s>").render([{"role": "user", "content": "x"}])
+        == "B</s>"
+    )
+
+
+def test_strftime_now() -> None:
+    rendered = ChatTemplate("{{ strftime_now('%Y') }}").render([{"role": "user", "content": "x"}])
+    assert rendered == str(datetime.now().year)
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ("hello", r"messages must be a list"),
+        ({"role": "user", "content": "x"}, r"messages must be a list"),
+        ([], r"messages is empty"),
+        ([{"role": "user", "content": "x"}, "oops"], r"messages\[1\] must be an object"),
+        ([{"content": "x"}], r"messages\[0\] has no 'role'"),
+        ([{"role": "user"}], r"messages\[0\] has no 'content'"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "user", "content": 3}],
+            r"messages\[1\]\.content must be a string",
+        ),
+        ([{"role": None, "content": "x"}], r"messages\[0\]\.role must be a string, got NoneType"),
+    ],
+)
+def test_invalid_messages(messages: Any, message: str) -> None:
+    with pytest.raises(BadRequestError, match=message):
+        ChatTemplate(CHATML).render(messages)
+
+
+def test_raise_exception_becomes_bad_request() -> None:
+    template = ChatTemplate(
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}ok"
+    )
+    assert template.render([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(BadRequestError, match="Only user and assistant roles are supported!"):
+        template.render([{"role": "system", "content": "x"}])
+
+
+def test_template_bugs_become_bad_request() -> None:
+    with pytest.raises(BadRequestError, match="chat template"):
+        ChatTemplate("{{ messages[0].content + 1 }}").render([{"role": "user", "content": "x"}])
+    with pytest.raises(BadRequestError, match="chat template"):
+        ChatTemplate("{{ nothing.there }}").render([{"role": "user", "content": "x"}])
+
+
+def test_syntax_error_is_a_format_error() -> None:
+    with pytest.raises(FormatError, match="not valid jinja"):
+        ChatTemplate("{% for m in messages %}{{ m.content }}")
+
+
+def test_sandbox() -> None:
+    messages = [{"role": "user", "content": "x"}]
+    # Immutable: no in-place list changes; namespaces refuse underscore names; no dunder access.
+    with pytest.raises(BadRequestError):
+        ChatTemplate("{% set l = [1] %}{{ l.append(2) }}").render(messages)
+    with pytest.raises(BadRequestError, match="underscore"):
+        ChatTemplate("{% set ns = namespace(_x=1) %}").render(messages)
+    with pytest.raises(BadRequestError):
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render(messages)
