@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,11 +23,22 @@ from minfer.models.model import TransformerModel
 from minfer.perplexity import PerplexityResult, perplexity
 from minfer.pull import resolve_model
 from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.generate import GenerationStats, generate
+from minfer.runtime.generate import GenerationStats, TokenStep, generate
 from minfer.runtime.kv_cache import KVCache
-from minfer.runtime.sampler import Sampler, SamplingParams
+from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
 
 DEFAULT_N_CTX = 4096
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob]
+    stats: GenerationStats
 
 
 def default_threads() -> int:
@@ -85,44 +97,90 @@ class Model:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        max_tokens: int = 256,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        seed: int | None = None,
-        stream: bool = False,
-        add_special: bool = True,
-    ) -> str | Iterator[str]:
-        """Continue ``prompt`` (text, or token ids); the text, or an iterator of text pieces with ``stream``."""
+    def sampler(self, **sampling: Any) -> Sampler:
+        """A sampler for one sequence from sampling keywords (``SamplingParams`` fields)."""
+        fields = SamplingParams.__dataclass_fields__
+        unknown = sorted(set(sampling) - set(fields))
+        if unknown:
+            raise BadRequestError(f"unknown sampling parameter {unknown[0]!r} (known: {', '.join(fields)})")
+        return Sampler(SamplingParams(**sampling), token_text=self.tokenizer.token_bytes)
+
+    def _prompt_ids(self, prompt: str | Sequence[int], add_special: bool) -> list[int]:
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
         # checked here, not at the first step of a lazy stream, so a bad call fails where it is made
         if not ids:
             raise BadRequestError("the prompt is empty (no tokens to start from)")
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx}")
-        if not isinstance(max_tokens, int) or max_tokens < 0:
+        return ids
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        *,
+        stop: str | Sequence[str] = (),
+        logprobs: int | None = None,
+        add_special: bool = True,
+        **sampling: Any,
+    ) -> Iterator[TokenStep]:
+        """Generate step by step: each :class:`TokenStep` has the token, the text it releases and, with
+        ``logprobs=N``, its log-probability and the N best alternatives. Stats land in ``last_stats``."""
+        ids = self._prompt_ids(prompt, add_special)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
-        pieces = self._stream(ids, sampler, max_tokens)
+        sampler = self.sampler(**sampling)
+        stats = GenerationStats()
+        self.last_stats = stats
+        return generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats, stop=stop, logprobs=logprobs)
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs: Any) -> Completion:
+        """The whole completion with its tokens, finish reason, usage and (with ``logprobs``) log-probabilities."""
+        steps = list(self.stream(prompt, max_tokens, **kwargs))
+        stats = self.last_stats
+        assert stats is not None
+        return Completion(
+            text="".join(s.text for s in steps),
+            tokens=[s.token for s in steps if s.token is not None],
+            finish_reason=stats.finish_reason,
+            prompt_tokens=stats.prompt_tokens,
+            completion_tokens=stats.generated_tokens,
+            logprobs=[s.logprob for s in steps if s.logprob is not None],
+            stats=stats,
+        )
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 256,
+        *,
+        stream: bool = False,
+        stop: str | Sequence[str] = (),
+        add_special: bool = True,
+        **sampling: Any,
+    ) -> str | Iterator[str]:
+        """Continue ``prompt`` (text, or token ids): the text, or an iterator of text pieces with ``stream``.
+
+        Sampling keywords are :class:`SamplingParams` fields (temperature, top_k, top_p, min_p, seed,
+        repeat_penalty, ...); ``temperature=0`` is greedy.
+        """
+        steps = self.stream(prompt, max_tokens, stop=stop, add_special=add_special, **sampling)
+        pieces = (s.text for s in steps if s.text)
         return pieces if stream else "".join(pieces)
 
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int = 256,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        seed: int | None = None,
+        *,
         stream: bool = False,
+        stop: str | Sequence[str] = (),
+        **sampling: Any,
     ) -> str | Iterator[str]:
         """The assistant's reply to ``messages`` rendered with the model's own chat template."""
         prompt = self.render_chat(messages)
         # the template writes BOS itself when the model wants one
-        return self.generate(prompt, max_tokens, temperature, top_k, top_p, seed, stream, add_special=False)
+        return self.generate(prompt, max_tokens, stream=stream, stop=stop, add_special=False, **sampling)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
@@ -154,13 +212,6 @@ class Model:
             if bar is not None:
                 bar.close()
 
-    def _stream(self, ids: list[int], sampler: Sampler, max_tokens: int) -> Iterator[str]:
-        stats = GenerationStats()
-        self.last_stats = stats
-        steps = generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats)
-        for step in steps:
-            if step.text:
-                yield step.text
 
 
 def load(path: str | os.PathLike[str] | None = None, n_ctx: int | None = None, threads: int | None = None) -> Model:

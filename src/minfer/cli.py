@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -16,15 +17,62 @@ from collections.abc import Sequence
 from minfer.errors import MinferError
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
 
+# (flag, SamplingParams field, type, help); defaults are SamplingParams' own (see minfer.runtime.sampler)
+SAMPLING_FLAGS: list[tuple[list[str], str, type, str]] = [
+    (["--temp", "--temperature"], "temperature", float, "temperature, 0 = greedy (default: 0.8)"),
+    (["--top-k"], "top_k", int, "keep the k most likely tokens, 0 = off (default: 40)"),
+    (["--top-p"], "top_p", float, "nucleus sampling mass, 1 = off (default: 0.95)"),
+    (["--min-p"], "min_p", float, "drop tokens below min_p x the best one's probability, 0 = off (default: 0.05)"),
+    (["--typical"], "typical_p", float, "locally typical sampling mass, 1 = off (default: 1.0)"),
+    (["--min-keep"], "min_keep", int, "the truncations keep at least this many tokens (default: 0)"),
+    (["--repeat-penalty"], "repeat_penalty", float, "penalize repeated tokens, 1 = off (default: 1.0)"),
+    (["--repeat-last-n"], "repeat_last_n", int, "window of the penalties, -1 = all (default: 64)"),
+    (["--frequency-penalty"], "frequency_penalty", float, "subtract count x this (default: 0)"),
+    (["--presence-penalty"], "presence_penalty", float, "subtract this once a token appeared (default: 0)"),
+    (["--dry-multiplier"], "dry_multiplier", float, "DRY repetition penalty strength, 0 = off (default: 0)"),
+    (["--dry-base"], "dry_base", float, "DRY exponential base (default: 1.75)"),
+    (["--dry-allowed-length"], "dry_allowed_length", int, "DRY: repeats up to this length are free (default: 2)"),
+    (["--dry-penalty-last-n"], "dry_penalty_last_n", int, "DRY window, -1 = all (default: 64)"),
+    (["--xtc-probability"], "xtc_probability", float, "XTC: chance to exclude top choices (default: 0)"),
+    (["--xtc-threshold"], "xtc_threshold", float, "XTC: probability threshold (default: 0.1)"),
+    (["--mirostat"], "mirostat", int, "mirostat version, 0 = off, 1 or 2 (default: 0)"),
+    (["--mirostat-ent"], "mirostat_tau", float, "mirostat target entropy tau (default: 5.0)"),
+    (["--mirostat-lr"], "mirostat_eta", float, "mirostat learning rate eta (default: 0.1)"),
+    (["--samplers"], "samplers", str, "order of the steps, ';'-separated (default: "
+     "penalties;dry;top_k;typ_p;top_p;min_p;xtc;temperature)"),
+    (["-s", "--seed"], "seed", int, "random seed (default: a fresh one)"),
+]
+
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256,
                    help="maximum number of tokens to generate (default: 256)")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8,
-                   help="sampling temperature, 0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens, 0 = off (default: 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, 1 = off (default: 0.95)")
-    p.add_argument("-s", "--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    g = p.add_argument_group("sampling")
+    for flags, field, kind, text in SAMPLING_FLAGS:
+        g.add_argument(*flags, dest=field, type=kind, default=None, help=text)
+    g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
+                   help="DRY sequence breaker (repeatable; default: newline, ':', '\"', '*')")
+    g.add_argument("-l", "--logit-bias", action="append", default=[], metavar="TOKEN(+|-)BIAS",
+                   help="add BIAS to TOKEN's logit, e.g. 15043+1 or 15043-inf (repeatable)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's log-probability and the N best alternatives on stderr")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    kw = {f: getattr(args, f) for _, f, _, _ in SAMPLING_FLAGS if getattr(args, f) is not None}
+    if args.dry_sequence_breakers is not None:
+        kw["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers)
+    if args.logit_bias:
+        bias = {}
+        for item in args.logit_bias:
+            m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|\d+(?:\.\d*)?|\.\d+)\s*", item)
+            if not m:
+                raise MinferError(f"--logit-bias takes TOKEN+BIAS or TOKEN-BIAS (e.g. 15043+1), got {item!r}")
+            value = float(m.group(3))
+            bias[int(m.group(1))] = value if m.group(2) == "+" else -value
+        kw["logit_bias"] = bias
+    return kw
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -92,22 +140,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise MinferError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
     model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads)
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, stream=True)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        pieces = model.chat(messages, **sampling)
+        text, add_special = model.render_chat(messages), False
     else:
         if args.system:
             raise MinferError("--system needs --chat")
-        pieces = model.generate(prompt, **sampling)
+        text, add_special = prompt, True
+    steps = model.stream(text, args.max_tokens, stop=args.stop, logprobs=args.logprobs, add_special=add_special,
+                         **_sampling_kwargs(args))
     if args.echo:
         sys.stdout.write(prompt)
     t0 = time.perf_counter()
-    for piece in pieces:
-        sys.stdout.write(piece)
+    for step in steps:
+        sys.stdout.write(step.text)
         sys.stdout.flush()
+        if step.logprob is not None:
+            lp = step.logprob
+            alts = " ".join(f"{model.tokenizer.decode([t])!r}:{v:.3f}" for t, v in lp.top_logprobs)
+            print(f"[logprob] {model.tokenizer.decode([lp.token])!r} {lp.logprob:.4f} | {alts}", file=sys.stderr)
     sys.stdout.write("\n")
     stats = model.last_stats
     if stats is not None and not args.quiet:

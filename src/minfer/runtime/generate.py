@@ -1,8 +1,10 @@
 """The decode loop: prefill the prompt, then one token per step until a stop condition.
 
 Each step's positions are data: the prompt occupies positions 0..n-1, the k-th generated token is
-evaluated at position n+k-1 and its K/V row lands there. Stops: an end-of-generation token (not part
-of the text), ``max_tokens``, or the context being full.
+evaluated at position n+k-1 and its K/V row lands there. A step: logits -> (constraint mask) -> sampler
+chain -> token; the token's text goes through the UTF-8-safe detokenizer and the stop-string matcher.
+Stops: an end-of-generation token (not part of the text), a stop string (not part of the text either),
+a finished grammar, ``max_tokens``, or the context being full.
 """
 
 from __future__ import annotations
@@ -10,18 +12,22 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.sampler import Sampler
+from minfer.runtime.sampler import Sampler, TokenLogprob
+from minfer.runtime.stop import StopMatcher
 
 
 @dataclass
 class TokenStep:
-    """One generated token and the text it completes (may be empty while a UTF-8 character is split)."""
+    """One generated token and the text it releases (may be empty: a split UTF-8 character, or text held
+    back because it may begin a stop string). ``token`` is None for the final flush of held text."""
 
-    token: int | None  # None for the final flush of bytes that never completed a character
+    token: int | None
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -30,7 +36,8 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    finish_reason: str = ""  # "stop" (end-of-generation token), "length" (max_tokens or context full)
+    finish_reason: str = ""  # "stop" (end-of-generation token, stop string, grammar done), "length"
+    stop: str | None = None  # the stop string that ended generation, if one did
     tokens: list[int] = field(default_factory=list)
 
     @property
@@ -46,14 +53,22 @@ class GenerationStats:
 
 def generate(
     runner: ForwardRunner,
-    tokenizer,
+    tokenizer: Any,
     prompt_ids: Sequence[int],
     sampler: Sampler,
     max_tokens: int,
     stats: GenerationStats | None = None,
     stop_ids: frozenset[int] | None = None,
+    stop: str | Sequence[str] = (),
+    logprobs: int | None = None,
+    constraint: Any = None,
 ) -> Iterator[TokenStep]:
-    """Yield generated tokens with their text as they are produced; fills ``stats`` as it goes."""
+    """Yield generated tokens with the text they release; fills ``stats`` as it goes.
+
+    ``logprobs``: with a number N, each step carries the chosen token's log-probability and the N most
+    likely alternatives. ``constraint``: an object with ``mask_logits``, ``accept`` and ``is_finished``
+    (a grammar or JSON schema, :mod:`minfer.runtime.constraints`).
+    """
     stats = stats if stats is not None else GenerationStats()
     n_ctx = runner.kv.n_ctx
     n = len(prompt_ids)
@@ -63,12 +78,16 @@ def generate(
         raise ContextOverflowError(f"the prompt has {n} tokens, more than the context of {n_ctx}")
     if max_tokens < 0:
         raise BadRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise BadRequestError(f"logprobs must be between 0 and 20, got {logprobs}")
     stop_ids = tokenizer.eog_ids if stop_ids is None else stop_ids
+    matcher = StopMatcher(stop) if stop else None
     stats.prompt_tokens = n
     if max_tokens == 0:
         stats.finish_reason = "length"
         return
     detok = tokenizer.detokenizer()
+    sampler.reset(prompt_ids)
 
     t0 = time.perf_counter()
     logits = runner.forward(prompt_ids, range(n), output_rows=[n - 1])[0]
@@ -76,13 +95,32 @@ def generate(
     pos = n
     t0 = time.perf_counter()
     while True:
-        token = sampler.sample(logits)
+        if constraint is not None:
+            constraint.mask_logits(logits)
+        lp = None
+        if logprobs is None:
+            token = sampler.sample(logits)
+        else:
+            token, lp = sampler.sample_with_logprobs(logits, logprobs)
+        sampler.accept(token)
         stats.tokens.append(token)
         stats.generated_tokens += 1
         if token in stop_ids:
             stats.finish_reason = "stop"
             break
-        yield TokenStep(token, detok.push(token))
+        if constraint is not None:
+            constraint.accept(token)
+        text = detok.push(token)
+        if matcher is not None:
+            text, stopped = matcher.push(text)
+            if stopped:
+                stats.finish_reason, stats.stop = "stop", matcher.stop
+                yield TokenStep(token, text, lp)
+                return
+        yield TokenStep(token, text, lp)
+        if constraint is not None and constraint.is_finished():
+            stats.finish_reason = "stop"
+            break
         if stats.generated_tokens >= max_tokens or pos >= n_ctx:
             stats.finish_reason = "length"
             break
@@ -90,5 +128,11 @@ def generate(
         pos += 1
         stats.decode_seconds = time.perf_counter() - t0
     tail = detok.flush()
+    if matcher is not None:
+        tail, stopped = matcher.push(tail)
+        if stopped:
+            stats.finish_reason, stats.stop = "stop", matcher.stop
+        else:
+            tail += matcher.flush()
     if tail:
         yield TokenStep(None, tail)
