@@ -22,6 +22,7 @@ from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
 from minfer.perplexity import PerplexityResult, perplexity
 from minfer.pull import resolve_model
+from minfer.runtime.constraints import Constraint
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, TokenStep, generate
 from minfer.runtime.kv_cache import KVCache
@@ -121,18 +122,40 @@ class Model:
         *,
         stop: str | Sequence[str] = (),
         logprobs: int | None = None,
+        grammar: str | None = None,
+        json_schema: str | Mapping[str, Any] | bool | None = None,
         add_special: bool = True,
         **sampling: Any,
     ) -> Iterator[TokenStep]:
         """Generate step by step: each :class:`TokenStep` has the token, the text it releases and, with
-        ``logprobs=N``, its log-probability and the N best alternatives. Stats land in ``last_stats``."""
+        ``logprobs=N``, its log-probability and the N best alternatives. Stats land in ``last_stats``.
+
+        ``grammar``: a GBNF grammar the output must follow; ``json_schema``: a JSON Schema (dict or JSON
+        text) the output must validate against, or ``True`` for any JSON object.
+        """
         ids = self._prompt_ids(prompt, add_special)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         sampler = self.sampler(**sampling)
+        constraint = self.constraint(grammar, json_schema)
         stats = GenerationStats()
         self.last_stats = stats
-        return generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats, stop=stop, logprobs=logprobs)
+        return generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats, stop=stop, logprobs=logprobs,
+                        constraint=constraint)
+
+    def constraint(
+        self, grammar: str | None = None, json_schema: str | Mapping[str, Any] | bool | None = None
+    ) -> Constraint | None:
+        """The output constraint for a grammar or a JSON schema (at most one of them), or None."""
+        if grammar is not None and json_schema not in (None, False):
+            raise BadRequestError("grammar and json_schema cannot be used together")
+        if grammar is not None:
+            return Constraint.from_grammar(grammar, self.tokenizer)
+        if json_schema is True:
+            return Constraint.from_json_schema(None, self.tokenizer)
+        if json_schema not in (None, False):
+            return Constraint.from_json_schema(json_schema, self.tokenizer)
+        return None
 
     def complete(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs: Any) -> Completion:
         """The whole completion with its tokens, finish reason, usage and (with ``logprobs``) log-probabilities."""

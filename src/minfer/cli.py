@@ -55,8 +55,39 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-l", "--logit-bias", action="append", default=[], metavar="TOKEN(+|-)BIAS",
                    help="add BIAS to TOKEN's logit, e.g. 15043+1 or 15043-inf (repeatable)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
+    c = p.add_argument_group("constrained output")
+    c.add_argument("--grammar", default=None, help="GBNF grammar the output must follow")
+    c.add_argument("--grammar-file", default=None, help="file with a GBNF grammar")
+    c.add_argument("-j", "--json-schema", default=None, metavar="FILE_OR_JSON",
+                   help="JSON Schema the output must validate against (a file or inline JSON)")
+    c.add_argument("--json", action="store_true", help="output any JSON object")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print each token's log-probability and the N best alternatives on stderr")
+
+
+def _constraint_kwargs(args: argparse.Namespace) -> dict:
+    from pathlib import Path
+
+    given = [f for f in ("grammar", "grammar_file", "json_schema", "json") if getattr(args, f)]
+    if len(given) > 1:
+        raise MinferError(f"use one of --grammar, --grammar-file, --json-schema, --json (got {', '.join(given)})")
+    if args.grammar_file:
+        try:
+            return {"grammar": Path(args.grammar_file).read_text(encoding="utf-8")}
+        except (OSError, UnicodeDecodeError) as e:
+            raise MinferError(f"--grammar-file {args.grammar_file}: cannot read: {e}") from None
+    if args.grammar:
+        return {"grammar": args.grammar}
+    if args.json_schema:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise MinferError(f"--json-schema {args.json_schema}: not inline JSON and cannot read as a file: {e}") \
+                    from None
+        return {"json_schema": text}
+    return {"json_schema": True} if args.json else {}
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -149,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise MinferError("--system needs --chat")
         text, add_special = prompt, True
     steps = model.stream(text, args.max_tokens, stop=args.stop, logprobs=args.logprobs, add_special=add_special,
-                         **_sampling_kwargs(args))
+                         **_constraint_kwargs(args), **_sampling_kwargs(args))
     if args.echo:
         sys.stdout.write(prompt)
     t0 = time.perf_counter()
@@ -295,7 +326,15 @@ COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "perplexity": cmd_perplexity
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, _ = parser.parse_known_args(argv)
+    if args.command != "run":
+        args = parser.parse_args(argv)
+    else:
+        # options may sit between MODEL and PROMPT (`minfer run model.gguf --chat "hi"`): parse intermixed
+        run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+        args = run_parser.parse_intermixed_args(argv[argv.index("run") + 1 :], argparse.Namespace(command="run"))
     try:
         return COMMANDS[args.command](args)
     except MinferError as e:
