@@ -53,7 +53,13 @@ def default_threads() -> int:
 class Model:
     """A loaded model with its tokenizer, chat template, KV cache and backend."""
 
-    def __init__(self, path: str | os.PathLike[str], n_ctx: int | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        n_ctx: int | None = None,
+        threads: int | None = None,
+        kernels: str | None = None,
+    ) -> None:
         self.transformer = TransformerModel.from_gguf(path)
         self.path = self.transformer.path
         hp = self.transformer.hparams
@@ -70,7 +76,7 @@ class Model:
         metadata = self.transformer.gguf.metadata
         self.tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(self.path))
         self.chat_template = ChatTemplate.from_gguf_metadata(metadata, self.tokenizer)
-        self.backend = CPUBackend(threads=threads)
+        self.backend = CPUBackend(threads=threads, kernels=kernels)
         self.kv = KVCache(hp, n_ctx)
         self.runner = ForwardRunner(self.transformer, self.backend, self.kv)
         self.last_stats: GenerationStats | None = None
@@ -237,6 +243,15 @@ class Model:
 
 
 
-def load(path: str | os.PathLike[str] | None = None, n_ctx: int | None = None, threads: int | None = None) -> Model:
-    """Load a GGUF model: a file path, or a known model name such as ``"smollm2"`` (pulled on first use)."""
-    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads)
+def load(
+    path: str | os.PathLike[str] | None = None,
+    n_ctx: int | None = None,
+    threads: int | None = None,
+    kernels: str | None = None,
+) -> Model:
+    """Load a GGUF model: a file path, or a known model name such as ``"smollm2"`` (pulled on first use).
+
+    ``kernels``: ``"fast"`` (compiled, the default) or ``"reference"`` (plain numpy); the environment
+    variable ``MINFER_KERNELS`` sets the default.
+    """
+    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels)

@@ -52,6 +52,7 @@ def allocate(graph: Graph) -> Allocation:
             input_ids.append(node.id)
             continue
         if node.op in UNPOOLED:
+            _release_dead_inputs(node, step, last_use, slot_of, free)
             continue
         first = node.inputs[0] if node.inputs else None
         if (

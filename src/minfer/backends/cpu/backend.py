@@ -1,123 +1,163 @@
 """CPU backend: maps each graph op to its kernel and prepares weights for them.
 
-Kernels take ``(node, out, *operands)`` in the order the node's inputs were built; the K/V operand of
-``kv_store``/``kv_load``/``attn`` is the layer's ``(k_region, v_region)`` pair.
+Kernel sets: ``fast`` (numba-compiled: quantized matmuls on raw blocks, fused norms, RoPE tables,
+attention parallel over heads), ``reference`` (plain numpy with exactly dequantized weights, the
+correctness baseline) and ``reference-q8`` (the reference with matmul inputs rounded to Q8 blocks for
+block-quantized weights, the arithmetic the fast kernels do). ``MINFER_KERNELS`` or
+``CPUBackend(kernels=...)`` picks one. Kernels take ``(node, out, *operands)`` in the order the node's
+inputs were built; the K/V operand of ``kv_store``/``kv_load``/``attn`` is the layer's
+``(k_region, v_region)`` pair. A kernel is resolved once per node when a plan is prepared, never per call.
+
+Results are bit-identical at any thread count: every output row (or head) is computed by exactly one
+worker in a fixed order, and BLAS runs single-threaded while plans execute.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from minfer.backends.cpu import reference as ref
+from minfer.errors import BadRequestError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
-from minfer.graph.ir import Node, Op
+from minfer.graph.ir import Node, Op, RopeStyle
+
+KERNEL_SETS = ("fast", "reference", "reference-q8")
+# weight types whose fast matmul quantizes its activations to Q8 blocks (float weights do not)
+Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1})
 
 
 def _get_rows(node: Node, out, table, ids) -> None:
     ref.get_rows(table, ids, out)
 
 
-def _rms_norm(node: Node, out, x) -> None:
-    ref.rms_norm(x, node.meta.eps, node.meta.width, out)
-
-
-def _rms_norm_mul(node: Node, out, x, gain) -> None:
-    ref.rms_norm_mul(x, gain, node.meta.eps, node.meta.width, out)
-
-
-def _mul(node: Node, out, x, y) -> None:
-    ref.mul(x, y, out)
-
-
-def _add(node: Node, out, x, y) -> None:
-    ref.add(x, y, out)
-
-
-def _rope(node: Node, out, x, positions) -> None:
-    ref.rope(x, positions, node.meta, out)
-
-
-def _kv_store(node: Node, regions, k, v, positions) -> None:
-    ref.kv_store(k, v, positions, regions[0], regions[1], node.meta.layer)
-
-
 def _kv_load(node: Node, regions, store) -> None:
     """A view: the load's operand already is the layer's regions."""
 
 
-def _attn(node: Node, out, q, regions, positions) -> None:
-    ref.attention(q, regions[0], regions[1], positions, node.meta, out)
-
-
-def _silu(node: Node, out, x) -> None:
-    ref.silu(x, out)
-
-
-def _swiglu(node: Node, out, gate, up) -> None:
-    ref.swiglu(gate, up, out)
-
-
-KERNELS: dict[Op, Callable[..., None]] = {
+REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     Op.GET_ROWS: _get_rows,
-    Op.RMS_NORM: _rms_norm,
-    Op.RMS_NORM_MUL: _rms_norm_mul,
-    Op.MUL: _mul,
-    Op.ADD: _add,
-    Op.ROPE: _rope,
-    Op.KV_STORE: _kv_store,
+    Op.RMS_NORM: lambda node, out, x: ref.rms_norm(x, node.meta.eps, node.meta.width, out),
+    Op.RMS_NORM_MUL: lambda node, out, x, gain: ref.rms_norm_mul(x, gain, node.meta.eps, node.meta.width, out),
+    Op.MUL: lambda node, out, x, y: ref.mul(x, y, out),
+    Op.ADD: lambda node, out, x, y: ref.add(x, y, out),
+    Op.ROPE: lambda node, out, x, positions: ref.rope(x, positions, node.meta, out),
+    Op.KV_STORE: lambda node, kv, k, v, positions: ref.kv_store(k, v, positions, kv[0], kv[1], node.meta.layer),
     Op.KV_LOAD: _kv_load,
-    Op.ATTN: _attn,
-    Op.SILU: _silu,
-    Op.SWIGLU: _swiglu,
+    Op.ATTN: lambda node, out, q, kv, positions: ref.attention(q, kv[0], kv[1], positions, node.meta, out),
+    Op.SILU: lambda node, out, x: ref.silu(x, out),
+    Op.SWIGLU: lambda node, out, gate, up: ref.swiglu(gate, up, out),
 }
 
 
 class CPUBackend:
-    """The numpy reference backend.
-
-    Matmuls are split into fixed row chunks (``reference.matmul_row_chunks``) that ``threads`` workers
-    share; BLAS itself runs single-threaded while a plan executes, so results are bit-identical at any
-    thread count (OpenBLAS's own threading changes rounding with the thread count).
-    """
-
-    name = "cpu-reference"
-
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, kernels: str | None = None) -> None:
+        kernels = kernels or os.environ.get("MINFER_KERNELS", "fast")
+        if kernels not in KERNEL_SETS:
+            raise BadRequestError(f"unknown kernel set {kernels!r} (MINFER_KERNELS: {', '.join(KERNEL_SETS)})")
+        self.kernels = kernels
+        self.name = f"cpu-{kernels}"
         self.threads = threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer") if threads > 1 else None
         self._blas = ThreadpoolController()
+        self._pool: ThreadPoolExecutor | None = None
+        self._rope_tables: dict[tuple, Any] = {}
+        if kernels == "fast":
+            from minfer.backends.cpu import quant_matmul, vec_kernels
+
+            self._qm = quant_matmul
+            self._vk = vec_kernels
+            vec_kernels.warmup()
+            quant_matmul.warmup()
+        elif threads > 1:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer")
 
     def running(self) -> AbstractContextManager[Any]:
-        """Context in which plans execute: BLAS limited to one thread."""
-        return self._blas.limit(limits=1, user_api="blas")
+        """Context in which plans execute: BLAS on one thread, numba on ``threads``."""
+        stack = ExitStack()
+        stack.enter_context(self._blas.limit(limits=1, user_api="blas"))
+        if self.kernels == "fast":
+            import numba
+
+            previous = numba.get_num_threads()
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+            stack.callback(numba.set_num_threads, previous)
+        return stack
 
     def prepare_weight(self, tensor: GGUFTensor) -> Any:
-        # F32 tensors and every 1-D tensor (norm gains, biases) are used as float32 arrays; a 1-D tensor
-        # in another type is small, so it is dequantized once. Quantized matrices stay raw blocks.
-        if tensor.ggml_type == GGMLType.F32 or len(tensor.shape) == 1:
+        # 1-D tensors (norm gains, biases) and F32 tensors the reference reads are float32 arrays; a 1-D
+        # tensor in another type is small, so it is dequantized once. Matrices stay raw blocks.
+        if len(tensor.shape) == 1 or (tensor.ggml_type == GGMLType.F32 and self.kernels != "fast"):
             return np.ascontiguousarray(ref.dequantize_tensor(tensor))
         return tensor
 
     def kernel(self, node: Node) -> Callable[..., None]:
-        if node.op is Op.MATMUL:
-            return self._matmul
-        return KERNELS[node.op]
+        if self.kernels == "fast":
+            return self._fast_kernel(node)
+        if node.op is not Op.MATMUL:
+            return REFERENCE_KERNELS[node.op]
+        if self.kernels == "reference-q8" and node.inputs[1].source.ggml_type in Q8_ACTIVATION_TYPES:
+            return lambda node, out, x, w: self._reference_matmul(node, out, ref.round_activations_q8(x), w)
+        return self._reference_matmul
 
-    def _matmul(self, node: Node, out, x, w) -> None:
+    # -- reference ---------------------------------------------------------------------------------
+
+    def _reference_matmul(self, node: Node, out, x, w) -> None:
         chunks = ref.matmul_row_chunks(w.shape)
         if self._pool is None or len(chunks) == 1:
             for r0, r1 in chunks:
                 ref.matmul_chunk(x, w, out, r0, r1)
         else:
-            # numpy releases the GIL inside matmul and dequantization, so the chunks run in parallel
+            # numpy releases the GIL inside matmul and dequantization, so the chunks run in parallel;
+            # chunk bounds depend on the shape only, so the result does not depend on the thread count
             list(self._pool.map(lambda c: ref.matmul_chunk(x, w, out, c[0], c[1]), chunks))
+
+    # -- fast --------------------------------------------------------------------------------------
+
+    def _fast_kernel(self, node: Node) -> Callable[..., None]:
+        vk, qm = self._vk, self._qm
+        op, meta = node.op, node.meta
+        if op is Op.MATMUL:
+            w = node.inputs[1].source
+            if not qm.supports(w.ggml_type):
+                return self._reference_matmul
+            return lambda node, out, x, w: qm.matmul(x, w, out)
+        if op is Op.RMS_NORM_MUL:
+            eps, width = meta.eps, meta.width
+            return lambda node, out, x, gain: vk.rms_norm_mul(x, gain, eps, width, out)
+        if op is Op.RMS_NORM:
+            eps, width = meta.eps, meta.width
+            return lambda node, out, x: vk.rms_norm(x, eps, width, out)
+        if op is Op.ADD:
+            return lambda node, out, x, y: vk.add(x, y, out)
+        if op is Op.MUL:
+            return lambda node, out, x, y: vk.mul(x, y, out)
+        if op is Op.SILU:
+            return lambda node, out, x: vk.silu(x, out)
+        if op is Op.SWIGLU:
+            return lambda node, out, gate, up: vk.swiglu(gate, up, out)
+        if op is Op.ROPE:
+            key = (meta.head_dim, meta.n_rot, float(meta.freq_base), float(meta.freq_scale))
+            table = self._rope_tables.get(key)
+            if table is None:
+                table = self._rope_tables[key] = vk.RopeTable(*key)
+            n_head, neox = meta.n_head, meta.style is RopeStyle.NEOX
+            return lambda node, out, x, positions: table.apply(x, positions, n_head, neox, out)
+        if op is Op.KV_STORE:
+            layer = meta.layer
+            return lambda node, kv, k, v, positions: vk.kv_store(k, v, positions, kv[0], kv[1], layer)
+        if op is Op.ATTN:
+            m = meta
+            return lambda node, out, q, kv, positions: vk.attention(
+                q, kv[0], kv[1], positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out
+            )
+        return REFERENCE_KERNELS[op]
 
     def close(self) -> None:
         if self._pool is not None:

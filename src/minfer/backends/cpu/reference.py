@@ -60,6 +60,18 @@ def get_rows(table: np.ndarray | GGUFTensor, ids: np.ndarray, out: np.ndarray) -
         np.take(table, ids, axis=0, out=out)
 
 
+def round_activations_q8(x: np.ndarray) -> np.ndarray:
+    """``x`` after a round trip through Q8 blocks of 32 (``d = amax / 127``, ``q = round(x / d)``, half
+    away from zero), as llama.cpp and the fast kernels quantize matmul inputs for block-quantized weights.
+    The reference kernel set ``reference-q8`` uses it to reproduce the fast kernels' arithmetic in numpy."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127.0)
+    inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d != 0)
+    v = (blocks * inv).astype(np.float64)
+    q = np.copysign(np.floor(np.abs(v) + 0.5), v).astype(np.float32)
+    return (q * d).reshape(x.shape)
+
+
 def matmul_row_chunks(w_shape: tuple[int, ...]) -> list[tuple[int, int]]:
     """Fixed row ranges of W that a matmul computes independently.
 

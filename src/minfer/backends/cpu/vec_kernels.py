@@ -1,0 +1,1169 @@
+"""Fast numba versions of the vector ops: RMSNorm (+ gain), add, mul, SiLU/SwiGLU, RoPE, KV store, attention.
+
+Each function here computes what its namesake in ``reference.py`` computes, on the same arrays (2-D float32
+``[tokens, width]`` activations, 1-D int32 positions, float32 K/V regions ``[n_ctx, n_kv_head * head_dim]``),
+and may write in place where the reference allows it (``out is x``; otherwise ``out`` must not overlap
+the inputs). Shapes and position bounds are checked inside the kernels, which return an error code that
+the Python wrapper turns into the engine's error (a numpy ``positions.max()`` in Python would cost more
+than a decode-sized kernel).
+
+Numerics (what ``tests/test_vec_kernels.py`` holds)
+    * No ``fastmath``: every float operation is plain IEEE, so a kernel's result is decided by its source,
+      not by what LLVM chooses to vectorize nor by the CPU having FMA. Reductions are written as a fixed
+      number of lanes combined in a fixed tree, with explicit SIMD values (small LLVM IR intrinsics
+      below) where LLVM would not vectorize them by itself: 8 float32 lanes for dot products, 8 float64
+      lanes for the RMSNorm sum of squares, 4 float64 lanes for the softmax sum.
+    * RMSNorm: float64 sum of squares (products of float32 are exact in float64), then the reference's
+      float32 steps ``1/sqrt(f32(mean) + eps)``, ``x * scale``, ``* gain``. Only the float64 summation
+      order differs from numpy's; measured: identical results, at most 1 ulp in principle.
+    * RoPE: cos/sin tables computed by numpy with the reference's own expressions (float64 angles cast to
+      float32), the reference's float32 ``x0*c - x1*s`` / ``x0*s + x1*c``: bit-identical.
+    * add / mul: bit-identical (one float32 operation per element).
+    * exp (SiLU, softmax): float32 Cody-Waite reduction + degree-6 polynomial, within 1 ulp of the
+      correctly rounded value (numpy's float32 exp is within 2 ulp of it); SiLU/SwiGLU agree with the
+      reference within a few ulp.
+    * attention: float32 dot products, scores ``* f32(scale)``, row max subtracted, float32 exp, float64
+      sum, weights ``e * f32(1/sum)``, float32 weighted sum of V rows in key order. Rows beyond a token's
+      window ``pos[t] + 1`` are never read: whatever sits there (NaN, garbage) cannot leak, and their
+      weights are exactly 0 as in the reference.
+
+Determinism
+    Every output element is computed by one fixed sequence of float operations, never by a reduction
+    across threads. The row-wise ops are serial. Attention splits the work into (kv head, query-head
+    subset, token block) units that follow the thread count, and a decode step over a long window into
+    (kv head, key chunk) units; but a (token, head) result is the same operations whatever unit it falls
+    in: its scores are computed one by one, its softmax by one thread over the whole row, and its
+    weighted sum of V per key chunk of ``ATTN_KEY_CHUNK`` rows, the chunk sums then added in order by one
+    thread. So the output is bit-identical at any thread count, and a decode step gives bit-identical
+    output to the same token inside a prefill.
+
+Threads
+    Only attention is ``parallel=True``: it is the one op where the work (up to tens of ms in a long
+    prefill) dwarfs the ~1.3 µs a parallel call costs here. The row-wise ops at decode size take well
+    under a microsecond of work (a serial ``@njit`` call costs ~0.14 µs), and at prefill size a few tens
+    to hundreds of µs against a prefill of a second; parallel versions also compile ~3x slower
+    (``cache=True`` pays that once per install, but a fresh checkout's tests pay it). The row-wise kernels
+    release the GIL (``nogil=True``): a caller that wants them on several threads can give each thread
+    a block of rows (``x[r0:r1]``), which gives the same bits since rows are independent.
+
+Call :func:`warmup` once at backend creation: it compiles (or, thanks to ``cache=True``, loads from
+``__pycache__``) every signature the engine uses, so the first token does not pay for JIT compilation.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.extending import intrinsic, models, register_model
+
+from minfer.errors import ContextOverflowError
+
+F32 = np.float32
+U = np.uint64  # unsigned array index: no negative-index wraparound code (see _rms_norm_group)
+
+# (module constants are compiled into the kernels: changing one at run time has no effect)
+# attention work unit: the query heads of one kv head (or a subset) over this many consecutive tokens
+ATTN_TOKEN_BLOCK = 16
+# attention key block: K/V rows used by every (token, head) pair of a unit while they sit in L1
+# (64 rows x 64 floats = 16 KiB of K, then of V)
+ATTN_KEY_BLOCK = 64
+# attention key chunk (a multiple of ATTN_KEY_BLOCK): the weighted sum of V rows is summed per chunk of
+# this many keys, then the chunk sums are added in order. A decode step hands different chunks to
+# different threads (one token has too few heads to keep two threads busy on whole heads); a prefill
+# sums the same chunks the same way, so both give the same bits.
+ATTN_KEY_CHUNK = 256
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What numba cannot say by itself, as small LLVM IR intrinsics: bit casts (exp's 2^k) and SIMD values
+# (8 float32 or float64 lanes carried in ordinary local variables) for the reductions that LLVM would
+# otherwise leave scalar. Loads and stores take (row, col) of a 2-D array with contiguous rows.
+
+_EXP_SHIFTER = F32(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 to an integer held in the low bits
+_EXP_SHIFTER_BITS = int(_EXP_SHIFTER.view(np.int32))
+
+
+@intrinsic
+def _scale_by_pow2(typingctx, y, t):
+    """``y * 2^k`` where ``t = k + 1.5 * 2^23`` (k in the low mantissa bits of t), as two factors
+    ``2^(k >> 1) * 2^(k - (k >> 1))`` so that k down to -150 (subnormal results) and up to 128 (inf)
+    stay exact. Written as LLVM IR because numba widens int32 arithmetic to int64 and has no bit casts;
+    in IR it vectorizes with the loop around it."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        yv, tv = args
+        i32 = ir.IntType(32)
+        k = builder.sub(builder.bitcast(tv, i32), ir.Constant(i32, _EXP_SHIFTER_BITS))
+        k1 = builder.ashr(k, ir.Constant(i32, 1))
+        k2 = builder.sub(k, k1)
+        s1 = builder.bitcast(builder.shl(builder.add(k1, ir.Constant(i32, 127)), ir.Constant(i32, 23)), ir.FloatType())
+        s2 = builder.bitcast(builder.shl(builder.add(k2, ir.Constant(i32, 127)), ir.Constant(i32, 23)), ir.FloatType())
+        return builder.fmul(builder.fmul(yv, s1), s2)
+
+    return sig, codegen
+
+
+class _F32x8Type(types.Type):
+    """Eight float32 lanes carried in a numba local variable (an LLVM ``<8 x float>`` value)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="vec_kernels.f32x8")
+
+
+_f32x8 = _F32x8Type()
+_V8F = ir.VectorType(ir.FloatType(), 8)
+
+
+@register_model(_F32x8Type)
+class _F32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, _V8F)
+
+
+@intrinsic
+def _vzero8(typingctx):
+    return _f32x8(), lambda context, builder, sig, args: ir.Constant(_V8F, [0.0] * 8)
+
+
+def _row_ptr(context, builder, sig, args):
+    """Address of ``arr[row, col]`` (args 0..2) as ``<8 x float>*``, from the row stride in bytes."""
+    a = context.make_array(sig.args[0])(context, builder, args[0])
+    r = context.cast(builder, args[1], sig.args[1], types.intp)
+    c = context.cast(builder, args[2], sig.args[2], types.intp)
+    stride0 = builder.extract_value(a.strides, 0)
+    byte_off = builder.add(builder.mul(r, stride0), builder.mul(c, ir.Constant(r.type, 4)))
+    p = builder.gep(builder.bitcast(a.data, ir.IntType(8).as_pointer()), [byte_off])
+    return builder.bitcast(p, _V8F.as_pointer())
+
+
+def _is_f32_2d(arr) -> bool:
+    return isinstance(arr, types.Array) and arr.ndim == 2 and arr.dtype == types.float32
+
+
+@intrinsic
+def _vload8(typingctx, arr, row, col):
+    """``arr[row, col:col+8]`` of a 2-D float32 array whose rows are contiguous (inner stride 4 bytes,
+    which callers check): one unaligned vector load, no bounds check (callers own the bounds)."""
+    if not _is_f32_2d(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_row_ptr(context, builder, sig, args), align=4)
+
+    return _f32x8(arr, row, col), codegen
+
+
+@intrinsic
+def _vstore8(typingctx, arr, row, col, v):
+    """``arr[row, col:col+8] = v`` (same contract as ``_vload8``)."""
+    if not (_is_f32_2d(arr) and v == _f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[3], _row_ptr(context, builder, sig, args), align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, row, col, v), codegen
+
+
+@intrinsic
+def _vsplat8(typingctx, x):
+    """float32 x in all eight lanes."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        v = builder.insert_element(ir.Constant(_V8F, ir.Undefined), args[0], ir.Constant(i32, 0))
+        return builder.shuffle_vector(v, ir.Constant(_V8F, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+
+    return _f32x8(x), codegen
+
+
+@intrinsic
+def _vmuladd8(typingctx, acc, a, b):
+    """``acc + a * b`` lane by lane, rounded twice (no FMA: results do not depend on the CPU)."""
+    if not (acc == _f32x8 and a == _f32x8 and b == _f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], builder.fmul(args[1], args[2]))
+
+    return _f32x8(acc, a, b), codegen
+
+
+@intrinsic
+def _hsum8(typingctx, v):
+    """``((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))``, the tree every 8-lane sum here uses."""
+    if v != _f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lane = [builder.extract_element(args[0], ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        p = [builder.fadd(lane[2 * i], lane[2 * i + 1]) for i in range(4)]
+        return builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3]))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def _store_hsum8x4_scaled(typingctx, out, row, col, scale, a, b, c, d):
+    """``out[row, col:col+4] = [tree(a), tree(b), tree(c), tree(d)] * scale``, where tree is the fixed
+    8-lane sum of ``_hsum8``: the same float operations as four ``_hsum8`` calls, four vectors at a time
+    with shuffles (pairs of lanes, then pairs of pairs, then the two halves)."""
+    if not (_is_f32_2d(out) and scale == types.float32 and a == b == c == d == _f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+
+        def shuf(x, y, idx):
+            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, len(idx)), idx))
+
+        even, odd = list(range(0, 16, 2)), list(range(1, 16, 2))
+        va, vb, vc, vd = args[4:]
+        ab = builder.fadd(shuf(va, vb, even), shuf(va, vb, odd))  # [a01 a23 a45 a67 b01 b23 b45 b67]
+        cd = builder.fadd(shuf(vc, vd, even), shuf(vc, vd, odd))
+        r = builder.fadd(shuf(ab, cd, even), shuf(ab, cd, odd))  # [a0123 a4567 b0123 b4567 c.. c.. d.. d..]
+        sums = builder.fadd(shuf(r, r, [0, 2, 4, 6]), shuf(r, r, [1, 3, 5, 7]))  # [a b c d]
+        v4 = ir.VectorType(ir.FloatType(), 4)
+        sv = builder.insert_element(ir.Constant(v4, ir.Undefined), args[3], ir.Constant(i32, 0))
+        sv = builder.shuffle_vector(sv, ir.Constant(v4, ir.Undefined), ir.Constant(ir.VectorType(i32, 4), [0] * 4))
+        p = builder.bitcast(_row_ptr(context, builder, sig, args), v4.as_pointer())
+        builder.store(builder.fmul(sums, sv), p, align=4)
+        return context.get_dummy_value()
+
+    return types.none(out, row, col, scale, a, b, c, d), codegen
+
+
+class _F64x8Type(types.Type):
+    """Eight float64 lanes (``<8 x double>``): the RMSNorm sum of squares."""
+
+    def __init__(self) -> None:
+        super().__init__(name="vec_kernels.f64x8")
+
+
+_f64x8 = _F64x8Type()
+_V8D = ir.VectorType(ir.DoubleType(), 8)
+
+
+@register_model(_F64x8Type)
+class _F64x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, _V8D)
+
+
+@intrinsic
+def _dzero8(typingctx):
+    return _f64x8(), lambda context, builder, sig, args: ir.Constant(_V8D, [0.0] * 8)
+
+
+@intrinsic
+def _dsumsq8(typingctx, acc, v):
+    """``acc + double(v) * double(v)`` lane by lane (the products of float32 values are exact in float64)."""
+    if not (acc == _f64x8 and v == _f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        d = builder.fpext(args[1], _V8D)
+        return builder.fadd(args[0], builder.fmul(d, d))
+
+    return _f64x8(acc, v), codegen
+
+
+@intrinsic
+def _dhsum8(typingctx, v):
+    """The float64 version of ``_hsum8``'s tree."""
+    if v != _f64x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lane = [builder.extract_element(args[0], ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        p = [builder.fadd(lane[2 * i], lane[2 * i + 1]) for i in range(4)]
+        return builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3]))
+
+    return types.float64(v), codegen
+
+
+# ---------------------------------------------------------------------------------------------------------
+# building blocks, inlined into the loops that call them
+#
+# Every kernel uses error_model="numpy": float division by zero then gives inf/nan as in numpy instead of
+# a check that raises ZeroDivisionError, and that check would keep LLVM from vectorizing any loop that
+# divides (SiLU).
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _exp32(x):
+    """float32 exp, within 1 ulp of the correctly rounded value, branch-free so that loops vectorize.
+
+    numba's ``np.exp`` on float32 calls libm once per element (no SVML here), ~4x slower than this. The
+    clamps keep 2^k in range: below -104 the result rounds to +0 (as expf does), above 89 to inf; NaN
+    passes through (comparisons with NaN are false).
+    """
+    x = F32(89.0) if x > F32(89.0) else x
+    x = F32(-104.0) if x < F32(-104.0) else x
+    t = x * F32(1.44269504088896341) + _EXP_SHIFTER  # k = round(x / ln 2) in the low mantissa bits
+    kf = t - _EXP_SHIFTER
+    r = x - kf * F32(0.693359375)  # Cody-Waite: ln 2 split so kf * hi is exact
+    r = r - kf * F32(-2.12194440e-4)
+    y = F32(1.9875691500e-4)  # Cephes expf polynomial on |r| <= ln2 / 2
+    y = y * r + F32(1.3981999507e-3)
+    y = y * r + F32(8.3334519073e-3)
+    y = y * r + F32(4.1665795894e-2)
+    y = y * r + F32(1.6666665459e-1)
+    y = y * r + F32(5.0000001201e-1)
+    y = y * (r * r) + r + F32(1.0)
+    return _scale_by_pow2(y, t)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _dot(a, ar, a0, b, br, b0, n):
+    """float32 ``sum(a[ar, a0:a0+n] * b[br, b0:b0+n])``: lane l of an 8-wide vector sums the products at
+    i = l mod 8 in order, the lanes are combined in a fixed tree, a scalar tail adds i >= n - n mod 8."""
+    acc = _vzero8()
+    i = 0
+    while i + 8 <= n:
+        acc = _vmuladd8(acc, _vload8(a, ar, a0 + i), _vload8(b, br, b0 + i))
+        i += 8
+    s = _hsum8(acc)
+    while i < n:
+        s += a[ar, a0 + i] * b[br, b0 + i]
+        i += 1
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RMSNorm (with or without gain)
+
+
+@njit(cache=True, error_model="numpy")
+def _rms_norm_group(x, r, c0, gain, has_gain, eps32, width, inplace, out):
+    """Normalize ``x[r, c0:c0+width]`` into ``out`` (or into x when ``inplace``).
+
+    Sum of squares in float64, 8 lanes (lane l takes i = l mod 8 in order) then the fixed tree, then a
+    scalar tail. (Indices written ``U(...)`` are unsigned: numba then skips its negative-index wraparound,
+    which would otherwise keep LLVM from vectorizing loops that start at an offset.)
+    """
+    acc = _dzero8()
+    i = 0
+    while i + 8 <= width:
+        acc = _dsumsq8(acc, _vload8(x, r, c0 + i))
+        i += 8
+    ss = _dhsum8(acc)
+    while i < width:
+        v = np.float64(x[r, U(c0 + i)])
+        ss += v * v
+        i += 1
+    # the reference's float32 steps, each rounded where numpy rounds: f32(mean), + eps, sqrt, 1 / .
+    # sqrt and 1/ are done in float64 and rounded to float32 after each one: that equals the float32
+    # operation exactly (double rounding is innocuous for + - * / sqrt when 53 >= 2 * 24 + 2)
+    ms = F32(ss / width)
+    root = F32(np.sqrt(np.float64(ms + eps32)))
+    scale = F32(1.0 / np.float64(root))
+    # separate in-place loops: with out and x the same array LLVM's overlap check would fall back to scalar
+    if has_gain:
+        if inplace:
+            for i in range(width):
+                x[r, U(c0 + i)] = (x[r, U(c0 + i)] * scale) * gain[i]
+        else:
+            for i in range(width):
+                out[r, U(c0 + i)] = (x[r, U(c0 + i)] * scale) * gain[i]
+    elif inplace:
+        for i in range(width):
+            x[r, U(c0 + i)] = x[r, U(c0 + i)] * scale
+    else:
+        for i in range(width):
+            out[r, U(c0 + i)] = x[r, U(c0 + i)] * scale
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _rms_norm_kernel(x, gain, has_gain, eps, width, out):
+    """Returns -1 when done, -2 when the shapes do not fit, -3 when x's rows are not contiguous (nothing
+    written then). ``out`` is either ``x`` itself or an array that does not overlap it."""
+    rows, cols = x.shape
+    if width < 1 or cols % width or out.shape[0] != rows or out.shape[1] != cols:
+        return -2
+    if has_gain and gain.shape[0] != width:
+        return -2
+    if x.strides[1] != 4:
+        return -3  # the sum of squares loads 8 consecutive floats of a row
+    eps32 = F32(eps)
+    n_groups = cols // width
+    inplace = x.ctypes.data == out.ctypes.data
+    for r in range(rows):
+        for g in range(n_groups):
+            _rms_norm_group(x, r, g * width, gain, has_gain, eps32, width, inplace, out)
+    return -1
+
+
+_NO_GAIN = np.zeros(1, F32)
+
+
+def _rms_norm_error(name: str, code: int, x: np.ndarray, gain: np.ndarray | None, width: int, out: np.ndarray):
+    if code == -3:
+        return ValueError(f"{name}: x must have contiguous rows (inner stride 4 bytes)")
+    want = "" if gain is None else f", gain {gain.shape} of {width} values"
+    return ValueError(f"{name}: x {x.shape} / out {out.shape} must be equal, rows a multiple of {width}{want}")
+
+
+def rms_norm(x: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
+    """``out = x / sqrt(mean(x^2) + eps)`` over every group of ``width`` values; ``out`` may be ``x``."""
+    code = _rms_norm_kernel(x, _NO_GAIN, False, eps, width, out)
+    if code != -1:
+        raise _rms_norm_error("rms_norm", code, x, None, width, out)
+
+
+def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
+    """RMSNorm fused with the gain multiply (``gain`` has ``width`` values); ``out`` may be ``x``."""
+    code = _rms_norm_kernel(x, gain, True, eps, width, out)
+    if code != -1:
+        raise _rms_norm_error("rms_norm_mul", code, x, gain, width, out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# elementwise: add, mul, silu, swiglu. Kernels take 2-D x/out and a y that is either the same shape or a 1-D
+# vector broadcast over every row (a bias or a gain; its length must divide the row length).
+
+
+@njit(cache=True, error_model="numpy")
+def _binary_row(op, x, y, r, inplace, out):
+    """Row r of ``x op y`` (op 0: +, 1: *), y the same shape or a 1-D vector repeated along the row."""
+    n = x.shape[1]
+    if y.ndim == 2:
+        if inplace:  # own loops: with out and x the same array LLVM's overlap check would fall back to scalar
+            if op == 0:
+                for i in range(n):
+                    x[r, i] = x[r, i] + y[r, i]
+            else:
+                for i in range(n):
+                    x[r, i] = x[r, i] * y[r, i]
+        elif op == 0:
+            for i in range(n):
+                out[r, i] = x[r, i] + y[r, i]
+        else:
+            for i in range(n):
+                out[r, i] = x[r, i] * y[r, i]
+    else:
+        m = y.shape[0]
+        for c0 in range(0, n, m):
+            if inplace:
+                if op == 0:
+                    for i in range(m):
+                        x[r, U(c0 + i)] = x[r, U(c0 + i)] + y[i]
+                else:
+                    for i in range(m):
+                        x[r, U(c0 + i)] = x[r, U(c0 + i)] * y[i]
+            elif op == 0:
+                for i in range(m):
+                    out[r, U(c0 + i)] = x[r, U(c0 + i)] + y[i]
+            else:
+                for i in range(m):
+                    out[r, U(c0 + i)] = x[r, U(c0 + i)] * y[i]
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _binary_kernel(op, x, y, out):
+    """Returns -1 when done, -2 when the shapes do not fit (nothing written then). ``out`` is either
+    ``x`` itself or an array that does not overlap it (y may be anything)."""
+    rows, cols = x.shape
+    if out.shape[0] != rows or out.shape[1] != cols:
+        return -2
+    if y.ndim == 2:
+        if y.shape[0] != rows or y.shape[1] != cols:
+            return -2
+    elif y.shape[0] < 1 or cols % y.shape[0]:
+        return -2
+    inplace = x.ctypes.data == out.ctypes.data
+    for r in range(rows):
+        _binary_row(op, x, y, r, inplace, out)
+    return -1
+
+
+def add(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    """``out = x + y`` (y the same shape, or a 1-D bias broadcast over rows); ``out`` may be ``x``."""
+    if _binary_kernel(0, x, y, out) != -1:
+        raise ValueError(f"add: shapes x {x.shape}, y {y.shape}, out {out.shape} do not fit")
+
+
+def mul(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    """``out = x * y`` (y the same shape, or a 1-D gain broadcast over rows/heads); ``out`` may be ``x``."""
+    if _binary_kernel(1, x, y, out) != -1:
+        raise ValueError(f"mul: shapes x {x.shape}, y {y.shape}, out {out.shape} do not fit")
+
+
+@njit(cache=True, error_model="numpy")
+def _swiglu_row(gate, up, has_up, r, where, out):
+    """The reference's float32 steps: silu = x / (1 + exp(-x)), then * up. ``where``: 0 out is its own
+    array, 1 out is gate, 2 out is up (own loops: LLVM's overlap check would fall back to scalar)."""
+    n = gate.shape[1]
+    if not has_up:
+        if where == 1:
+            for i in range(n):
+                g = gate[r, i]
+                gate[r, i] = g / (F32(1.0) + _exp32(-g))
+        else:
+            for i in range(n):
+                g = gate[r, i]
+                out[r, i] = g / (F32(1.0) + _exp32(-g))
+    elif where == 1:
+        for i in range(n):
+            g = gate[r, i]
+            gate[r, i] = (g / (F32(1.0) + _exp32(-g))) * up[r, i]
+    elif where == 2:
+        for i in range(n):
+            g = gate[r, i]
+            up[r, i] = (g / (F32(1.0) + _exp32(-g))) * up[r, i]
+    else:
+        for i in range(n):
+            g = gate[r, i]
+            out[r, i] = (g / (F32(1.0) + _exp32(-g))) * up[r, i]
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _swiglu_kernel(gate, up, has_up, out):
+    """Returns -1 when done, -2 when the shapes do not fit (nothing written then). ``out`` is gate, up,
+    or an array that overlaps neither."""
+    rows, cols = gate.shape
+    if out.shape[0] != rows or out.shape[1] != cols or up.shape[0] != rows or up.shape[1] != cols:
+        return -2
+    where = 1 if out.ctypes.data == gate.ctypes.data else (2 if has_up and out.ctypes.data == up.ctypes.data else 0)
+    for r in range(rows):
+        _swiglu_row(gate, up, has_up, r, where, out)
+    return -1
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """``out = silu(gate) * up``; ``out`` may be ``gate`` or ``up``."""
+    if _swiglu_kernel(gate, up, True, out) != -1:
+        raise ValueError(f"swiglu: shapes gate {gate.shape}, up {up.shape}, out {out.shape} must be equal")
+
+
+def silu(x: np.ndarray, out: np.ndarray) -> None:
+    """``out = x * sigmoid(x)`` computed as the reference does, ``x / (1 + exp(-x))``; ``out`` may be ``x``."""
+    if _swiglu_kernel(x, x, False, out) != -1:
+        raise ValueError(f"silu: shapes x {x.shape}, out {out.shape} must be equal")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RoPE
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _rope_head(src, dst, t, b, row, cos, sin, half, neox):
+    """Rotate the head at column b of token t: the reference's float32 ``x0*c - x1*s``, ``x0*s + x1*c``.
+
+    Inlined by numba, so that for in-place calls (``src`` and ``dst`` the same array) LLVM sees one array
+    and vectorizes without the overlap check that would send it to the scalar loop."""
+    if neox:  # pairs (i, i + n_rot/2)
+        for i in range(half):
+            x0 = src[t, U(b + i)]
+            x1 = src[t, U(b + half + i)]
+            c = cos[row, i]
+            s = sin[row, i]
+            dst[t, U(b + i)] = x0 * c - x1 * s
+            dst[t, U(b + half + i)] = x0 * s + x1 * c
+    else:  # pairs (2i, 2i + 1)
+        for i in range(half):
+            x0 = src[t, U(b + 2 * i)]
+            x1 = src[t, U(b + 2 * i + 1)]
+            c = cos[row, i]
+            s = sin[row, i]
+            dst[t, U(b + 2 * i)] = x0 * c - x1 * s
+            dst[t, U(b + 2 * i + 1)] = x0 * s + x1 * c
+
+
+@njit(cache=True, error_model="numpy")
+def _rope_row(x, t, row, cos, sin, n_head, head_dim, n_rot, neox, inplace, out):
+    """Rotate every head of token t by table row ``row``; dims from n_rot on are copied unchanged."""
+    half = n_rot // 2
+    for h in range(n_head):
+        b = h * head_dim
+        if inplace:
+            _rope_head(x, x, t, b, row, cos, sin, half, neox)
+        else:
+            _rope_head(x, out, t, b, row, cos, sin, half, neox)
+            for i in range(n_rot, head_dim):
+                out[t, U(b + i)] = x[t, U(b + i)]
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _rope_kernel(x, positions, cos, sin, direct, n_head, head_dim, n_rot, neox, out):
+    """Returns -1 when done, -2 on a geometry mismatch, else the first token whose table row is missing.
+
+    ``direct``: the tables hold one row per token (row t) instead of one row per position (row pos[t]).
+    Nothing is written unless every check passes, so the caller can grow the table and call again.
+    """
+    nt = x.shape[0]
+    if (
+        x.shape[1] != n_head * head_dim
+        or out.shape[0] != nt
+        or out.shape[1] != x.shape[1]
+        or positions.shape[0] != nt
+        or n_rot % 2
+        or n_rot > head_dim
+        or cos.shape[1] < n_rot // 2
+    ):
+        return -2
+    for t in range(nt):
+        row = np.int64(t) if direct else np.int64(positions[t])
+        if row < 0 or row >= cos.shape[0]:
+            return t
+    inplace = x.ctypes.data == out.ctypes.data
+    for t in range(nt):
+        row = np.int64(t) if direct else np.int64(positions[t])
+        _rope_row(x, t, row, cos, sin, n_head, head_dim, n_rot, neox, inplace, out)
+    return -1
+
+
+class RopeTable:
+    """cos/sin of RoPE angles for positions ``0..n_pos-1`` of one geometry, shared by q and k of every layer.
+
+    Computed by numpy with the reference's expressions (``reference.rope_freqs``, float64 angles
+    ``pos * freq``, ``cos``/``sin`` cast to float32), so a row is bit-identical to what the reference
+    computes for that position. The table grows (doubling) when a position beyond it shows up.
+    """
+
+    def __init__(self, head_dim: int, n_rot: int, freq_base: float, freq_scale: float, n_pos: int = 4096) -> None:
+        from minfer.backends.cpu.reference import rope_freqs
+        from minfer.graph.ir import RopeMeta, RopeStyle
+
+        if n_rot % 2 or not 0 < n_rot <= head_dim:
+            raise ValueError(f"RoPE: n_rot {n_rot} must be even and in 1..head_dim ({head_dim})")
+        self.head_dim = head_dim
+        self.n_rot = n_rot
+        meta = RopeMeta(
+            n_head=1, head_dim=head_dim, n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, style=RopeStyle.NEOX
+        )
+        self.freqs = rope_freqs(meta)  # float64 [n_rot/2]
+        self._lock = threading.Lock()
+        self.cos, self.sin = self.cos_sin(np.arange(max(1, n_pos)))
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32 cos/sin ``[len(positions), n_rot/2]`` for these positions, exactly as the reference computes."""
+        theta = np.asarray(positions).astype(np.float64)[:, None] * self.freqs[None, :]
+        return np.cos(theta).astype(F32), np.sin(theta).astype(F32)
+
+    def _grow(self, positions: np.ndarray) -> None:
+        need = int(positions.max()) + 1
+        with self._lock:
+            n = self.cos.shape[0]
+            if need > n:
+                while n < need:
+                    n *= 2
+                cos, sin = self.cos_sin(np.arange(n))
+                self.cos, self.sin = cos, sin  # readers see either the old or the new pair, both valid
+
+    def apply(self, x: np.ndarray, positions: np.ndarray, n_head: int, neox: bool, out: np.ndarray) -> None:
+        """RoPE of ``x [tokens, n_head*head_dim]`` at ``positions`` into ``out`` (which may be ``x``)."""
+        cos, sin = self.cos, self.sin
+        code = _rope_kernel(x, positions, cos, sin, False, n_head, self.head_dim, self.n_rot, neox, out)
+        if code == -1:
+            return
+        if code == -2:
+            raise ValueError(
+                f"rope: x {x.shape}, positions {positions.shape}, out {out.shape} do not fit n_head {n_head} "
+                f"x head_dim {self.head_dim}, n_rot {self.n_rot}"
+            )
+        if int(positions.min()) < 0:
+            # a negative position has no table row: use tables computed for exactly these positions
+            cos, sin = self.cos_sin(positions)
+            code = _rope_kernel(x, positions, cos, sin, True, n_head, self.head_dim, self.n_rot, neox, out)
+        else:
+            self._grow(positions)
+            code = _rope_kernel(x, positions, self.cos, self.sin, False, n_head, self.head_dim, self.n_rot, neox, out)
+        assert code == -1, code
+
+
+_rope_tables: dict[tuple[int, int, float, float], RopeTable] = {}
+
+
+def rope_table(head_dim: int, n_rot: int, freq_base: float, freq_scale: float) -> RopeTable:
+    """The process-wide table for one RoPE geometry (created on first use)."""
+    key = (head_dim, n_rot, float(freq_base), float(freq_scale))
+    table = _rope_tables.get(key)
+    if table is None:
+        table = _rope_tables.setdefault(key, RopeTable(head_dim, n_rot, freq_base, freq_scale))
+    return table
+
+
+def rope(
+    x: np.ndarray,
+    positions: np.ndarray,
+    n_head: int,
+    head_dim: int,
+    n_rot: int,
+    freq_base: float,
+    freq_scale: float,
+    neox: bool,
+    out: np.ndarray,
+) -> None:
+    """RoPE in place or into ``out``; NEOX pairs (i, i + n_rot/2), otherwise (2i, 2i+1).
+
+    Looks the table up per call (a dict access); a caller that runs many RoPEs holds the
+    :class:`RopeTable` from :func:`rope_table` and calls its ``apply``.
+    """
+    rope_table(head_dim, n_rot, freq_base, freq_scale).apply(x, positions, n_head, neox, out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV store
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _kv_store_kernel(k, v, positions, k_region, v_region):
+    """Returns -1 when stored, -2 on a shape mismatch, else the first token whose position is outside the
+    context (nothing is written then)."""
+    nt = k.shape[0]
+    n_ctx = k_region.shape[0]
+    if (
+        v.shape[0] != nt
+        or positions.shape[0] != nt
+        or k.shape[1] != k_region.shape[1]
+        or v.shape[1] != v_region.shape[1]
+        or v_region.shape[0] != n_ctx
+    ):
+        return -2
+    for t in range(nt):
+        if positions[t] < 0 or positions[t] >= n_ctx:
+            return t
+    for t in range(nt):
+        p = positions[t]
+        for i in range(k.shape[1]):
+            k_region[p, i] = k[t, i]
+        for i in range(v.shape[1]):
+            v_region[p, i] = v[t, i]
+    return -1
+
+
+def kv_store(
+    k: np.ndarray,
+    v: np.ndarray,
+    positions: np.ndarray,
+    k_region: np.ndarray,
+    v_region: np.ndarray,
+    layer: int | None = None,
+) -> None:
+    """Write token t's K/V rows at row ``positions[t]`` of the layer's regions (positions are data)."""
+    code = _kv_store_kernel(k, v, positions, k_region, v_region)
+    if code == -1:
+        return
+    where = "" if layer is None else f"layer {layer}: "
+    if code == -2:
+        raise ValueError(
+            f"{where}kv_store: k {k.shape}, v {v.shape}, positions {positions.shape} do not fit the regions "
+            f"{k_region.shape} / {v_region.shape}"
+        )
+    raise ContextOverflowError(
+        f"{where}KV store position {int(positions[code])} (token {code}) is outside the context of "
+        f"{k_region.shape[0]} positions"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_scores(q, t, qo, kr, ko, j0, j1, hdk, scale32, sc, row):
+    """``sc[row, j] = dot(q[t, qo:qo+hdk], kr[j, ko:ko+hdk]) * scale`` for j in j0..j1-1.
+
+    Four keys per pass share the q loads; a key's score is the same float operations (8 lanes over the
+    head dim, then the fixed tree) whether it is computed in a group of four or alone.
+    """
+    j = j0
+    if hdk % 8 == 0:
+        while j + 4 <= j1:
+            a0 = a1 = a2 = a3 = _vzero8()
+            for c in range(0, hdk, 8):
+                qv = _vload8(q, t, qo + c)
+                a0 = _vmuladd8(a0, qv, _vload8(kr, j, ko + c))
+                a1 = _vmuladd8(a1, qv, _vload8(kr, j + 1, ko + c))
+                a2 = _vmuladd8(a2, qv, _vload8(kr, j + 2, ko + c))
+                a3 = _vmuladd8(a3, qv, _vload8(kr, j + 3, ko + c))
+            _store_hsum8x4_scaled(sc, row, j, scale32, a0, a1, a2, a3)
+            j += 4
+    while j < j1:
+        sc[row, j] = _dot(q, t, qo, kr, j, ko, hdk) * scale32
+        j += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_softmax(sc, row, n):
+    """Scores -> weights in place: the reference's row max, float32 exp, float64 sum, ``e * f32(1/sum)``."""
+    m = sc[row, 0]
+    for j in range(1, n):
+        m = sc[row, j] if sc[row, j] > m else m
+    for j in range(n):
+        sc[row, j] = _exp32(sc[row, j] - m)
+    s0 = s1 = s2 = s3 = 0.0  # float64 sum in 4 lanes
+    j = 0
+    while j + 4 <= n:
+        s0 += np.float64(sc[row, j])
+        s1 += np.float64(sc[row, j + 1])
+        s2 += np.float64(sc[row, j + 2])
+        s3 += np.float64(sc[row, j + 3])
+        j += 4
+    tot = (s0 + s1) + (s2 + s3)
+    while j < n:
+        tot += np.float64(sc[row, j])
+        j += 1
+    inv = F32(1.0 / tot)
+    for j in range(n):
+        sc[row, j] = sc[row, j] * inv
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_pv(sc, row, vr, vo, j0, j1, hdv, out, t, oo):
+    """``out[t, oo:oo+hdv] += sum_{j0 <= j < j1} w_j * vr[j, vo:vo+hdv]``, each output value adding its
+    products in key order (so splitting a chunk into key blocks changes nothing). 64 values per pass in
+    eight vector accumulators (enough independent chains to hide the add latency), then 8, then 1."""
+    d = 0
+    while d + 64 <= hdv:
+        c = oo + d
+        o0 = _vload8(out, t, c)
+        o1 = _vload8(out, t, c + 8)
+        o2 = _vload8(out, t, c + 16)
+        o3 = _vload8(out, t, c + 24)
+        o4 = _vload8(out, t, c + 32)
+        o5 = _vload8(out, t, c + 40)
+        o6 = _vload8(out, t, c + 48)
+        o7 = _vload8(out, t, c + 56)
+        cv = vo + d
+        for j in range(j0, j1):
+            w = _vsplat8(sc[row, j])
+            o0 = _vmuladd8(o0, w, _vload8(vr, j, cv))
+            o1 = _vmuladd8(o1, w, _vload8(vr, j, cv + 8))
+            o2 = _vmuladd8(o2, w, _vload8(vr, j, cv + 16))
+            o3 = _vmuladd8(o3, w, _vload8(vr, j, cv + 24))
+            o4 = _vmuladd8(o4, w, _vload8(vr, j, cv + 32))
+            o5 = _vmuladd8(o5, w, _vload8(vr, j, cv + 40))
+            o6 = _vmuladd8(o6, w, _vload8(vr, j, cv + 48))
+            o7 = _vmuladd8(o7, w, _vload8(vr, j, cv + 56))
+        _vstore8(out, t, c, o0)
+        _vstore8(out, t, c + 8, o1)
+        _vstore8(out, t, c + 16, o2)
+        _vstore8(out, t, c + 24, o3)
+        _vstore8(out, t, c + 32, o4)
+        _vstore8(out, t, c + 40, o5)
+        _vstore8(out, t, c + 48, o6)
+        _vstore8(out, t, c + 56, o7)
+        d += 64
+    while d + 8 <= hdv:
+        o0 = _vload8(out, t, oo + d)
+        for j in range(j0, j1):
+            o0 = _vmuladd8(o0, _vsplat8(sc[row, j]), _vload8(vr, j, vo + d))
+        _vstore8(out, t, oo + d, o0)
+        d += 8
+    while d < hdv:
+        acc = out[t, oo + d]
+        for j in range(j0, j1):
+            acc += sc[row, j] * vr[j, vo + d]
+        out[t, oo + d] = acc
+        d += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, out):
+    """Query heads h0..h1-1 (all reading kv head g) for tokens t0..t1-1: what one worker owns.
+
+    Keys are taken in blocks of ``ATTN_KEY_BLOCK`` rows; each block of K (then of V) is used by every
+    (token, head) pair of the unit while it sits in L1, instead of being streamed from L2/L3 once per
+    query head and token. Every (token, head) result is the same float operations whatever the unit's
+    shape, so the split into units (which follows the thread count) never changes a bit.
+    """
+    nh = h1 - h0
+    ko = g * hdk
+    vo = g * hdv
+    kend = 0
+    for t in range(t0, t1):
+        kend = max(kend, pos[t] + 1)  # the window is the mask: rows beyond pos[t] are never read
+    sc = np.empty(((t1 - t0) * nh, max_len), F32)
+    for k0 in range(0, kend, ATTN_KEY_BLOCK):
+        k1 = min(kend, k0 + ATTN_KEY_BLOCK)
+        for t in range(t0, t1):
+            j1 = min(k1, pos[t] + 1)
+            for h in range(h0, h1):
+                _attn_scores(q, t, h * hdk, kr, ko, k0, j1, hdk, scale32, sc, (t - t0) * nh + h - h0)
+    for t in range(t0, t1):
+        for h in range(h0, h1):
+            _attn_softmax(sc, (t - t0) * nh + h - h0, pos[t] + 1)
+            for d in range(h * hdv, (h + 1) * hdv):
+                out[t, d] = F32(0.0)
+    part = np.empty(((t1 - t0) * nh, hdv), F32)  # this chunk's sum of w_j v_j, per (token, head)
+    for k0 in range(0, kend, ATTN_KEY_BLOCK):
+        k1 = min(kend, k0 + ATTN_KEY_BLOCK)
+        for t in range(t0, t1):
+            n = pos[t] + 1
+            if k0 >= n:
+                continue
+            j1 = min(k1, n)
+            flush = (k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == n  # chunk or window ends here
+            for h in range(h0, h1):
+                row = (t - t0) * nh + h - h0
+                if k0 % ATTN_KEY_CHUNK == 0:
+                    for d in range(hdv):
+                        part[row, d] = F32(0.0)
+                _attn_pv(sc, row, vr, vo, k0, j1, hdv, part, row, 0)
+                if flush:
+                    for d in range(hdv):
+                        out[t, h * hdv + d] += part[row, d]
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_task(
+    phase, u, n_blocks, n_sub, per_sub, n_chunks, group, q, kr, vr, pos, hdk, hdv, scale32, max_len, sc, part, out
+):
+    """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
+    Phases 1-3 split one token's keys (see ``attention``): 1 scores of (kv head, key chunk), 2 softmax of
+    one head, 3 the chunk sums of w_j v_j of (kv head, key chunk), each unit computing exactly what
+    ``_attn_unit`` computes for those keys."""
+    if phase == 0:
+        nt = q.shape[0]
+        b = u % n_blocks
+        s = (u // n_blocks) % n_sub
+        g = u // (n_blocks * n_sub)
+        # zigzag the token blocks (0, n-1, 1, n-2, ...): with causal windows their cost grows with the
+        # token index, and any contiguous range of units (what a worker gets) then holds a balanced mix
+        b = b // 2 if b % 2 == 0 else n_blocks - 1 - b // 2
+        h0 = g * group + s * per_sub
+        h1 = min(g * group + group, h0 + per_sub)
+        t0 = b * ATTN_TOKEN_BLOCK
+        _attn_unit(q, kr, vr, pos, g, h0, h1, t0, min(nt, t0 + ATTN_TOKEN_BLOCK), hdk, hdv, scale32, max_len, out)
+    elif phase == 2:
+        _attn_softmax(sc, u, max_len)
+    else:
+        g = u // n_chunks
+        c = u % n_chunks
+        c0 = c * ATTN_KEY_CHUNK
+        c1 = min(max_len, c0 + ATTN_KEY_CHUNK)
+        if phase == 3:
+            for h in range(g * group, (g + 1) * group):
+                for d in range(hdv):
+                    part[h * n_chunks + c, d] = F32(0.0)
+        for k0 in range(c0, c1, ATTN_KEY_BLOCK):  # key blocks shared by the group's heads while in L1
+            k1 = min(c1, k0 + ATTN_KEY_BLOCK)
+            for h in range(g * group, (g + 1) * group):
+                if phase == 1:
+                    _attn_scores(q, 0, h * hdk, kr, g * hdk, k0, k1, hdk, scale32, sc, h)
+                else:
+                    _attn_pv(sc, h, vr, g * hdv, k0, k1, hdv, part, h * n_chunks + c, 0)
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _attn_kernel(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, out):
+    """Returns -1 when done, -2 on a geometry mismatch, -3 when rows are not contiguous, -4 when out is q,
+    else the first token whose position is outside the regions (nothing is written then).
+
+    ``phase`` 0 computes everything; 1, 2, 3 are the steps of a decode split by keys, which the caller
+    runs in order with the scratch ``sc [n_head, window]`` and ``part [n_head * n_chunks, head_dim_v]``
+    (phase 0 ignores them)."""
+    nt = q.shape[0]
+    n_ctx = k_region.shape[0]
+    if (
+        n_head_kv < 1
+        or n_head % n_head_kv
+        or hdk < 1
+        or hdv < 1
+        or q.shape[1] != n_head * hdk
+        or out.shape[0] != nt
+        or out.shape[1] != n_head * hdv
+        or positions.shape[0] != nt
+        or k_region.shape[1] != n_head_kv * hdk
+        or v_region.shape[1] != n_head_kv * hdv
+        or v_region.shape[0] != n_ctx
+    ):
+        return -2
+    if q.strides[1] != 4 or k_region.strides[1] != 4 or v_region.strides[1] != 4 or out.strides[1] != 4:
+        return -3  # the vector loads/stores move 8 consecutive floats of a row
+    if out.ctypes.data == q.ctypes.data:
+        return -4  # out rows are accumulated in place while other workers still read q
+    max_len = 0
+    for t in range(nt):
+        p = positions[t]
+        if p < 0 or p >= n_ctx:
+            return t
+        max_len = max(max_len, p + 1)
+    group = n_head // n_head_kv
+    n_blocks = (nt + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+    n_chunks = (max_len + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
+    scale32 = F32(scale)
+    # phase 0 units: (kv head, subset of its query heads, token block). A unit reads its K/V blocks once
+    # for all its heads; only when there are fewer (kv head, token block) pairs than threads are a
+    # group's heads split over units, so that every thread gets work. (Splitting sooner measured slower
+    # for decode, which is bound by reading K/V: a split reads them twice.) The thread count comes from
+    # the caller: numba's get_num_threads inside a kernel would keep it out of the on-disk cache.
+    n_sub = 1
+    if n_head_kv * n_blocks < n_threads:
+        n_sub = min(group, (n_threads + n_head_kv * n_blocks - 1) // (n_head_kv * n_blocks))
+    per_sub = (group + n_sub - 1) // n_sub
+    n_sub = (group + per_sub - 1) // per_sub
+    if phase == 0:
+        n_units = n_head_kv * n_sub * n_blocks
+    elif phase == 2:
+        n_units = n_head
+    else:
+        if nt != 1 or sc.shape[0] != n_head or sc.shape[1] < max_len or part.shape[0] != n_head * n_chunks:
+            return -2
+        if part.shape[1] != hdv:
+            return -2
+        n_units = n_head_kv * n_chunks
+    for u in prange(n_units):
+        _attn_task(
+            phase,
+            u,
+            n_blocks,
+            n_sub,
+            per_sub,
+            n_chunks,
+            group,
+            q,
+            k_region,
+            v_region,
+            positions,
+            hdk,
+            hdv,
+            scale32,
+            max_len,
+            sc,
+            part,
+            out,
+        )
+    if phase == 3:  # each head adds its chunk sums in chunk order, as _attn_unit does
+        for h in range(n_head):
+            for d in range(hdv):
+                acc = F32(0.0)
+                for c in range(n_chunks):
+                    acc += part[h * n_chunks + c, d]
+                out[0, h * hdv + d] = acc
+    return -1
+
+
+_NO_SCRATCH = np.zeros((1, 1), F32)
+
+
+def _attention_split_by_keys(
+    q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+) -> int:
+    """One token's attention as three kernel calls split by keys; -5 when its window fits one key chunk
+    (or its position is not valid: the single-step path then reports it), else the kernel's code."""
+    n = int(positions[0]) + 1
+    n_chunks = (n + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
+    if n_chunks < 2 or n > k_region.shape[0]:
+        return -5
+    sc = np.empty((n_head, n), F32)
+    part = np.empty((n_head * n_chunks, head_dim_v), F32)
+    code = -1
+    for phase in (1, 2, 3):
+        code = _attn_kernel(
+            q,
+            k_region,
+            v_region,
+            positions,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            scale,
+            n_threads,
+            phase,
+            sc,
+            part,
+            out,
+        )
+        if code != -1:
+            break
+    return code
+
+
+def attention(
+    q: np.ndarray,
+    k_region: np.ndarray,
+    v_region: np.ndarray,
+    positions: np.ndarray,
+    n_head: int,
+    n_head_kv: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    scale: float,
+    out: np.ndarray,
+) -> None:
+    """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group.
+
+    ``out`` ``[tokens, n_head * head_dim_v]`` must not overlap ``q``. Runs on numba's threads (``numba.
+    set_num_threads``); the result does not depend on their number.
+
+    A decode step (one token) whose window spans several key chunks runs as three parallel steps split
+    by keys (scores, softmax, chunk sums): one token has too few heads to keep the threads busy on whole
+    heads. Its result is bit-identical to the single-step path's.
+    """
+    n_threads = get_num_threads()
+    code = -5
+    if q.shape[0] == 1 and n_threads > 1:
+        code = _attention_split_by_keys(
+            q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+        )
+    if code == -5:
+        code = _attn_kernel(
+            q,
+            k_region,
+            v_region,
+            positions,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            scale,
+            n_threads,
+            0,
+            _NO_SCRATCH,
+            _NO_SCRATCH,
+            out,
+        )
+    if code == -1:
+        return
+    if code == -3:
+        raise ValueError("attention: q, the K/V regions and out must have contiguous rows (inner stride 4 bytes)")
+    if code == -4:
+        raise ValueError("attention: out must not be q (it is written while q is read)")
+    if code == -2:
+        raise ValueError(
+            f"attention: q {q.shape}, regions {k_region.shape} / {v_region.shape}, positions {positions.shape}, "
+            f"out {out.shape} do not fit n_head {n_head}, n_head_kv {n_head_kv}, head dims {head_dim_k}/{head_dim_v}"
+        )
+    raise ContextOverflowError(
+        f"attention: position {int(positions[code])} (token {code}) is outside the KV regions of "
+        f"{k_region.shape[0]} positions"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# warmup
+
+
+def warmup() -> None:
+    """Compile (or load from the on-disk cache) every kernel signature the engine uses.
+
+    Signatures: float32 C-contiguous 2-D activations and regions, 1-D float32 gains/biases, 1-D int32
+    positions, Python int/float/bool scalars. Anything else (int64 positions, non-contiguous views)
+    still works but compiles its own specialization on first use.
+    """
+    x = np.ones((2, 16), F32)
+    out = np.empty_like(x)
+    rms_norm(x, 1e-5, 16, out)
+    rms_norm_mul(x, x[0], 1e-5, 16, out)
+    add(x, x, out)
+    add(x, x[0], out)
+    mul(x, x, out)
+    mul(x, x[0], out)
+    swiglu(x, x, out)
+    silu(x, out)
+    pos = np.zeros(2, np.int32)
+    RopeTable(8, 8, 10000.0, 1.0, n_pos=2).apply(x, pos, 2, True, np.empty_like(x))
+    regions = np.zeros((4, 16), F32), np.zeros((4, 16), F32)
+    kv_store(x, x, pos, *regions)
+    attention(x, *regions, pos, 2, 2, 8, 8, 0.5, np.empty_like(x))

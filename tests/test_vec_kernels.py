@@ -1,0 +1,419 @@
+"""The numba vector kernels against the numpy reference (``backends/cpu/reference.py``).
+
+Tolerances, and why:
+* add, mul, RoPE, KV store: bit-identical (one float32 operation per element in the same order; RoPE's
+  tables come from the reference's own numpy expressions).
+* RMSNorm (+ gain): at most 1 ulp (measured: identical on 2 million values): only the float64 sum of
+  squares is added in a different order than numpy's, which can move the float32 mean only when it lies
+  within ~1e-16 relative of a rounding boundary.
+* SiLU / SwiGLU: at most 5 ulp: both sides use a float32 exp (ours within 1 ulp of the correctly rounded
+  value, numpy's within 2, so up to 3 apart), and the quotient and the product round once more each.
+  Measured on random data: 84% identical, 12% 1 ulp, 3.7% 2, 0.2% 3, 0.01% 4.
+* attention: 1e-5 absolute on O(1) data: dot products, softmax sum and weighted sum of V are summed in a
+  different order than BLAS does (all float32 except the float64 softmax sum), and exp differs by up to
+  3 ulp. Measured: at most 7e-7 at decode (context up to 4096), 3e-6 for prefills of 128-512 tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+from minfer.backends.cpu import reference as ref
+from minfer.backends.cpu import vec_kernels as vk
+from minfer.errors import ContextOverflowError
+from minfer.graph.ir import AttnMeta, RopeMeta, RopeStyle
+
+F32 = np.float32
+MAX_THREADS = numba.config.NUMBA_NUM_THREADS
+
+
+def ulps(a: np.ndarray, b: np.ndarray) -> int:
+    """Largest distance in float32 units in the last place (signed values mapped onto one integer line)."""
+    assert a.shape == b.shape and a.dtype == b.dtype == F32
+    assert np.array_equal(np.isnan(a), np.isnan(b))
+
+    def line(x):
+        i = x.view(np.int32).astype(np.int64)
+        return np.where(i < 0, np.int64(-(2**31)) - i, i)
+
+    ok = ~np.isnan(a)
+    return int(np.abs(line(a[ok]) - line(b[ok])).max(initial=0))
+
+
+def at_threads(n: int, fn):
+    old = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        numba.set_num_threads(old)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def test_warmup_compiles_everything():
+    vk.warmup()
+
+
+# ----------------------------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize(
+    ("shape", "width"),
+    [((1, 576), 576), ((7, 576), 576), ((5, 9 * 64), 64), ((3, 60), 20), ((2, 13), 13), ((64, 576), 576)],
+)
+def test_rms_norm_mul_matches_reference(rng, shape, width):
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 100, (shape[0], 1))).astype(F32)
+    gain = rng.standard_normal(width).astype(F32)
+    expect, got, plain_expect, plain = (np.empty_like(x) for _ in range(4))
+    ref.rms_norm_mul(x, gain, 1e-5, width, expect)
+    vk.rms_norm_mul(x, gain, 1e-5, width, got)
+    assert ulps(got, expect) <= 1
+    ref.rms_norm(x, 1e-6, width, plain_expect)
+    vk.rms_norm(x, 1e-6, width, plain)
+    assert ulps(plain, plain_expect) <= 1
+    # in place: out is x
+    y = x.copy()
+    vk.rms_norm_mul(y, gain, 1e-5, width, y)
+    np.testing.assert_array_equal(y, got)
+    y = x.copy()
+    vk.rms_norm(y, 1e-6, width, y)
+    np.testing.assert_array_equal(y, plain)
+
+
+def test_rms_norm_known_answer_and_float64_sum(rng):
+    x = np.array([[1, 2, 3, 4]], F32)
+    out = np.empty_like(x)
+    vk.rms_norm(x, 0.0, 4, out)
+    np.testing.assert_allclose(out[0], x[0] / math.sqrt(7.5), rtol=2.5e-7)
+    big = (rng.standard_normal((3, 4096)) * 1e4).astype(F32)
+    out = np.empty_like(big)
+    vk.rms_norm(big, 1e-5, 4096, out)
+    expect = big.astype(np.float64) / np.sqrt((big.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(out, expect, rtol=2e-7)
+
+
+def test_rms_norm_rejects_bad_shapes():
+    x = np.ones((2, 10), F32)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        vk.rms_norm(x, 1e-5, 4, np.empty_like(x))
+    with pytest.raises(ValueError, match="gain"):
+        vk.rms_norm_mul(x, np.ones(5, F32), 1e-5, 10, np.empty_like(x))
+
+
+# ----------------------------------------------------------------------------------------- elementwise
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 13), (128, 576)])
+def test_add_and_mul_match_reference_exactly(rng, shape):
+    x = rng.standard_normal(shape).astype(F32)
+    y = rng.standard_normal(shape).astype(F32)
+    bias = rng.standard_normal(shape[1]).astype(F32)
+    for vk_op, ref_op in ((vk.add, ref.add), (vk.mul, ref.mul)):
+        for other in (y, bias):
+            expect, got = np.empty_like(x), np.empty_like(x)
+            ref_op(x, other, expect)
+            vk_op(x, other, got)
+            np.testing.assert_array_equal(got, expect)
+            inplace = x.copy()
+            vk_op(inplace, other, inplace)  # out is x
+            np.testing.assert_array_equal(inplace, expect)
+
+
+def test_mul_broadcasts_a_per_head_gain(rng):
+    x = rng.standard_normal((4, 3 * 20)).astype(F32)
+    gain = rng.standard_normal(20).astype(F32)
+    expect, got = np.empty_like(x), np.empty_like(x)
+    ref.mul(x, gain, expect)
+    vk.mul(x, gain, got)
+    np.testing.assert_array_equal(got, expect)
+    with pytest.raises(ValueError, match="do not fit"):
+        vk.add(x, np.ones(7, F32), got)
+
+
+def _silu_inputs(rng, shape):
+    x = (rng.standard_normal(shape) * 4).astype(F32)
+    special = np.array([0, -0.0, 1e-30, -1e-30, 88, -88, 88.7, -88.7, 89, -89, 100, -100, 1e30, -1e30], F32)
+    x.reshape(-1)[: special.size] = special[: x.size]
+    return x
+
+
+@pytest.mark.parametrize("shape", [(1, 1536), (3, 21), (64, 1536)])
+def test_swiglu_and_silu_match_reference(rng, shape):
+    gate = _silu_inputs(rng, shape)
+    up = rng.standard_normal(shape).astype(F32)
+    expect, got = np.empty_like(gate), np.empty_like(gate)
+    with np.errstate(over="ignore"):
+        ref.swiglu(gate, up, expect)
+    vk.swiglu(gate, up, got)
+    assert ulps(got, expect) <= 5
+    with np.errstate(over="ignore"):
+        ref.silu(gate, expect)
+    vk.silu(gate, got)
+    assert ulps(got, expect) <= 5
+    # in place into either operand
+    g2, u2 = gate.copy(), up.copy()
+    vk.swiglu(g2, up, g2)
+    vk.swiglu(gate, u2, u2)
+    ref_sw = np.empty_like(gate)
+    vk.swiglu(gate, up, ref_sw)
+    np.testing.assert_array_equal(g2, ref_sw)
+    np.testing.assert_array_equal(u2, ref_sw)
+    g2 = gate.copy()
+    vk.silu(g2, g2)
+    np.testing.assert_array_equal(g2, got)
+
+
+def test_silu_special_values():
+    x = np.array([[np.nan, np.inf, -np.inf, 0.0, -0.0, -200.0, 200.0]], F32)
+    out, expect = np.empty_like(x), np.empty_like(x)
+    vk.silu(x, out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref.silu(x, expect)
+    np.testing.assert_array_equal(out, expect)  # NaN where the reference has NaN (-inf / inf)
+    assert out[0, 5] == 0.0 and out[0, 6] == 200.0  # -200 / inf is a zero, not NaN
+
+
+# ------------------------------------------------------------------------------------------------- RoPE
+
+
+@pytest.mark.parametrize("style", [RopeStyle.NORMAL, RopeStyle.NEOX])
+@pytest.mark.parametrize(
+    ("n_head", "head_dim", "n_rot", "positions"),
+    [
+        (9, 64, 64, [0]),  # first token
+        (9, 64, 64, [517]),  # decode of a continued sequence
+        (2, 20, 20, list(range(40, 47))),  # head_dim not a multiple of 8, positions not from 0
+        (3, 64, 32, [3, 1, 4, 1, 5]),  # partial rotary, any order, repeats
+        (9, 64, 64, list(range(0, 128))),  # prefill (the parallel path)
+    ],
+)
+def test_rope_matches_reference_exactly(rng, style, n_head, head_dim, n_rot, positions):
+    pos = np.array(positions, np.int32)
+    x = rng.standard_normal((len(pos), n_head * head_dim)).astype(F32)
+    meta = RopeMeta(n_head, head_dim, n_rot, 10000.0, 1.0, style)
+    expect, got = np.empty_like(x), np.empty_like(x)
+    ref.rope(x, pos, meta, expect)
+    neox = style is RopeStyle.NEOX
+    vk.rope(x, pos, n_head, head_dim, n_rot, 10000.0, 1.0, neox, got)
+    np.testing.assert_array_equal(got, expect)
+    inplace = x.copy()
+    vk.rope(inplace, pos, n_head, head_dim, n_rot, 10000.0, 1.0, neox, inplace)
+    np.testing.assert_array_equal(inplace, expect)
+
+
+def test_rope_table_grows_and_handles_negative_positions(rng):
+    table = vk.RopeTable(head_dim=16, n_rot=16, freq_base=1e6, freq_scale=0.25, n_pos=8)
+    meta = RopeMeta(2, 16, 16, 1e6, 0.25, RopeStyle.NEOX)
+    for positions in ([3, 7], [100, 5000], [-3, 2]):
+        pos = np.array(positions, np.int32)
+        x = rng.standard_normal((len(pos), 32)).astype(F32)
+        expect, got = np.empty_like(x), np.empty_like(x)
+        ref.rope(x, pos, meta, expect)
+        table.apply(x, pos, 2, True, got)
+        np.testing.assert_array_equal(got, expect)
+    assert table.cos.shape[0] >= 5001
+    cos, sin = table.cos_sin(np.array([5000]))
+    np.testing.assert_array_equal(cos[0], table.cos[5000])
+    with pytest.raises(ValueError, match="do not fit"):
+        table.apply(np.ones((1, 30), F32), np.zeros(1, np.int32), 2, True, np.ones((1, 30), F32))
+
+
+def test_rope_worked_example():
+    x = np.array([[1.0, 2.0, 3.0, 4.0]], F32)
+    out = np.empty_like(x)
+    vk.rope(x, np.array([2], np.int32), 1, 4, 4, 1e4, 1.0, False, out)
+    for (i0, i1), angle in zip([(0, 1), (2, 3)], [2.0, 0.02], strict=True):
+        assert out[0, i0] == pytest.approx(x[0, i0] * math.cos(angle) - x[0, i1] * math.sin(angle), abs=1e-6)
+        assert out[0, i1] == pytest.approx(x[0, i0] * math.sin(angle) + x[0, i1] * math.cos(angle), abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- KV store
+
+
+def test_kv_store_matches_reference_and_refuses_overflow(rng):
+    n_ctx, kw, vw = 16, 3 * 20, 3 * 24
+    k_ref, v_ref = np.zeros((n_ctx, kw), F32), np.zeros((n_ctx, vw), F32)
+    k_reg, v_reg = k_ref.copy(), v_ref.copy()
+    for positions in ([0, 1, 2], [9], [15, 4]):
+        pos = np.array(positions, np.int32)
+        k = rng.standard_normal((len(pos), kw)).astype(F32)
+        v = rng.standard_normal((len(pos), vw)).astype(F32)
+        ref.kv_store(k, v, pos, k_ref, v_ref, 0)
+        vk.kv_store(k, v, pos, k_reg, v_reg, layer=0)
+        np.testing.assert_array_equal(k_reg, k_ref)
+        np.testing.assert_array_equal(v_reg, v_ref)
+    before = k_reg.copy()
+    with pytest.raises(ContextOverflowError, match="layer 3: KV store position 16 \\(token 1\\)"):
+        vk.kv_store(np.ones((2, kw), F32), np.ones((2, vw), F32), np.array([5, 16], np.int32), k_reg, v_reg, 3)
+    np.testing.assert_array_equal(k_reg, before)  # nothing written: the check runs before any row moves
+    with pytest.raises(ValueError, match="do not fit"):
+        vk.kv_store(np.ones((1, kw + 1), F32), np.ones((1, vw), F32), np.array([0], np.int32), k_reg, v_reg)
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+
+def _attn_case(rng, n_head, n_head_kv, hdk, hdv, positions, n_ctx):
+    """q, K/V regions with this call's rows stored, and garbage (NaN, 1e30) beyond the attended window."""
+    pos = np.array(positions, np.int32)
+    q = rng.standard_normal((len(pos), n_head * hdk)).astype(F32)
+    k_reg = rng.standard_normal((n_ctx, n_head_kv * hdk)).astype(F32)
+    v_reg = rng.standard_normal((n_ctx, n_head_kv * hdv)).astype(F32)
+    end = int(pos.max()) + 1
+    k_reg[end::2], v_reg[end::2] = np.nan, np.nan
+    k_reg[end + 1 :: 2], v_reg[end + 1 :: 2] = 1e30, -1e30
+    return q, k_reg, v_reg, pos
+
+
+def _ref_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale):
+    out = np.empty((len(pos), n_head * hdv), F32)
+    ref.attention(q, k_reg, v_reg, pos, AttnMeta(0, n_head, n_head_kv, hdk, hdv, scale), out)
+    return out
+
+
+def _vk_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale):
+    out = np.full((len(pos), n_head * hdv), np.nan, F32)
+    vk.attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n_head", "n_head_kv", "hdk", "hdv", "positions"),
+    [
+        (9, 3, 64, 64, [0]),  # first token: window of one row
+        (9, 3, 64, 64, [700]),  # decode deep into a sequence
+        (4, 4, 20, 20, list(range(0, 33))),  # group 1, head dim not a multiple of 8, prefill
+        (6, 3, 64, 64, list(range(50, 90))),  # group 2, prefill continuing a sequence
+        (6, 2, 24, 20, [5, 6, 7]),  # group 3, head_dim_v != head_dim_k
+        (2, 1, 8, 8, [3, 0, 9, 9]),  # positions in any order (attention only reads the window)
+        (2, 1, 72, 136, list(range(0, 70))),  # head dims 64 + 8 and 2 x 64 + 8, two key blocks
+    ],
+)
+def test_attention_matches_reference(rng, n_head, n_head_kv, hdk, hdv, positions):
+    args = _attn_case(rng, n_head, n_head_kv, hdk, hdv, positions, n_ctx=max(positions) + 9)
+    geometry = (n_head, n_head_kv, hdk, hdv, 1 / math.sqrt(hdk))
+    expect = _ref_attention(*args, *geometry)
+    got = _vk_attention(*args, *geometry)
+    assert np.isfinite(got).all()  # the garbage beyond the window never leaks
+    np.testing.assert_allclose(got, expect, rtol=0, atol=1e-5)
+
+
+def test_attention_known_answers():
+    # the learning page's 2x2 causal example
+    K = np.zeros((2, 2), F32)
+    V = np.zeros((2, 2), F32)
+    q = np.eye(2, dtype=F32)
+    vk.kv_store(q, np.array([[10, 0], [0, 20]], F32), np.array([0, 1], np.int32), K, V)
+    out = np.empty((2, 2), F32)
+    vk.attention(q, K, V, np.array([0, 1], np.int32), 1, 1, 2, 2, 1 / math.sqrt(2), out)
+    np.testing.assert_allclose(out, [[10, 0], [3.3023846, 13.395231]], rtol=1e-6)
+    # the Rust chapter's decode step: window grows to 3
+    K = np.zeros((3, 4), F32)
+    V = np.zeros((3, 4), F32)
+    vk.kv_store(
+        np.array([[1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]], F32),
+        np.array([[1, 2, 0, 0], [3, 4, 0, 0], [5, 0, 0, 0]], F32),
+        np.array([0, 1, 2], np.int32),
+        K,
+        V,
+    )
+    out = np.empty((1, 4), F32)
+    vk.attention(np.array([[0, 1, 1, 0]], F32), K, V, np.array([2], np.int32), 1, 1, 4, 4, 0.5, out)
+    np.testing.assert_allclose(out[0], [3.301906, 2.0, 0, 0], atol=1e-5)
+
+
+def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
+    # a token's output does not depend on the other tokens in the call nor on the thread count
+    n_head, n_head_kv, hd = 9, 3, 64
+    q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, list(range(200)), n_ctx=256)
+    geometry = (n_head, n_head_kv, hd, hd, 0.125)
+    runs = [at_threads(n, lambda: _vk_attention(q, k_reg, v_reg, pos, *geometry)) for n in (1, MAX_THREADS)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    for t in (0, 17, 199):
+        one = _vk_attention(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry)
+        np.testing.assert_array_equal(one[0], runs[0][t])
+        # the work split follows the thread count the kernel is told: with 4 or 16 threads a decode splits
+        # each kv group's heads over several units (2 or 3 heads per unit, then 1)
+        for n_threads in (4, 16):
+            split = np.empty_like(one)
+            code = vk._attn_kernel(
+                q[t : t + 1],
+                k_reg,
+                v_reg,
+                pos[t : t + 1],
+                *geometry,
+                n_threads,
+                0,
+                vk._NO_SCRATCH,
+                vk._NO_SCRATCH,
+                split,
+            )
+            assert code == -1
+            np.testing.assert_array_equal(split, one)
+
+
+def test_long_decode_split_by_keys_equals_prefill_row(rng):
+    # a decode step over more than one key chunk runs split by keys when numba has 2+ threads (called
+    # directly here, whatever numba has): same bits as the token's row in a prefill
+    n_head, n_head_kv, hd = 6, 2, 64
+    n = 2 * vk.ATTN_KEY_CHUNK + 37
+    q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, list(range(n)), n_ctx=n + 5)
+    geometry = (n_head, n_head_kv, hd, hd, 0.125)
+    prefill = _vk_attention(q, k_reg, v_reg, pos, *geometry)
+    np.testing.assert_allclose(prefill, _ref_attention(q, k_reg, v_reg, pos, *geometry), rtol=0, atol=1e-5)
+    for t in (vk.ATTN_KEY_CHUNK - 1, vk.ATTN_KEY_CHUNK, n - 1):
+        one = _vk_attention(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry)
+        np.testing.assert_array_equal(one[0], prefill[t])
+        split = np.full_like(one, np.nan)
+        code = vk._attention_split_by_keys(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry, 2, split)
+        assert code == (-5 if t < vk.ATTN_KEY_CHUNK else -1)
+        if code == -1:
+            np.testing.assert_array_equal(split[0], prefill[t])
+
+
+def test_attention_errors(rng):
+    q, k_reg, v_reg, pos = _attn_case(rng, 4, 2, 8, 8, [0, 1], n_ctx=4)
+    out = np.empty((2, 32), F32)
+    with pytest.raises(ContextOverflowError, match="position 4 \\(token 1\\)"):
+        vk.attention(q, k_reg, v_reg, np.array([3, 4], np.int32), 4, 2, 8, 8, 1.0, out)
+    with pytest.raises(ValueError, match="do not fit"):
+        vk.attention(q, k_reg, v_reg, pos, 4, 3, 8, 8, 1.0, out)  # 4 heads cannot share 3 kv heads
+    with pytest.raises(ValueError, match="must not be q"):
+        vk.attention(q, k_reg, v_reg, pos, 4, 2, 8, 8, 1.0, q)
+
+
+# ------------------------------------------------------------------------------------------ row blocks
+
+
+def test_rowwise_ops_give_the_same_bits_on_row_blocks_in_threads(rng):
+    # the row-wise kernels are serial and release the GIL: a caller may run blocks of rows on its own
+    # threads, and rows are independent, so the result is the same as one call over all rows
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = rng.standard_normal((128, 576)).astype(F32)
+    gain = rng.standard_normal(576).astype(F32)
+    up = rng.standard_normal((128, 576)).astype(F32)
+    pos = np.arange(300, 428, dtype=np.int32)
+    table = vk.rope_table(64, 64, 10000.0, 1.0)
+
+    def run(r0: int, r1: int, outs: list[np.ndarray]) -> None:
+        vk.rms_norm_mul(x[r0:r1], gain, 1e-5, 576, outs[0][r0:r1])
+        vk.add(x[r0:r1], gain, outs[1][r0:r1])
+        vk.swiglu(x[r0:r1], up[r0:r1], outs[2][r0:r1])
+        table.apply(x[r0:r1], pos[r0:r1], 9, True, outs[3][r0:r1])
+
+    whole = [np.empty_like(x) for _ in range(4)]
+    run(0, 128, whole)
+    blocks = [np.empty_like(x) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda r0: run(r0, r0 + 16, blocks), range(0, 128, 16)))
+    for a, b in zip(whole, blocks, strict=True):
+        np.testing.assert_array_equal(a, b)
