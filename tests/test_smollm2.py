@@ -34,6 +34,7 @@ def test_prompt_tokenization_matches_reference(model, reference):
 
 
 def test_teacher_forced_reference_tokens(model, reference):
+    """Default (fast) kernels: every reference token is our best or within 0.5 of it."""
     prompt, gen = reference["prompt_ids"], reference["generated_ids"]
     logits = model.logits(prompt + gen)
     n = len(prompt)
@@ -41,11 +42,23 @@ def test_teacher_forced_reference_tokens(model, reference):
         row = logits[n - 1 + i]
         gap = float(row.max() - row[tok])
         assert gap <= 0.5, f"step {i}: reference token {tok} is {gap:.3f} below the best logit"
-    last = np.load(FIXTURES / "smollm2_last_logits_hf.npy")
-    diff = float(np.abs(logits[n - 1] - last).max())
-    print(f"SmolLM2 last prompt position: max |dlogit| vs transformers = {diff:.3g}")
-    assert diff <= 1e-3
     assert int(np.argmax(logits[n - 1])) == reference["generated_ids"][0]
+
+
+def test_last_prompt_logits_close_to_transformers(smollm2_path, reference):
+    """With exactly dequantized weights and f32 activations (reference kernels) the engine computes what
+    transformers computes (measured max |dlogit| 3.9e-5). The fast kernels quantize activations to 8 bits
+    as llama.cpp does; they land as far from transformers as llama.cpp does (measured at this position:
+    fast 0.87, llama.cpp 0.62; over the 37 teacher-forced positions the median rms vs f32 is 0.195 for
+    fast and 0.197 for llama.cpp)."""
+    last = np.load(FIXTURES / "smollm2_last_logits_hf.npy")
+    n = len(reference["prompt_ids"])
+    exact = minfer.load(smollm2_path, n_ctx=64, kernels="reference").logits(reference["prompt_ids"])[n - 1]
+    fast = minfer.load(smollm2_path, n_ctx=64, kernels="fast").logits(reference["prompt_ids"])[n - 1]
+    d_exact, d_fast = float(np.abs(exact - last).max()), float(np.abs(fast - last).max())
+    print(f"SmolLM2 last prompt position, max |dlogit| vs transformers: reference {d_exact:.3g}, fast {d_fast:.3g}")
+    assert d_exact <= 1e-3
+    assert d_fast <= 1.0 and float(np.sqrt(np.mean((fast - last) ** 2))) <= 0.3
 
 
 def test_greedy_is_deterministic_across_runs_and_threads(smollm2_path, reference):
@@ -59,7 +72,8 @@ def test_greedy_is_deterministic_across_runs_and_threads(smollm2_path, reference
 
 def test_chat_answers_coherently(smollm2_path):
     r = subprocess.run(
-        [sys.executable, "-m", "minfer", "run", str(smollm2_path), "What is the capital of France?",
+        [sys.executable, "-m", "minfer", "run", str(smollm2_path),
+         "What is the capital of France? Answer in one sentence.",
          "--chat", "--temp", "0", "-n", "24"],
         capture_output=True, text=True, timeout=600,
     )
@@ -72,3 +86,19 @@ def test_seeded_sampling_is_reproducible(model):
     a = model.generate("Once upon a time", max_tokens=10, temperature=0.9, seed=1234)
     b = model.generate("Once upon a time", max_tokens=10, temperature=0.9, seed=1234)
     assert a == b and a.strip()
+
+
+def test_greedy_tokens_match_llamacpp_where_not_a_near_tie(model):
+    """llama.cpp's greedy tokens (tests/data/smollm2_llamacpp.json), teacher-forced: at every step whose
+    top-2 margin in llama.cpp is clear, our best token is llama.cpp's. Both engines round activations to
+    8 bits, each adding ~0.2 rms of noise per logit, so margins under 0.5 are near-ties that may flip."""
+    ref = json.loads((FIXTURES.parent / "data" / "smollm2_llamacpp.json").read_text())
+    compared = 0
+    for case in ref["greedy"]:
+        prompt, gen = case["prompt_ids"], case["generated_ids"]
+        logits = model.logits(prompt + gen)[len(prompt) - 1 : -1]
+        for i, (tok, margin) in enumerate(zip(gen, case["top1_minus_top2"], strict=True)):
+            if margin > 0.5:
+                compared += 1
+                assert int(np.argmax(logits[i])) == tok, f"{case['prompt']!r} step {i} (margin {margin:.3f})"
+    assert compared >= 80
