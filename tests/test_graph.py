@@ -117,3 +117,25 @@ def test_printing_formats(qwen3):
     assert dot.startswith("digraph") and dot.rstrip().endswith("}") and "->" in dot
     data = json.loads(printing.to_json(g))
     assert len(data["nodes"]) == len(g.nodes) and data["output"] == g.output.id
+
+
+def test_matmuls_reading_one_activation_share_its_quantization():
+    model = TransformerModel.from_gguf(fixture_dir("llama") / "model-q8_0.gguf")
+    g = fuse(model.build_graph(3, 3, 16), quantized_input=lambda w: True)
+    quantize = [n for n in g.nodes if n.op is Op.QUANTIZE]
+    assert len(quantize) == 2 * model.hparams.n_layer  # attn_norm -> q/k/v, ffn_norm -> gate/up
+    for q in quantize:
+        readers = [n for n in g.nodes if q in n.inputs]
+        assert len(readers) in (2, 3) and all(r.op is Op.MATMUL and r.inputs[0] is q.inputs[0] for r in readers)
+        assert g.nodes.index(q) < min(g.nodes.index(r) for r in readers)
+    # the fast backend gives the same bits with and without sharing
+    backend = CPUBackend(kernels="fast")
+    outs = []
+    for graph in (fuse(model.build_graph(3, 3, 16)), fuse(model.build_graph(3, 3, 16), backend.quantized_input)):
+        kv = KVCache(model.hparams, 16)
+        plan = Plan(graph, backend, kv.regions)
+        plan.inputs["tokens"][:] = [0, 7, 9]
+        plan.inputs["positions"][:] = [0, 1, 2]
+        with backend.running():
+            outs.append(plan.run().copy())
+    assert np.array_equal(outs[0], outs[1])

@@ -5,16 +5,22 @@
 
 A pair is fused only when the first node has no other consumer, so no intermediate anyone reads is lost.
 The rewritten graph keeps build order (the fused node takes the second node's place).
+
+With ``quantized_input(weight)`` (a backend whose matmuls quantize their activations for some weight
+types), matmuls that read the same activation (q/k/v; gate/up) share one ``quantize`` node, placed just
+before the first of them: the activation is quantized once instead of once per matmul.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from minfer.graph.ir import Graph, Node, Op
 
 
-def fuse(graph: Graph) -> Graph:
+def fuse(graph: Graph, quantized_input: Callable[[Any], bool] | None = None) -> Graph:
     consumers = graph.consumers()
     replaced: dict[int, Node] = {}  # old node id -> node that now stands for it
     dropped: set[int] = set()
@@ -39,7 +45,36 @@ def fuse(graph: Graph) -> Graph:
         new_nodes.append(new)
 
     kept = [n for n in new_nodes if n.id not in dropped]
-    return _renumber(Graph(kept, graph.inputs, replaced[graph.output.id]))
+    fused_graph = Graph(kept, graph.inputs, replaced[graph.output.id])
+    if quantized_input is not None:
+        fused_graph = _share_quantized_inputs(fused_graph, quantized_input)
+    return _renumber(fused_graph)
+
+
+def _share_quantized_inputs(graph: Graph, quantized_input: Callable[[Any], bool]) -> Graph:
+    readers: dict[int, list[Node]] = {}
+    for n in graph.nodes:
+        if n.op is Op.MATMUL and quantized_input(n.inputs[1].source):
+            readers.setdefault(n.inputs[0].id, []).append(n)
+    shared = {x: ms for x, ms in readers.items() if len(ms) > 1}
+    if not shared:
+        return graph
+    next_id = max(n.id for n in graph.nodes) + 1
+    nodes: list[Node] = []
+    quantized: dict[int, Node] = {}  # activation id -> its quantize node
+    for n in graph.nodes:
+        if n.op is Op.MATMUL and n.inputs[0].id in shared and n in shared[n.inputs[0].id]:
+            x = n.inputs[0]
+            q = quantized.get(x.id)
+            if q is None:
+                q = Node(next_id, Op.QUANTIZE, (x,), x.shape, dtype="q8", name=f"{x.name}.q8", layer=x.layer)
+                next_id += 1
+                quantized[x.id] = q
+                nodes.append(q)
+            n = replace(n, inputs=(*n.inputs, q))
+        nodes.append(n)
+    output = next(n for n in nodes if n.id == graph.output.id)
+    return Graph(nodes, graph.inputs, output)
 
 
 def _renumber(graph: Graph) -> Graph:

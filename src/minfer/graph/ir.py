@@ -29,6 +29,7 @@ class Op(StrEnum):
     # fused ops, produced only by the fusion pass
     RMS_NORM_MUL = "rms_norm_mul"  # rms_norm followed by the gain multiply
     SWIGLU = "swiglu"  # silu(gate) * up
+    QUANTIZE = "quantize"  # activations to 8-bit blocks, shared by the matmuls that read the same input
 
 
 class RopeStyle(StrEnum):

@@ -26,6 +26,8 @@ class Backend(Protocol):
 
     def running(self) -> AbstractContextManager[Any]: ...
 
+    def buffer(self, node: Node) -> Any: ...
+
 
 @dataclass
 class Step:
@@ -58,6 +60,8 @@ class Plan:
                 views[node.id] = backend.prepare_weight(node.source)
             elif node.op in (Op.KV_STORE, Op.KV_LOAD):
                 views[node.id] = kv_regions[node.meta.layer]
+            elif node.op is Op.QUANTIZE:
+                views[node.id] = backend.buffer(node)  # a layout only the backend knows
             else:
                 size = int(np.prod(node.shape))
                 views[node.id] = self.pool[alloc.slot_of[node.id]][:size].reshape(node.shape)

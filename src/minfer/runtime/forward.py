@@ -31,7 +31,8 @@ class ForwardRunner:
         key = (n_tokens, n_outputs)
         plan = self._plans.get(key)
         if plan is None:
-            graph = fuse(self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx))
+            quantized_input = getattr(self.backend, "quantized_input", None)
+            graph = fuse(self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx), quantized_input)
             plan = Plan(graph, self.backend, self.kv.regions)
             self._plans[key] = plan
             if len(self._plans) > MAX_PLANS:

@@ -97,6 +97,14 @@ class CPUBackend:
             return np.ascontiguousarray(ref.dequantize_tensor(tensor))
         return tensor
 
+    def quantized_input(self, tensor: GGUFTensor) -> bool:
+        """Whether a matmul with this weight quantizes its activations (so sharing them pays)."""
+        return self.kernels == "fast" and tensor.ggml_type in Q8_ACTIVATION_TYPES
+
+    def buffer(self, node: Node) -> Any:
+        """Buffers of non-float nodes: the quantized activations of a QUANTIZE node."""
+        return self._qm.QuantizedActivations(*node.shape)
+
     def kernel(self, node: Node) -> Callable[..., None]:
         if self.kernels == "fast":
             return self._fast_kernel(node)
@@ -127,7 +135,11 @@ class CPUBackend:
             w = node.inputs[1].source
             if not qm.supports(w.ggml_type):
                 return self._reference_matmul
+            if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
+                return lambda node, out, x, w, xq: qm.matmul(x, w, out, xq)
             return lambda node, out, x, w: qm.matmul(x, w, out)
+        if op is Op.QUANTIZE:
+            return lambda node, out, x: qm.quantize_activations(x, out)
         if op is Op.RMS_NORM_MUL:
             eps, width = meta.eps, meta.width
             return lambda node, out, x, gain: vk.rms_norm_mul(x, gain, eps, width, out)
