@@ -124,27 +124,32 @@ def dequantize_rows(raw: np.ndarray, t: GGMLType, n: int) -> np.ndarray:
 # when attention reads the window. The quantizer reproduces ``gguf.quants.quantize(x, Q8_0)`` (itself
 # ggml's ``quantize_row_q8_0_ref``) bit for bit, per block of 32 float32 values:
 #
-#     amax = max |x|                     float32; NaN if the block holds a NaN (numpy's max propagates it)
+#     amax = max |x|                     float32
 #     d    = amax / 127                  float32 division
 #     id   = 1 / d if d != 0 else 0      float32
-#     q    = roundf(x * id)              float32 product; round half away from zero
+#     q    = roundf(x * id)              float32 product, rounded half away from zero
 #     out  = f16(d) (round to nearest even, overflow to inf) | int8(q)
 #
-# Edge cases, as numpy casts them on x86 (and as the tests hold against gguf): ``x * id`` is within
-# +-127.00003 for finite blocks, so ``q`` always fits in int8 and never wraps. Where ``x * id`` is NaN or
-# infinite (a block holding NaN or inf, or a block so small that ``1/d`` overflows: amax below ~3.7e-37),
-# numpy's float -> int8 cast gives 0, and so do we. Such blocks store d = f16(d): 0 for tiny blocks (the
-# values dequantize to 0), inf for inf blocks, and the quiet NaN 0x7E00 for NaN blocks (NaN payloads
-# are not carried). Values too large for f16 (amax > 65504 * 127) still quantize their q exactly; d
-# becomes inf, as in gguf.
+# Edge cases, held by the tests against gguf: all-zero and negative-zero blocks store d = 0, q = 0; ties
+# (x * id = k + 0.5) round away from zero; ``x * id`` stays within +-127.00003 for finite blocks, so q
+# always fits in int8; blocks beyond f16's range (amax > 65504 * 127) store exact q and d = inf, as gguf
+# does. Where ``x * id`` is NaN or infinite (a block holding inf or NaN, or one so small that ``1/d``
+# overflows: amax below ~3.7e-37) numpy's float -> int8 cast gives 0, and so do we. A block holding a
+# NaN stores q = 0 and d = NaN (0x7E00); gguf's d is NaN too, but which payload numpy's vectorized max
+# carries depends on its SIMD path, so only NaN-free blocks are promised bit-equal in d.
 #
 # Dequantization is ``f32(q) * f32(d)``, exactly what ``gguf.quants.dequantize`` computes.
 #
-# The kernels are serial, one row at a time, no fastmath (results decided by the source alone, so
-# bit-identical at any thread count). The row-level helpers ``q8_0_quantize_row`` /
-# ``q8_0_dequantize_row`` are plain ``@njit`` functions other kernels may call (a fused KV store, an
-# attention that reads q8_0 rows); the Python functions below check shapes and bounds and never write
-# anything when a check fails.
+# The kernels are serial (rows are independent: a caller may split rows across threads and get the same
+# bits), without fastmath (results decided by the source, not by what LLVM vectorizes). The Python
+# functions check shapes and bounds and write nothing when a check fails.
+#
+# Loop shape (measured, n = 192, see tests/test_quants.py): the 32-value block loops take their trip
+# count ``qk`` as a runtime argument (always QK8_0). With the constant 32, LLVM fully unrolls the loop
+# before its loop vectorizer runs, and numba leaves the SLP vectorizer off, so it stays 32 scalar
+# conversions: the window read took 86 us for 512 rows instead of 13. Likewise the f16 -> f32 scale uses
+# a table of powers of two rather than ``math.ldexp``, a libm call per block, and the per-block helpers
+# are inlined (``inline="always"``): a call per block cost as much as the block's work.
 # ---------------------------------------------------------------------------------------------------------
 
 QK8_0 = 32  # values per Q8_0 block
@@ -154,9 +159,10 @@ _F32 = np.float32
 _TWO_POW_24 = 16777216.0  # f16 subnormals are multiples of 2**-24
 _F16_MIN_NORMAL = 6.103515625e-05  # 2**-14
 _F16_OVERFLOW = 65520.0  # 65504 + half an ulp: from here f16 rounds to inf (the tie goes to the even inf)
+_F16_EXP_SCALE = np.array([2.0 ** (e - 25) for e in range(32)])  # normal half: (1024 + mant) * 2**(exp - 25)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def _f32_to_f16_bits(x):
     """IEEE half bits of float32 ``x``, rounded to nearest even like numpy's ``astype(np.float16)``.
 
@@ -179,9 +185,9 @@ def _f32_to_f16_bits(x):
     return sign | (np.int32((e + 14) << 10) + mant - np.int32(1024))
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(inline="always", error_model="numpy")
 def _f16_bits_to_f32(h):
-    """float32 value of IEEE half bits ``h`` (exact; NaN payloads are not carried)."""
+    """float32 value of IEEE half bits ``h`` (exact; a NaN comes back as the default quiet NaN)."""
     e = (h >> 10) & 0x1F
     m = h & 0x3FF
     if e == 0:
@@ -189,149 +195,170 @@ def _f16_bits_to_f32(h):
     elif e == 0x1F:
         v = np.inf if m == 0 else np.nan
     else:
-        v = math.ldexp(np.float64(m + 1024), e - 25)
+        v = np.float64(m + 1024) * _F16_EXP_SCALE[e]
     if h & 0x8000:
         v = -v
     return _F32(v)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def q8_0_quantize_row(x, i, region, r):
-    """Quantize float32 row ``x[i]`` (a multiple of 32 values) into uint8 row ``region[r]`` (34 bytes per block).
-
-    No checks: the caller guarantees the shapes and that ``i`` and ``r`` are in range.
-    """
-    nb = x.shape[1] // QK8_0
-    for b in range(nb):
-        k0 = b * QK8_0
+@njit(inline="always", error_model="numpy")
+def _quantize_row(src, dst, qk):
+    """Quantize float32 ``src`` (a whole number of blocks) into uint8 ``dst`` (34 bytes per block)."""
+    for b in range(src.shape[0] // qk):
+        k0 = b * qk
         o = b * Q8_0_BLOCK_BYTES
         amax = _F32(0.0)
         nan = False
-        for j in range(QK8_0):
-            a = abs(x[i, k0 + j])
+        for j in range(qk):
+            a = abs(src[k0 + j])
             if a > amax:
                 amax = a
-            nan |= a != a  # `a > amax` skips NaN; numpy's max would return it
+            nan |= a != a  # `a > amax` skips a NaN; numpy's max returns it (and then every q is 0)
         d = amax / _F32(127.0)
         if nan:
             d = _F32(np.nan)
         inv = _F32(1.0) / d if d != _F32(0.0) else _F32(0.0)
         h = _f32_to_f16_bits(d)
-        region[r, o] = np.uint8(h & 0xFF)
-        region[r, o + 1] = np.uint8(h >> 8)
-        for j in range(QK8_0):
-            # roundf (half away from zero) without a branch on the sign: |v| + 0.5 is exact in float64
-            # (in float32, 0.49999997 + 0.5 would round to 1.0). NaN/inf fail the test and give 0.
-            v = np.float64(x[i, k0 + j] * inv)
-            t = np.floor(abs(v) + 0.5)
-            if not t <= 127.0:
-                t = 0.0
-            region[r, o + 2 + j] = np.uint8(np.int32(math.copysign(t, v)) & 0xFF)
+        dst[o] = np.uint8(h & 0xFF)
+        dst[o + 1] = np.uint8(h >> 8)
+        for j in range(qk):
+            # roundf: |v| + 0.5 then truncation toward zero, in float64 where the sum is exact (in float32,
+            # 0.49999997 + 0.5 rounds to 1.0). No branch on the sign. NaN/inf fail the test and give 0.
+            v = np.float64(src[k0 + j] * inv)
+            if not abs(v) <= 127.5:
+                v = 0.0
+            dst[o + 2 + j] = np.uint8(np.int32(v + math.copysign(0.5, v)) & 0xFF)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def q8_0_dequantize_row(region, r, out, i):
-    """Dequantize uint8 row ``region[r]`` into float32 row ``out[i]`` (``out.shape[1]`` values). No checks."""
-    nb = out.shape[1] // QK8_0
-    for b in range(nb):
+@njit(inline="always", error_model="numpy")
+def _dequantize_row(src, dst, qk):
+    """Dequantize uint8 Q8_0 blocks ``src`` into float32 ``dst`` (``dst.shape[0]`` values)."""
+    for b in range(dst.shape[0] // qk):
         o = b * Q8_0_BLOCK_BYTES
-        d = _f16_bits_to_f32(np.int32(region[r, o]) | (np.int32(region[r, o + 1]) << 8))
-        k0 = b * QK8_0
-        for j in range(QK8_0):
-            q = (np.int32(region[r, o + 2 + j]) ^ 0x80) - 0x80  # the byte as int8
-            out[i, k0 + j] = _F32(q) * d
+        d = _f16_bits_to_f32(np.int32(src[o]) | (np.int32(src[o + 1]) << 8))
+        k0 = b * qk
+        for j in range(qk):
+            q = (np.int32(src[o + 2 + j]) ^ 0x80) - 0x80  # the byte as int8
+            dst[k0 + j] = _F32(q) * d
+
+
+@njit(inline="always", error_model="numpy")
+def _q8_0_shapes_fit(n, region_width, qk):
+    return n % qk == 0 and region_width == n // qk * Q8_0_BLOCK_BYTES
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _q8_0_quantize_rows_kernel(x, out):
+def _quantize_rows_kernel(x, out, qk):
+    """Returns -1 when done, -2 when the shapes do not fit (nothing written)."""
+    if out.shape[0] != x.shape[0] or not _q8_0_shapes_fit(x.shape[1], out.shape[1], qk):
+        return -2
     for i in range(x.shape[0]):
-        q8_0_quantize_row(x, i, out, i)
+        _quantize_row(x[i], out[i], qk)
+    return -1
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _q8_0_store_kernel(x, region, rows):
-    """Returns -1 when stored, else the first ``i`` whose ``rows[i]`` is outside the region (nothing written)."""
+def _store_kernel(x, region, rows, qk):
+    """Returns -1 when stored, -2 when the shapes do not fit, else the first ``i`` whose ``rows[i]`` is
+    outside the region. Nothing is written unless everything fits."""
+    if rows.shape[0] != x.shape[0] or not _q8_0_shapes_fit(x.shape[1], region.shape[1], qk):
+        return -2
     n_rows = region.shape[0]
     for i in range(rows.shape[0]):
         if rows[i] < 0 or rows[i] >= n_rows:
             return i
     for i in range(rows.shape[0]):
-        q8_0_quantize_row(x, i, region, rows[i])
+        _quantize_row(x[i], region[rows[i]], qk)
     return -1
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _q8_0_load_kernel(region, start, stop, out):
+def _load_kernel(region, start, stop, out, qk):
+    """Returns -1 when done, -2 when the shapes do not fit, -3 when ``start:stop`` is not within the
+    region or longer than ``out`` (nothing written then)."""
+    if not _q8_0_shapes_fit(out.shape[1], region.shape[1], qk):
+        return -2
+    if start < 0 or stop < start or stop > region.shape[0] or stop - start > out.shape[0]:
+        return -3
     for r in range(start, stop):
-        q8_0_dequantize_row(region, r, out, r - start)
+        _dequantize_row(region[r], out[r - start], qk)
+    return -1
 
 
-def _q8_0_input(x: np.ndarray, what: str) -> np.ndarray:
-    # float32 like gguf (which casts with astype); C order so the kernel sees one layout
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2:
-        raise ValueError(f"{what}: x must be 2-D [rows, n], got shape {x.shape}")
-    row_nbytes(GGMLType.Q8_0, x.shape[1])  # raises ModelError when n is not a multiple of 32
-    return x
+def _check_array(a: object, dtype: type, what: str) -> None:
+    # the kernels would compile (and run) a new specialization for another dtype or layout: refuse instead
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 2 or not a.flags.c_contiguous:
+        got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{what} must be a 2-D C-contiguous {np.dtype(dtype).name} array, got {got}")
 
 
-def _q8_0_region_check(region: np.ndarray, n: int, what: str) -> None:
-    want = n // QK8_0 * Q8_0_BLOCK_BYTES
-    if not isinstance(region, np.ndarray) or region.dtype != np.uint8 or region.ndim != 2 or region.shape[1] != want:
-        got = f"{region.dtype} {region.shape}" if isinstance(region, np.ndarray) else type(region).__name__
-        raise ValueError(f"{what}: the Q8_0 region for rows of {n} values must be uint8 [rows, {want}], got {got}")
+def _shape_error(name: str, n: int, *shapes: str) -> Exception:
+    if n % QK8_0:
+        return ModelError(f"{name}: rows of {n} values are not a whole number of Q8_0 blocks of {QK8_0}")
+    return ValueError(
+        f"{name}: {', '.join(shapes)} do not fit (Q8_0 rows of {n} values take {n // QK8_0 * Q8_0_BLOCK_BYTES} bytes)"
+    )
 
 
 def quantize_q8_0_rows(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Quantize float32 ``x[rows, n]`` (n a multiple of 32) to Q8_0 blocks, ``uint8[rows, n // 32 * 34]``.
 
-    Bit-identical to ``gguf.quants.quantize(x, GGMLQuantizationType.Q8_0)``. Writes into ``out`` (of that
-    shape and dtype) when given, and returns it.
+    Bit-identical to ``gguf.quants.quantize(x, GGMLQuantizationType.Q8_0)`` (see the notes above for NaN).
+    Other float dtypes are cast to float32 first, as gguf does. Writes into ``out`` (C-contiguous, of that
+    shape) when given, and returns it.
     """
-    x = _q8_0_input(x, "quantize_q8_0_rows")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"quantize_q8_0_rows: x must be 2-D [rows, n], got shape {x.shape}")
+    n = x.shape[1]
     if out is None:
-        out = np.empty((x.shape[0], row_nbytes(GGMLType.Q8_0, x.shape[1])), np.uint8)
+        out = np.empty((x.shape[0], row_nbytes(GGMLType.Q8_0, n)), np.uint8)
     else:
-        _q8_0_region_check(out, x.shape[1], "quantize_q8_0_rows")
-        if out.shape[0] != x.shape[0]:
-            raise ValueError(f"quantize_q8_0_rows: out has {out.shape[0]} rows, x has {x.shape[0]}")
-    _q8_0_quantize_rows_kernel(x, out)
+        _check_array(out, np.uint8, "quantize_q8_0_rows: out")
+    if _quantize_rows_kernel(x, out, QK8_0) != -1:
+        raise _shape_error("quantize_q8_0_rows", n, f"x {x.shape}", f"out {out.shape}")
     return out
 
 
 def quantize_q8_0_into(x: np.ndarray, region: np.ndarray, rows: np.ndarray) -> None:
     """Quantize row ``x[i]`` into ``region[rows[i]]`` in place, for every i (the q8_0 KV store).
 
-    ``region`` is ``uint8[n_rows, n // 32 * 34]`` (one row per cache position), ``rows`` an integer array
-    of ``len(x)`` row indices. Each stored row is bit-identical to ``quantize_q8_0_rows(x)[i]``. A row
-    index outside the region raises :class:`ContextOverflowError` and nothing is written.
+    ``x`` is float32 ``[k, n]``, ``region`` uint8 ``[n_rows, n // 32 * 34]`` (one row per cache
+    position), ``rows`` ``k`` integers. Each stored row is bit-identical to ``quantize_q8_0_rows(x)[i]``.
+    A row index outside the region raises :class:`ContextOverflowError`; nothing is written then.
     """
-    x = _q8_0_input(x, "quantize_q8_0_into")
-    _q8_0_region_check(region, x.shape[1], "quantize_q8_0_into")
-    rows = np.asarray(rows)
-    if rows.dtype.kind not in "iu" or rows.shape != (x.shape[0],):
-        raise ValueError(f"quantize_q8_0_into: rows must be {x.shape[0]} integers, got {rows.dtype} {rows.shape}")
-    bad = _q8_0_store_kernel(x, region, rows)
-    if bad != -1:
-        raise ContextOverflowError(
-            f"Q8_0 store: row {int(rows[bad])} (input row {bad}) is outside the region of {region.shape[0]} rows"
+    _check_array(x, np.float32, "quantize_q8_0_into: x")
+    _check_array(region, np.uint8, "quantize_q8_0_into: region")
+    if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
+        raise ValueError(f"quantize_q8_0_into: rows must be a 1-D integer array, got {rows!r}")
+    code = _store_kernel(x, region, rows, QK8_0)
+    if code == -1:
+        return
+    if code == -2:
+        raise _shape_error(
+            "quantize_q8_0_into", x.shape[1], f"x {x.shape}", f"region {region.shape}", f"rows {rows.shape}"
         )
+    raise ContextOverflowError(
+        f"Q8_0 store: row {int(rows[code])} (of input row {code}) is outside the region of {region.shape[0]} rows"
+    )
 
 
 def dequantize_q8_0_rows_into(region: np.ndarray, start: int, stop: int, out_f32: np.ndarray) -> None:
-    """Dequantize ``region[start:stop]`` (Q8_0 rows) into ``out_f32[:stop - start]`` (the window read).
+    """Dequantize Q8_0 rows ``region[start:stop]`` into ``out_f32[:stop - start]`` (the window read).
 
-    ``out_f32`` is float32 ``[>= stop - start, n]``; row for row equal to ``gguf.quants.dequantize``.
+    ``region`` is uint8 ``[n_rows, n // 32 * 34]``, ``out_f32`` float32 ``[>= stop - start, n]``. Row for
+    row bit-identical to ``gguf.quants.dequantize``.
     """
-    if not isinstance(out_f32, np.ndarray) or out_f32.dtype != np.float32 or out_f32.ndim != 2:
-        raise ValueError("dequantize_q8_0_rows_into: out_f32 must be a 2-D float32 array")
-    n = out_f32.shape[1]
-    row_nbytes(GGMLType.Q8_0, n)
-    _q8_0_region_check(region, n, "dequantize_q8_0_rows_into")
-    if not 0 <= start <= stop <= region.shape[0]:
-        raise ValueError(
-            f"dequantize_q8_0_rows_into: rows {start}:{stop} are not within the region's {region.shape[0]}"
+    _check_array(region, np.uint8, "dequantize_q8_0_rows_into: region")
+    _check_array(out_f32, np.float32, "dequantize_q8_0_rows_into: out_f32")
+    code = _load_kernel(region, start, stop, out_f32, QK8_0)
+    if code == -1:
+        return
+    if code == -2:
+        raise _shape_error(
+            "dequantize_q8_0_rows_into", out_f32.shape[1], f"region {region.shape}", f"out {out_f32.shape}"
         )
-    if out_f32.shape[0] < stop - start:
-        raise ValueError(f"dequantize_q8_0_rows_into: out_f32 has {out_f32.shape[0]} rows, {stop - start} needed")
-    _q8_0_load_kernel(region, start, stop, out_f32)
+    raise ValueError(
+        f"dequantize_q8_0_rows_into: rows {start}:{stop} are not within the region's {region.shape[0]} rows "
+        f"or do not fit in out_f32's {out_f32.shape[0]}"
+    )
