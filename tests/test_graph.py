@@ -58,9 +58,9 @@ def test_fusion_rewrites_pairs_and_keeps_results(qwen3):
     results = []
     for graph in (g, fused):
         kv = KVCache(qwen3.hparams, 16)
-        plan = Plan(graph, CPUBackend(), kv.regions)
+        plan = Plan(graph, CPUBackend(), kv.layers)
         plan.inputs["tokens"][:] = [0, 5, 9, 3]
-        plan.inputs["positions"][:] = [0, 1, 2, 3]
+        plan.inputs["positions"][:] = plan.inputs["rows"][:] = [0, 1, 2, 3]
         results.append(plan.run().copy())
     np.testing.assert_allclose(results[0], results[1], atol=1e-6)
 
@@ -102,11 +102,11 @@ def test_allocator_reuses_buffers_without_clobbering_live_values(qwen3):
 
 def test_kv_regions_are_persistent_not_pooled(qwen3):
     kv = KVCache(qwen3.hparams, 16)
-    plan = Plan(fuse(qwen3.build_graph(2, 2, 16)), CPUBackend(), kv.regions)
+    plan = Plan(fuse(qwen3.build_graph(2, 2, 16)), CPUBackend(), kv.layers)
     stores = [s for s in plan.steps if s.node.op is Op.KV_STORE]
     assert len(stores) == qwen3.hparams.n_layer
     for s in stores:
-        assert s.out is kv.regions[s.node.meta.layer]
+        assert s.out is kv.layers[s.node.meta.layer]
 
 
 def test_printing_formats(qwen3):
@@ -133,9 +133,9 @@ def test_matmuls_reading_one_activation_share_its_quantization():
     outs = []
     for graph in (fuse(model.build_graph(3, 3, 16)), fuse(model.build_graph(3, 3, 16), backend.quantized_input)):
         kv = KVCache(model.hparams, 16)
-        plan = Plan(graph, backend, kv.regions)
+        plan = Plan(graph, backend, kv.layers)
         plan.inputs["tokens"][:] = [0, 7, 9]
-        plan.inputs["positions"][:] = [0, 1, 2]
+        plan.inputs["positions"][:] = plan.inputs["rows"][:] = [0, 1, 2]
         with backend.running():
             outs.append(plan.run().copy())
     assert np.array_equal(outs[0], outs[1])

@@ -81,24 +81,27 @@ class GraphBuilder:
             raise ModelError(f"{name}: width {x.shape[-1]} != {meta.n_head} heads x {meta.head_dim}")
         return self._emit(Op.ROPE, (x, positions), x.shape, meta=meta, name=name, layer=layer)
 
-    def kv_store(self, k: Node, v: Node, positions: Node, meta: KVMeta, n_ctx: int, name: str = "") -> Node:
+    def kv_store(self, k: Node, v: Node, rows: Node, meta: KVMeta, n_ctx: int, name: str = "") -> Node:
+        """Write this call's K/V rows into the layer's regions at cache ``rows`` (an input: data)."""
         if k.shape[-1] != meta.k_width or v.shape[-1] != meta.v_width:
             raise ModelError(f"{name}: K/V widths {k.shape[-1]}/{v.shape[-1]} != {meta.k_width}/{meta.v_width}")
         # the output stands for the layer's K region, [n_ctx, k_width], as in the seed's contract
         return self._emit(
-            Op.KV_STORE, (k, v, positions), (n_ctx, meta.k_width), meta=meta, name=name, layer=meta.layer
+            Op.KV_STORE, (k, v, rows), (n_ctx, meta.k_width), meta=meta, name=name, layer=meta.layer
         )
 
     def kv_load(self, store: Node, name: str = "") -> Node:
         return self._emit(Op.KV_LOAD, (store,), store.shape, meta=store.meta, name=name, layer=store.layer)
 
-    def attn(self, q: Node, kv: Node, positions: Node, meta: AttnMeta, name: str = "") -> Node:
+    def attn(self, q: Node, kv: Node, positions: Node, rows: Node, meta: AttnMeta, name: str = "") -> Node:
+        """Token t attends to its sequence's cached rows for positions 0..positions[t] (``rows[t] -
+        positions[t]`` is where that sequence starts)."""
         if meta.head_dim_k < 1 or meta.n_head % meta.n_head_kv:
             raise ModelError(f"{name}: {meta.n_head} query heads cannot share {meta.n_head_kv} kv heads")
         if q.shape[-1] != meta.n_head * meta.head_dim_k:
             raise ModelError(f"{name}: q width {q.shape[-1]} != {meta.n_head} x {meta.head_dim_k}")
         out = (q.shape[0], meta.n_head * meta.head_dim_v)
-        return self._emit(Op.ATTN, (q, kv, positions), out, meta=meta, name=name, layer=meta.layer)
+        return self._emit(Op.ATTN, (q, kv, positions, rows), out, meta=meta, name=name, layer=meta.layer)
 
     def silu(self, x: Node, name: str = "", layer=None) -> Node:
         return self._emit(Op.SILU, (x,), x.shape, name=name, layer=layer)

@@ -22,9 +22,9 @@ class Op(StrEnum):
     ADD = "add"  # elementwise sum (residuals) or broadcast (biases)
     MATMUL = "matmul"  # x @ W^T, W stored [out, in] in any supported block type
     ROPE = "rope"  # rotary position embedding, in place on q or k
-    KV_STORE = "kv_store"  # write this call's K/V rows at their positions into the layer's regions
+    KV_STORE = "kv_store"  # write this call's K/V rows into the layer's regions at the given cache rows
     KV_LOAD = "kv_load"  # a view of the layer's K/V regions (no data moves)
-    ATTN = "attn"  # causal GQA attention over the window pos[t] + 1
+    ATTN = "attn"  # causal GQA attention: token t reads its sequence's rows for positions 0..pos[t]
     SILU = "silu"  # x * sigmoid(x)
     # fused ops, produced only by the fusion pass
     RMS_NORM_MUL = "rms_norm_mul"  # rms_norm followed by the gain multiply

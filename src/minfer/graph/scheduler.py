@@ -38,13 +38,13 @@ class Step:
 
 
 class Plan:
-    """A graph bound to buffers, weights and KV regions, ready to run many times."""
+    """A graph bound to buffers, weights and the KV cache's layers, ready to run many times."""
 
     def __init__(
         self,
         graph: Graph,
         backend: Backend,
-        kv_regions: Sequence[tuple[np.ndarray, np.ndarray]],
+        kv_layers: Sequence[Any],
         allocation: Allocation | None = None,
     ) -> None:
         self.graph = graph
@@ -59,7 +59,7 @@ class Plan:
             elif node.op is Op.WEIGHT:
                 views[node.id] = backend.prepare_weight(node.source)
             elif node.op in (Op.KV_STORE, Op.KV_LOAD):
-                views[node.id] = kv_regions[node.meta.layer]
+                views[node.id] = kv_layers[node.meta.layer]
             elif node.op is Op.QUANTIZE:
                 views[node.id] = backend.buffer(node)  # a layout only the backend knows
             else:

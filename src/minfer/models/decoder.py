@@ -5,7 +5,8 @@
                 x = h + W_down · (silu(W_gate·n(h)) * W_up·n(h))
     logits = W_out · n(x[output rows])
 
-Positions are an input: the same graph serves prefill, decode and continuation. Only the rows named by
+Positions are an input, and so are the KV cache rows the tokens' K/V land in: the same graph serves
+prefill, decode, continuation and several sequences in one batch. Only the rows named by
 the ``output_rows`` input reach the output matmul (the last layer's FFN runs on them alone too).
 """
 
@@ -26,6 +27,7 @@ def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, 
     w = lambda name: b.weight(model.tensor(name))  # noqa: E731
     tokens = b.input("tokens", n_tokens)
     positions = b.input("positions", n_tokens)
+    rows = b.input("rows", n_tokens)  # each token's KV cache row (its sequence's base + its position)
     out_rows = b.input("output_rows", n_outputs) if n_outputs != n_tokens else None
     eps = hp.rms_eps
 
@@ -58,10 +60,10 @@ def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, 
         )
         q = b.rope(q, positions, RopeMeta(n_head=hp.n_head, **rope), name=p + "q_rope", layer=il)
         k = b.rope(k, positions, RopeMeta(n_head=hp.n_head_kv, **rope), name=p + "k_rope", layer=il)
-        store = b.kv_store(k, v, positions, KVMeta(il, hp.k_width, hp.v_width), n_ctx, name=p + "kv_store")
+        store = b.kv_store(k, v, rows, KVMeta(il, hp.k_width, hp.v_width), n_ctx, name=p + "kv_store")
         kv = b.kv_load(store, name=p + "kv_load")
         attn_meta = AttnMeta(il, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.attn_scale)
-        a = b.attn(q, kv, positions, attn_meta, name=p + "attn")
+        a = b.attn(q, kv, positions, rows, attn_meta, name=p + "attn")
         o = b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il)
         if out_rows is not None and il == hp.n_layer - 1:
             # from here on only the rows whose logits are wanted matter

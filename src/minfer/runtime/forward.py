@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from minfer.errors import BadRequestError, ContextOverflowError
+from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
 from minfer.graph.scheduler import Backend, Plan
 from minfer.models.model import TransformerModel
@@ -33,7 +33,7 @@ class ForwardRunner:
         if plan is None:
             quantized_input = getattr(self.backend, "quantized_input", None)
             graph = fuse(self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx), quantized_input)
-            plan = Plan(graph, self.backend, self.kv.regions)
+            plan = Plan(graph, self.backend, self.kv.layers)
             self._plans[key] = plan
             if len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
@@ -46,8 +46,14 @@ class ForwardRunner:
         tokens: Sequence[int] | np.ndarray,
         positions: Sequence[int] | np.ndarray,
         output_rows: Sequence[int] | np.ndarray | None = None,
+        seq_ids: Sequence[int] | np.ndarray | int = 0,
     ) -> np.ndarray:
-        """Logits ``[len(output_rows), n_vocab]`` (every row when ``output_rows`` is None); a fresh array."""
+        """Logits ``[len(output_rows), n_vocab]`` (every row when ``output_rows`` is None); a fresh array.
+
+        Token i of sequence ``seq_ids[i]`` is evaluated at ``positions[i]``; its K/V land in that
+        sequence's cache row for the position, and it attends to the sequence's positions 0..its own.
+        Several sequences may share one call (they must not interleave within a sequence's positions).
+        """
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         n = tokens.shape[0]
@@ -62,17 +68,24 @@ class ForwardRunner:
             raise BadRequestError(
                 f"token id {int(tokens[i])} at index {i} is outside the vocabulary (0..{n_vocab - 1})"
             )
-        over = np.flatnonzero((positions < 0) | (positions >= self.kv.n_ctx))
-        if over.size:
-            i = int(over[0])
-            raise ContextOverflowError(
-                f"position {int(positions[i])} (token {i}) does not fit in the context of {self.kv.n_ctx} tokens"
-            )
-        rows = np.arange(n) if output_rows is None else np.asarray(output_rows, dtype=np.int64)
-        plan = self.plan(n, rows.shape[0])
+        rows = self.kv.rows(positions, seq_ids)  # refuses positions beyond the context before any write
+        out_rows = np.arange(n) if output_rows is None else np.asarray(output_rows, dtype=np.int64)
+        plan = self.plan(n, out_rows.shape[0])
         plan.inputs["tokens"][:] = tokens
         plan.inputs["positions"][:] = positions
+        plan.inputs["rows"][:] = rows
         if "output_rows" in plan.inputs:
-            plan.inputs["output_rows"][:] = rows
+            plan.inputs["output_rows"][:] = out_rows
         with self.backend.running():
-            return plan.run().copy()
+            logits = plan.run().copy()
+        self._record(tokens, positions, seq_ids)
+        return logits
+
+    def _record(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: Sequence[int] | np.ndarray | int) -> None:
+        if np.ndim(seq_ids) == 0:
+            self.kv.record(int(seq_ids), positions, tokens)
+            return
+        seq = np.asarray(seq_ids)
+        for s in dict.fromkeys(seq.tolist()):
+            idx = np.flatnonzero(seq == s)
+            self.kv.record(int(s), positions[idx], tokens[idx])

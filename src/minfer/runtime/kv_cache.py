@@ -1,33 +1,178 @@
-"""The KV cache: two persistent regions per layer, rows addressed by position.
+"""The KV cache: two persistent regions per layer whose rows are addressed by data.
 
-Regions are allocated zeroed (``np.zeros`` maps untouched pages lazily), so a large ``n_ctx`` costs
-memory only as positions are written. Writes happen in the graph's ``kv_store`` nodes at the positions
-given as input; this object only owns the memory and reports its size.
+Sequences: the cache holds ``n_seq`` independent sequences; sequence ``s`` owns the rows
+``[s * capacity, (s + 1) * capacity)`` (``capacity = n_ctx // n_seq``) and its token at position ``p``
+lives in row ``s * capacity + p``. The forward pass gets those rows as an input: the KV store writes at
+them and each token's attention reads its own sequence's rows ``0..pos`` (the window is still the mask).
+
+Cell types (``cache_type``): ``f32`` (default), ``f16`` (half the bytes), ``q8_0`` (packed Q8_0 blocks,
+34 bytes per 32 values, ~3.76x smaller than f32): quantized on store, dequantized for the window a
+layer's attention is about to read. Regions are allocated zeroed (``np.zeros`` maps untouched pages
+lazily), so a large context costs memory only as positions are written.
+
+The cache also records which token each sequence holds at each position (``tokens(seq)``), so callers
+can reuse a cached prefix instead of recomputing it.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import numpy as np
 
+from minfer.errors import BadRequestError, ContextOverflowError
+from minfer.formats.quants import Q8_0_BLOCK_BYTES, QK8_0, dequantize_q8_0_rows_into, quantize_q8_0_into
 from minfer.models.hparams import HParams
+
+CACHE_TYPES = ("f32", "f16", "q8_0")
+
+
+def check_cache_type(cache_type: str | None) -> str:
+    """``cache_type``, or ``$MINFER_CACHE_TYPE``, or f32; an unknown one is refused naming the valid ones."""
+    value = cache_type or os.environ.get("MINFER_CACHE_TYPE") or "f32"
+    if value not in CACHE_TYPES:
+        raise BadRequestError(f"unknown KV cache type {value!r} (valid: {', '.join(CACHE_TYPES)})")
+    return value
+
+
+def cell_bytes(cache_type: str, width: int) -> int:
+    """Bytes one row of ``width`` values takes in a region of ``cache_type``."""
+    if cache_type == "f32":
+        return 4 * width
+    if cache_type == "f16":
+        return 2 * width
+    return -(-width // QK8_0) * Q8_0_BLOCK_BYTES
+
+
+@dataclass
+class KVLayer:
+    """One layer's K and V regions in their stored type, with float32 scratch for the window read."""
+
+    cache_type: str
+    k: np.ndarray
+    v: np.ndarray
+    k_scratch: np.ndarray | None = None  # f16 / q8_0 only: the dequantized window (shared by all layers)
+    v_scratch: np.ndarray | None = None
+
+    def store(self, k: np.ndarray, v: np.ndarray, rows: np.ndarray) -> None:
+        """Write K/V rows ``k[i]``, ``v[i]`` at cache rows ``rows[i]`` (already bounds-checked)."""
+        if self.cache_type == "q8_0":
+            quantize_q8_0_into(k, self.k, rows)
+            quantize_q8_0_into(v, self.v, rows)
+        else:
+            self.k[rows] = k
+            self.v[rows] = v
+
+    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``start..stop-1`` of K and V as float32 (views for f32 cells, dequantized otherwise)."""
+        if self.cache_type == "f32":
+            return self.k[start:stop], self.v[start:stop]
+        n = stop - start
+        ks, vs = self.k_scratch[:n], self.v_scratch[:n]
+        if self.cache_type == "f16":
+            np.copyto(ks, self.k[start:stop])
+            np.copyto(vs, self.v[start:stop])
+        else:
+            dequantize_q8_0_rows_into(self.k, start, stop, ks)
+            dequantize_q8_0_rows_into(self.v, start, stop, vs)
+        return ks, vs
 
 
 class KVCache:
-    def __init__(self, hparams: HParams, n_ctx: int) -> None:
-        self.n_ctx = n_ctx
-        self.n_layer = hparams.n_layer
-        self.regions: list[tuple[np.ndarray, np.ndarray]] = [
-            (
-                np.zeros((n_ctx, hparams.k_width), dtype=np.float32),
-                np.zeros((n_ctx, hparams.v_width), dtype=np.float32),
+    def __init__(self, hparams: HParams, n_ctx: int, cache_type: str | None = None, n_seq: int = 1) -> None:
+        self.cache_type = check_cache_type(cache_type)
+        if n_seq < 1 or n_ctx < n_seq:
+            raise BadRequestError(f"a context of {n_ctx} cannot hold {n_seq} sequences")
+        if self.cache_type == "q8_0" and (hparams.k_width % QK8_0 or hparams.v_width % QK8_0):
+            raise BadRequestError(
+                f"q8_0 cells need K/V widths that are multiples of {QK8_0} (this model: {hparams.k_width}, "
+                f"{hparams.v_width})"
             )
+        self.n_ctx = n_ctx
+        self.n_seq = n_seq
+        self.capacity = n_ctx // n_seq  # positions per sequence
+        self.n_layer = hparams.n_layer
+        rows = self.capacity * n_seq
+        scratch: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        if self.cache_type != "f32":
+            scratch = (np.zeros((self.capacity, hparams.k_width), np.float32),
+                       np.zeros((self.capacity, hparams.v_width), np.float32))
+        self.layers = [
+            KVLayer(self.cache_type, self._region(rows, hparams.k_width), self._region(rows, hparams.v_width),
+                    *scratch)
             for _ in range(hparams.n_layer)
         ]
+        self._tokens: list[list[int]] = [[] for _ in range(n_seq)]
+
+    def _region(self, rows: int, width: int) -> np.ndarray:
+        if self.cache_type == "f32":
+            return np.zeros((rows, width), np.float32)
+        if self.cache_type == "f16":
+            return np.zeros((rows, width), np.float16)
+        return np.zeros((rows, cell_bytes("q8_0", width)), np.uint8)
+
+    # -- sizes -------------------------------------------------------------------------------------
 
     @property
     def bytes_per_position(self) -> int:
-        return sum(k[0].nbytes + v[0].nbytes for k, v in self.regions)
+        """Bytes of K and V one position takes over all layers, measured from the allocated arrays."""
+        return sum(layer.k[0].nbytes + layer.v[0].nbytes for layer in self.layers)
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_per_position * self.n_ctx
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+
+    # -- addressing --------------------------------------------------------------------------------
+
+    def rows(self, positions: np.ndarray, seq_ids: np.ndarray | int = 0) -> np.ndarray:
+        """Cache rows of tokens at ``positions`` of sequences ``seq_ids``; refuses a position that does not fit."""
+        positions = np.asarray(positions, dtype=np.int64)
+        seq = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), positions.shape)
+        bad = np.flatnonzero((seq < 0) | (seq >= self.n_seq))
+        if bad.size:
+            raise BadRequestError(f"sequence id {int(seq[bad[0]])} is outside 0..{self.n_seq - 1}")
+        over = np.flatnonzero((positions < 0) | (positions >= self.capacity))
+        if over.size:
+            i = int(over[0])
+            raise ContextOverflowError(
+                f"position {int(positions[i])} (token {i}) does not fit in the context of {self.capacity} tokens"
+                + (f" per sequence ({self.n_ctx} shared by {self.n_seq})" if self.n_seq > 1 else "")
+            )
+        return seq * self.capacity + positions
+
+    # -- sequences ---------------------------------------------------------------------------------
+
+    def tokens(self, seq: int = 0) -> list[int]:
+        """The tokens sequence ``seq`` holds at positions 0..len-1 (a copy)."""
+        return list(self._tokens[seq])
+
+    def record(self, seq: int, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """Note that ``tokens`` were written at ``positions`` (contiguous, ascending) of ``seq``."""
+        held = self._tokens[seq]
+        start = int(positions[0])
+        del held[start:]
+        if start > len(held):  # a gap: rows before ``start`` are not known to hold anything
+            held.extend([-1] * (start - len(held)))
+        held.extend(int(t) for t in tokens)
+
+    def truncate(self, seq: int, n: int) -> None:
+        """Forget sequence ``seq``'s positions from ``n`` on (their rows get overwritten later)."""
+        del self._tokens[seq][n:]
+
+    def remove(self, seq: int) -> None:
+        self.truncate(seq, 0)
+
+    def clear(self) -> None:
+        for seq in range(self.n_seq):
+            self.remove(seq)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give sequence ``dst`` the first ``n`` positions of ``src`` (prefix reuse): the rows are copied."""
+        if n > len(self._tokens[src]):
+            raise BadRequestError(f"sequence {src} holds {len(self._tokens[src])} positions, not {n}")
+        s0, d0 = src * self.capacity, dst * self.capacity
+        for layer in self.layers:
+            layer.k[d0 : d0 + n] = layer.k[s0 : s0 + n]
+            layer.v[d0 : d0 + n] = layer.v[s0 : s0 + n]
+        self._tokens[dst] = self._tokens[src][:n]

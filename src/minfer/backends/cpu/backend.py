@@ -6,7 +6,8 @@ correctness baseline) and ``reference-q8`` (the reference with matmul inputs rou
 block-quantized weights, the arithmetic the fast kernels do). ``MINFER_KERNELS`` or
 ``CPUBackend(kernels=...)`` picks one. Kernels take ``(node, out, *operands)`` in the order the node's
 inputs were built; the K/V operand of ``kv_store``/``kv_load``/``attn`` is the layer's
-``(k_region, v_region)`` pair. A kernel is resolved once per node when a plan is prepared, never per call.
+:class:`~minfer.runtime.kv_cache.KVLayer` (regions in their cell type). A kernel is resolved once per
+node when a plan is prepared, never per call.
 
 Results are bit-identical at any thread count: every output row (or head) is computed by exactly one
 worker in a fixed order, and BLAS runs single-threaded while plans execute.
@@ -38,8 +39,41 @@ def _get_rows(node: Node, out, table, ids) -> None:
     ref.get_rows(table, ids, out)
 
 
-def _kv_load(node: Node, regions, store) -> None:
+def _kv_load(node: Node, kv, store) -> None:
     """A view: the load's operand already is the layer's regions."""
+
+
+def attend_by_sequence(q, kv, positions, rows, out, attend: Callable[..., None]) -> None:
+    """Run ``attend(q, K, V, positions, out)`` once per sequence in the batch, with K/V the float32 window
+    of that sequence's rows 0..max(pos) (a view for f32 cells, dequantized for f16 / q8_0 ones)."""
+    n = positions.shape[0]
+    start = int(rows[0]) - int(positions[0])
+    if n == 1:  # decode: one token, one window
+        k, v = kv.window(start, start + int(positions[0]) + 1)
+        attend(q, k, v, positions, out)
+        return
+    starts = rows - positions
+    if (starts == start).all():
+        k, v = kv.window(start, start + int(positions.max()) + 1)
+        attend(q, k, v, positions, out)
+        return
+    for s in dict.fromkeys(starts.tolist()):  # each sequence once, in batch order
+        idx = np.flatnonzero(starts == s)
+        k, v = kv.window(s, s + int(positions[idx].max()) + 1)
+        if idx[-1] - idx[0] + 1 == len(idx):  # contiguous tokens: views, no copies
+            sl = slice(int(idx[0]), int(idx[-1]) + 1)
+            attend(q[sl], k, v, positions[sl], out[sl])
+        else:
+            o = np.empty((len(idx), out.shape[1]), np.float32)
+            attend(np.ascontiguousarray(q[idx]), k, v, np.ascontiguousarray(positions[idx]), o)
+            out[idx] = o
+
+
+def _reference_kv_store(node: Node, kv, k, v, rows) -> None:
+    if kv.cache_type == "f32":
+        ref.kv_store(k, v, rows, kv.k, kv.v, node.meta.layer)
+    else:
+        kv.store(k, v, rows)
 
 
 REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
@@ -49,9 +83,11 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     Op.MUL: lambda node, out, x, y: ref.mul(x, y, out),
     Op.ADD: lambda node, out, x, y: ref.add(x, y, out),
     Op.ROPE: lambda node, out, x, positions: ref.rope(x, positions, node.meta, out),
-    Op.KV_STORE: lambda node, kv, k, v, positions: ref.kv_store(k, v, positions, kv[0], kv[1], node.meta.layer),
+    Op.KV_STORE: _reference_kv_store,
     Op.KV_LOAD: _kv_load,
-    Op.ATTN: lambda node, out, q, kv, positions: ref.attention(q, kv[0], kv[1], positions, node.meta, out),
+    Op.ATTN: lambda node, out, q, kv, positions, rows: attend_by_sequence(
+        q, kv, positions, rows, out, lambda q, k, v, pos, o: ref.attention(q, k, v, pos, node.meta, o)
+    ),
     Op.SILU: lambda node, out, x: ref.silu(x, out),
     Op.SWIGLU: lambda node, out, gate, up: ref.swiglu(gate, up, out),
 }
@@ -163,12 +199,21 @@ class CPUBackend:
             return lambda node, out, x, positions: table.apply(x, positions, n_head, neox, out)
         if op is Op.KV_STORE:
             layer = meta.layer
-            return lambda node, kv, k, v, positions: vk.kv_store(k, v, positions, kv[0], kv[1], layer)
+
+            def kv_store(node: Node, kv, k, v, rows) -> None:
+                if kv.cache_type == "f32":
+                    vk.kv_store(k, v, rows, kv.k, kv.v, layer)
+                else:
+                    kv.store(k, v, rows)
+
+            return kv_store
         if op is Op.ATTN:
             m = meta
-            return lambda node, out, q, kv, positions: vk.attention(
-                q, kv[0], kv[1], positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out
-            )
+
+            def attend(q, k, v, positions, out) -> None:
+                vk.attention(q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out)
+
+            return lambda node, out, q, kv, positions, rows: attend_by_sequence(q, kv, positions, rows, out, attend)
         return REFERENCE_KERNELS[op]
 
     def close(self) -> None:
