@@ -27,17 +27,35 @@ def test_max_tokens_and_stats(model):
     assert (s.prompt_tokens, s.generated_tokens, s.finish_reason) == (3, 5, "length")
 
 
-def test_generation_stops_when_context_is_full(model):
+def test_generation_past_the_context_is_a_clear_error(model):
     from minfer.runtime.generate import GenerationStats, generate
     from minfer.runtime.sampler import Sampler, SamplingParams
 
     prompt = fixture_sequences("qwen3")[2]  # 33 of 48 positions
     stats = GenerationStats()
-    steps = list(generate(model.runner, model.tokenizer, prompt, Sampler(SamplingParams(temperature=0)),
-                          max_tokens=100, stats=stats, stop_ids=frozenset()))
-    assert stats.finish_reason == "length"
-    # positions 33..47 are evaluated; the last token is sampled from position 47's logits
-    assert stats.generated_tokens == 48 - len(prompt) + 1 == len([s for s in steps if s.token is not None])
+    steps = generate(model.runner, model.tokenizer, prompt, Sampler(SamplingParams(temperature=0)),
+                     max_tokens=100, stats=stats, stop_ids=frozenset())
+    got = []
+    with pytest.raises(ContextOverflowError, match="position 48, n_ctx is 48"):
+        for s in steps:
+            got.append(s)
+    # positions 33..47 were evaluated; the token sampled from position 47's logits was still produced
+    assert stats.generated_tokens == 48 - len(prompt) + 1 == len(got)
+
+
+def test_a_prompt_sharing_the_cached_prefix_reuses_it(model):
+    seq = fixture_sequences("qwen3")[2]
+    full = model.complete(seq, max_tokens=4, temperature=0)
+    evaluated = []
+    forward = model.runner.forward
+    model.runner.forward = lambda tokens, positions, *a, **k: evaluated.append(list(positions)) or forward(
+        tokens, positions, *a, **k)
+    try:
+        again = model.complete(seq, max_tokens=4, temperature=0)
+    finally:
+        model.runner.forward = forward
+    assert again.tokens == full.tokens
+    assert evaluated[0] == [len(seq) - 1]  # only the last prompt token was evaluated again
 
 
 def test_logits_of_fresh_sequence_ignore_previous_calls(model):

@@ -42,6 +42,15 @@ class Completion:
     stats: GenerationStats
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def default_threads() -> int:
     """Cores this process may run on (the machine's physical cores where affinity is not restricted)."""
     try:
@@ -59,6 +68,7 @@ class Model:
         n_ctx: int | None = None,
         threads: int | None = None,
         kernels: str | None = None,
+        cache_type: str | None = None,
     ) -> None:
         self.transformer = TransformerModel.from_gguf(path)
         self.path = self.transformer.path
@@ -77,13 +87,27 @@ class Model:
         self.tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(self.path))
         self.chat_template = ChatTemplate.from_gguf_metadata(metadata, self.tokenizer)
         self.backend = CPUBackend(threads=threads, kernels=kernels)
-        self.kv = KVCache(hp, n_ctx)
+        self.kv = KVCache(hp, n_ctx, cache_type=cache_type)
         self.runner = ForwardRunner(self.transformer, self.backend, self.kv)
         self.last_stats: GenerationStats | None = None
 
     @property
     def hparams(self) -> HParams:
         return self.transformer.hparams
+
+    @property
+    def cache_type(self) -> str:
+        return self.kv.cache_type
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """KV cache bytes per position (all layers, K and V), measured from the allocated regions."""
+        return self.kv.bytes_per_position
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV cache bytes for the whole context."""
+        return self.kv.nbytes
 
     # -- tokens ----------------------------------------------------------------------------------
 
@@ -146,8 +170,10 @@ class Model:
         constraint = self.constraint(grammar, json_schema)
         stats = GenerationStats()
         self.last_stats = stats
+        # positions are data: a prompt that starts with what the cache already holds reuses those rows
+        n_cached = common_prefix(self.kv.tokens(0), ids, limit=len(ids) - 1)
         return generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats, stop=stop, logprobs=logprobs,
-                        constraint=constraint)
+                        constraint=constraint, n_cached=n_cached)
 
     def constraint(
         self, grammar: str | None = None, json_schema: str | Mapping[str, Any] | bool | None = None
@@ -248,10 +274,12 @@ def load(
     n_ctx: int | None = None,
     threads: int | None = None,
     kernels: str | None = None,
+    cache_type: str | None = None,
 ) -> Model:
     """Load a GGUF model: a file path, or a known model name such as ``"smollm2"`` (pulled on first use).
 
     ``kernels``: ``"fast"`` (compiled, the default) or ``"reference"`` (plain numpy); the environment
-    variable ``MINFER_KERNELS`` sets the default.
+    variable ``MINFER_KERNELS`` sets the default. ``cache_type``: KV cells ``"f32"`` (default), ``"f16"``
+    or ``"q8_0"``; ``MINFER_CACHE_TYPE`` sets the default.
     """
-    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels)
+    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type)

@@ -110,6 +110,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
     p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
                    help="context size in tokens (default: the model's, at most 4096)")
+    p.add_argument("--cache-type", default=None, choices=["f32", "f16", "q8_0"],
+                   help="KV cache cells (default: $MINFER_CACHE_TYPE or f32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--layer", type=int, action="append", default=None,
                       help="only show this layer's nodes (repeatable; text and dot)")
     insp.add_argument("--no-fuse", action="store_true", help="show the graph before the fusion pass")
+    insp.add_argument("--kv", action="store_true", help="KV cache bytes per position and per context, per cell type")
+    insp.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
+                      help="context size for --kv (default: the model's, at most 4096)")
 
     ppl = sub.add_parser("perplexity", help="perplexity of a text file (the llama-perplexity method)")
     ppl.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
@@ -170,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         raise MinferError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
-    model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads)
+    model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
@@ -219,6 +224,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from minfer.pull import resolve_model
 
     path = resolve_model(args.model)
+    if args.kv:
+        from minfer.runtime.kv_cache import CACHE_TYPES, cell_bytes
+
+        model = TransformerModel.from_gguf(path)
+        hp = model.hparams
+        n_ctx = args.n_ctx or min(hp.n_ctx_train, 4096)
+        print(f"KV cache of {path.name}: {hp.n_layer} layers, K width {hp.k_width}, V width {hp.v_width}")
+        for ct in CACHE_TYPES:
+            per_pos = hp.n_layer * (cell_bytes(ct, hp.k_width) + cell_bytes(ct, hp.v_width))
+            print(f"  {ct:5s} {per_pos:8d} bytes per position, {_fmt_bytes(per_pos * n_ctx):>11s} for n_ctx {n_ctx}"
+                  f"  ({hp.kv_f32_bytes_per_position / per_pos:.2f}x smaller than f32)")
+        return 0
     if args.graph:
         model = TransformerModel.from_gguf(path)
         if args.tokens < 1:

@@ -4,7 +4,8 @@ Each step's positions are data: the prompt occupies positions 0..n-1, the k-th g
 evaluated at position n+k-1 and its K/V row lands there. A step: logits -> (constraint mask) -> sampler
 chain -> token; the token's text goes through the UTF-8-safe detokenizer and the stop-string matcher.
 Stops: an end-of-generation token (not part of the text), a stop string (not part of the text either),
-a finished grammar, ``max_tokens``, or the context being full.
+a finished grammar, or ``max_tokens``. Running past the context is an error (ContextOverflowError naming
+n_ctx and the position), never a silent stop.
 """
 
 from __future__ import annotations
@@ -62,15 +63,17 @@ def generate(
     stop: str | Sequence[str] = (),
     logprobs: int | None = None,
     constraint: Any = None,
+    n_cached: int = 0,
 ) -> Iterator[TokenStep]:
     """Yield generated tokens with the text they release; fills ``stats`` as it goes.
 
     ``logprobs``: with a number N, each step carries the chosen token's log-probability and the N most
     likely alternatives. ``constraint``: an object with ``mask_logits``, ``accept`` and ``is_finished``
-    (a grammar or JSON schema, :mod:`minfer.runtime.constraints`).
+    (a grammar or JSON schema, :mod:`minfer.runtime.constraints`). ``n_cached``: the first ``n_cached``
+    prompt tokens are already in the cache at their positions (a reused prefix): only the rest is evaluated.
     """
     stats = stats if stats is not None else GenerationStats()
-    n_ctx = runner.kv.n_ctx
+    n_ctx = runner.kv.capacity
     n = len(prompt_ids)
     if n == 0:
         raise BadRequestError("the prompt is empty (no tokens to start from)")
@@ -78,6 +81,8 @@ def generate(
         raise ContextOverflowError(f"the prompt has {n} tokens, more than the context of {n_ctx}")
     if max_tokens < 0:
         raise BadRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+    if not 0 <= n_cached < n:
+        raise BadRequestError(f"n_cached must be in 0..{n - 1} (a prompt token must be evaluated), got {n_cached}")
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise BadRequestError(f"logprobs must be between 0 and 20, got {logprobs}")
     stop_ids = tokenizer.eog_ids if stop_ids is None else stop_ids
@@ -90,7 +95,7 @@ def generate(
     sampler.reset(prompt_ids)
 
     t0 = time.perf_counter()
-    logits = runner.forward(prompt_ids, range(n), output_rows=[n - 1])[0]
+    logits = runner.forward(prompt_ids[n_cached:], range(n_cached, n), output_rows=[n - 1 - n_cached])[0]
     stats.prefill_seconds = time.perf_counter() - t0
     pos = n
     t0 = time.perf_counter()
@@ -121,9 +126,14 @@ def generate(
         if constraint is not None and constraint.is_finished():
             stats.finish_reason = "stop"
             break
-        if stats.generated_tokens >= max_tokens or pos >= n_ctx:
+        if stats.generated_tokens >= max_tokens:
             stats.finish_reason = "length"
             break
+        if pos >= n_ctx:
+            raise ContextOverflowError(
+                f"generation reached the end of the context: the next token would be at position {pos}, "
+                f"n_ctx is {n_ctx} (use a larger context)"
+            )
         logits = runner.forward([token], [pos])[0]
         pos += 1
         stats.decode_seconds = time.perf_counter() - t0

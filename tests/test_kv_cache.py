@@ -1,0 +1,137 @@
+"""KV cache cell types and sequences on the tiny fixtures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ARCHS, fixture_dir, fixture_logits, fixture_sequences, load_json
+
+import minfer
+from minfer.errors import BadRequestError, ContextOverflowError
+from minfer.runtime.generate import generate
+from minfer.runtime.sampler import Sampler, SamplingParams
+
+
+def _greedy(model, ref):
+    steps = generate(model.runner, model.tokenizer, ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),
+                     max_tokens=len(ref["generated_ids"]), stop_ids=frozenset())
+    return [s.token for s in steps if s.token is not None]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f16_cells_within_1e_2_of_f32(arch):
+    """DESIGN.md: an f16 KV cache stays within 1e-2 of the f32 logits, with the same greedy tokens."""
+    f32 = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, cache_type="f32")
+    f16 = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, cache_type="f16")
+    for seq in fixture_sequences(arch):
+        diff = float(np.abs(f16.logits(seq) - f32.logits(seq)).max())
+        assert diff <= 1e-2, f"{arch} f16: max |dlogit| = {diff:.3g}"
+    ref = load_json(fixture_dir(arch) / "greedy.json")
+    assert _greedy(f16, ref) == ref["generated_ids"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q8_0_cells_are_exactly_a_q8_0_round_trip(arch):
+    """q8_0 cells hold exactly what the gguf package's Q8_0 quantize -> dequantize gives for each K/V row:
+    the same logits as an f32 cache fed round-tripped rows. On these fixtures that round trip alone moves
+    logits by 0.04-0.12 against f32 cells (above DESIGN.md's 5e-2, reported on the issue), so the greedy
+    tokens are checked teacher-forced at every step whose top-2 margin is clear of that (> 0.25); a free
+    greedy run diverges at near-ties (llama: step 13, margin 0.034)."""
+    import gguf
+
+    import minfer.backends.cpu.reference as ref_ops
+
+    def round_trip(x):
+        t = gguf.GGMLQuantizationType.Q8_0
+        return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), t), t).reshape(x.shape)
+
+    q8 = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, cache_type="q8_0", kernels="reference")
+    seqs = fixture_sequences(arch)
+    got = [q8.logits(seq) for seq in seqs]
+    store = ref_ops.kv_store
+    try:
+        ref_ops.kv_store = lambda k, v, pos, K, V, layer: store(round_trip(k), round_trip(v), pos, K, V, layer)
+        sim = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, kernels="reference")
+        for g, seq in zip(got, seqs, strict=True):
+            np.testing.assert_array_equal(g, sim.logits(seq))
+    finally:
+        ref_ops.kv_store = store
+    ref = load_json(fixture_dir(arch) / "greedy.json")
+    fast = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, cache_type="q8_0")
+    ids = ref["prompt_ids"] + ref["generated_ids"]
+    logits = fast.logits(ids)[len(ref["prompt_ids"]) - 1 : -1]
+    checked = 0
+    for i, (tok, margin) in enumerate(zip(ref["generated_ids"], ref["top1_minus_top2"], strict=True)):
+        if margin > 0.25:
+            checked += 1
+            assert int(np.argmax(logits[i])) == tok, f"{arch} step {i} (margin {margin:.3f})"
+    assert checked >= 5
+
+
+def test_bytes_per_position_by_type():
+    sizes = {ct: minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=64, cache_type=ct).kv_bytes_per_position
+             for ct in ("f32", "f16", "q8_0")}
+    assert sizes["f16"] * 2 == sizes["f32"]
+    assert sizes["f32"] / sizes["q8_0"] == pytest.approx(128 / 34)  # 3.76x
+
+
+def test_unknown_cache_type_lists_the_valid_ones(monkeypatch):
+    with pytest.raises(BadRequestError, match="unknown KV cache type 'q4'.*f32, f16, q8_0"):
+        minfer.load(fixture_dir("llama") / "model-f32.gguf", cache_type="q4")
+    monkeypatch.setenv("MINFER_CACHE_TYPE", "f16")
+    assert minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=16).cache_type == "f16"
+    # the explicit argument wins over the environment
+    assert minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=16, cache_type="q8_0").cache_type == "q8_0"
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
+def test_sequences_in_one_batch_equal_each_alone(cache_type):
+    """Two sequences prefilled in one forward pass give the logits each gets alone."""
+    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.kv_cache import KVCache
+
+    model = minfer.load(fixture_dir("qwen3") / "model-f32.gguf", n_ctx=64, threads=1, cache_type=cache_type)
+    a, b = fixture_sequences("qwen3")[1], fixture_sequences("qwen3")[2][:20]
+    kv = KVCache(model.hparams, 128, cache_type=cache_type, n_seq=2)
+    runner = ForwardRunner(model.transformer, model.backend, kv)
+    both = runner.forward(a + b, list(range(len(a))) + list(range(len(b))), seq_ids=[0] * len(a) + [1] * len(b))
+    np.testing.assert_allclose(both[: len(a)], model.logits(a), atol=1e-5)
+    np.testing.assert_allclose(both[len(a) :], model.logits(b), atol=1e-5)
+    # a decode step of each sequence in one batch: still each one's own continuation
+    step = runner.forward([5, 9], [len(a), len(b)], seq_ids=[0, 1])
+    np.testing.assert_allclose(step[0], model.logits([*a, 5])[-1], atol=1e-5)
+    np.testing.assert_allclose(step[1], model.logits([*b, 9])[-1], atol=1e-5)
+    assert kv.tokens(0) == [*a, 5] and kv.tokens(1) == [*b, 9]
+
+
+def test_copy_prefix_remove_and_clear():
+    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.kv_cache import KVCache
+
+    model = minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=64, threads=1)
+    seq = fixture_sequences("llama")[2]
+    kv = KVCache(model.hparams, 64, n_seq=2)
+    runner = ForwardRunner(model.transformer, model.backend, kv)
+    runner.forward(seq[:20], range(20), seq_ids=0)
+    kv.copy_prefix(0, 1, 12)  # sequence 1 reuses the first 12 positions, then diverges
+    assert kv.tokens(1) == seq[:12]
+    tail = runner.forward(seq[12:20], range(12, 20), seq_ids=1)
+    np.testing.assert_allclose(tail, fixture_logits("llama", 2)[12:20], atol=1e-4)
+    kv.remove(1)
+    assert kv.tokens(1) == [] and kv.tokens(0) == seq[:20]
+    kv.clear()
+    assert kv.tokens(0) == []
+    with pytest.raises(BadRequestError, match="holds 0 positions"):
+        kv.copy_prefix(0, 1, 5)
+
+
+def test_position_beyond_a_sequence_is_refused_before_writing():
+    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.kv_cache import KVCache
+
+    model = minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=64)
+    kv = KVCache(model.hparams, 64, n_seq=2)  # 32 positions each
+    runner = ForwardRunner(model.transformer, model.backend, kv)
+    with pytest.raises(ContextOverflowError, match="position 32 .* context of 32 tokens per sequence"):
+        runner.forward([1, 2], [31, 32], seq_ids=1)
+    assert not kv.layers[0].k.any()
