@@ -135,3 +135,31 @@ def test_position_beyond_a_sequence_is_refused_before_writing():
     with pytest.raises(ContextOverflowError, match="position 32 .* context of 32 tokens per sequence"):
         runner.forward([1, 2], [31, 32], seq_ids=1)
     assert not kv.layers[0].k.any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # both RoPE layouts
+@pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
+def test_context_shift_keeps_generating(arch, cache_type):
+    model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=32, cache_type=cache_type)
+    prompt = fixture_sequences(arch)[1]
+    steps = generate(model.runner, model.tokenizer, prompt, Sampler(SamplingParams(temperature=0)),
+                     max_tokens=96, stop_ids=frozenset(), context_shift=True, n_keep=4)
+    assert len([s for s in steps if s.token is not None]) == 96  # 3 x n_ctx, no error
+    assert model.kv.tokens(0)[:4] == prompt[:4]  # the kept prefix survives every shift
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_shift_re_rotates_k_rows_to_their_new_positions(arch):
+    """Layer 0's K and V rows depend only on the token and its position: after a shift they must equal
+    what a fresh pass over the kept tokens writes (deeper layers legitimately differ: their rows were
+    computed while the dropped tokens were still visible, which is why a context shift is approximate)."""
+    model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, threads=1)
+    seq = fixture_sequences(arch)[2]
+    model.runner.forward(seq[:30], range(30))
+    model.runner.shift_context(0, n_keep=5, n_discard=12)
+    kept = model.kv.tokens(0)
+    assert kept == seq[:5] + seq[17:30]
+    k_shifted, v_shifted = model.kv.layers[0].k[:18].copy(), model.kv.layers[0].v[:18].copy()
+    model.logits(kept)
+    np.testing.assert_allclose(k_shifted, model.kv.layers[0].k[:18], atol=1e-5)
+    np.testing.assert_array_equal(v_shifted, model.kv.layers[0].v[:18])

@@ -11,8 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from minfer.backends.cpu.reference import rope
 from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
+from minfer.graph.ir import RopeMeta
 from minfer.graph.scheduler import Backend, Plan
 from minfer.models.model import TransformerModel
 from minfer.runtime.kv_cache import KVCache
@@ -80,6 +82,17 @@ class ForwardRunner:
             logits = plan.run().copy()
         self._record(tokens, positions, seq_ids)
         return logits
+
+    def shift_context(self, seq: int, n_keep: int, n_discard: int) -> None:
+        """Drop ``n_discard`` positions of ``seq`` after the first ``n_keep``; later K rows are re-rotated."""
+        hp, arch = self.model.hparams, self.model.arch
+        meta = RopeMeta(hp.n_head_kv, hp.head_dim_k, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, arch.rope_style)
+
+        def rotate(k: np.ndarray, delta: int) -> None:
+            # RoPE is a rotation by position x frequency, so rotating a row stored at p by -d puts it at p - d
+            rope(k, np.full(k.shape[0], delta), meta, k)
+
+        self.kv.shift(seq, n_keep, n_discard, rotate)
 
     def _record(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: Sequence[int] | np.ndarray | int) -> None:
         if np.ndim(seq_ids) == 0:

@@ -64,6 +64,8 @@ def generate(
     logprobs: int | None = None,
     constraint: Any = None,
     n_cached: int = 0,
+    context_shift: bool = False,
+    n_keep: int = 0,
 ) -> Iterator[TokenStep]:
     """Yield generated tokens with the text they release; fills ``stats`` as it goes.
 
@@ -71,6 +73,8 @@ def generate(
     likely alternatives. ``constraint``: an object with ``mask_logits``, ``accept`` and ``is_finished``
     (a grammar or JSON schema, :mod:`minfer.runtime.constraints`). ``n_cached``: the first ``n_cached``
     prompt tokens are already in the cache at their positions (a reused prefix): only the rest is evaluated.
+    ``context_shift``: when the context is full, drop the oldest half after the first ``n_keep`` positions
+    (a system prompt) and go on, instead of raising ContextOverflowError.
     """
     stats = stats if stats is not None else GenerationStats()
     n_ctx = runner.kv.capacity
@@ -129,6 +133,12 @@ def generate(
         if stats.generated_tokens >= max_tokens:
             stats.finish_reason = "length"
             break
+        if pos >= n_ctx and context_shift:
+            n_discard = (pos - n_keep) // 2
+            if n_discard < 1:
+                raise ContextOverflowError(f"context shift: n_keep {n_keep} leaves nothing to drop in {n_ctx}")
+            runner.shift_context(0, n_keep, n_discard)
+            pos -= n_discard
         if pos >= n_ctx:
             raise ContextOverflowError(
                 f"generation reached the end of the context: the next token would be at position {pos}, "

@@ -17,6 +17,7 @@ can reuse a cached prefix instead of recomputing it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,18 @@ class KVLayer:
         else:
             self.k[rows] = k
             self.v[rows] = v
+
+    def move(self, src: int, dst: int, n: int, rotate_k: Callable[[np.ndarray], None]) -> None:
+        """Move rows ``src..src+n-1`` to ``dst..`` (dst < src), K rows re-rotated by ``rotate_k`` (in place,
+        float32 rows): RoPE by a position delta, for a context shift."""
+        k, _ = self.window(src, src + n)
+        k = np.array(k, dtype=np.float32)  # a copy: the window may be a view of rows about to be overwritten
+        rotate_k(k)
+        self.v[dst : dst + n] = self.v[src : src + n]  # numpy copies overlapping slices safely
+        if self.cache_type == "q8_0":
+            quantize_q8_0_into(k, self.k, np.arange(dst, dst + n))
+        else:
+            self.k[dst : dst + n] = k
 
     def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``start..stop-1`` of K and V as float32 (views for f32 cells, dequantized otherwise)."""
@@ -166,6 +179,20 @@ class KVCache:
     def clear(self) -> None:
         for seq in range(self.n_seq):
             self.remove(seq)
+
+    def shift(self, seq: int, n_keep: int, n_discard: int, rotate_k: Callable[[np.ndarray, int], None]) -> None:
+        """Context shift: drop positions ``n_keep .. n_keep+n_discard-1`` of ``seq`` and move the rest down by
+        ``n_discard``, K rows re-rotated to their new positions (``rotate_k(rows, -n_discard)`` in place)."""
+        n = len(self._tokens[seq])
+        if not (0 <= n_keep and 0 < n_discard and n_keep + n_discard <= n):
+            raise BadRequestError(f"cannot drop {n_discard} positions after {n_keep} of a sequence of {n}")
+        base = seq * self.capacity
+        moved = n - n_keep - n_discard
+        if moved:
+            for layer in self.layers:
+                layer.move(base + n_keep + n_discard, base + n_keep, moved, lambda k: rotate_k(k, -n_discard))
+        held = self._tokens[seq]
+        del held[n_keep : n_keep + n_discard]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Give sequence ``dst`` the first ``n`` positions of ``src`` (prefix reuse): the rows are copied."""
