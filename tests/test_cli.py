@@ -84,3 +84,13 @@ def test_prompt_longer_than_context():
 
 def test_bad_sampling_parameter():
     assert_clean_error(minfer("run", QWEN3, "hi", "--top-p", "1.5"), "top_p")
+
+
+def test_generation_past_context_fails_clearly_unless_context_shift():
+    r = minfer("run", QWEN3, "The capital of France is", "-c", "32", "-n", "96", "--temp", "0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "n_ctx is 32" in r.stderr and "position 32" in r.stderr
+    r = minfer("run", QWEN3, "The capital of France is", "-c", "32", "-n", "96", "--temp", "0", "--context-shift",
+               "--keep", "2")
+    assert r.returncode == 0, r.stderr
+    assert "generated 96 tokens" in r.stderr

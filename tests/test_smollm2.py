@@ -102,3 +102,21 @@ def test_greedy_tokens_match_llamacpp_where_not_a_near_tie(model):
                 compared += 1
                 assert int(np.argmax(logits[i])) == tok, f"{case['prompt']!r} step {i} (margin {margin:.3f})"
     assert compared >= 80
+
+
+def test_chat_repl_saves_and_resumes(smollm2_path, tmp_path):
+    session = tmp_path / "c.session"
+    first = subprocess.run(
+        [sys.executable, "-m", "minfer", "chat", str(smollm2_path), "--temp", "0", "-n", "24"],
+        input=f"What is the capital of France? Answer in one sentence.\n/save {session}\nAnd of Italy?\n",
+        capture_output=True, text=True, timeout=600,
+    )
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.strip().splitlines()
+    assert "Paris" in lines[0]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "minfer", "chat", str(smollm2_path), "--temp", "0", "-n", "24", "--load", str(session)],
+        input="And of Italy?\n", capture_output=True, text=True, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.strip() == lines[-1]  # the resumed process continues exactly as the original

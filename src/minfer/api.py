@@ -23,6 +23,7 @@ from minfer.models.model import TransformerModel
 from minfer.perplexity import PerplexityResult, perplexity
 from minfer.pull import resolve_model
 from minfer.runtime.constraints import Constraint
+from minfer.runtime.conversation import Conversation
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, TokenStep, generate
 from minfer.runtime.kv_cache import KVCache
@@ -155,13 +156,16 @@ class Model:
         grammar: str | None = None,
         json_schema: str | Mapping[str, Any] | bool | None = None,
         add_special: bool = True,
+        context_shift: bool = False,
+        n_keep: int = 0,
         **sampling: Any,
     ) -> Iterator[TokenStep]:
         """Generate step by step: each :class:`TokenStep` has the token, the text it releases and, with
         ``logprobs=N``, its log-probability and the N best alternatives. Stats land in ``last_stats``.
 
         ``grammar``: a GBNF grammar the output must follow; ``json_schema``: a JSON Schema (dict or JSON
-        text) the output must validate against, or ``True`` for any JSON object.
+        text) the output must validate against, or ``True`` for any JSON object. ``context_shift``: when
+        the context fills up, drop the oldest half after the first ``n_keep`` tokens instead of failing.
         """
         ids = self._prompt_ids(prompt, add_special)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
@@ -173,7 +177,7 @@ class Model:
         # positions are data: a prompt that starts with what the cache already holds reuses those rows
         n_cached = common_prefix(self.kv.tokens(0), ids, limit=len(ids) - 1)
         return generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats, stop=stop, logprobs=logprobs,
-                        constraint=constraint, n_cached=n_cached)
+                        constraint=constraint, n_cached=n_cached, context_shift=context_shift, n_keep=n_keep)
 
     def constraint(
         self, grammar: str | None = None, json_schema: str | Mapping[str, Any] | bool | None = None
@@ -236,6 +240,10 @@ class Model:
         prompt = self.render_chat(messages)
         # the template writes BOS itself when the model wants one
         return self.generate(prompt, max_tokens, stream=stream, stop=stop, add_special=False, **sampling)
+
+    def conversation(self, system: str | None = None, seed: int | None = None, **sampling: Any) -> Conversation:
+        """A multi-turn chat that keeps its KV cache between turns (see :class:`Conversation`)."""
+        return Conversation(self, system, seed=seed, **sampling)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

@@ -1,4 +1,4 @@
-"""The ``minfer`` command: run, inspect, perplexity, bench, pull.
+"""The ``minfer`` command: run, chat, inspect, perplexity, bench, pull.
 
 User mistakes print one line ``minfer: error: ...`` on stderr and exit with status 1 (2 for bad
 command-line usage, as argparse does); no traceback.
@@ -112,6 +112,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="context size in tokens (default: the model's, at most 4096)")
     p.add_argument("--cache-type", default=None, choices=["f32", "f16", "q8_0"],
                    help="KV cache cells (default: $MINFER_CACHE_TYPE or f32)")
+    p.add_argument("--context-shift", action="store_true",
+                   help="when the context is full, drop the oldest half (after --keep tokens) instead of failing")
+    p.add_argument("--keep", type=int, default=0, help="tokens kept at the start by --context-shift (default: 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system message (with --chat)")
     run.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     run.add_argument("-q", "--quiet", action="store_true", help="do not print timings on stderr")
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (type /help inside)")
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--load", default=None, metavar="FILE", help="resume a saved session")
+    _add_sampling_flags(chat)
+    _add_model_flags(chat)
 
     insp = sub.add_parser("inspect", help="show a model's metadata, tensors and compute graph")
     insp.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
@@ -185,6 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise MinferError("--system needs --chat")
         text, add_special = prompt, True
     steps = model.stream(text, args.max_tokens, stop=args.stop, logprobs=args.logprobs, add_special=add_special,
+                         context_shift=args.context_shift, n_keep=args.keep,
                          **_constraint_kwargs(args), **_sampling_kwargs(args))
     if args.echo:
         sys.stdout.write(prompt)
@@ -206,6 +217,73 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+CHAT_HELP = """commands:
+  /clear        forget the conversation (the system prompt stays)
+  /regen        generate the last reply again
+  /save FILE    save the conversation (transcript and KV cache) to FILE
+  /load FILE    resume a conversation saved with /save
+  /help         this help
+  /exit         leave (also Ctrl-D)"""
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    import minfer
+    from minfer.runtime.conversation import Conversation
+
+    model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type)
+    sampling = _sampling_kwargs(args)
+    conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"minfer chat with {model.path.name} ({model.cache_type} cache, n_ctx {model.n_ctx}); /help for "
+              "commands", file=sys.stderr)
+
+    def show(pieces) -> None:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        command, _, arg = text.partition(" ")
+        try:
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/help":
+                print(CHAT_HELP)
+            elif command == "/clear":
+                conv.clear()
+                print("(conversation cleared)", file=sys.stderr)
+            elif command == "/regen":
+                show(conv.regenerate(args.max_tokens, stream=True))
+            elif command == "/save":
+                if not arg:
+                    raise MinferError("/save needs a file name")
+                conv.save(arg.strip())
+                print(f"(saved to {arg.strip()})", file=sys.stderr)
+            elif command == "/load":
+                if not arg:
+                    raise MinferError("/load needs a file name")
+                conv = Conversation.load(model, arg.strip())
+                print(f"(loaded {len(conv.messages)} messages)", file=sys.stderr)
+            elif command.startswith("/"):
+                raise MinferError(f"unknown command {command} (/help lists them)")
+            else:
+                show(conv.send(line, args.max_tokens, stream=True))
+        except MinferError as e:  # a bad command or a failed turn does not end the chat
+            print(f"minfer: error: {e}", file=sys.stderr)
+            if not interactive:
+                return 1
 
 
 def _fmt_bytes(n: float) -> str:
@@ -338,7 +416,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "perplexity": cmd_perplexity, "bench": cmd_bench,
+COMMANDS = {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect, "perplexity": cmd_perplexity, "bench": cmd_bench,
             "pull": cmd_pull}
 
 
