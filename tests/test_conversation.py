@@ -40,11 +40,12 @@ def test_turns_reuse_the_cache_and_match_a_full_prefill(tmp_path):
     transcript = model.tokenize(model.render_chat(conv.messages[:-1]), add_special=False)
     # only the new turn's tokens were prefilled (plus the reply tokens the first turn sampled last)
     assert evaluated[0] < len(transcript) // 2
-    # the cached rows give the logits a full prefill of the whole transcript gives
+    # the cached rows give the logits a full prefill of the whole transcript gives: bit-equal at the same
+    # thread count (DESIGN: within 1e-5 for the f32 cache)
     cached = model.kv.tokens(0)
     step = model.runner.forward([cached[-1]], [len(cached) - 1])[0]
     full = minfer.load(fixture_dir("qwen3") / "model-f32.gguf", n_ctx=256, threads=1).logits(cached)[-1]
-    assert float(np.abs(step - full).max()) <= 1e-5
+    np.testing.assert_array_equal(step, full)
 
 
 def test_session_round_trip_in_a_new_process(tmp_path):
