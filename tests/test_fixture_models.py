@@ -108,3 +108,51 @@ def test_hparams_from_metadata():
     assert hp.rope_freq_base == 1e6 and hp.attn_scale == pytest.approx(32**-0.5)
     qwen2 = minfer.load(fixture_dir("qwen2") / "model-f32.gguf", n_ctx=16)
     assert qwen2.transformer.tied_output and qwen2.hparams.head_dim_k == 16
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_other_block_types_through_the_whole_model(tmp_path, qtype):
+    """The llama fixture requantized (every 2-D tensor) to another block type, through the whole model.
+
+    Each fast matmul equals the numpy reference of its arithmetic to ~1e-6 relative (tests/test_quant_matmul.py,
+    tests/test_kquants.py), but over a whole model a 1e-7 difference can flip the rounding of one activation
+    to 8 bits, which then moves logits by ~1e-2: so here the fast kernels must stay far closer to the
+    rounded-activation reference than that reference is to exact f32 activations."""
+    import gguf
+
+    from minfer.formats.gguf_file import GGUFFile
+
+    t = gguf.GGMLQuantizationType[qtype]
+    src = GGUFFile(fixture_dir("llama") / "model-f32.gguf")
+    path = tmp_path / f"llama-{qtype}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    reader = gguf.GGUFReader(fixture_dir("llama") / "model-f32.gguf")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    for tensor in src:
+        arr = tensor.data.view(np.float32).reshape(tensor.shape)
+        if len(tensor.shape) == 2:
+            q = gguf.quants.quantize(arr, t)
+            w.add_tensor(tensor.name, q, raw_shape=q.shape, raw_dtype=t)
+        else:
+            w.add_tensor(tensor.name, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    seq = fixture_sequences("llama")[2]
+    fast = minfer.load(path, n_ctx=64, kernels="fast").logits(seq)
+    sim = minfer.load(path, n_ctx=64, kernels="reference-q8").logits(seq)
+    exact = minfer.load(path, n_ctx=64, kernels="reference").logits(seq)
+    kernel_diff, rounding_effect = float(np.abs(fast - sim).max()), float(np.abs(sim - exact).max())
+    assert float(np.abs(fast[:3] - sim[:3]).max()) <= TOL  # before any flip has had room to happen
+    assert kernel_diff <= 0.25 * rounding_effect, (kernel_diff, rounding_effect)
+    types = {x.ggml_type.name for x in GGUFFile(path) if len(x.shape) == 2}
+    assert types == {qtype}

@@ -359,6 +359,8 @@ def test_small_weights_shared_activations_and_layouts(t):
     km.matmul(x.astype(np.float64), w, out[:, ::2])  # non-contiguous output, float64 input
     assert np.array_equal(out[:, ::2], base)
     assert np.array_equal(fast(np.asfortranarray(x), w), base)
+    empty = GGUFTensor("w", t, (3, 0), np.zeros((3, 0), np.uint8))
+    assert np.array_equal(fast(np.zeros((2, 0), np.float32), empty), np.zeros((2, 3), np.float32))
 
 
 def test_errors_name_the_problem():

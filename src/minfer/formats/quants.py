@@ -362,3 +362,11 @@ def dequantize_q8_0_rows_into(region: np.ndarray, start: int, stop: int, out_f32
         f"dequantize_q8_0_rows_into: rows {start}:{stop} are not within the region's {region.shape[0]} rows "
         f"or do not fit in out_f32's {out_f32.shape[0]}"
     )
+
+
+# The K-quant and Q5 block types live in their own module, which builds on the helpers above; imported
+# last so that module can import this one.
+from minfer.formats.kquants import KQUANT_DEQUANTIZERS  # noqa: E402
+
+DEQUANTIZERS.update(KQUANT_DEQUANTIZERS)
+SUPPORTED_TYPES = tuple(DEQUANTIZERS)

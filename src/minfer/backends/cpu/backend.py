@@ -32,7 +32,7 @@ from minfer.graph.ir import Node, Op, RopeStyle
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
 # weight types whose fast matmul quantizes its activations to Q8 blocks (float weights do not)
-Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1})
+Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
 
 
 def _get_rows(node: Node, out, table, ids) -> None:
@@ -105,9 +105,10 @@ class CPUBackend:
         self._pool: ThreadPoolExecutor | None = None
         self._rope_tables: dict[tuple, Any] = {}
         if kernels == "fast":
-            from minfer.backends.cpu import quant_matmul, vec_kernels
+            from minfer.backends.cpu import kquant_matmul, quant_matmul, vec_kernels
 
             self._qm = quant_matmul
+            self._kq = kquant_matmul
             self._vk = vec_kernels
             vec_kernels.warmup()
             quant_matmul.warmup()
@@ -169,11 +170,15 @@ class CPUBackend:
         op, meta = node.op, node.meta
         if op is Op.MATMUL:
             w = node.inputs[1].source
-            if not qm.supports(w.ggml_type):
+            if qm.supports(w.ggml_type):
+                mm = qm.matmul
+            elif self._kq.supports(w.ggml_type):
+                mm = self._kq.matmul  # Q5_0/Q5_1 and the K-quants (compiled on first use)
+            else:
                 return self._reference_matmul
             if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
-                return lambda node, out, x, w, xq: qm.matmul(x, w, out, xq)
-            return lambda node, out, x, w: qm.matmul(x, w, out)
+                return lambda node, out, x, w, xq: mm(x, w, out, xq)
+            return lambda node, out, x, w: mm(x, w, out)
         if op is Op.QUANTIZE:
             return lambda node, out, x: qm.quantize_activations(x, out)
         if op is Op.RMS_NORM_MUL:

@@ -1,0 +1,166 @@
+"""Benchmark the Q5_0/Q5_1/K-quant matmul kernels against dequantize + numpy, with Q4_1 (quant_matmul) as a yardstick.
+
+    python bench/kquant_bench.py [--threads 1 2] [--tokens 1 128] [--seconds 0.3] [--types Q4_K Q6_K ...]
+
+Shapes (n_out x n_in): SmolLM2-135M's 576x576 (attention), 1536x576 (ffn gate/up), 576x1536 (ffn down),
+and a 2048x2048 square. K-quant rows must be whole 256-value super-blocks, so K-quants skip the shapes
+with n_in = 576 (llama.cpp's quantizer gives such tensors a 32-block type instead).
+
+Weights are random: Q4_1/Q5_0/Q5_1 quantized from Gaussian values with ``gguf``; K-quants (which gguf-py
+cannot quantize) random valid blocks, random bytes with sane f16 scales (the kernels' work does not depend
+on the values). Weights fit in the L3 here: these are compute rates, not DRAM-bound decode rates.
+
+Per row: ms per call and GFLOP/s (2 * n_tok * n_out * n_in per call) for the kernel with activations
+quantized once outside the call, the kernel including quantization, and "numpy": dequantize the whole
+weight (the kquants reference dequantizer) then ``x @ W.T`` in BLAS. Timings are minima over batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numba
+import numpy as np
+from gguf import quants as gq
+
+from minfer.backends.cpu import kquant_matmul as km
+from minfer.backends.cpu import quant_matmul as qm
+from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.kquants import KQUANT_DEQUANTIZERS
+from minfer.formats.quants import DEQUANTIZERS, GGMLType, block_size, type_size
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (2048, 2048)]
+TYPES = ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# byte offsets of each block's f16 scales (set to sane values in random K-quant blocks)
+F16_AT = {
+    GGMLType.Q2_K: (80, 82),
+    GGMLType.Q3_K: (108,),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+}
+
+
+def best_time(fn: Callable[[], None], seconds: float) -> float:
+    """Minimum seconds per call over batches filling ``seconds``."""
+    fn()
+    t = time.perf_counter()
+    fn()
+    reps = max(1, int(0.02 / max(time.perf_counter() - t, 1e-7)))
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or best == float("inf"):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def make_weight(t: GGMLType, n_out: int, n_in: int, rng: np.random.Generator) -> GGUFTensor:
+    if t in F16_AT:
+        nb = n_in // block_size(t)
+        raw = rng.integers(0, 256, (n_out, nb, type_size(t)), dtype=np.uint8)
+        for off in F16_AT[t]:
+            scale = (rng.uniform(0.5, 2.0, (n_out, nb)) * 1e-3).astype(np.float16)
+            raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(n_out, nb, 2)
+        raw = raw.reshape(n_out, -1)
+    else:
+        w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
+        raw = gq.quantize(w, t).view(np.uint8).reshape(n_out, -1)
+    raw.flags.writeable = False
+    return GGUFTensor("w", t, (n_out, n_in), raw)
+
+
+def gflops(n_tok: int, n_out: int, n_in: int, s: float) -> float:
+    return 2.0 * n_tok * n_out * n_in / s / 1e9
+
+
+def row(label: str, n_tok: int, n_out: int, n_in: int, s: float, base: float | None = None) -> None:
+    speedup = f"  x{base / s:6.1f} vs numpy" if base else ""
+    print(f"  {label:<34} {s * 1e3:9.4f} ms  {gflops(n_tok, n_out, n_in, s):7.1f} GFLOP/s{speedup}")
+
+
+# (type, shape, n_tok, threads) -> (kernel GFLOP/s with xq given, incl. quantization, numpy GFLOP/s)
+SUMMARY: dict[tuple[str, str, int, int], tuple[float, float, float]] = {}
+
+
+def bench(types: list[GGMLType], n_tok: int, seconds: float, n_threads: int) -> None:
+    rng = np.random.default_rng(0)
+    for n_out, n_in in SHAPES:
+        x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+        out = np.empty((n_tok, n_out), np.float32)
+        for t in types:
+            if n_in % block_size(t):
+                continue
+            w = make_weight(t, n_out, n_in, rng)
+            print(f" {t.name} {n_out}x{n_in}, {n_tok} token(s)")
+            deq = KQUANT_DEQUANTIZERS.get(t) or DEQUANTIZERS[t]
+
+            def numpy_ref(w=w, deq=deq, x=x, n_in=n_in, out=out) -> None:
+                np.matmul(x, deq(w.data, n_in).T, out=out)
+
+            base = best_time(numpy_ref, seconds)
+            row("numpy (dequantize + BLAS)", n_tok, n_out, n_in, base)
+            mod = qm if t == GGMLType.Q4_1 else km
+            if t in F16_AT:
+                xq = km.quantize_activations_q8_k(x)
+            else:
+                xq = qm.quantize_activations(x)
+            once = best_time(partial(mod.matmul, x, w, out, xq), seconds)
+            row("kernel, activations quantized once", n_tok, n_out, n_in, once, base)
+            full = best_time(partial(mod.matmul, x, w, out), seconds)
+            row("kernel incl. quantization", n_tok, n_out, n_in, full, base)
+            SUMMARY[(t.name, f"{n_out}x{n_in}", n_tok, n_threads)] = tuple(
+                gflops(n_tok, n_out, n_in, v) for v in (once, full, base)
+            )
+
+
+def print_summary() -> None:
+    """One line per type and shape: GFLOP/s of the kernel (activations quantized once / incl. quantization)
+    and of numpy, per token count and thread count."""
+    cols = sorted({(n_tok, th) for _, _, n_tok, th in SUMMARY})
+    print("\nsummary, GFLOP/s: kernel (xq given) / kernel incl. quantization / numpy")
+    print(f"{'type':<5} {'shape':<10}" + "".join(f" {f'{n} tok, {th} thr':>20}" for n, th in cols))
+    for t, shape in dict.fromkeys((t, shape) for t, shape, _, _ in SUMMARY):
+        cells = []
+        for n_tok, th in cols:
+            v = SUMMARY.get((t, shape, n_tok, th))
+            cells.append(f" {v[0]:6.1f}/{v[1]:5.1f}/{v[2]:5.1f}" if v else f" {'':>20}")
+        print(f"{t:<5} {shape:<10}" + "".join(f"{c:>21}" for c in cells))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--seconds", type=float, default=0.3, help="measuring time per row")
+    p.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
+    args = p.parse_args()
+    t = time.perf_counter()
+    qm.warmup()
+    km.warmup()
+    print(f"warmup (compile or load cache): {time.perf_counter() - t:.1f} s; x86 AVX2 path: {qm._AVX2}")
+    types = [GGMLType[name] for name in args.types]
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        threadpool_limits = None
+    for n_threads in args.threads:
+        numba.set_num_threads(n_threads)
+        limit = threadpool_limits(n_threads) if threadpool_limits else None
+        try:
+            print(f"\n=== {n_threads} thread(s) ===")
+            for n_tok in args.tokens:
+                bench(types, n_tok, args.seconds, n_threads)
+        finally:
+            if limit is not None:
+                limit.unregister()
+    print_summary()
+
+
+if __name__ == "__main__":
+    main()

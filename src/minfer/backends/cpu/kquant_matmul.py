@@ -1,0 +1,954 @@
+"""Fast ``out = x @ W^T`` on raw Q5_0, Q5_1 and K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) blocks.
+
+The companion of :mod:`minfer.backends.cpu.quant_matmul` (same SIMD values, same determinism rules, same
+decode/prefill loop shapes); the block layouts are described in :mod:`minfer.formats.kquants`. No kernel
+ever builds the f32 weight matrix.
+
+Activations, quantized once per call the way llama.cpp quantizes them for each weight type
+    * Q5_0, Q5_1: blocks of 32 int8 with a float32 scale, :func:`quant_matmul.quantize_activations`
+      (llama.cpp's Q8_0 / Q8_1: ``d = amax / 127``, ``q = roundf(x / d)``, plus ``d Σq`` for Q5_1's offset).
+    * K-quants: Q8_K, :func:`quantize_activations_q8_k`: super-blocks of 256 int8 ``q = nearest_int(x *
+      (-127 / max))`` (round half to even, ``max`` the first value of largest magnitude), the float32 scale
+      ``d = 1 / (-127 / max)``, and the int16 sums of each 16 consecutive ``q`` (``bsums``), exactly as
+      ``quantize_row_q8_K_ref``.
+
+Integer work per block (what llama.cpp's AVX2 ``ggml_vec_dot_*_q8_K`` / ``q5_*_q8_*`` do)
+    Every weight is first made an unsigned integer ``u`` (its low bits OR its high bits; Q5_0 signed), so
+    that one ``pmaddubsw`` (u8 x s8 -> pairs in int16) and one ``pmaddwd`` (-> int32) do 32 products:
+
+    ======= ====================================== ===============================================================
+    type    weight integer u                       per super-block (K) / block (Q5), all integer until the last step
+    ======= ====================================== ===============================================================
+    Q5_0    q = u - 16 (-16..15), kept signed      Σ q a as |q| * sign(a, q) (llama.cpp's trick); acc += Σ d_w d_x
+    Q5_1    0..31                                  acc += Σ u a * d_w d_x; m-sum += m * (d_x Σq)
+    Q2_K    0..3                                   S = Σ_sub sc Σ u a; M = Σ_16 mn bsum; acc += S d d_x - M dmin d_x
+    Q3_K    low | hbit << 2 (0..7) = q + 4         S = Σ_sub sc Σ u a - 4 Σ_16 sc bsum;  acc += S d d_x
+    Q4_K    0..15                                  S = Σ_sub sc Σ u a; M = Σ_32 mn bsum; acc += S d d_x - M dmin d_x
+    Q5_K    0..31                                  as Q4_K
+    Q6_K    low | high << 4 (0..63) = q + 32       S = Σ_sub sc Σ u a - 32 Σ_16 sc bsum; acc += S d d_x
+    ======= ====================================== ===============================================================
+
+    The sub-block scale multiplies the int16 pair sums inside ``pmaddwd`` (``sc`` broadcast to the lanes of
+    its sub-block), so a whole super-block stays in eight int32 lanes (no overflow: at most ~3.3e7 per lane,
+    Q6_K). The subtracted offsets and the min terms use Q8_K's ``bsums``, once per super-block. Each int32
+    lane is then converted to float32 and accumulated with one fused multiply-add per (super-)block, by
+    the float32 scale products ``d_w * d_x`` (and ``-(dmin * d_x)``). The result is a fixed-order horizontal
+    sum of the eight lanes (Q5_1: plus the sequential float sum of its ``m d_x Σq`` terms).
+
+Determinism
+    Every output element is one worker's fixed sequence of float operations, independent of the thread
+    count and of whether its token is computed alone (decode) or inside a prompt tile (prefill): results
+    are bit-identical across thread counts and between GEMV and GEMM (tests hold both). The integer parts
+    are exact, so the AVX2 and the generic LLVM formulations (``MINFER_GENERIC_SIMD=1``) agree bit for bit.
+
+Loop shapes
+    The per-block work is emitted as LLVM IR by small Python "decoders" (one per type) inside numba
+    intrinsics that process R weight rows x C tokens per call, decoding each weight block once and loading
+    each activation block once: decode (GEMV) runs 4 rows x 1 token per pass with the next rows prefetched,
+    prefill (GEMM) runs 1 row x 8 tokens (tiles of 8 tokens, work items of 16 rows owned by one worker).
+    Tokens past the last whole tile run the decode step (same operations, same results). One kernel
+    serves a whole family, decode and prefill alike (``kind`` picks the decoder; the branch is per block,
+    never per value), which keeps the JIT time low (~15 s cold for everything, ~1 s from numba's cache).
+    There is no AVX-512/VNNI formulation: this host's LLVM sees a Zen 3 without AVX-512.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from minfer.backends.cpu.quant_matmul import (
+    _AVX2,
+    GEMM_ROWS,
+    GEMM_TOKENS,
+    PREFETCH_ROWS,
+    QuantizedActivations,
+    _as_f32_2d,
+    _call,
+    _fmadd,
+    _half_to_float,
+    _prefetch,
+    _shuffle_idx,
+    _splat,
+    _tile_scales,
+    f32x8,
+    quantize_activations,
+)
+from minfer.errors import ModelError
+from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.quants import GGMLType, type_size
+
+if TYPE_CHECKING:  # annotations only
+    from numba.core.base import BaseContext
+    from numba.core.extending import _Intrinsic as Intrinsic
+
+QK = 32  # values per Q5_0/Q5_1 block (and per Q8_0/Q8_1 activation block)
+QK_K = 256  # values per K-quant super-block (and per Q8_K activation block)
+
+# kinds: which decoder a family kernel runs (a runtime argument: one compiled kernel per family)
+_K_KIND = {GGMLType.Q2_K: 0, GGMLType.Q3_K: 1, GGMLType.Q4_K: 2, GGMLType.Q5_K: 3, GGMLType.Q6_K: 4}
+_Q5_KIND = {GGMLType.Q5_0: 0, GGMLType.Q5_1: 1}
+SUPPORTED_TYPES = (*_Q5_KIND, *_K_KIND)
+
+_I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32 = ir.FloatType()
+_V8B, _V16B, _V32B = ir.VectorType(_I8, 8), ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
+_V16W, _V32W = ir.VectorType(_I16, 16), ir.VectorType(_I16, 32)
+_V8I, _V16I, _V32I = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16), ir.VectorType(_I32, 32)
+_V8F = ir.VectorType(_F32, 8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# LLVM IR building blocks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _const(vty: ir.VectorType, v) -> ir.Constant:
+    return ir.Constant(vty, [v] * vty.count)
+
+
+def _data(context: BaseContext, builder: ir.IRBuilder, ty: types.Array, val: ir.Value) -> ir.Value:
+    """Data pointer of a 1D array argument."""
+    return context.make_array(ty)(context, builder, val).data
+
+
+def _ld(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, ty: ir.Type) -> ir.Value:
+    """``ty`` at element ``index`` of ``base`` (unaligned; callers keep every load inside its block)."""
+    p = builder.gep(base, [index], inbounds=True)
+    return builder.load(builder.bitcast(p, ty.as_pointer()), align=1)
+
+
+def _plus(builder: ir.IRBuilder, x: ir.Value, c: int) -> ir.Value:
+    return x if c == 0 else builder.add(x, ir.Constant(x.type, c))
+
+
+def _shift(builder: ir.IRBuilder, v: ir.Value, s: int) -> ir.Value:
+    """v shifted left by s bits (right by -s), per byte lane."""
+    if s > 0:
+        return builder.shl(v, _const(v.type, s))
+    if s < 0:
+        return builder.lshr(v, _const(v.type, -s))
+    return v
+
+
+def _field(builder: ir.IRBuilder, v: ir.Value, bit: int, width: int, to: int = 0) -> ir.Value:
+    """Per byte: ``((v >> bit) & (2**width - 1)) << to`` (shift first, so one mask serves)."""
+    return builder.and_(_shift(builder, v, to - bit), _const(v.type, ((1 << width) - 1) << to))
+
+
+def _pair_sums(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """<2n x T> -> <n x T>, lane i = v[2i] + v[2i+1]."""
+    n = v.type.count // 2
+    even = builder.shuffle_vector(v, v, _shuffle_idx(n, lambda i: 2 * i))
+    odd = builder.shuffle_vector(v, v, _shuffle_idx(n, lambda i: 2 * i + 1))
+    return builder.add(even, odd)
+
+
+def _maddubs(builder: ir.IRBuilder, u: ir.Value, a: ir.Value) -> ir.Value:
+    """<32 x u8> x <32 x i8> -> <16 x i16> pair sums (pmaddubsw; our pairs never reach its saturation)."""
+    if _AVX2:
+        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [u, a])
+    return _pair_sums(builder, builder.mul(builder.zext(u, _V32W), builder.sext(a, _V32W)))
+
+
+def _madd(builder: ir.IRBuilder, p: ir.Value, s: ir.Value) -> ir.Value:
+    """<16 x i16> x <16 x i16> -> <8 x i32> pair sums (pmaddwd)."""
+    if _AVX2:
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [p, s])
+    return _pair_sums(builder, builder.mul(builder.sext(p, _V16I), builder.sext(s, _V16I)))
+
+
+def _dot_s8(builder: ir.IRBuilder, w: ir.Value, wabs: ir.Value | None, a: ir.Value) -> ir.Value:
+    """Eight int32 lanes, lane i = Σ_{k<4} w[4i+k] a[4i+k] for signed w (|w| given) and a (no -128)."""
+    if _AVX2:
+        sa = _call(builder, "llvm.x86.avx2.psign.b", _V32B, [a, w])
+        return _madd(builder, _maddubs(builder, wabs, sa), _const(_V16W, 1))
+    p = builder.mul(builder.sext(w, _V32I), builder.sext(a, _V32I))
+    return _pair_sums(builder, _pair_sums(builder, p))
+
+
+def _bytes_at(builder: ir.IRBuilder, v: ir.Value, idx: list[int]) -> ir.Value:
+    """Bytes ``v[idx[0]], v[idx[1]], ...`` of a byte vector, as a new vector."""
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+
+def _chunk_scales(builder: ir.IRBuilder, sc: ir.Value, per32: bool) -> ir.Value:
+    """The per-chunk multiplier source P (<16 x i16>) from 16 (or, ``per32``, 8) signed byte scales.
+
+    Chunk k (32 values) needs sc[2k] in lanes 0..7 and sc[2k+1] in lanes 8..15 (per-32 scales: sc[k] in
+    all 16). P holds the even scales in its low 128-bit half and the odd ones in its high half (per-32:
+    the 8 scales in both halves), so chunk k's multiplier is P[k] splat within each half: one in-lane
+    byte shuffle (vpshufb), see :func:`_chunk_scale`. Built from vector values only: when the scales came
+    from scalar words, LLVM extracted every byte through general registers (5 instructions per chunk).
+    """
+    order = list(range(8)) * 2 if per32 else [2 * i for i in range(8)] + [2 * i + 1 for i in range(8)]
+    return builder.sext(_bytes_at(builder, sc, order), _V16W)
+
+
+def _chunk_scale(builder: ir.IRBuilder, P: ir.Value, k: int) -> ir.Value:
+    return builder.shuffle_vector(P, P, ir.Constant(ir.VectorType(_I32, 16), [k] * 8 + [8 + k] * 8))
+
+
+def _f16x4(builder: ir.IRBuilder, wb: ir.Value, o: ir.Value, off: int) -> ir.Value:
+    """The four f16 at byte ``off`` as float32 x 4 (one vcvtph2ps from memory; 8 bytes inside the block)."""
+    return _half_to_float(builder, _ld(builder, wb, _plus(builder, o, off), ir.VectorType(_I16, 4)))
+
+
+def _lane(builder: ir.IRBuilder, v: ir.Value, i: int) -> ir.Value:
+    return builder.extract_element(v, ir.Constant(_I32, i))
+
+
+def _f16_at(builder: ir.IRBuilder, wb: ir.Value, o: ir.Value, off: int) -> ir.Value:
+    return _half_to_float(builder, _ld(builder, wb, _plus(builder, o, off), _I16))
+
+
+def _words(builder: ir.IRBuilder, v: ir.Value, idx: list[int]) -> ir.Value:
+    """<4 x i32> lanes ``v[idx[0]], ...`` of a <4 x i32>."""
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 4), idx))
+
+
+def _v4(values: list[int]) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, 4), values)
+
+
+def _hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """Σ of eight float32 lanes in quant_matmul's fixed order: ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+    h = builder.fadd(
+        builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i)),
+        builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i + 4)),
+    )
+    h = builder.fadd(
+        builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i)),
+        builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i + 2)),
+    )
+    return builder.fadd(_lane(builder, h, 0), _lane(builder, h, 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoders: one K-quant super-block of one weight row, as eight 32-value chunks of unsigned bytes u_k
+# with their <16 x i16> scale multipliers, plus what the per-super-block correction needs.
+# ``coef`` (<16 x i16>) multiplies Q8_K's 16 bsums: the mins (Q2_K; Q4_K/Q5_K's repeated per 16 values)
+# or the scales (Q3_K/Q6_K, whose offset 4 / 32 is removed as integers: ``offset_shift`` = log2 of it).
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Decoder:
+    offset_shift = 0  # 0: the correction is a min term (dmin); else S -= (coef . bsums) << offset_shift
+
+    # set by each decoder: P (see _chunk_scales), coef, d and (types with mins) dmin, as LLVM values
+    P: ir.Value
+    coef: ir.Value
+    d: ir.Value
+
+    def __init__(self, builder: ir.IRBuilder, wb: ir.Value, o: ir.Value) -> None:
+        self.b, self.wb, self.o = builder, wb, o
+        self._loads: dict[int, ir.Value] = {}
+        self.dmin: ir.Value | None = None
+
+    def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
+        """Chunk k (values 32k..32k+31): its unsigned bytes u and its <16 x i16> scale multiplier."""
+        raise NotImplementedError
+
+    def bytes32(self, off: int) -> ir.Value:
+        """The 32 bytes at ``off`` in the block, loaded once however many chunks read them."""
+        if off not in self._loads:
+            self._loads[off] = _ld(self.b, self.wb, _plus(self.b, self.o, off), _V32B)
+        return self._loads[off]
+
+
+class _Q2K(_Decoder):
+    # scales u8[16] | qs u8[64] | d f16 | dmin f16
+    def __init__(self, builder: ir.IRBuilder, wb: ir.Value, o: ir.Value) -> None:
+        super().__init__(builder, wb, o)
+        b = builder
+        packed = _ld(b, wb, o, _V16B)
+        self.P = _chunk_scales(b, b.and_(packed, _const(_V16B, 15)), per32=False)
+        self.coef = b.zext(b.lshr(packed, _const(_V16B, 4)), _V16W)
+        self.d = _f16_at(b, wb, o, 80)
+        self.dmin = _f16_at(b, wb, o, 82)
+
+    def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
+        h, c = divmod(k, 4)  # values 128 h + 32 c + l are bits 2c of byte 32 h + l
+        u = _field(self.b, self.bytes32(16 + 32 * h), 2 * c, 2)
+        return u, _chunk_scale(self.b, self.P, k)
+
+
+class _Q3K(_Decoder):
+    # hmask u8[32] | qs u8[64] | scales u8[12] | d f16
+    offset_shift = 2
+
+    def __init__(self, builder: ir.IRBuilder, wb: ir.Value, o: ir.Value) -> None:
+        super().__init__(builder, wb, o)
+        b = builder
+        # llama.cpp's aux-word unpacking, on four i32 lanes: lane w holds scales 4w..4w+3, low nibbles from
+        # bytes 0..7 (words a0, a1, then their high nibbles), two high bits from word a2 >> 2w
+        w01 = _ld(b, wb, _plus(b, o, 96), ir.VectorType(_I32, 2))
+        a2 = _ld(b, wb, _plus(b, o, 104), _I32)
+        lows = b.shuffle_vector(w01, w01, _v4([0, 1, 0, 1]))
+        lows = b.and_(b.lshr(lows, _v4([0, 0, 4, 4])), _v4([0x0F0F0F0F] * 4))
+        highs = b.and_(b.lshr(_splat(b, a2, 4), _v4([0, 2, 4, 6])), _v4([0x03030303] * 4))
+        sc = b.bitcast(b.or_(lows, b.shl(highs, _v4([4] * 4))), _V16B)
+        sc = b.sub(sc, _const(_V16B, 32))  # -32..31
+        self.P = _chunk_scales(b, sc, per32=False)
+        self.coef = b.sext(sc, _V16W)
+        self.d = _f16_at(b, wb, o, 108)
+
+    def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
+        h, c = divmod(k, 4)
+        low = _field(self.b, self.bytes32(32 + 32 * h), 2 * c, 2)
+        hbit = _field(self.b, self.bytes32(0), k, 1, to=2)  # value 32 k + l: bit k of hmask[l]
+        return self.b.or_(low, hbit), _chunk_scale(self.b, self.P, k)
+
+
+class _Q4K(_Decoder):
+    # d f16 | dmin f16 | scales u8[12] | qs u8[128]
+    qs_at = 16
+
+    def __init__(self, builder: ir.IRBuilder, wb: ir.Value, o: ir.Value) -> None:
+        super().__init__(builder, wb, o)
+        b = builder
+        # llama.cpp's unpacking of the 6-bit scales and mins (words u0, u1, u2 = scale bytes 0..11), on
+        # four i32 lanes: scales 0..3 = u0 & 0x3f.., scales 4..7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4,
+        # mins 0..3 = u1 & 0x3f.., mins 4..7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4
+        u = _ld(b, wb, _plus(b, o, 4), ir.VectorType(_I32, 4))  # bytes 4..19: the scales and 4 bytes of qs
+        low = b.and_(b.lshr(_words(b, u, [0, 2, 1, 2]), _v4([0, 0, 0, 4])), _v4([0x3F3F3F3F, 0x0F0F0F0F] * 2))
+        high = b.and_(b.lshr(_words(b, u, [0, 0, 1, 1]), _v4([6] * 4)), _v4([0, 0x03030303] * 2))
+        sm = b.bitcast(b.or_(low, b.shl(high, _v4([4] * 4))), _V16B)  # bytes: scales 0..7, mins 0..7
+        self.P = _chunk_scales(b, sm, per32=True)
+        self.coef = b.sext(_bytes_at(b, sm, [8 + j // 2 for j in range(16)]), _V16W)  # min per 16 values
+        ddm = _f16x4(b, wb, o, 0)
+        self.d, self.dmin = _lane(b, ddm, 0), _lane(b, ddm, 1)
+
+    def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
+        c, h = divmod(k, 2)  # values 64 c + 32 h + l: nibble h of byte 32 c + l
+        u = _field(self.b, self.bytes32(self.qs_at + 32 * c), 4 * h, 4)
+        return u, _chunk_scale(self.b, self.P, k)
+
+
+class _Q5K(_Q4K):
+    # d f16 | dmin f16 | scales u8[12] | qh u8[32] | qs u8[128]
+    qs_at = 48
+
+    def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
+        u, s = super().chunk(k)
+        return self.b.or_(u, _field(self.b, self.bytes32(16), k, 1, to=4)), s
+
+
+class _Q6K(_Decoder):
+    # ql u8[128] | qh u8[64] | scales i8[16] | d f16
+    offset_shift = 5
+
+    def __init__(self, builder: ir.IRBuilder, wb: ir.Value, o: ir.Value) -> None:
+        super().__init__(builder, wb, o)
+        sc = _ld(builder, wb, _plus(builder, o, 192), _V16B)
+        self.P = _chunk_scales(builder, sc, per32=False)
+        self.coef = builder.sext(sc, _V16W)
+        self.d = _f16_at(builder, wb, o, 208)
+
+    def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
+        h, c = divmod(k, 4)  # value 128 h + 32 c + l
+        low = _field(self.b, self.bytes32(64 * h + 32 * (c % 2)), 4 * (c // 2), 4)
+        high = _field(self.b, self.bytes32(128 + 32 * h), 2 * c, 2, to=4)
+        return self.b.or_(low, high), _chunk_scale(self.b, self.P, k)
+
+
+_DECODERS = {
+    GGMLType.Q2_K: _Q2K,
+    GGMLType.Q3_K: _Q3K,
+    GGMLType.Q4_K: _Q4K,
+    GGMLType.Q5_K: _Q5K,
+    GGMLType.Q6_K: _Q6K,
+}
+
+
+def _q5_values(builder: ir.IRBuilder, wb: ir.Value, o: ir.Value, qh_at: int, signed: bool) -> ir.Value:
+    """Q5_0/Q5_1's 32 5-bit values: nibbles of the 16 bytes after qh, with qh's bit j as value j's fifth bit.
+
+    Unsigned (Q5_1): nibble | bit << 4 (0..31). Signed (Q5_0): that minus 16, formed as llama.cpp does:
+    nibble | (bit ? 0 : 0xF0), which is the int8 nibble - 16 when the bit is clear.
+    """
+    b = builder
+    raw = _ld(b, wb, _plus(b, o, qh_at + 4), _V16B)
+    # both halves of a 256-bit register, the upper half shifted by 4 (quant_matmul's _vnibbles)
+    both = b.bitcast(b.shuffle_vector(raw, raw, _shuffle_idx(32, lambda i: i % 16)), _V8I)
+    nib = b.and_(b.bitcast(b.lshr(both, ir.Constant(_V8I, [0] * 4 + [4] * 4)), _V32B), _const(_V32B, 15))
+    bits = b.bitcast(_ld(b, wb, _plus(b, o, qh_at), _I32), ir.VectorType(_I1, 32))  # bit j -> lane j
+    if signed:
+        return b.or_(nib, b.select(bits, _const(_V32B, 0), _const(_V32B, 0xF0)))
+    return b.or_(nib, b.select(bits, _const(_V32B, 16), _const(_V32B, 0)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Intrinsics: R rows x C tokens per call, accumulators carried as a tuple of R*C + 1 float32 x 8
+# (pair p = i*C + j for row i, token j; the last vector holds Q5_1's m-sum of pair p in lane p)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tuple_of(n: int) -> types.UniTuple:
+    return types.UniTuple(f32x8, n)
+
+
+def _make_zeros(n: int) -> Intrinsic:
+    tup = _tuple_of(n)
+
+    @intrinsic
+    def zeros(typingctx):
+        def codegen(context, builder, sig, args):
+            return context.make_tuple(builder, tup, [ir.Constant(_V8F, [0.0] * 8)] * n)
+
+        return tup(), codegen
+
+    return zeros
+
+
+def _make_store(rows: int, cols: int) -> Intrinsic:
+    """``out[t0 + j, r0 + i] = hsum(acc_p) + m-sum lane p`` for the R x C pairs (``out`` float32 2D)."""
+    n = rows * cols + 1
+
+    @intrinsic
+    def store(typingctx, out, t0, r0, accs):
+        if accs != _tuple_of(n) or not isinstance(out, types.Array) or out.ndim != 2:
+            return None
+
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            arr = context.make_array(aty)(context, builder, args[0])
+            shape = cgutils.unpack_tuple(builder, arr.shape, 2)
+            strides = cgutils.unpack_tuple(builder, arr.strides, 2)
+            t0 = context.cast(builder, args[1], sig.args[1], types.intp)
+            r0 = context.cast(builder, args[2], sig.args[2], types.intp)
+            vs = cgutils.unpack_tuple(builder, args[3], n)
+            for i in range(rows):
+                for j in range(cols):
+                    p = i * cols + j
+                    v = builder.fadd(_hsum(builder, vs[p]), builder.extract_element(vs[-1], ir.Constant(_I32, p)))
+                    at = [_plus(builder, t0, j), _plus(builder, r0, i)]
+                    ptr = cgutils.get_item_pointer2(context, builder, arr.data, shape, strides, aty.layout, at)
+                    builder.store(v, ptr)
+            return context.get_dummy_value()
+
+        return types.none(out, t0, r0, accs), codegen
+
+    return store
+
+
+def _scales(builder: ir.IRBuilder, dw: ir.Value, dsrc_base: ir.Value, dso: ir.Value, cols: int, j: int) -> ir.Value:
+    """float32 x 8 of ``dw * d_x`` for token j: d_x a scalar at dso (C == 1), or pre-broadcast at dso + 8 j."""
+    if cols == 1:
+        return _splat(builder, builder.fmul(dw, _ld(builder, dsrc_base, dso, _F32)), 8)
+    return builder.fmul(_splat(builder, dw, 8), _ld(builder, dsrc_base, _plus(builder, dso, 8 * j), _V8F))
+
+
+def _make_kstep(t: GGMLType, rows: int, cols: int) -> Intrinsic:
+    """One K-quant super-block of ``rows`` weight rows against ``cols`` Q8_K tokens.
+
+    ``step(accs, w, o, rb, aq, ao, astride, bs, bo, bstride, dsrc, dso) -> accs``: weights of row i at
+    byte ``o + i rb`` of ``w``; token j's 256 int8 at ``aq[ao + j astride]``, its 16 bsums at
+    ``bs[bo + j bstride]``; its scale ``dsrc[dso]`` (one token) or pre-broadcast ``dsrc[dso + 8 j:][:8]``.
+    """
+    dec_cls = _DECODERS[t]
+    n = rows * cols + 1
+    tup = _tuple_of(n)
+
+    @intrinsic
+    def step(typingctx, accs, w, o, rb, aq, ao, astride, bs, bo, bstride, dsrc, dso):
+        if accs != tup:
+            return None
+        sig = tup(accs, w, o, rb, aq, ao, astride, bs, bo, bstride, dsrc, dso)
+
+        def codegen(context, builder, sig, args):
+            b = builder
+            ta = sig.args
+
+            def ix(k):
+                return context.cast(b, args[k], ta[k], types.intp)
+
+            acc = cgutils.unpack_tuple(b, args[0], n)
+            wb, ab, bb, db = (_data(context, b, ta[k], args[k]) for k in (1, 4, 7, 10))
+            o, rb, ao, ast, bo, bst, dso = (ix(k) for k in (2, 3, 5, 6, 8, 9, 11))
+            decs = [dec_cls(b, wb, b.add(o, b.mul(rb, ir.Constant(rb.type, i)))) for i in range(rows)]
+            a_at = [b.add(ao, b.mul(ast, ir.Constant(ast.type, j))) for j in range(cols)]
+            sums = [[None] * cols for _ in range(rows)]
+            for k in range(8):  # chunk-outer: each u_k and each activation chunk is live only briefly
+                a = [_ld(b, ab, _plus(b, a_at[j], 32 * k), _V32B) for j in range(cols)]
+                for i in range(rows):
+                    u, s = decs[i].chunk(k)
+                    for j in range(cols):
+                        p = _madd(b, _maddubs(b, u, a[j]), s)
+                        sums[i][j] = p if sums[i][j] is None else b.add(sums[i][j], p)
+            bsums = [_ld(b, bb, b.add(bo, b.mul(bst, ir.Constant(bst.type, j))), _V16W) for j in range(cols)]
+            out = list(acc)
+            for i, dec in enumerate(decs):
+                neg_dmin = None if dec.dmin is None else b.fmul(dec.dmin, ir.Constant(_F32, -1.0))
+                for j in range(cols):
+                    corr = _madd(b, bsums[j], dec.coef)
+                    s = sums[i][j]
+                    if dec.offset_shift:
+                        s = b.sub(s, b.shl(corr, _const(_V8I, dec.offset_shift)))
+                    p = i * cols + j
+                    out[p] = _fmadd(b, b.sitofp(s, _V8F), _scales(b, dec.d, db, dso, cols, j), out[p])
+                    if neg_dmin is not None:
+                        out[p] = _fmadd(b, b.sitofp(corr, _V8F), _scales(b, neg_dmin, db, dso, cols, j), out[p])
+            return context.make_tuple(b, tup, out)
+
+        return sig, codegen
+
+    return step
+
+
+def _make_q5step(t: GGMLType, rows: int, cols: int) -> Intrinsic:
+    """One Q5_0/Q5_1 block of ``rows`` weight rows against ``cols`` Q8 tokens.
+
+    ``step(accs, w, o, rb, aq, ao, astride, dsrc, dso, ssrc, so) -> accs``: one token: ``dsrc[dso]`` is
+    d_x and ``dsrc[dso + 1]`` is d_x Σq (quant_matmul's ``ds`` pairs); a tile: ``dsrc[dso + 8 j:]`` the
+    pre-broadcast d_x of token j, ``ssrc[so:so + 8]`` the eight tokens' d_x Σq.
+    """
+    n = rows * cols + 1
+    tup = _tuple_of(n)
+    signed = t == GGMLType.Q5_0
+    if rows > 1 and cols > 1:
+        raise ValueError("the m-sum lanes need rows == 1 or cols == 1")
+
+    @intrinsic
+    def step(typingctx, accs, w, o, rb, aq, ao, astride, dsrc, dso, ssrc, so):
+        if accs != tup:
+            return None
+        sig = tup(accs, w, o, rb, aq, ao, astride, dsrc, dso, ssrc, so)
+
+        def codegen(context, builder, sig, args):
+            b = builder
+            ta = sig.args
+
+            def ix(k):
+                return context.cast(b, args[k], ta[k], types.intp)
+
+            acc = cgutils.unpack_tuple(b, args[0], n)
+            wb, ab, db, sb = (_data(context, b, ta[k], args[k]) for k in (1, 4, 7, 9))
+            o, rb, ao, ast, dso, so = (ix(k) for k in (2, 3, 5, 6, 8, 10))
+            a = [_ld(b, ab, b.add(ao, b.mul(ast, ir.Constant(ast.type, j))), _V32B) for j in range(cols)]
+            out = list(acc)
+            ms = []
+            for i in range(rows):
+                oi = b.add(o, b.mul(rb, ir.Constant(rb.type, i)))
+                dm = _f16x4(b, wb, oi, 0)  # (d, m) for Q5_1; d and two qh halves for Q5_0
+                dw = _lane(b, dm, 0)
+                u = _q5_values(b, wb, oi, 2 if signed else 4, signed)
+                if signed:
+                    wv = u
+                    wabs = _call(b, "llvm.abs.v32i8", _V32B, [wv, ir.Constant(_I1, 0)]) if _AVX2 else None
+                else:
+                    ms.append(_lane(b, dm, 1))
+                for j in range(cols):
+                    if signed:
+                        dot = _dot_s8(b, wv, wabs, a[j])
+                    else:
+                        dot = _madd(b, _maddubs(b, u, a[j]), _const(_V16W, 1))
+                    p = i * cols + j
+                    out[p] = _fmadd(b, b.sitofp(dot, _V8F), _scales(b, dw, db, dso, cols, j), out[p])
+            if not signed:  # m-sum lane p += m_row(p) * (d_x Σq)_token(p)
+                if cols == 1:
+                    mv = ir.Constant(_V8F, [0.0] * 8)
+                    for i, m in enumerate(ms):
+                        mv = b.insert_element(mv, m, ir.Constant(_I32, i))
+                    sv = _splat(b, _ld(b, db, _plus(b, dso, 1), _F32), 8)
+                else:
+                    mv = _splat(b, ms[0], 8)
+                    sv = _ld(b, sb, so, _V8F)
+                out[-1] = _fmadd(b, mv, sv, out[-1])
+            return context.make_tuple(b, tup, out)
+
+        return sig, codegen
+
+    return step
+
+
+# decode: 4 rows x 1 token; prefill: 1 row x 8 tokens
+_zeros5, _zeros9 = _make_zeros(5), _make_zeros(9)
+_store_4x1, _store_1x8 = _make_store(4, 1), _make_store(1, 8)
+_q2k_4x1, _q2k_1x8 = _make_kstep(GGMLType.Q2_K, 4, 1), _make_kstep(GGMLType.Q2_K, 1, 8)
+_q3k_4x1, _q3k_1x8 = _make_kstep(GGMLType.Q3_K, 4, 1), _make_kstep(GGMLType.Q3_K, 1, 8)
+_q4k_4x1, _q4k_1x8 = _make_kstep(GGMLType.Q4_K, 4, 1), _make_kstep(GGMLType.Q4_K, 1, 8)
+_q5k_4x1, _q5k_1x8 = _make_kstep(GGMLType.Q5_K, 4, 1), _make_kstep(GGMLType.Q5_K, 1, 8)
+_q6k_4x1, _q6k_1x8 = _make_kstep(GGMLType.Q6_K, 4, 1), _make_kstep(GGMLType.Q6_K, 1, 8)
+_q50_4x1, _q50_1x8 = _make_q5step(GGMLType.Q5_0, 4, 1), _make_q5step(GGMLType.Q5_0, 1, 8)
+_q51_4x1, _q51_1x8 = _make_q5step(GGMLType.Q5_1, 4, 1), _make_q5step(GGMLType.Q5_1, 1, 8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Q8_K activation quantization (llama.cpp's quantize_row_q8_K_ref, bit for bit)
+# ---------------------------------------------------------------------------------------------------
+
+
+class Q8KActivations:
+    """Activations ``x[n_tok, n_in]`` as Q8_K super-blocks of 256: ``x ≈ d * q``.
+
+    ``q``: int8 ``[n_tok, n_in]`` (-127..127); ``d``: float32 ``[n_tok, n_in // 256]``; ``bsums``: int16
+    ``[n_tok, n_in // 256, 16]``, the sums of each 16 consecutive ``q``. Views of flat buffers that the
+    kernels take directly.
+    """
+
+    __slots__ = ("q", "d", "bsums", "_q", "_d", "_bs")
+
+    def __init__(self, n_tok: int, n_in: int) -> None:
+        nbk = n_in // QK_K
+        self._q = np.empty(n_tok * n_in, np.int8)
+        self._d = np.empty(n_tok * nbk, np.float32)
+        self._bs = np.empty(n_tok * nbk * 16, np.int16)
+        self.q = self._q.reshape(n_tok, n_in)
+        self.d = self._d.reshape(n_tok, nbk)
+        self.bsums = self._bs.reshape(n_tok, nbk, 16)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    def dequantize(self) -> np.ndarray:
+        """``d * q`` as float32 ``[n_tok, n_in]`` (what the kernels multiply by, for references)."""
+        n_tok, n_in = self.q.shape
+        return (self.q.reshape(n_tok, -1, QK_K).astype(np.float32) * self.d[:, :, None]).reshape(n_tok, n_in)
+
+
+@njit(fastmath=True, cache=True)
+def _amax256(x, t, k0):
+    # max is exact in any order: fastmath only lets LLVM vectorize it
+    amax = np.float32(0.0)
+    for j in range(QK_K):
+        amax = max(amax, abs(x[t, k0 + j]))
+    return amax
+
+
+@njit(inline="always")
+def _q8k_token(x, t, q, d, bs):
+    n_in = x.shape[1]
+    nbk = n_in // QK_K
+    for b in range(nbk):
+        k0 = b * QK_K
+        base = t * nbk + b
+        qo = t * n_in + k0
+        amax = _amax256(x, t, k0)
+        if not amax > 0:  # an all-zero block (llama.cpp stores d = 0 and q = 0)
+            d[base] = 0.0
+            for j in range(QK_K):
+                q[qo + j] = 0
+            for g in range(16):
+                bs[base * 16 + g] = 0
+            continue
+        # llama.cpp keeps the first value of largest magnitude, with its sign
+        j = 0
+        while j < QK_K - 1 and abs(x[t, k0 + j]) != amax:
+            j += 1
+        iscale = np.float32(-127.0) / x[t, k0 + j]
+        for j in range(QK_K):
+            # nearest_int: float32 product, rounded half to even (llama.cpp adds 1.5 * 2**23); |v| <= 127
+            v = np.int32(np.rint(iscale * x[t, k0 + j]))
+            q[qo + j] = min(v, 127)
+        for g in range(16):
+            s = np.int32(0)
+            for j in range(16):
+                s += q[qo + 16 * g + j]
+            bs[base * 16 + g] = s
+        d[base] = np.float32(1.0) / iscale
+
+
+@njit(cache=True)
+def _q8k_serial(x, q, d, bs):
+    for t in range(x.shape[0]):
+        _q8k_token(x, t, q, d, bs)
+
+
+@njit(parallel=True, cache=True)
+def _q8k_parallel(x, q, d, bs):
+    for t in prange(x.shape[0]):
+        _q8k_token(x, t, q, d, bs)
+
+
+_PARALLEL_QUANTIZE_TOKENS = 16  # below this a parallel launch costs more than the work
+
+
+def quantize_activations_q8_k(x: np.ndarray, out: Q8KActivations | None = None) -> Q8KActivations:
+    """Quantize float32 ``x[n_tok, n_in]`` (``n_in`` a multiple of 256) to Q8_K, as llama.cpp does.
+
+    The result can be shared by every K-quant matmul reading the same ``x``; pass ``out`` (same shape) to
+    reuse its buffers.
+    """
+    x = _as_f32_2d(x)
+    n_tok, n_in = x.shape
+    if n_in % QK_K:
+        raise ModelError(f"cannot quantize activations of width {n_in} to Q8_K: not a multiple of {QK_K}")
+    if out is None or out.q.shape != x.shape:
+        out = Q8KActivations(n_tok, n_in)
+    if n_tok >= _PARALLEL_QUANTIZE_TOKENS:
+        _q8k_parallel(x, out._q, out._d, out._bs)
+    else:
+        _q8k_serial(x, out._q, out._d, out._bs)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels: one per family, serving decode and prefill alike (a single JIT per family)
+#
+# Work item = GEMM_ROWS weight rows owned by one worker (the last item takes the remainder, so every
+# item has at least 4 rows: callers pad weights of fewer than 4 rows). Inside an item: tiles of
+# GEMM_TOKENS tokens, one row at a time against the tile (each weight block decoded once per 8 tokens);
+# the tokens past the last whole tile (all of them when decoding one token) run the decode step, 4 rows
+# at a time with the next rows prefetched. An item's last group of 4 rows may overlap the previous group
+# (rows recomputed by the same worker with the same operations: identical bits, no extra variant to
+# compile).
+# ---------------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _k_rows4(kind, accs, w, o, rb, aq, ao, bs, bo, dq, dqo):
+    if kind == 0:
+        return _q2k_4x1(accs, w, o, rb, aq, ao, 0, bs, bo, 0, dq, dqo)
+    if kind == 1:
+        return _q3k_4x1(accs, w, o, rb, aq, ao, 0, bs, bo, 0, dq, dqo)
+    if kind == 2:
+        return _q4k_4x1(accs, w, o, rb, aq, ao, 0, bs, bo, 0, dq, dqo)
+    if kind == 3:
+        return _q5k_4x1(accs, w, o, rb, aq, ao, 0, bs, bo, 0, dq, dqo)
+    return _q6k_4x1(accs, w, o, rb, aq, ao, 0, bs, bo, 0, dq, dqo)
+
+
+@njit(inline="always")
+def _k_tile(kind, accs, w, o, aq, ao, n_in, bs, bo, bstride, dtab, do):
+    if kind == 0:
+        return _q2k_1x8(accs, w, o, 0, aq, ao, n_in, bs, bo, bstride, dtab, do)
+    if kind == 1:
+        return _q3k_1x8(accs, w, o, 0, aq, ao, n_in, bs, bo, bstride, dtab, do)
+    if kind == 2:
+        return _q4k_1x8(accs, w, o, 0, aq, ao, n_in, bs, bo, bstride, dtab, do)
+    if kind == 3:
+        return _q5k_1x8(accs, w, o, 0, aq, ao, n_in, bs, bo, bstride, dtab, do)
+    return _q6k_1x8(accs, w, o, 0, aq, ao, n_in, bs, bo, bstride, dtab, do)
+
+
+@njit(inline="always")
+def _k_four(kind, w, rb, nbk, aq, dq, bs, out, t, r0):
+    """Rows r0..r0+3 against token t, prefetching PREFETCH_ROWS rows ahead (decode streams the weights)."""
+    accs = _zeros5()
+    bsz = rb // nbk
+    o = r0 * rb
+    pf = o + PREFETCH_ROWS * rb
+    for b in range(nbk):
+        for k in range(0, 4 * bsz, 64):  # the four rows of a pass are contiguous: one linear stream
+            _prefetch(w, pf + k)
+        pf += 4 * bsz
+        tb = t * nbk + b
+        accs = _k_rows4(kind, accs, w, o, rb, aq, tb * QK_K, bs, tb * 16, dq, tb)
+        o += bsz
+    _store_4x1(out, t, r0, accs)
+
+
+@njit(inline="always")
+def _tile_scales_k(dq, n_full, nbk):
+    """``dtab[((tile * nbk + b) * 8 + token) * 8 + lane]``: each whole tile's d_x, repeated in 8 lanes, so
+    that the per-pair scale ``d_w * d_x`` is one vector multiply with a plain load (see quant_matmul)."""
+    dtab = np.empty(n_full * nbk * 8, np.float32)
+    for t in range(n_full):
+        for b in range(nbk):
+            i = ((t // GEMM_TOKENS) * nbk + b) * GEMM_TOKENS + t % GEMM_TOKENS
+            for lane in range(8):
+                dtab[i * 8 + lane] = dq[t * nbk + b]
+    return dtab
+
+
+@njit(parallel=True, cache=True)
+def _matmul_k(kind, w, rb, aq, dq, bs, out):
+    """K-quants. w flat uint8 raw blocks, rb bytes per row, aq int8[n_tok * n_in], dq float32[n_tok * nbk],
+    bs int16[n_tok * nbk * 16], out float32[n_tok, n_out] (C-contiguous, n_out >= 4)."""
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nbk = n_in // QK_K
+    bsz = rb // nbk
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    dtab = _tile_scales_k(dq, n_full, nbk)
+    n_items = max(1, n_out // GEMM_ROWS)
+    for g in prange(n_items):
+        r0 = g * GEMM_ROWS
+        r1 = n_out if g == n_items - 1 else r0 + GEMM_ROWS
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            for r in range(r0, r1):
+                accs = _zeros9()
+                o = r * rb
+                for b in range(nbk):
+                    tb = t0 * nbk + b
+                    do = ((t0 // GEMM_TOKENS) * nbk + b) * GEMM_TOKENS * 8
+                    accs = _k_tile(kind, accs, w, o, aq, tb * QK_K, n_in, bs, tb * 16, nbk * 16, dtab, do)
+                    o += bsz
+                _store_1x8(out, t0, r, accs)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1, 4):
+                _k_four(kind, w, rb, nbk, aq, dq, bs, out, t, min(r, r1 - 4))
+
+
+@njit(inline="always")
+def _q5_four(kind, w, rb, nb, aq, ds, out, t, r0):
+    accs = _zeros5()
+    bsz = rb // nb
+    o = r0 * rb
+    pf = o + PREFETCH_ROWS * rb
+    for b in range(nb):
+        _prefetch(w, pf)
+        _prefetch(w, pf + 64)
+        pf += 4 * bsz  # 88 or 96 bytes: two lines cover it
+        tb = t * nb + b
+        if kind == 0:
+            accs = _q50_4x1(accs, w, o, rb, aq, tb * QK, 0, ds, 2 * tb, ds, 0)
+        else:
+            accs = _q51_4x1(accs, w, o, rb, aq, tb * QK, 0, ds, 2 * tb, ds, 0)
+        o += bsz
+    _store_4x1(out, t, r0, accs)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q5(kind, w, rb, aq, ds, out):
+    """Q5_0/Q5_1. w, rb as above, aq int8[n_tok * n_in], ds float32[n_tok * nb * 2] (the (d, d Σq) pairs of
+    quant_matmul.QuantizedActivations), out float32[n_tok, n_out] (C-contiguous, n_out >= 4)."""
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nb = n_in // QK
+    bsz = rb // nb
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    d_b, s_t = _tile_scales(ds, n_full, nb)
+    n_items = max(1, n_out // GEMM_ROWS)
+    for g in prange(n_items):
+        r0 = g * GEMM_ROWS
+        r1 = n_out if g == n_items - 1 else r0 + GEMM_ROWS
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
+            for r in range(r0, r1):
+                accs = _zeros9()
+                o = r * rb
+                for b in range(nb):
+                    c = tb + b * GEMM_TOKENS
+                    ao = t0 * n_in + b * QK
+                    if kind == 0:
+                        accs = _q50_1x8(accs, w, o, 0, aq, ao, n_in, d_b, 8 * c, s_t, c)
+                    else:
+                        accs = _q51_1x8(accs, w, o, 0, aq, ao, n_in, d_b, 8 * c, s_t, c)
+                    o += bsz
+                _store_1x8(out, t0, r, accs)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1, 4):
+                _q5_four(kind, w, rb, nb, aq, ds, out, t, min(r, r1 - 4))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------
+
+
+def supports(ggml_type: GGMLType) -> bool:
+    """Whether :func:`matmul` has a kernel for weights of this type."""
+    return ggml_type in _K_KIND or ggml_type in _Q5_KIND
+
+
+class _Prepared:
+    """What the kernels need from one weight tensor, computed once per tensor (see quant_matmul)."""
+
+    __slots__ = ("owner", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded")
+
+    def __init__(self, w: GGUFTensor) -> None:
+        t = w.ggml_type
+        if not supports(t):
+            supported = ", ".join(s.name for s in SUPPORTED_TYPES)
+            raise ModelError(f"{w.name}: no K-quant matmul for ggml type {t.name} (supported: {supported})")
+        if len(w.shape) != 2:
+            raise ModelError(f"{w.name}: a matmul weight must be 2D, got shape {w.shape}")
+        n_out, n_in = w.shape
+        self.is_k = t in _K_KIND
+        bs = QK_K if self.is_k else QK
+        if n_in % bs:
+            raise ModelError(f"{w.name}: rows of {n_in} values are not whole {t.name} blocks of {bs}")
+        rb = n_in // bs * type_size(t)
+        data = w.data
+        if data.dtype != np.uint8 or data.size != n_out * rb:
+            raise ModelError(
+                f"{w.name}: {data.size} bytes of data for a {t.name} tensor of shape {w.shape}, expected {n_out * rb}"
+            )
+        flat = np.ascontiguousarray(data).reshape(-1)
+        # The kernels compute rows in groups of 4: a weight of fewer rows gets zero rows appended (a
+        # copy of a few bytes; real models never have one), whose outputs are dropped.
+        self.padded = n_out < 4
+        if self.padded:
+            flat = np.concatenate([flat, np.zeros((4 - n_out) * rb, np.uint8)])
+        flat = flat.view()
+        flat.flags.writeable = False  # weights are mmapped read-only: one compiled flavor serves everyone
+        self.owner = weakref.ref(w)
+        self.flat = flat
+        self.rb = rb
+        self.n_out, self.n_in = n_out, n_in
+        self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
+
+
+_PREPARED: dict[int, _Prepared] = {}
+
+
+def _prepare(w: GGUFTensor) -> _Prepared:
+    key = id(w)
+    p = _PREPARED.get(key)
+    if p is None or p.owner() is not w:
+        p = _Prepared(w)
+        _PREPARED[key] = p
+        weakref.finalize(w, _PREPARED.pop, key, None)
+    return p
+
+
+def matmul(
+    x: np.ndarray, w: GGUFTensor, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None = None
+) -> None:
+    """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
+
+    ``xq``, when given, is ``x`` already quantized by the caller (shared by several matmuls): Q8_K
+    (:func:`quantize_activations_q8_k`) for K-quant weights, quant_matmul's Q8 blocks for Q5_0/Q5_1.
+    ``out`` must be float32 ``[n_tok, n_out]``; it is written, never read.
+    """
+    p = _prepare(w)
+    if x.ndim != 2 or x.shape[1] != p.n_in:
+        raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
+    n_tok = x.shape[0]
+    if out.shape != (n_tok, p.n_out) or out.dtype != np.float32:
+        raise ModelError(f"{w.name}: output must be float32 {(n_tok, p.n_out)}, got {out.dtype} {out.shape}")
+    if n_tok == 0 or p.n_out == 0:
+        return
+    if p.n_in == 0:  # an empty sum (the kernels divide by the block count)
+        out[...] = 0.0
+        return
+    if p.padded:
+        dst = np.empty((n_tok, 4), np.float32)
+    else:
+        dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    if p.is_k:
+        if xq is None:
+            xq = quantize_activations_q8_k(x)
+        elif not isinstance(xq, Q8KActivations) or xq.q.shape != x.shape:
+            raise ModelError(f"{w.name}: K-quant weights need Q8_K activations of shape {x.shape}")
+        _matmul_k(p.kind, p.flat, p.rb, xq._q, xq._d, xq._bs, dst)
+    else:
+        if xq is None:
+            xq = quantize_activations(x)
+        elif not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
+            raise ModelError(f"{w.name}: {w.ggml_type.name} weights need Q8 activations of shape {x.shape}")
+        _matmul_q5(p.kind, p.flat, p.rb, xq._q, xq._ds, dst)
+    if dst is not out:
+        out[...] = dst[:, : p.n_out]
+
+
+def warmup() -> None:
+    """Compile (or load from numba's on-disk cache) every kernel, so no call pays for compilation later."""
+    rng = np.random.default_rng(0)
+    n_in, n_out = QK_K, 5
+    for n_tok in (1, GEMM_TOKENS + 1):
+        x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+        out = np.empty((n_tok, n_out), np.float32)
+        for t in SUPPORTED_TYPES:
+            raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)
+            matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
+    quantize_activations_q8_k(rng.standard_normal((_PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32))
