@@ -232,9 +232,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     import minfer
     from minfer.runtime.conversation import Conversation
 
+    if args.logprobs is not None:
+        raise MinferError("--logprobs is printed by `minfer run`, not in the chat")
     model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type)
     sampling = _sampling_kwargs(args)
     conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)
+    turn = dict(stop=args.stop, context_shift=args.context_shift, n_keep=args.keep, **_constraint_kwargs(args))
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"minfer chat with {model.path.name} ({model.cache_type} cache, n_ctx {model.n_ctx}); /help for "
@@ -265,7 +268,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 conv.clear()
                 print("(conversation cleared)", file=sys.stderr)
             elif command == "/regen":
-                show(conv.regenerate(args.max_tokens, stream=True))
+                show(conv.regenerate(args.max_tokens, stream=True, **turn))
             elif command == "/save":
                 if not arg:
                     raise MinferError("/save needs a file name")
@@ -279,7 +282,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             elif command.startswith("/"):
                 raise MinferError(f"unknown command {command} (/help lists them)")
             else:
-                show(conv.send(line, args.max_tokens, stream=True))
+                show(conv.send(line, args.max_tokens, stream=True, **turn))
         except MinferError as e:  # a bad command or a failed turn does not end the chat
             print(f"minfer: error: {e}", file=sys.stderr)
             if not interactive:
