@@ -28,6 +28,7 @@ from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, TokenStep, generate
 from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
+from minfer.trace.tracer import Tracer
 
 DEFAULT_N_CTX = 4096
 
@@ -70,6 +71,7 @@ class Model:
         threads: int | None = None,
         kernels: str | None = None,
         cache_type: str | None = None,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         self.transformer = TransformerModel.from_gguf(path)
         self.path = self.transformer.path
@@ -89,7 +91,9 @@ class Model:
         self.chat_template = ChatTemplate.from_gguf_metadata(metadata, self.tokenizer)
         self.backend = CPUBackend(threads=threads, kernels=kernels)
         self.kv = KVCache(hp, n_ctx, cache_type=cache_type)
-        self.runner = ForwardRunner(self.transformer, self.backend, self.kv)
+        trace = trace or os.environ.get("MINFER_TRACE") or None
+        self.tracer = Tracer(trace, self.tokenizer) if trace else None
+        self.runner = ForwardRunner(self.transformer, self.backend, self.kv, self.tracer)
         self.last_stats: GenerationStats | None = None
 
     @property
@@ -283,11 +287,14 @@ def load(
     threads: int | None = None,
     kernels: str | None = None,
     cache_type: str | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> Model:
     """Load a GGUF model: a file path, or a known model name such as ``"smollm2"`` (pulled on first use).
 
     ``kernels``: ``"fast"`` (compiled, the default) or ``"reference"`` (plain numpy); the environment
     variable ``MINFER_KERNELS`` sets the default. ``cache_type``: KV cells ``"f32"`` (default), ``"f16"``
-    or ``"q8_0"``; ``MINFER_CACHE_TYPE`` sets the default.
+    or ``"q8_0"``; ``MINFER_CACHE_TYPE`` sets the default. ``trace``: a JSON-lines file that gets every
+    executed node's time and output statistics (``MINFER_TRACE`` sets it too; see :mod:`minfer.trace`).
     """
-    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type)
+    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
+                 trace=trace)

@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system message (with --chat)")
     run.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     run.add_argument("-q", "--quiet", action="store_true", help="do not print timings on stderr")
+    run.add_argument("--trace", default=None, metavar="FILE",
+                     help="write every node's time and output statistics as JSON lines (also $MINFER_TRACE)")
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat (type /help inside)")
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
@@ -185,7 +187,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         raise MinferError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
-    model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type)
+    model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
+                        trace=args.trace)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})

@@ -8,6 +8,7 @@ keeps each layer's KV store before the attention that reads it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -73,13 +74,16 @@ class Plan:
         ]
         self.output = views[graph.output.id]
 
-    def run(self, on_step: Callable[[Step], None] | None = None) -> np.ndarray:
-        """Execute every step in build order; ``on_step`` (tracing) sees each step after it ran."""
+    def run(self, on_step: Callable[[Step, float], None] | None = None) -> np.ndarray:
+        """Execute every step in build order; ``on_step(step, seconds)`` (the trace) sees each step after
+        it ran, with the time it took."""
         if on_step is None:
             for s in self.steps:
                 s.fn(s.node, s.out, *s.args)
         else:
+            clock = time.perf_counter
             for s in self.steps:
+                t0 = clock()
                 s.fn(s.node, s.out, *s.args)
-                on_step(s)
+                on_step(s, clock() - t0)
         return self.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,10 +24,11 @@ MAX_PLANS = 8
 
 
 class ForwardRunner:
-    def __init__(self, model: TransformerModel, backend: Backend, kv: KVCache) -> None:
+    def __init__(self, model: TransformerModel, backend: Backend, kv: KVCache, tracer: Any = None) -> None:
         self.model = model
         self.backend = backend
         self.kv = kv
+        self.tracer = tracer  # minfer.trace.Tracer: every node's time and output statistics
         self._plans: OrderedDict[tuple[int, int], Plan] = OrderedDict()
 
     def plan(self, n_tokens: int, n_outputs: int) -> Plan:
@@ -79,7 +81,11 @@ class ForwardRunner:
         if "output_rows" in plan.inputs:
             plan.inputs["output_rows"][:] = out_rows
         with self.backend.running():
-            logits = plan.run().copy()
+            if self.tracer is None:
+                logits = plan.run().copy()
+            else:
+                logits = plan.run(self.tracer.step).copy()
+                self.tracer.logits(tokens, positions, logits)
         self._record(tokens, positions, seq_ids)
         return logits
 
