@@ -28,6 +28,7 @@ from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, TokenStep, generate
 from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
+from minfer.trace.dump import Dumper
 from minfer.trace.tracer import Tracer
 
 DEFAULT_N_CTX = 4096
@@ -72,6 +73,8 @@ class Model:
         kernels: str | None = None,
         cache_type: str | None = None,
         trace: str | os.PathLike[str] | None = None,
+        dump_dir: str | os.PathLike[str] | None = None,
+        dump_filter: str | None = None,
     ) -> None:
         self.transformer = TransformerModel.from_gguf(path)
         self.path = self.transformer.path
@@ -92,8 +95,12 @@ class Model:
         self.backend = CPUBackend(threads=threads, kernels=kernels)
         self.kv = KVCache(hp, n_ctx, cache_type=cache_type)
         trace = trace or os.environ.get("MINFER_TRACE") or None
+        dump_dir = dump_dir or os.environ.get("MINFER_DUMP_DIR") or None
         self.tracer = Tracer(trace, self.tokenizer) if trace else None
-        self.runner = ForwardRunner(self.transformer, self.backend, self.kv, self.tracer)
+        dump_filter = dump_filter or os.environ.get("MINFER_DUMP_FILTER")
+        self.dumper = Dumper(dump_dir, dump_filter) if dump_dir else None
+        observers = [o for o in (self.tracer, self.dumper) if o is not None]
+        self.runner = ForwardRunner(self.transformer, self.backend, self.kv, observers)
         self.last_stats: GenerationStats | None = None
 
     @property
@@ -288,6 +295,8 @@ def load(
     kernels: str | None = None,
     cache_type: str | None = None,
     trace: str | os.PathLike[str] | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    dump_filter: str | None = None,
 ) -> Model:
     """Load a GGUF model: a file path, or a known model name such as ``"smollm2"`` (pulled on first use).
 
@@ -295,6 +304,9 @@ def load(
     variable ``MINFER_KERNELS`` sets the default. ``cache_type``: KV cells ``"f32"`` (default), ``"f16"``
     or ``"q8_0"``; ``MINFER_CACHE_TYPE`` sets the default. ``trace``: a JSON-lines file that gets every
     executed node's time and output statistics (``MINFER_TRACE`` sets it too; see :mod:`minfer.trace`).
+    ``dump_dir``: a folder that gets the output tensors of the nodes whose names match ``dump_filter``
+    (comma-separated shell patterns; ``MINFER_DUMP_DIR`` / ``MINFER_DUMP_FILTER`` set them too; see
+    :mod:`minfer.trace.dump`).
     """
     return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
-                 trace=trace)
+                 trace=trace, dump_dir=dump_dir, dump_filter=dump_filter)

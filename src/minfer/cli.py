@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-q", "--quiet", action="store_true", help="do not print timings on stderr")
     run.add_argument("--trace", default=None, metavar="FILE",
                      help="write every node's time and output statistics as JSON lines (also $MINFER_TRACE)")
+    run.add_argument("--dump-dir", default=None, metavar="DIR",
+                     help="save node outputs as .npy with a manifest (also $MINFER_DUMP_DIR)")
+    run.add_argument("--dump-filter", default=None, metavar="PATTERNS",
+                     help="node names to dump, comma-separated shell patterns, e.g. 'blk.*.attn,output' "
+                     "(also $MINFER_DUMP_FILTER; default: every node)")
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat (type /help inside)")
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
@@ -175,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--peer-python", action="append", default=[], metavar="ENGINE=PYTHON",
                        help="interpreter that has a peer installed, e.g. transformers=/opt/refenv/bin/python")
 
+    cmp = sub.add_parser("compare-dumps", help="compare two dump folders node by node")
+    cmp.add_argument("a", help="dump folder (minfer run --dump-dir)")
+    cmp.add_argument("b", help="dump folder to compare with")
+    cmp.add_argument("--tol", type=float, default=1e-4, help="relative difference that counts as parting (1e-4)")
+    cmp.add_argument("--all", action="store_true", help="print every node, not only up to the first divergence")
+
     pull = sub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
     pull.add_argument("--force", action="store_true", help="download again even if cached")
@@ -188,7 +199,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise MinferError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
     model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
-                        trace=args.trace)
+                        trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
@@ -414,6 +425,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare_dumps(args: argparse.Namespace) -> int:
+    from minfer.trace.dump import compare_dumps, first_divergence
+
+    rows = sorted(compare_dumps(args.a, args.b), key=lambda r: (r["call"], r["node"]))
+    if not rows:
+        raise MinferError(f"{args.a} and {args.b} have no node in common")
+    first = first_divergence(rows, args.tol)
+    print(f"{'call':>4s} {'node':>5s} {'name':34s} {'op':14s} {'max abs':>10s} {'max rel':>10s} {'cosine':>10s}")
+    for r in rows:
+        if "shape_mismatch" in r:
+            print(f"{r['call']:4d} {r['node']:5d} {r['name']:34s} {r['op']:14s} shapes {r['shape_mismatch']}")
+        else:
+            print(f"{r['call']:4d} {r['node']:5d} {r['name']:34s} {r['op']:14s} {r['max_abs']:10.3g} "
+                  f"{r['max_rel']:10.3g} {r['cosine']:10.6f}")
+        if r is first and not args.all:
+            break
+    if first is None:
+        print(f"all {len(rows)} nodes agree within {args.tol:g}")
+    else:
+        print(f"first divergence: call {first['call']}, node {first['node']} {first['name']} ({first['op']})")
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from minfer.pull import pull
 
@@ -423,7 +457,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect, "perplexity": cmd_perplexity, "bench": cmd_bench,
-            "pull": cmd_pull}
+            "compare-dumps": cmd_compare_dumps, "pull": cmd_pull}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,11 +24,14 @@ MAX_PLANS = 8
 
 
 class ForwardRunner:
-    def __init__(self, model: TransformerModel, backend: Backend, kv: KVCache, tracer: Any = None) -> None:
+    def __init__(
+        self, model: TransformerModel, backend: Backend, kv: KVCache, observers: Sequence[Any] = ()
+    ) -> None:
         self.model = model
         self.backend = backend
         self.kv = kv
-        self.tracer = tracer  # minfer.trace.Tracer: every node's time and output statistics
+        # minfer.trace observers (Tracer, Dumper): see every executed node, then each call's logits
+        self.observers = list(observers)
         self._plans: OrderedDict[tuple[int, int], Plan] = OrderedDict()
 
     def plan(self, n_tokens: int, n_outputs: int) -> Plan:
@@ -81,11 +84,13 @@ class ForwardRunner:
         if "output_rows" in plan.inputs:
             plan.inputs["output_rows"][:] = out_rows
         with self.backend.running():
-            if self.tracer is None:
+            if not self.observers:
                 logits = plan.run().copy()
             else:
-                logits = plan.run(self.tracer.step).copy()
-                self.tracer.logits(tokens, positions, logits)
+                observers = self.observers
+                logits = plan.run(lambda s, t: [o.step(s, t) for o in observers]).copy()
+                for o in observers:
+                    o.logits(tokens, positions, logits)
         self._record(tokens, positions, seq_ids)
         return logits
 
