@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--peer-python", action="append", default=[], metavar="ENGINE=PYTHON",
                        help="interpreter that has a peer installed, e.g. transformers=/opt/refenv/bin/python")
 
+    tr = sub.add_parser("trace", help="one forward pass of a prompt as a self-contained HTML page")
+    tr.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="the model (optional) and the prompt")
+    tr.add_argument("--html", required=True, metavar="FILE", help="where to write the page")
+    tr.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None, help="context size")
+
     cmp = sub.add_parser("compare-dumps", help="compare two dump folders node by node")
     cmp.add_argument("a", help="dump folder (minfer run --dump-dir)")
     cmp.add_argument("b", help="dump folder to compare with")
@@ -425,6 +430,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import minfer
+    from minfer.trace.html import render, trace_page_data
+
+    if len(args.args) > 2:
+        raise MinferError(f"trace takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
+    model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
+    model = minfer.load(model_ref, n_ctx=args.n_ctx)
+    out = Path(args.html)
+    out.write_text(render(trace_page_data(model, prompt)), encoding="utf-8")
+    print(out)
+    return 0
+
+
 def cmd_compare_dumps(args: argparse.Namespace) -> int:
     from minfer.trace.dump import compare_dumps, first_divergence
 
@@ -457,7 +478,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect, "perplexity": cmd_perplexity, "bench": cmd_bench,
-            "compare-dumps": cmd_compare_dumps, "pull": cmd_pull}
+            "trace": cmd_trace, "compare-dumps": cmd_compare_dumps, "pull": cmd_pull}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

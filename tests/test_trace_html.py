@@ -1,0 +1,89 @@
+"""The HTML trace view, opened in headless Chromium (Debian's chromium; .ci/run installs it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, fixture_dir
+
+import minfer
+from minfer.trace.html import example_page_data, render, trace_page_data
+
+ARTIFACTS = FIXTURES.parent.parent / "artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def chromium(*args: str) -> str:
+    assert CHROMIUM, "Debian's chromium is needed for the HTML view tests (apt-get install chromium)"
+    with tempfile.TemporaryDirectory() as profile:
+        r = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", *args],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def table_values(dom: str, table_id: str) -> list[list[float]]:
+    table = re.search(rf'<table id="{table_id}">(.*?)</table>', dom, re.S)
+    assert table, f"no table {table_id} in the rendered page"
+    rows = []
+    for row in re.findall(r"<tr>(.*?)</tr>", table.group(1), re.S):
+        cells = re.findall(r'data-value="([^"]*)"', row)
+        if cells:
+            rows.append([float(c) for c in cells])  # "-inf" parses as -inf
+    return rows
+
+
+def test_learning_page_2x2_example_shows_exactly_its_values(tmp_path):
+    eye = np.eye(2, dtype=np.float32)
+    page = tmp_path / "example.html"
+    page.write_text(render(example_page_data(eye, eye, np.array([[10, 0], [0, 20]], np.float32), ["t0", "t1"])))
+    dom = chromium("--dump-dom", page.as_uri())
+    assert re.search(r'<div id="errors"></div>', dom), "the page reported a script error"
+    np.testing.assert_allclose(table_values(dom, "scores"), [[0.70710678, 0], [0, 0.70710678]], rtol=1e-7)
+    masked = table_values(dom, "masked")
+    assert masked[0][1] == -np.inf
+    np.testing.assert_allclose([masked[0][0], *masked[1]], [0.70710678, 0, 0.70710678], rtol=1e-7)
+    np.testing.assert_allclose(table_values(dom, "weights"), [[1, 0], [0.33023846, 0.66976154]], rtol=1e-7)
+    np.testing.assert_allclose(table_values(dom, "output"), [[10, 0], [3.3023846, 13.395231]], rtol=1e-7)
+
+
+def test_fixture_page_is_self_contained_and_consistent(tmp_path):
+    model = minfer.load(fixture_dir("qwen3") / "model-f32.gguf", n_ctx=64)
+    data = trace_page_data(model, "Hello world")
+    text = render(data)
+    assert "http://" not in text and "https://" not in text and "<script src" not in text
+    assert len(data["layers"]) == 3 and len(data["layers"][0]["heads"]) == 4  # 4 query heads over 2 kv heads
+    for layer in data["layers"]:
+        for head in layer["heads"]:
+            np.testing.assert_allclose(np.sum(head["weights"], axis=1), 1.0, rtol=1e-12)
+    # the view's attention output for each head is the engine's own attention output (within f32 rounding)
+    capture_model = minfer.load(fixture_dir("qwen3") / "model-f32.gguf", n_ctx=64, dump_dir=tmp_path / "d",
+                                dump_filter="blk.0.attn")
+    capture_model.logits(model.tokenize("Hello world"))
+    entry = json.loads((tmp_path / "d" / "manifest.json").read_text())["entries"][0]
+    attn = np.load(tmp_path / "d" / entry["file"]).reshape(len(data["tokens"]), 4, 32)
+    for h in range(4):
+        np.testing.assert_allclose(data["layers"][0]["heads"][h]["output"], attn[:, h], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_attention_screenshot(smollm2_path):
+    model = minfer.load(smollm2_path, n_ctx=128)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = ARTIFACTS / "trace-smollm2.html"
+    page.write_text(render(trace_page_data(model, "The capital of France is")))
+    dom = chromium("--dump-dom", page.as_uri())
+    assert '<div id="errors"></div>' in dom and 'id="weights"' in dom
+    shot = ARTIFACTS / "trace-smollm2.png"
+    chromium("--window-size=1400,1000", f"--screenshot={shot}", page.as_uri())
+    assert shot.stat().st_size > 10_000
