@@ -20,15 +20,18 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def chromium(*args: str) -> str:
+    """Run headless Chromium; fails on any message the page wrote to its console (errors included)."""
     assert CHROMIUM, "Debian's chromium is needed for the HTML view tests (apt-get install chromium)"
     with tempfile.TemporaryDirectory() as profile:
         r = subprocess.run(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", *args],
+             "--enable-logging=stderr", "--v=0", f"--user-data-dir={profile}", *args],
             capture_output=True, text=True, timeout=120,
         )
     assert r.returncode == 0, r.stderr[-2000:]
+    console = [line for line in r.stderr.splitlines() if ":CONSOLE" in line]
+    assert console == [], console
     return r.stdout
 
 
