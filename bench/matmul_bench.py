@@ -177,7 +177,7 @@ def bench_shapes(layers, output, n_tok: int, seconds: float, with_variants: bool
         row("kept kernel, incl. activation quantization", n_tok, n_out, n_in, best_time(full, seconds), base)
         if not with_variants or w.ggml_type != GGMLType.Q4_1:
             continue
-        wf, rb = qm._prepare(w).flat, w.data.shape[1]
+        wf, rb = qm.prepare(w).flat, w.data.shape[1]
         if n_tok == 1:
             one_row = partial(_gemv_q4_1_one_row, wf, rb, xq._q, xq._ds, out)
             row("variant: 1 row per pass (intrinsics)", 1, n_out, n_in, best_time(one_row, seconds), base)

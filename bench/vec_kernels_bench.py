@@ -66,7 +66,7 @@ def main() -> None:
     )
     rng = np.random.default_rng(0)
     rope_meta = RopeMeta(N_HEAD, HEAD_DIM, HEAD_DIM, 10000.0, 1.0, RopeStyle.NEOX)
-    table = vk.rope_table(HEAD_DIM, HEAD_DIM, 10000.0, 1.0)
+    table = vk.RopeTable(HEAD_DIM, HEAD_DIM, 10000.0, 1.0)
     attn_meta = AttnMeta(0, N_HEAD, N_HEAD_KV, HEAD_DIM, HEAD_DIM, HEAD_DIM**-0.5)
     r = args.batches
     print(f"{'op [shape]':<40} {'ref µs':>10} {'numba µs':>10} {'speedup':>9}")

@@ -402,7 +402,7 @@ def test_rowwise_ops_give_the_same_bits_on_row_blocks_in_threads(rng):
     gain = rng.standard_normal(576).astype(F32)
     up = rng.standard_normal((128, 576)).astype(F32)
     pos = np.arange(300, 428, dtype=np.int32)
-    table = vk.rope_table(64, 64, 10000.0, 1.0)
+    table = vk.RopeTable(64, 64, 10000.0, 1.0)
 
     def run(r0: int, r1: int, outs: list[np.ndarray]) -> None:
         vk.rms_norm_mul(x[r0:r1], gain, 1e-5, 576, outs[0][r0:r1])

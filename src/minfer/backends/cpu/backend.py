@@ -36,7 +36,8 @@ Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GG
 
 
 def _get_rows(node: Node, out, table, ids) -> None:
-    ref.get_rows(table, ids, out)
+    # a weight prepared for the fast matmuls (tied embeddings) still holds its tensor
+    ref.get_rows(getattr(table, "tensor", table), ids, out)
 
 
 def _kv_load(node: Node, kv, store) -> None:
@@ -132,6 +133,11 @@ class CPUBackend:
         # tensor in another type is small, so it is dequantized once. Matrices stay raw blocks.
         if len(tensor.shape) == 1 or (tensor.ggml_type == GGMLType.F32 and self.kernels != "fast"):
             return np.ascontiguousarray(ref.dequantize_tensor(tensor))
+        if self.kernels == "fast":  # the fast matmuls' per-weight setup, done once per plan
+            if self._qm.supports(tensor.ggml_type):
+                return self._qm.prepare(tensor)
+            if self._kq.supports(tensor.ggml_type):
+                return self._kq.prepare(tensor)
         return tensor
 
     def quantized_input(self, tensor: GGUFTensor) -> bool:

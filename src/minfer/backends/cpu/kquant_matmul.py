@@ -54,7 +54,6 @@ Loop shapes
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -853,7 +852,7 @@ def supports(ggml_type: GGMLType) -> bool:
 class _Prepared:
     """What the kernels need from one weight tensor, computed once per tensor (see quant_matmul)."""
 
-    __slots__ = ("owner", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -881,28 +880,21 @@ class _Prepared:
             flat = np.concatenate([flat, np.zeros((4 - n_out) * rb, np.uint8)])
         flat = flat.view()
         flat.flags.writeable = False  # weights are mmapped read-only: one compiled flavor serves everyone
-        self.owner = weakref.ref(w)
+        self.tensor = w
         self.flat = flat
         self.rb = rb
         self.n_out, self.n_in = n_out, n_in
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
 
 
-_PREPARED: dict[int, _Prepared] = {}
-
-
-def _prepare(w: GGUFTensor) -> _Prepared:
-    key = id(w)
-    p = _PREPARED.get(key)
-    if p is None or p.owner() is not w:
-        p = _Prepared(w)
-        _PREPARED[key] = p
-        weakref.finalize(w, _PREPARED.pop, key, None)
-    return p
+def prepare(w: GGUFTensor) -> _Prepared:
+    """What :func:`matmul` needs from a weight, computed once: pass the result instead of the tensor to
+    skip that work on every call (the backend prepares each weight when it binds a plan)."""
+    return _Prepared(w)
 
 
 def matmul(
-    x: np.ndarray, w: GGUFTensor, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None = None
+    x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None = None
 ) -> None:
     """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
 
@@ -910,7 +902,8 @@ def matmul(
     (:func:`quantize_activations_q8_k`) for K-quant weights, quant_matmul's Q8 blocks for Q5_0/Q5_1.
     ``out`` must be float32 ``[n_tok, n_out]``; it is written, never read.
     """
-    p = _prepare(w)
+    p = w if isinstance(w, _Prepared) else _Prepared(w)
+    w = p.tensor
     if x.ndim != 2 or x.shape[1] != p.n_in:
         raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
     n_tok = x.shape[0]

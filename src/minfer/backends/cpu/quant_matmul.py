@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import os
 import platform
-import weakref
 
 import llvmlite.binding as llb
 import numba
@@ -1077,7 +1076,7 @@ class _Prepared:
     matmul ~200 times on the same tensors: building views and checking sizes each time would cost
     about as much as the small matmuls themselves)."""
 
-    __slots__ = ("owner", "flat", "arg", "n_out", "n_in", "gemv", "gemm")
+    __slots__ = ("tensor", "flat", "arg", "n_out", "n_in", "gemv", "gemm")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -1101,7 +1100,7 @@ class _Prepared:
         # A flat read-only view: weights are mmapped read-only, so one compiled flavor serves everyone.
         flat = np.ascontiguousarray(data).reshape(-1).view()
         flat.flags.writeable = False
-        self.owner = weakref.ref(w)
+        self.tensor = w
         self.flat = flat
         # the kernels' second argument: bytes per row for blocks, the widening kind for float weights
         self.arg = _FLOAT_KIND.get(t, rb)
@@ -1110,27 +1109,21 @@ class _Prepared:
         self.gemm = _GEMM.get(t, _gemm_float)
 
 
-_PREPARED: dict[int, _Prepared] = {}
+def prepare(w: GGUFTensor) -> _Prepared:
+    """What :func:`matmul` needs from a weight, computed once: pass the result instead of the tensor to
+    skip that work on every call (the backend prepares each weight when it binds a plan)."""
+    return _Prepared(w)
 
 
-def _prepare(w: GGUFTensor) -> _Prepared:
-    key = id(w)
-    p = _PREPARED.get(key)
-    if p is None or p.owner() is not w:
-        p = _Prepared(w)
-        _PREPARED[key] = p
-        weakref.finalize(w, _PREPARED.pop, key, None)  # forget it with the tensor (its id may be reused)
-    return p
-
-
-def matmul(x: np.ndarray, w: GGUFTensor, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
+def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
     """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
 
     ``xq`` is ``quantize_activations(x)`` computed once by the caller when several quantized matmuls
     share ``x``; without it the activations are quantized here. Float weight types ignore it.
     ``out`` must be float32 ``[n_tok, n_out]``; it is written, never read.
     """
-    p = _prepare(w)
+    p = w if isinstance(w, _Prepared) else _Prepared(w)
+    w = p.tensor
     if x.ndim != 2 or x.shape[1] != p.n_in:
         raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
     n_tok = x.shape[0]

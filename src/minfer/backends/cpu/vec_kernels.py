@@ -679,18 +679,6 @@ class RopeTable:
         assert code == -1, code
 
 
-_rope_tables: dict[tuple[int, int, float, float], RopeTable] = {}
-
-
-def rope_table(head_dim: int, n_rot: int, freq_base: float, freq_scale: float) -> RopeTable:
-    """The process-wide table for one RoPE geometry (created on first use)."""
-    key = (head_dim, n_rot, float(freq_base), float(freq_scale))
-    table = _rope_tables.get(key)
-    if table is None:
-        table = _rope_tables.setdefault(key, RopeTable(head_dim, n_rot, freq_base, freq_scale))
-    return table
-
-
 def rope(
     x: np.ndarray,
     positions: np.ndarray,
@@ -704,10 +692,11 @@ def rope(
 ) -> None:
     """RoPE in place or into ``out``; NEOX pairs (i, i + n_rot/2), otherwise (2i, 2i+1).
 
-    Looks the table up per call (a dict access); a caller that runs many RoPEs holds the
-    :class:`RopeTable` from :func:`rope_table` and calls its ``apply``.
+    Builds a table for these positions on every call; a caller that runs many RoPEs (the backend) keeps
+    a :class:`RopeTable` and calls its ``apply``.
     """
-    rope_table(head_dim, n_rot, freq_base, freq_scale).apply(x, positions, n_head, neox, out)
+    n_pos = int(np.abs(positions).max()) + 1 if positions.size else 1
+    RopeTable(head_dim, n_rot, freq_base, freq_scale, n_pos=n_pos).apply(x, positions, n_head, neox, out)
 
 
 # ---------------------------------------------------------------------------------------------------------
