@@ -76,6 +76,7 @@ from minfer.backends.cpu.quant_matmul import (
     _shuffle_idx,
     _splat,
     _tile_scales,
+    check_operands,
     f32x8,
     quantize_activations,
 )
@@ -904,11 +905,7 @@ def matmul(
     """
     p = w if isinstance(w, _Prepared) else _Prepared(w)
     w = p.tensor
-    if x.ndim != 2 or x.shape[1] != p.n_in:
-        raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
-    n_tok = x.shape[0]
-    if out.shape != (n_tok, p.n_out) or out.dtype != np.float32:
-        raise ModelError(f"{w.name}: output must be float32 {(n_tok, p.n_out)}, got {out.dtype} {out.shape}")
+    n_tok = check_operands(x, w, out, p.n_in, p.n_out)
     if n_tok == 0 or p.n_out == 0:
         return
     if p.n_in == 0:  # an empty sum (the kernels divide by the block count)

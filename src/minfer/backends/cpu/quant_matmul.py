@@ -1115,6 +1115,17 @@ def prepare(w: GGUFTensor) -> _Prepared:
     return _Prepared(w)
 
 
+def check_operands(x: np.ndarray, w: GGUFTensor, out: np.ndarray, n_in: int, n_out: int) -> int:
+    """The number of tokens, after checking ``x [n_tok, n_in]`` and ``out`` float32 ``[n_tok, n_out]``
+    against weight ``w`` (shared by every fast matmul module)."""
+    if x.ndim != 2 or x.shape[1] != n_in:
+        raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
+    n_tok = x.shape[0]
+    if out.shape != (n_tok, n_out) or out.dtype != np.float32:
+        raise ModelError(f"{w.name}: output must be float32 {(n_tok, n_out)}, got {out.dtype} {out.shape}")
+    return n_tok
+
+
 def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
     """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
 
@@ -1124,11 +1135,7 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
     """
     p = w if isinstance(w, _Prepared) else _Prepared(w)
     w = p.tensor
-    if x.ndim != 2 or x.shape[1] != p.n_in:
-        raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
-    n_tok = x.shape[0]
-    if out.shape != (n_tok, p.n_out) or out.dtype != np.float32:
-        raise ModelError(f"{w.name}: output must be float32 {(n_tok, p.n_out)}, got {out.dtype} {out.shape}")
+    n_tok = check_operands(x, w, out, p.n_in, p.n_out)
     if n_tok == 0 or p.n_out == 0:
         return
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
