@@ -278,8 +278,9 @@ def small_metadata(**changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model": "bert"}, r"unsupported tokenizer.ggml.model 'bert'; supported: gpt2"),
-        ({"model": "llama"}, r"SentencePiece .* not supported yet"),
+        ({"model": "bert"}, r"unsupported tokenizer.ggml.model 'bert'; supported: gpt2, llama"),
+        ({"model": "llama"}, r"missing tokenizer.ggml.scores"),
+        ({"model": "llama", "scores": [0.5, 1]}, r"tokenizer.ggml.scores must be 512 numbers"),
         ({"model": None}, r"missing tokenizer.ggml.model"),
         ({"pre": "deepseek-llm"}, r"unsupported tokenizer.ggml.pre 'deepseek-llm'; supported: .*smollm"),
         ({"tokens": None}, r"missing tokenizer.ggml.tokens"),

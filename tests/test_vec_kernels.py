@@ -9,6 +9,10 @@ Tolerances, and why:
 * SiLU / SwiGLU: at most 5 ulp: both sides use a float32 exp (ours within 1 ulp of the correctly rounded
   value, numpy's within 2, so up to 3 apart), and the quotient and the product round once more each.
   Measured on random data: 84% identical, 12% 1 ulp, 3.7% 2, 0.2% 3, 0.01% 4.
+* GELU / GEGLU (tanh form): the reference computes 0.5 x (1 + tanh(u)) as torch does, the kernel the same
+  function as x / (1 + exp(-2u)); they agree within 4e-7 max(1, |x|) (measured 2e-7), and within 8 ulp
+  where x >= 0 (nothing cancels there; where x < 0, 1 + tanh(u) cancels in the reference's form).
+* scale: bit-identical (one float32 multiply).
 * attention: 1e-5 absolute on O(1) data: dot products, softmax sum and weighted sum of V are summed in a
   different order than BLAS does (all float32 except the float64 softmax sum), and exp differs by up to
   3 ulp. Measured: at most 7e-7 at decode (context up to 4096), 3e-6 for prefills of 128-512 tokens.
@@ -181,6 +185,69 @@ def test_silu_special_values():
     assert out[0, 5] == 0.0 and out[0, 6] == 200.0  # -200 / inf is a zero, not NaN
 
 
+# ------------------------------------------------------------------------------------------ GELU, scale
+
+
+def _gelu_exact(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 21), (64, 2048)])
+def test_geglu_and_gelu_match_reference(rng, shape):
+    gate = _silu_inputs(rng, shape)
+    up = rng.standard_normal(shape).astype(F32)
+    expect, got = np.empty_like(gate), np.empty_like(gate)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref.gelu(gate, expect)
+    vk.gelu(gate, got)
+    bound = 4e-7 * np.maximum(1, np.abs(gate))
+    assert (np.abs(got.astype(np.float64) - expect) <= bound).all()
+    assert ulps(got[gate >= 0], expect[gate >= 0]) <= 8
+    ok = np.abs(gate) < 1e18  # x^3 overflows beyond: both sides give x (or -0), checked below
+    assert (np.abs(got - _gelu_exact(gate))[ok] <= 1e-6 * np.maximum(1, np.abs(gate[ok]))).all()
+    assert got[gate == 1e30][0] == F32(1e30) and got[gate == -1e30][0] == 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref.geglu(gate, up, expect)
+    vk.geglu(gate, up, got)
+    assert (np.abs(got.astype(np.float64) - expect) <= bound * np.abs(up) + 1e-30).all()
+    # in place into either operand
+    g2, u2 = gate.copy(), up.copy()
+    vk.geglu(g2, up, g2)
+    vk.geglu(gate, u2, u2)
+    np.testing.assert_array_equal(g2, got)
+    np.testing.assert_array_equal(u2, got)
+    g2 = gate.copy()
+    vk.gelu(g2, g2)
+    single = np.empty_like(gate)
+    vk.gelu(gate, single)
+    np.testing.assert_array_equal(g2, single)
+
+
+def test_gelu_known_values():
+    x = np.array([[0.0, 1.0, -1.0, 3.0, -3.0, 10.0, -10.0]], F32)
+    out = np.empty_like(x)
+    vk.gelu(x, out)
+    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float64
+    expect = [0.0, 0.8411919906, -0.1588080094, 2.9963626079, -0.0036373921, 10.0, -1.2e-37]
+    np.testing.assert_allclose(out[0], expect, rtol=1e-6, atol=1e-12)
+    with pytest.raises(ValueError, match="gelu"):
+        vk.gelu(x, np.empty((1, 3), F32))
+
+
+def test_scale_matches_reference_exactly(rng):
+    x = rng.standard_normal((7, 640)).astype(F32)
+    expect, got = np.empty_like(x), np.empty_like(x)
+    s = math.sqrt(640)
+    ref.scale(x, s, expect)
+    vk.scale(x, s, got)
+    np.testing.assert_array_equal(got, expect)
+    np.testing.assert_array_equal(got, x * F32(s))
+    y = x.copy()
+    vk.scale(y, s, y)
+    np.testing.assert_array_equal(y, expect)
+
+
 # ------------------------------------------------------------------------------------------------- RoPE
 
 
@@ -273,15 +340,15 @@ def _attn_case(rng, n_head, n_head_kv, hdk, hdv, positions, n_ctx):
     return q, k_reg, v_reg, pos
 
 
-def _ref_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale):
+def _ref_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, window=0):
     out = np.empty((len(pos), n_head * hdv), F32)
-    ref.attention(q, k_reg, v_reg, pos, AttnMeta(0, n_head, n_head_kv, hdk, hdv, scale), out)
+    ref.attention(q, k_reg, v_reg, pos, AttnMeta(0, n_head, n_head_kv, hdk, hdv, scale, window), out)
     return out
 
 
-def _vk_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale):
+def _vk_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, window=0):
     out = np.full((len(pos), n_head * hdv), np.nan, F32)
-    vk.attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, out)
+    vk.attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, out, window)
     return out
 
 
@@ -354,6 +421,7 @@ def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
                 0,
                 vk._NO_SCRATCH,
                 vk._NO_SCRATCH,
+                0,
                 split,
             )
             assert code == -1
@@ -379,6 +447,47 @@ def test_long_decode_split_by_keys_equals_prefill_row(rng):
             np.testing.assert_array_equal(split[0], prefill[t])
 
 
+@pytest.mark.parametrize("window", [1, 3, 64, 65, 300])
+@pytest.mark.parametrize("positions", [list(range(0, 200)), list(range(350, 420)), [5], [299], [300], [700]])
+def test_sliding_window_attention_matches_reference(rng, window, positions):
+    """Key j is visible to the query at position i iff i - j < window (itself included). Rows before the
+    window hold NaN and 1e30 here: they are never read."""
+    n_head, n_head_kv, hd = 4, 1, 32
+    q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, positions, n_ctx=max(positions) + 9)
+    start = max(0, min(positions) - window + 1)
+    k_reg[: start : 2], v_reg[: start : 2] = np.nan, np.nan
+    k_reg[1:start:2], v_reg[1:start:2] = 1e30, -1e30
+    geometry = (n_head, n_head_kv, hd, hd, 1 / math.sqrt(hd))
+    expect = _ref_attention(q, k_reg, v_reg, pos, *geometry, window)
+    assert np.isfinite(expect).all()
+    got = _vk_attention(q, k_reg, v_reg, pos, *geometry, window)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expect, rtol=0, atol=1e-5)
+    if window == 1:  # each token sees itself only: its own V row
+        np.testing.assert_array_equal(got.reshape(len(pos), n_head, hd), np.repeat(v_reg[pos][:, None], n_head, 1))
+    # a window covering everything is plain causal attention, bit for bit
+    wide = _vk_attention(q, k_reg, v_reg, pos, *geometry, max(positions) + 1)
+    if start == 0 and max(positions) < window:
+        np.testing.assert_array_equal(got, wide)
+    # each token's row alone (a decode step), at 1 and more threads: the same bits
+    for t in (0, len(pos) // 2, len(pos) - 1):
+        for n in (1, MAX_THREADS):
+            args = (q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry, window)
+            one = at_threads(n, lambda args=args: _vk_attention(*args))
+            np.testing.assert_array_equal(one[0], got[t])
+
+
+def test_sliding_window_reference_mask():
+    # 1 head, head dim 1, q = k = 0: uniform weights over exactly the visible keys
+    n = 6
+    v = np.arange(n, dtype=F32)[:, None]
+    out = np.empty((n, 1), F32)
+    ref.attention(np.zeros((n, 1), F32), np.zeros((n, 1), F32), v, np.arange(n, dtype=np.int32),
+                  AttnMeta(0, 1, 1, 1, 1, 1.0, window=3), out)
+    # position i averages v over max(0, i - 2) .. i
+    np.testing.assert_allclose(out[:, 0], [0, 0.5, 1, 2, 3, 4], rtol=1e-6)
+
+
 def test_attention_errors(rng):
     q, k_reg, v_reg, pos = _attn_case(rng, 4, 2, 8, 8, [0, 1], n_ctx=4)
     out = np.empty((2, 32), F32)
@@ -388,6 +497,8 @@ def test_attention_errors(rng):
         vk.attention(q, k_reg, v_reg, pos, 4, 3, 8, 8, 1.0, out)  # 4 heads cannot share 3 kv heads
     with pytest.raises(ValueError, match="must not be q"):
         vk.attention(q, k_reg, v_reg, pos, 4, 2, 8, 8, 1.0, q)
+    with pytest.raises(ValueError, match="do not fit"):
+        vk.attention(q, k_reg, v_reg, pos, 4, 2, 8, 8, 1.0, out, -1)  # a negative window
 
 
 # ------------------------------------------------------------------------------------------ row blocks

@@ -8,23 +8,25 @@ transformers disagree on how a file should tokenize we follow transformers and s
 choice; llama.cpp's vocab loader is followed for what transformers has no notion of (the
 end-of-generation set, the default of ``add_bos``).
 
-Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are supported for now.
+Two vocabulary models: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) and SentencePiece-style BPE
+(``"llama"``: scores, byte fallback, the ▁ space marker; built in :mod:`minfer.formats.sentencepiece`).
 """
 
 from __future__ import annotations
 
 import codecs
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from minfer.errors import BadRequestError, FormatError
+from minfer.formats.sentencepiece import spm_backend, spm_merges, spm_piece_bytes, spm_vocabulary
 
 __all__ = ["IncrementalDecoder", "Tokenizer", "SUPPORTED_MODELS", "SUPPORTED_PRE_TYPES"]
 
@@ -123,7 +125,7 @@ _PRE_TYPES: dict[str, _PreType] = {
     "tekken": _PreType((_TEKKEN_SPLIT,), add_bos=True),
 }
 
-SUPPORTED_MODELS: tuple[str, ...] = ("gpt2",)
+SUPPORTED_MODELS: tuple[str, ...] = ("gpt2", "llama")
 SUPPORTED_PRE_TYPES: tuple[str, ...] = tuple(sorted(_PRE_TYPES))
 
 # --- end of generation -----------------------------------------------------------------------------
@@ -234,6 +236,48 @@ def _string_list(metadata: Mapping[str, Any], key: str, source: str) -> list[str
     return value
 
 
+def _token_types(metadata: Mapping[str, Any], n_vocab: int, source: str) -> list[int]:
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    if token_types is None:
+        return [_NORMAL] * n_vocab
+    # Any sequence of integers will do (a reader may hand out a numpy array).
+    if isinstance(token_types, (str, bytes)) or not isinstance(token_types, Iterable):
+        raise FormatError(f"{source}: tokenizer.ggml.token_type must be an array of integers")
+    token_types = list(token_types)
+    if len(token_types) < n_vocab or not all(isinstance(t, Integral) for t in token_types):
+        raise FormatError(f"{source}: tokenizer.ggml.token_type must be {n_vocab} integers")
+    return token_types
+
+
+def _add_bos_eos(
+    metadata: Mapping[str, Any], default_add_bos: bool, bos_id: int | None, eos_id: int | None, source: str
+) -> tuple[bool, bool]:
+    add_bos = _get(metadata, "tokenizer.ggml.add_bos_token", bool, source)
+    add_bos = default_add_bos if add_bos is None else add_bos
+    add_eos = bool(_get(metadata, "tokenizer.ggml.add_eos_token", bool, source))
+    if add_bos and bos_id is None:
+        raise FormatError(
+            f"{source}: tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set"
+        )
+    if add_eos and eos_id is None:
+        raise FormatError(
+            f"{source}: tokenizer.ggml.add_eos_token is true, but tokenizer.ggml.eos_token_id is not set"
+        )
+    return add_bos, add_eos
+
+
+def _scores(metadata: Mapping[str, Any], n_vocab: int, source: str) -> list[float] | None:
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None:
+        return None
+    if isinstance(scores, (str, bytes)) or not isinstance(scores, Iterable):
+        raise FormatError(f"{source}: tokenizer.ggml.scores must be an array of numbers")
+    scores = list(scores)
+    if len(scores) != n_vocab or not all(isinstance(x, Real) for x in scores):
+        raise FormatError(f"{source}: tokenizer.ggml.scores must be {n_vocab} numbers")
+    return [float(x) for x in scores]
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary.
 
@@ -262,8 +306,14 @@ class Tokenizer:
         eog_ids: frozenset[int],
         add_bos: bool,
         add_eos: bool,
+        piece_bytes: Callable[[str], bytes] | None = None,
+        strip_first_space: bool = False,
     ) -> None:
-        """Wrap a ready ``tokenizers.Tokenizer``; use :meth:`from_gguf_metadata` rather than this."""
+        """Wrap a ready ``tokenizers.Tokenizer``; use :meth:`from_gguf_metadata` rather than this.
+
+        ``piece_bytes`` maps a token's text in the backend's vocabulary to the bytes it decodes to
+        (default: byte-level BPE spelling); ``strip_first_space``: the decoder drops one leading space
+        of the text (SentencePiece vocabularies that prefix the text with one)."""
         self._hf = backend
         self._tokens = tokens
         self._hf_plain: HFTokenizer | None = None  # copy that leaves special-token texts as text
@@ -278,6 +328,8 @@ class Tokenizer:
         self.add_eos = add_eos
         self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._bytes_cache: dict[int, bytes] = {}
+        self._piece_bytes = piece_bytes or _token_bytes
+        self.strip_first_space = strip_first_space
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -293,10 +345,7 @@ class Tokenizer:
         if model is None:
             raise FormatError(f"{source}: missing tokenizer.ggml.model")
         if model == "llama":
-            raise FormatError(
-                f"{source}: SentencePiece vocabularies (tokenizer.ggml.model 'llama') are not supported yet; "
-                f"supported: {', '.join(SUPPORTED_MODELS)}"
-            )
+            return cls._from_spm_metadata(metadata, source)
         if model not in SUPPORTED_MODELS:
             supported = ", ".join(SUPPORTED_MODELS)
             raise FormatError(f"{source}: unsupported tokenizer.ggml.model {model!r}; supported: {supported}")
@@ -312,16 +361,7 @@ class Tokenizer:
         n_vocab = len(tokens)
         if n_vocab == 0:
             raise FormatError(f"{source}: tokenizer.ggml.tokens is empty")
-        token_types = metadata.get("tokenizer.ggml.token_type")
-        if token_types is None:
-            token_types = [_NORMAL] * n_vocab
-        else:
-            # Any sequence of integers will do (a reader may hand out a numpy array).
-            if isinstance(token_types, (str, bytes)) or not isinstance(token_types, Iterable):
-                raise FormatError(f"{source}: tokenizer.ggml.token_type must be an array of integers")
-            token_types = list(token_types)
-            if len(token_types) < n_vocab or not all(isinstance(t, Integral) for t in token_types):
-                raise FormatError(f"{source}: tokenizer.ggml.token_type must be {n_vocab} integers")
+        token_types = _token_types(metadata, n_vocab, source)
 
         # A dict, as in transformers: should two tokens spell the same after re-spelling, the later id
         # wins the text (llama.cpp refuses such a file; no real one has it).
@@ -383,17 +423,7 @@ class Tokenizer:
         if user_defined:
             backend.add_tokens(user_defined)
 
-        add_bos = _get(metadata, "tokenizer.ggml.add_bos_token", bool, source)
-        add_bos = pre_type.add_bos if add_bos is None else add_bos
-        add_eos = bool(_get(metadata, "tokenizer.ggml.add_eos_token", bool, source))
-        if add_bos and bos_id is None:
-            raise FormatError(
-                f"{source}: tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set"
-            )
-        if add_eos and eos_id is None:
-            raise FormatError(
-                f"{source}: tokenizer.ggml.add_eos_token is true, but tokenizer.ggml.eos_token_id is not set"
-            )
+        add_bos, add_eos = _add_bos_eos(metadata, pre_type.add_bos, bos_id, eos_id, source)
 
         eog_ids = _eog_ids(metadata, tokens, eos_id, source)
         return cls(
@@ -406,6 +436,68 @@ class Tokenizer:
             eog_ids=eog_ids,
             add_bos=add_bos,
             add_eos=add_eos,
+        )
+
+    @classmethod
+    def _from_spm_metadata(cls, metadata: Mapping[str, Any], source: str) -> Tokenizer:
+        """A SentencePiece-style vocabulary (``tokenizer.ggml.model = "llama"``), as transformers builds it
+        (see :mod:`minfer.formats.sentencepiece`). No ``tokenizer.ggml.pre`` applies: there is no
+        pre-tokenizer split, the BPE runs over the text between added tokens."""
+        tokens = _string_list(metadata, "tokenizer.ggml.tokens", source)
+        n_vocab = len(tokens)
+        if n_vocab == 0:
+            raise FormatError(f"{source}: tokenizer.ggml.tokens is empty")
+        token_types = _token_types(metadata, n_vocab, source)
+        scores = _scores(metadata, n_vocab, source)
+        architecture = _get(metadata, "general.architecture", str, source) or ""
+        add_space_prefix = _get(metadata, "tokenizer.ggml.add_space_prefix", bool, source)
+        vocabulary = spm_vocabulary(tokens, architecture, add_space_prefix)
+        if scores is None and not vocabulary.gemma_style:
+            raise FormatError(
+                f"{source}: missing tokenizer.ggml.scores (a SentencePiece vocabulary ranks its merges by them)"
+            )
+        merges = spm_merges(vocabulary.pieces, None if vocabulary.gemma_style else scores)
+        backend = spm_backend(vocabulary, merges)
+
+        bos_id = _get_id(metadata, "tokenizer.ggml.bos_token_id", n_vocab, source)
+        eos_id = _get_id(metadata, "tokenizer.ggml.eos_token_id", n_vocab, source)
+        unk_id = _get_id(metadata, "tokenizer.ggml.unknown_token_id", n_vocab, source)
+        pad_id = _get_id(metadata, "tokenizer.ggml.padding_token_id", n_vocab, source)
+        # As for byte-level vocabularies: control tokens are special and stay whole in text; user-defined
+        # ones are matched whole but are text (transformers checks the file's spelling against the renamed
+        # vocabulary, so Gemma's runs of real spaces are left to the merges); then the named tokens.
+        pieces = set(vocabulary.pieces)
+        special = [
+            AddedToken(token, normalized=False, special=True)
+            for token, kind in zip(tokens, token_types, strict=False)
+            if kind == _CONTROL
+        ]
+        user_defined = [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind in zip(tokens, token_types, strict=False)
+            if kind == _USER_DEFINED and token in pieces
+        ]
+        named = {tokens[i] for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
+        named -= {t.content for t in special} | {t.content for t in user_defined}
+        special += [AddedToken(text, normalized=False, special=True) for text in sorted(named)]
+        backend.add_special_tokens(special)
+        if user_defined:
+            backend.add_tokens(user_defined)
+
+        # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary that does not say otherwise
+        add_bos, add_eos = _add_bos_eos(metadata, True, bos_id, eos_id, source)
+        return cls(
+            backend,
+            tokens,
+            model="llama",
+            pre=_get(metadata, "tokenizer.ggml.pre", str, source) or "default",
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eog_ids=_eog_ids(metadata, tokens, eos_id, source),
+            add_bos=add_bos,
+            add_eos=add_eos,
+            piece_bytes=spm_piece_bytes,
+            strip_first_space=vocabulary.add_space_prefix,
         )
 
     # --- encoding ----------------------------------------------------------------------------------
@@ -458,7 +550,7 @@ class Tokenizer:
         cached = self._bytes_cache.get(id)
         if cached is None:
             text = self._hf.id_to_token(self._check_id(id))
-            cached = _token_bytes(text if text is not None else "")
+            cached = self._piece_bytes(text if text is not None else "")
             self._bytes_cache[id] = cached
         return cached
 
@@ -494,9 +586,13 @@ class Tokenizer:
 class IncrementalDecoder:
     """Turns a stream of token ids into text, one piece per id.
 
-    Byte-level tokens can end in the middle of a UTF-8 character (an emoji is often two or three
-    tokens); such bytes are held back until the character is complete, so every returned piece is
-    final. Concatenating all pieces and :meth:`flush` gives exactly ``Tokenizer.decode(ids)``.
+    Byte-level tokens (and SentencePiece byte-fallback tokens ``<0xNN>``) can end in the middle of a
+    UTF-8 character (an emoji is often two or three tokens); such bytes are held back until the
+    character is complete, so every returned piece is final. Concatenating all pieces and
+    :meth:`flush` gives exactly ``Tokenizer.decode(ids)``, with one exception: a run of SentencePiece
+    byte tokens that is not valid UTF-8, which ``decode`` (the ``tokenizers`` ``ByteFallback`` decoder)
+    turns into one U+FFFD per byte of the whole run, while the stream, which has already released the
+    valid characters of the run, marks only the invalid bytes (Python's "replace" rule).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
@@ -506,17 +602,24 @@ class IncrementalDecoder:
         # Replaces invalid bytes by U+FFFD with the same "maximal subpart" rule as Rust's
         # from_utf8_lossy, which the tokenizers decoder uses, so the stream and decode() agree.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._strip_space = tokenizer.strip_first_space  # until the first character is out
 
     def push(self, id: int) -> str:
         """Add one token; return the text it completes (possibly ``""``)."""
         if self._skip_special and self._tokenizer.is_special(id):
             return ""
-        return self._utf8.decode(self._tokenizer.token_bytes(id))
+        text = self._utf8.decode(self._tokenizer.token_bytes(id))
+        if self._strip_space and text:
+            self._strip_space = False
+            if text[0] == " ":
+                text = text[1:]
+        return text
 
     def flush(self) -> str:
         """End the stream: return what is held back, an incomplete character becoming U+FFFD."""
         text = self._utf8.decode(b"", final=True)
         self._utf8.reset()
+        self._strip_space = self._tokenizer.strip_first_space
         return text
 
 

@@ -106,6 +106,12 @@ class GraphBuilder:
     def silu(self, x: Node, name: str = "", layer=None) -> Node:
         return self._emit(Op.SILU, (x,), x.shape, name=name, layer=layer)
 
+    def gelu(self, x: Node, name: str = "", layer=None) -> Node:
+        return self._emit(Op.GELU, (x,), x.shape, name=name, layer=layer)
+
+    def scale(self, x: Node, factor: float, name: str = "", layer=None) -> Node:
+        return self._emit(Op.SCALE, (x,), x.shape, meta=float(factor), name=name, layer=layer)
+
     def build(self, output: Node) -> Graph:
         return Graph(self.nodes, self.inputs, output)
 

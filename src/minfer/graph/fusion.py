@@ -2,6 +2,7 @@
 
 * ``rms_norm`` followed by a ``mul`` with a weight (the norm gain) -> ``rms_norm_mul``
 * ``silu(gate)`` followed by a ``mul`` with ``up`` -> ``swiglu``
+* ``gelu(gate)`` followed by a ``mul`` with ``up`` -> ``geglu``
 
 A pair is fused only when the first node has no other consumer, so no intermediate anyone reads is lost.
 The rewritten graph keeps build order (the fused node takes the second node's place).
@@ -38,6 +39,8 @@ def fuse(graph: Graph, quantized_input: Callable[[Any], bool] | None = None) -> 
                 fused = replace(node, op=Op.RMS_NORM_MUL, inputs=(inputs[0].inputs[0], inputs[1]), meta=a.meta)
             elif a.op is Op.SILU and sole_consumer(a) and w.op is not Op.WEIGHT:
                 fused = replace(node, op=Op.SWIGLU, inputs=(inputs[0].inputs[0], inputs[1]))
+            elif a.op is Op.GELU and sole_consumer(a) and w.op is not Op.WEIGHT:
+                fused = replace(node, op=Op.GEGLU, inputs=(inputs[0].inputs[0], inputs[1]))
             if fused is not None:
                 dropped.add(a.id)
         new = fused or (replace(node, inputs=inputs) if inputs != node.inputs else node)

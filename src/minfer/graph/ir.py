@@ -24,12 +24,15 @@ class Op(StrEnum):
     ROPE = "rope"  # rotary position embedding, in place on q or k
     KV_STORE = "kv_store"  # write this call's K/V rows into the layer's regions at the given cache rows
     KV_LOAD = "kv_load"  # a view of the layer's K/V regions (no data moves)
-    ATTN = "attn"  # causal GQA attention: token t reads its sequence's rows for positions 0..pos[t]
+    ATTN = "attn"  # causal GQA attention: token t reads its sequence's rows for positions 0..pos[t] (or a window)
     SILU = "silu"  # x * sigmoid(x)
     # fused ops, produced only by the fusion pass
     RMS_NORM_MUL = "rms_norm_mul"  # rms_norm followed by the gain multiply
     SWIGLU = "swiglu"  # silu(gate) * up
     QUANTIZE = "quantize"  # activations to 8-bit blocks, shared by the matmuls that read the same input
+    SCALE = "scale"  # x * a constant (meta: the float), Gemma's embedding scale
+    GELU = "gelu"  # tanh-approximated GELU
+    GEGLU = "geglu"  # fused: gelu(gate) * up
 
 
 class RopeStyle(StrEnum):
@@ -68,6 +71,7 @@ class AttnMeta:
     head_dim_k: int
     head_dim_v: int
     scale: float
+    window: int = 0  # sliding-window layers: token at position p reads positions p - window + 1 .. p; 0 = all
 
 
 @dataclass(eq=False)

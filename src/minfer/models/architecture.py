@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from minfer.formats.gguf_file import GGUFFile
 from minfer.graph.ir import RopeStyle
 from minfer.models.hparams import HParams
 
@@ -16,6 +18,11 @@ class Architecture:
     rope_style: RopeStyle
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    post_norms: bool = False  # RMSNorm of the attention output and of the FFN output before each residual add
+    ffn_act: str = "silu"  # gate activation of the FFN: "silu" (SwiGLU) or "gelu" (tanh GELU, GEGLU: Gemma)
+    # what the architecture reads from GGUF metadata beyond the common hyperparameters (Gemma 3: the
+    # sliding-window layout, its RoPE, the embedding scale), applied after hparams_from_gguf
+    gguf_hparams: Callable[[GGUFFile, HParams], HParams] | None = None
 
     def layer_tensor_shapes(self, hp: HParams, il: int) -> dict[str, tuple[int, ...]]:
         """The tensors layer ``il`` must have, with their shapes in numpy order ([out, in] for matrices)."""
@@ -38,6 +45,9 @@ class Architecture:
         if self.qk_norm:
             shapes[p + "attn_q_norm.weight"] = (hp.head_dim_k,)
             shapes[p + "attn_k_norm.weight"] = (hp.head_dim_k,)
+        if self.post_norms:
+            shapes[p + "post_attention_norm.weight"] = (hp.n_embd,)
+            shapes[p + "post_ffw_norm.weight"] = (hp.n_embd,)
         return shapes
 
     def global_tensor_shapes(self, hp: HParams) -> dict[str, tuple[int, ...]]:

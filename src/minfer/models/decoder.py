@@ -1,9 +1,13 @@
-"""The pre-norm decoder layer recipe shared by llama, qwen2 and qwen3, emitted as a compute graph.
+"""The pre-norm decoder layer recipe shared by llama, qwen2, qwen3 and gemma3, emitted as a compute graph.
 
-    x = embed(tokens)
+    x = embed(tokens)                                          (gemma3: * sqrt(n_embd))
     per layer:  h = x + W_o · attn(rope(norm_qk(W_q·n(x))), rope(norm_qk(W_k·n(x))), W_v·n(x))
                 x = h + W_down · (silu(W_gate·n(h)) * W_up·n(h))
     logits = W_out · n(x[output rows])
+
+Gemma 3 (``arch.post_norms``, ``arch.ffn_act == "gelu"``) normalizes the attention output and the FFN
+output before each residual add and gates with GELU; its sliding-window layers attend to the last
+``hp.sliding_window`` positions with their own RoPE base (``hp.layer_window(il)``, ``hp.layer_rope(il)``).
 
 Positions are an input, and so are the KV cache rows the tokens' K/V land in: the same graph serves
 prefill, decode, continuation and several sequences in one batch. Only the rows named by
@@ -42,6 +46,8 @@ def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, 
         return y
 
     x = b.get_rows(w("token_embd.weight"), tokens, name="embd")
+    if hp.embd_scale != 1.0:
+        x = b.scale(x, hp.embd_scale, name="embd.scale")
     for il in range(hp.n_layer):
         p = f"blk.{il}."
         h = norm(x, p + "attn_norm.weight", p + "attn_norm", il)
@@ -51,30 +57,41 @@ def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, 
         if arch.qk_norm:
             q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=hp.head_dim_k)
             k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=hp.head_dim_k)
+        freq_base, freq_scale = hp.layer_rope(il)
         rope = dict(
             head_dim=hp.head_dim_k,
             n_rot=hp.n_rot,
-            freq_base=hp.rope_freq_base,
-            freq_scale=hp.rope_freq_scale,
+            freq_base=freq_base,
+            freq_scale=freq_scale,
             style=arch.rope_style,
         )
         q = b.rope(q, positions, RopeMeta(n_head=hp.n_head, **rope), name=p + "q_rope", layer=il)
         k = b.rope(k, positions, RopeMeta(n_head=hp.n_head_kv, **rope), name=p + "k_rope", layer=il)
         store = b.kv_store(k, v, rows, KVMeta(il, hp.k_width, hp.v_width), n_ctx, name=p + "kv_store")
         kv = b.kv_load(store, name=p + "kv_load")
-        attn_meta = AttnMeta(il, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.attn_scale)
+        attn_meta = AttnMeta(
+            il, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.attn_scale, hp.layer_window(il)
+        )
         a = b.attn(q, kv, positions, rows, attn_meta, name=p + "attn")
         o = b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il)
         if out_rows is not None and il == hp.n_layer - 1:
             # from here on only the rows whose logits are wanted matter
             o = b.get_rows(o, out_rows, name=p + "attn_out.rows")
             x = b.get_rows(x, out_rows, name=p + "residual.rows")
+        if arch.post_norms:
+            o = norm(o, p + "post_attention_norm.weight", p + "post_attn_norm", il)
         x = b.add(x, o, name=p + "attn_residual", layer=il)
         h = norm(x, p + "ffn_norm.weight", p + "ffn_norm", il)
         gate = b.matmul(h, w(p + "ffn_gate.weight"), name=p + "ffn_gate", layer=il)
         up = b.matmul(h, w(p + "ffn_up.weight"), name=p + "ffn_up", layer=il)
-        act = b.mul(b.silu(gate, name=p + "ffn_silu", layer=il), up, name=p + "ffn_act", layer=il)
+        if arch.ffn_act == "gelu":
+            gated = b.gelu(gate, name=p + "ffn_gelu", layer=il)
+        else:
+            gated = b.silu(gate, name=p + "ffn_silu", layer=il)
+        act = b.mul(gated, up, name=p + "ffn_act", layer=il)
         down = b.matmul(act, w(p + "ffn_down.weight"), name=p + "ffn_down", layer=il)
+        if arch.post_norms:
+            down = norm(down, p + "post_ffw_norm.weight", p + "post_ffw_norm", il)
         x = b.add(x, down, name=p + "ffn_residual", layer=il)
     x = norm(x, "output_norm.weight", "output_norm", None)
     logits = b.matmul(x, w(model.output_tensor_name), name="output")

@@ -26,6 +26,27 @@ class HParams:
     rope_freq_scale: float
     rms_eps: float
     attn_scale: float
+    # Sliding-window attention (Gemma 3): layer il with swa_layers[il] attends to the last `sliding_window`
+    # positions only (key j visible to query i iff i - j < sliding_window) and has its own RoPE.
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    rope_freq_base_swa: float = 10000.0
+    rope_freq_scale_swa: float = 1.0
+    embd_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(n_embd), in float32)
+
+    def is_swa(self, il: int) -> bool:
+        """Whether layer ``il`` is a sliding-window layer."""
+        return self.sliding_window > 0 and il < len(self.swa_layers) and self.swa_layers[il]
+
+    def layer_window(self, il: int) -> int:
+        """The attention window of layer ``il`` in positions, 0 for full causal attention."""
+        return self.sliding_window if self.is_swa(il) else 0
+
+    def layer_rope(self, il: int) -> tuple[float, float]:
+        """RoPE ``(freq_base, freq_scale)`` of layer ``il`` (sliding-window layers have their own)."""
+        if self.is_swa(il):
+            return self.rope_freq_base_swa, self.rope_freq_scale_swa
+        return self.rope_freq_base, self.rope_freq_scale
 
     @property
     def n_group(self) -> int:

@@ -39,7 +39,10 @@ class TransformerModel:
             raise ModelError(
                 f"{f.path}: {arch.name}.vocab_size is {declared} but token_embd.weight has {n_vocab} rows"
             )
-        return cls(f, arch, hparams_from_gguf(f, n_vocab))
+        hparams = hparams_from_gguf(f, n_vocab)
+        if arch.gguf_hparams is not None:
+            hparams = arch.gguf_hparams(f, hparams)
+        return cls(f, arch, hparams)
 
     def has_tensor(self, name: str) -> bool:
         return name in self.gguf.tensors

@@ -97,11 +97,15 @@ class ForwardRunner:
     def shift_context(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Drop ``n_discard`` positions of ``seq`` after the first ``n_keep``; later K rows are re-rotated."""
         hp, arch = self.model.hparams, self.model.arch
-        meta = RopeMeta(hp.n_head_kv, hp.head_dim_k, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, arch.rope_style)
+        metas = [
+            RopeMeta(hp.n_head_kv, hp.head_dim_k, hp.n_rot, *hp.layer_rope(il), arch.rope_style)
+            for il in range(hp.n_layer)
+        ]
 
-        def rotate(k: np.ndarray, delta: int) -> None:
+        def rotate(k: np.ndarray, delta: int, layer: int) -> None:
             # RoPE is a rotation by position x frequency, so rotating a row stored at p by -d puts it at p - d
-            rope(k, np.full(k.shape[0], delta), meta, k)
+            # (with the layer's own frequencies: Gemma's sliding-window layers have another base)
+            rope(k, np.full(k.shape[0], delta), metas[layer], k)
 
         self.kv.shift(seq, n_keep, n_discard, rotate)
 

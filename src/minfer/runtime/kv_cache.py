@@ -180,17 +180,22 @@ class KVCache:
         for seq in range(self.n_seq):
             self.remove(seq)
 
-    def shift(self, seq: int, n_keep: int, n_discard: int, rotate_k: Callable[[np.ndarray, int], None]) -> None:
+    def shift(
+        self, seq: int, n_keep: int, n_discard: int, rotate_k: Callable[[np.ndarray, int, int], None]
+    ) -> None:
         """Context shift: drop positions ``n_keep .. n_keep+n_discard-1`` of ``seq`` and move the rest down by
-        ``n_discard``, K rows re-rotated to their new positions (``rotate_k(rows, -n_discard)`` in place)."""
+        ``n_discard``, K rows re-rotated to their new positions (``rotate_k(rows, -n_discard, layer)`` in
+        place)."""
         n = len(self._tokens[seq])
         if not (0 <= n_keep and 0 < n_discard and n_keep + n_discard <= n):
             raise BadRequestError(f"cannot drop {n_discard} positions after {n_keep} of a sequence of {n}")
         base = seq * self.capacity
         moved = n - n_keep - n_discard
         if moved:
-            for layer in self.layers:
-                layer.move(base + n_keep + n_discard, base + n_keep, moved, lambda k: rotate_k(k, -n_discard))
+            for il, layer in enumerate(self.layers):
+                layer.move(
+                    base + n_keep + n_discard, base + n_keep, moved, lambda k, il=il: rotate_k(k, -n_discard, il)
+                )
         held = self._tokens[seq]
         del held[n_keep : n_keep + n_discard]
 

@@ -91,6 +91,9 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     ),
     Op.SILU: lambda node, out, x: ref.silu(x, out),
     Op.SWIGLU: lambda node, out, gate, up: ref.swiglu(gate, up, out),
+    Op.SCALE: lambda node, out, x: ref.scale(x, node.meta, out),
+    Op.GELU: lambda node, out, x: ref.gelu(x, out),
+    Op.GEGLU: lambda node, out, gate, up: ref.geglu(gate, up, out),
 }
 
 
@@ -201,6 +204,13 @@ class CPUBackend:
             return lambda node, out, x: vk.silu(x, out)
         if op is Op.SWIGLU:
             return lambda node, out, gate, up: vk.swiglu(gate, up, out)
+        if op is Op.GELU:
+            return lambda node, out, x: vk.gelu(x, out)
+        if op is Op.GEGLU:
+            return lambda node, out, gate, up: vk.geglu(gate, up, out)
+        if op is Op.SCALE:
+            factor = float(meta)
+            return lambda node, out, x: vk.scale(x, factor, out)
         if op is Op.ROPE:
             key = (meta.head_dim, meta.n_rot, float(meta.freq_base), float(meta.freq_scale))
             table = self._rope_tables.get(key)
@@ -222,7 +232,9 @@ class CPUBackend:
             m = meta
 
             def attend(q, k, v, positions, out) -> None:
-                vk.attention(q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out)
+                vk.attention(
+                    q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out, m.window
+                )
 
             return lambda node, out, q, kv, positions, rows: attend_by_sequence(q, kv, positions, rows, out, attend)
         return REFERENCE_KERNELS[op]

@@ -48,6 +48,27 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     np.multiply(out, up, out=out)
 
 
+# GELU, tanh approximation (transformers' gelu_pytorch_tanh), in torch's float32 steps
+GELU_BETA = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+GELU_KAPPA = np.float32(0.044715)
+
+
+def gelu(x: np.ndarray, out: np.ndarray) -> None:
+    """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    u = GELU_BETA * (x + GELU_KAPPA * (x * x * x))
+    np.multiply(np.float32(0.5) * x, np.float32(1.0) + np.tanh(u), out=out)
+
+
+def geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    gelu(gate, out)
+    np.multiply(out, up, out=out)
+
+
+def scale(x: np.ndarray, s: float, out: np.ndarray) -> None:
+    """``x * s``, ``s`` as float32 (Gemma's embedding scale sqrt(n_embd), a float32 multiply as in llama.cpp)."""
+    np.multiply(x, np.float32(s), out=out)
+
+
 def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
     rms_norm(x, eps, width, out)
     mul(out, gain, out)
@@ -154,17 +175,25 @@ def attention(
     meta: AttnMeta,
     out: np.ndarray,
 ) -> None:
-    """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group."""
+    """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group.
+    In a sliding-window layer (``meta.window`` W > 0) only rows ``pos[t] - W + 1 .. pos[t]``: key j is
+    visible to query i iff i - j < W, itself included."""
     if meta.head_dim_k < 1 or meta.n_head % meta.n_head_kv:
         raise ValueError(f"bad head geometry {meta}")
     nt = q.shape[0]
     nkv = int(positions.max()) + 1
+    # rows before every token's sliding window are never read (they may hold anything)
+    lo = max(0, int(positions.min()) - meta.window + 1) if meta.window > 0 else 0
+    n = nkv - lo
     group = meta.n_head // meta.n_head_kv
     qh = q.reshape(nt, meta.n_head_kv, group, meta.head_dim_k).transpose(1, 2, 0, 3)  # [hk, g, t, d]
-    kh = k_region[:nkv].reshape(nkv, meta.n_head_kv, meta.head_dim_k).transpose(1, 2, 0)  # [hk, d, s]
-    vh = v_region[:nkv].reshape(nkv, meta.n_head_kv, meta.head_dim_v).transpose(1, 0, 2)  # [hk, s, dv]
+    kh = k_region[lo:nkv].reshape(n, meta.n_head_kv, meta.head_dim_k).transpose(1, 2, 0)  # [hk, d, s]
+    vh = v_region[lo:nkv].reshape(n, meta.n_head_kv, meta.head_dim_v).transpose(1, 0, 2)  # [hk, s, dv]
     scores = np.matmul(qh, kh[:, None]) * np.float32(meta.scale)  # [hk, g, t, s]
-    masked = np.arange(nkv)[None, :] > positions[:, None]  # [t, s]: the window is the mask
+    rows = np.arange(lo, nkv)[None, :]
+    masked = rows > positions[:, None]  # [t, s]: the window is the mask
+    if meta.window > 0:
+        masked |= positions[:, None] - rows >= meta.window
     scores[:, :, masked] = -np.inf
     weights = softmax_rows(scores)
     o = np.matmul(weights, vh[:, None])  # [hk, g, t, dv]

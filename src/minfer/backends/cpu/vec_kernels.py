@@ -1,4 +1,5 @@
-"""Fast numba versions of the vector ops: RMSNorm (+ gain), add, mul, SiLU/SwiGLU, RoPE, KV store, attention.
+"""Fast numba versions of the vector ops: RMSNorm (+ gain), add, mul, scale, SiLU/SwiGLU, GELU/GEGLU, RoPE, KV
+store, attention.
 
 Each function here computes what its namesake in ``reference.py`` computes, on the same arrays (2-D float32
 ``[tokens, width]`` activations, 1-D int32 positions, float32 K/V regions ``[n_ctx, n_kv_head * head_dim]``),
@@ -21,11 +22,15 @@ Numerics (what ``tests/test_vec_kernels.py`` holds)
     * add / mul: bit-identical (one float32 operation per element).
     * exp (SiLU, softmax): float32 Cody-Waite reduction + degree-6 polynomial, within 1 ulp of the
       correctly rounded value (numpy's float32 exp is within 2 ulp of it); SiLU/SwiGLU agree with the
-      reference within a few ulp.
+      reference within a few ulp. GELU (tanh form) uses the same exp, ``x / (1 + exp(-2u))`` for the
+      reference's ``0.5 x (1 + tanh(u))``; they agree within a few ulp (absolutely ~1e-7 |x| where
+      1 + tanh(u) cancels, for x below about -3).
+    * scale: one float32 multiply per element, bit-identical.
     * attention: float32 dot products, scores ``* f32(scale)``, row max subtracted, float32 exp, float64
       sum, weights ``e * f32(1/sum)``, float32 weighted sum of V rows in key order. Rows beyond a token's
-      window ``pos[t] + 1`` are never read: whatever sits there (NaN, garbage) cannot leak, and their
-      weights are exactly 0 as in the reference.
+      window ``pos[t] + 1`` are never read (nor, in a sliding-window layer of width W, rows before
+      ``pos[t] - W + 1``): whatever sits there (NaN, garbage) cannot leak, and their weights are exactly
+      0 as in the reference.
 
 Determinism
     Every output element is computed by one fixed sequence of float operations, never by a reduction
@@ -549,6 +554,89 @@ def silu(x: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"silu: shapes x {x.shape}, out {out.shape} must be equal")
 
 
+# GELU (tanh approximation, Gemma's ``gelu_pytorch_tanh``) and GEGLU = gelu(gate) * up.
+# 0.5 x (1 + tanh(u)) is computed as x / (1 + exp(-2u)) (the same function: 1 + tanh(u) = 2 / (1 + e^-2u)),
+# with the float32 exp above; u = sqrt(2/pi) * (x + 0.044715 x^3) in the reference's float32 steps.
+_GELU_BETA = F32(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_KAPPA = F32(0.044715)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _gelu32(x):
+    u = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
+    return x / (F32(1.0) + _exp32(F32(-2.0) * u))
+
+
+@njit(cache=True, error_model="numpy")
+def _geglu_row(gate, up, has_up, r, where, out):
+    """``gelu(gate) * up`` for row r; ``where`` as in ``_swiglu_row`` (0 own array, 1 gate, 2 up)."""
+    n = gate.shape[1]
+    if not has_up:
+        if where == 1:
+            for i in range(n):
+                gate[r, i] = _gelu32(gate[r, i])
+        else:
+            for i in range(n):
+                out[r, i] = _gelu32(gate[r, i])
+    elif where == 1:
+        for i in range(n):
+            gate[r, i] = _gelu32(gate[r, i]) * up[r, i]
+    elif where == 2:
+        for i in range(n):
+            up[r, i] = _gelu32(gate[r, i]) * up[r, i]
+    else:
+        for i in range(n):
+            out[r, i] = _gelu32(gate[r, i]) * up[r, i]
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _geglu_kernel(gate, up, has_up, out):
+    """Returns -1 when done, -2 when the shapes do not fit (nothing written then)."""
+    rows, cols = gate.shape
+    if out.shape[0] != rows or out.shape[1] != cols or up.shape[0] != rows or up.shape[1] != cols:
+        return -2
+    where = 1 if out.ctypes.data == gate.ctypes.data else (2 if has_up and out.ctypes.data == up.ctypes.data else 0)
+    for r in range(rows):
+        _geglu_row(gate, up, has_up, r, where, out)
+    return -1
+
+
+def geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """``out = gelu(gate) * up`` (tanh GELU); ``out`` may be ``gate`` or ``up``."""
+    if _geglu_kernel(gate, up, True, out) != -1:
+        raise ValueError(f"geglu: shapes gate {gate.shape}, up {up.shape}, out {out.shape} must be equal")
+
+
+def gelu(x: np.ndarray, out: np.ndarray) -> None:
+    """``out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``; ``out`` may be ``x``."""
+    if _geglu_kernel(x, x, False, out) != -1:
+        raise ValueError(f"gelu: shapes x {x.shape}, out {out.shape} must be equal")
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _scale_kernel(x, s, out):
+    """``out = x * f32(s)``; -1 when done, -2 when the shapes differ."""
+    rows, cols = x.shape
+    if out.shape[0] != rows or out.shape[1] != cols:
+        return -2
+    s32 = F32(s)
+    if out.ctypes.data == x.ctypes.data:  # own loop: an overlap check would keep LLVM scalar
+        for r in range(rows):
+            for i in range(cols):
+                x[r, i] = x[r, i] * s32
+    else:
+        for r in range(rows):
+            for i in range(cols):
+                out[r, i] = x[r, i] * s32
+    return -1
+
+
+def scale(x: np.ndarray, s: float, out: np.ndarray) -> None:
+    """``out = x * s`` with ``s`` rounded to float32 (one float32 multiply per element); ``out`` may be ``x``."""
+    if _scale_kernel(x, s, out) != -1:
+        raise ValueError(f"scale: shapes x {x.shape}, out {out.shape} must be equal")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # RoPE
 
@@ -782,15 +870,16 @@ def _attn_scores(q, t, qo, kr, ko, j0, j1, hdk, scale32, sc, row):
 
 
 @njit(cache=True, error_model="numpy")
-def _attn_softmax(sc, row, n):
-    """Scores -> weights in place: the reference's row max, float32 exp, float64 sum, ``e * f32(1/sum)``."""
-    m = sc[row, 0]
-    for j in range(1, n):
+def _attn_softmax(sc, row, lo, n):
+    """Scores ``sc[row, lo:n]`` -> weights in place: the reference's row max, float32 exp, float64 sum,
+    ``e * f32(1/sum)``."""
+    m = sc[row, lo]
+    for j in range(lo + 1, n):
         m = sc[row, j] if sc[row, j] > m else m
-    for j in range(n):
+    for j in range(lo, n):
         sc[row, j] = _exp32(sc[row, j] - m)
     s0 = s1 = s2 = s3 = 0.0  # float64 sum in 4 lanes
-    j = 0
+    j = lo
     while j + 4 <= n:
         s0 += np.float64(sc[row, j])
         s1 += np.float64(sc[row, j + 1])
@@ -802,7 +891,7 @@ def _attn_softmax(sc, row, n):
         tot += np.float64(sc[row, j])
         j += 1
     inv = F32(1.0 / tot)
-    for j in range(n):
+    for j in range(lo, n):
         sc[row, j] = sc[row, j] * inv
 
 
@@ -856,48 +945,66 @@ def _attn_pv(sc, row, vr, vo, j0, j1, hdv, out, t, oo):
         d += 1
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _window_start(p, window):
+    """First row a token at position p reads: 0, or p - window + 1 in a sliding-window layer."""
+    if window > 0 and p + 1 > window:
+        return p + 1 - window
+    return 0
+
+
 @njit(cache=True, error_model="numpy")
-def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, out):
+def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
     """Query heads h0..h1-1 (all reading kv head g) for tokens t0..t1-1: what one worker owns.
 
     Keys are taken in blocks of ``ATTN_KEY_BLOCK`` rows; each block of K (then of V) is used by every
     (token, head) pair of the unit while it sits in L1, instead of being streamed from L2/L3 once per
     query head and token. Every (token, head) result is the same float operations whatever the unit's
     shape, so the split into units (which follows the thread count) never changes a bit.
+
+    ``window`` > 0 (sliding-window layers): token t reads only rows ``pos[t] - window + 1 .. pos[t]``;
+    rows before are never read, as rows after ``pos[t]`` are not. Key blocks and chunks stay aligned to
+    absolute rows, so a token's result is the same whichever other tokens share its unit.
     """
     nh = h1 - h0
     ko = g * hdk
     vo = g * hdv
     kend = 0
+    kbeg = max_len
     for t in range(t0, t1):
         kend = max(kend, pos[t] + 1)  # the window is the mask: rows beyond pos[t] are never read
+        kbeg = min(kbeg, _window_start(pos[t], window))
+    kbeg -= kbeg % ATTN_KEY_BLOCK
     sc = np.empty(((t1 - t0) * nh, max_len), F32)
-    for k0 in range(0, kend, ATTN_KEY_BLOCK):
+    for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
         for t in range(t0, t1):
+            j0 = max(k0, _window_start(pos[t], window))
             j1 = min(k1, pos[t] + 1)
             for h in range(h0, h1):
-                _attn_scores(q, t, h * hdk, kr, ko, k0, j1, hdk, scale32, sc, (t - t0) * nh + h - h0)
+                _attn_scores(q, t, h * hdk, kr, ko, j0, j1, hdk, scale32, sc, (t - t0) * nh + h - h0)
     for t in range(t0, t1):
         for h in range(h0, h1):
-            _attn_softmax(sc, (t - t0) * nh + h - h0, pos[t] + 1)
+            _attn_softmax(sc, (t - t0) * nh + h - h0, _window_start(pos[t], window), pos[t] + 1)
             for d in range(h * hdv, (h + 1) * hdv):
                 out[t, d] = F32(0.0)
     part = np.empty(((t1 - t0) * nh, hdv), F32)  # this chunk's sum of w_j v_j, per (token, head)
-    for k0 in range(0, kend, ATTN_KEY_BLOCK):
+    for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
         for t in range(t0, t1):
             n = pos[t] + 1
-            if k0 >= n:
+            lo = _window_start(pos[t], window)
+            if k0 >= n or k1 <= lo:
                 continue
+            j0 = max(k0, lo)
             j1 = min(k1, n)
             flush = (k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == n  # chunk or window ends here
             for h in range(h0, h1):
                 row = (t - t0) * nh + h - h0
-                if k0 % ATTN_KEY_CHUNK == 0:
+                if k0 % ATTN_KEY_CHUNK == 0 or k0 <= lo:  # a chunk starts, or the token's first block
                     for d in range(hdv):
                         part[row, d] = F32(0.0)
-                _attn_pv(sc, row, vr, vo, k0, j1, hdv, part, row, 0)
+                _attn_pv(sc, row, vr, vo, j0, j1, hdv, part, row, 0)
                 if flush:
                     for d in range(hdv):
                         out[t, h * hdv + d] += part[row, d]
@@ -905,7 +1012,8 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, ou
 
 @njit(cache=True, error_model="numpy")
 def _attn_task(
-    phase, u, n_blocks, n_sub, per_sub, n_chunks, group, q, kr, vr, pos, hdk, hdv, scale32, max_len, sc, part, out
+    phase, u, n_blocks, n_sub, per_sub, n_chunks, group, q, kr, vr, pos, hdk, hdv, scale32, max_len, window, sc,
+    part, out
 ):
     """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
     Phases 1-3 split one token's keys (see ``attention``): 1 scores of (kv head, key chunk), 2 softmax of
@@ -922,9 +1030,10 @@ def _attn_task(
         h0 = g * group + s * per_sub
         h1 = min(g * group + group, h0 + per_sub)
         t0 = b * ATTN_TOKEN_BLOCK
-        _attn_unit(q, kr, vr, pos, g, h0, h1, t0, min(nt, t0 + ATTN_TOKEN_BLOCK), hdk, hdv, scale32, max_len, out)
+        t1 = min(nt, t0 + ATTN_TOKEN_BLOCK)
+        _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
     elif phase == 2:
-        _attn_softmax(sc, u, max_len)
+        _attn_softmax(sc, u, 0, max_len)
     else:
         g = u // n_chunks
         c = u % n_chunks
@@ -944,17 +1053,21 @@ def _attn_task(
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _attn_kernel(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, out):
+def _attn_kernel(
+    q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, window, out
+):
     """Returns -1 when done, -2 on a geometry mismatch, -3 when rows are not contiguous, -4 when out is q,
     else the first token whose position is outside the regions (nothing is written then).
 
     ``phase`` 0 computes everything; 1, 2, 3 are the steps of a decode split by keys, which the caller
     runs in order with the scratch ``sc [n_head, window]`` and ``part [n_head * n_chunks, head_dim_v]``
-    (phase 0 ignores them)."""
+    (phase 0 ignores them; they read every row 0..pos, so a caller splits only a token whose sliding
+    ``window`` covers them all)."""
     nt = q.shape[0]
     n_ctx = k_region.shape[0]
     if (
         n_head_kv < 1
+        or window < 0
         or n_head % n_head_kv
         or hdk < 1
         or hdv < 1
@@ -1018,6 +1131,7 @@ def _attn_kernel(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, 
             hdv,
             scale32,
             max_len,
+            window,
             sc,
             part,
             out,
@@ -1062,6 +1176,7 @@ def _attention_split_by_keys(
             phase,
             sc,
             part,
+            0,
             out,
         )
         if code != -1:
@@ -1080,8 +1195,10 @@ def attention(
     head_dim_v: int,
     scale: float,
     out: np.ndarray,
+    window: int = 0,
 ) -> None:
     """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group.
+    With ``window`` > 0 (a sliding-window layer) only the rows ``pos[t] - window + 1 .. pos[t]``.
 
     ``out`` ``[tokens, n_head * head_dim_v]`` must not overlap ``q``. Runs on numba's threads (``numba.
     set_num_threads``); the result does not depend on their number.
@@ -1092,7 +1209,7 @@ def attention(
     """
     n_threads = get_num_threads()
     code = -5
-    if q.shape[0] == 1 and n_threads > 1:
+    if q.shape[0] == 1 and n_threads > 1 and (window == 0 or int(positions[0]) < window):
         code = _attention_split_by_keys(
             q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
         )
@@ -1111,6 +1228,7 @@ def attention(
             0,
             _NO_SCRATCH,
             _NO_SCRATCH,
+            window,
             out,
         )
     if code == -1:
@@ -1151,8 +1269,12 @@ def warmup() -> None:
     mul(x, x[0], out)
     swiglu(x, x, out)
     silu(x, out)
+    geglu(x, x, out)
+    gelu(x, out)
+    scale(x, 2.0, out)
     pos = np.zeros(2, np.int32)
     RopeTable(8, 8, 10000.0, 1.0, n_pos=2).apply(x, pos, 2, True, np.empty_like(x))
     regions = np.zeros((4, 16), F32), np.zeros((4, 16), F32)
     kv_store(x, x, pos, *regions)
     attention(x, *regions, pos, 2, 2, 8, 8, 0.5, np.empty_like(x))
+    attention(x, *regions, pos, 2, 2, 8, 8, 0.5, np.empty_like(x), window=1)
