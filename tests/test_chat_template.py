@@ -176,3 +176,35 @@ def test_sandbox() -> None:
         ChatTemplate("{% set ns = namespace(_x=1) %}").render(messages)
     with pytest.raises(BadRequestError):
         ChatTemplate("{{ messages.__class__.__mro__ }}").render(messages)
+
+
+# --- Gemma 3 --------------------------------------------------------------------------------------------
+def gemma3_metadata() -> dict[str, Any]:
+    return read_metadata(str(FIXTURES / "gemma3" / "model-f32.gguf"))
+
+
+def test_gemma3_template_matches_transformers() -> None:
+    """The gemma3 fixture's GGUF carries Gemma 3's template; chat.json holds transformers' renderings."""
+    metadata = gemma3_metadata()
+    template = ChatTemplate.from_gguf_metadata(metadata, Tokenizer.from_gguf_metadata(metadata))
+    assert template is not None and not template.builtin
+    assert (template.bos_token, template.eos_token) == ("<bos>", "<eos>")
+    ref = json.loads((FIXTURES / "gemma3" / "chat.json").read_text(encoding="utf-8"))
+    for conv in ref["conversations"]:
+        assert template.render(conv["messages"], conv["add_generation_prompt"]) == conv["rendered"]
+    with pytest.raises(BadRequestError, match="Conversation roles must alternate"):
+        template.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_gemma3_file_without_template_gets_the_builtin_one() -> None:
+    # Gemma 3 270M's GGUF has no tokenizer.chat_template: Gemma 3's own is used, the same text the fixture's
+    # file (and google/gemma-3-*-it) carries; other architectures get none
+    metadata = dict(gemma3_metadata())
+    source = metadata.pop("tokenizer.chat_template")
+    tok = Tokenizer.from_gguf_metadata(metadata)
+    template = ChatTemplate.from_gguf_metadata(metadata, tok)
+    assert template is not None and template.builtin and template.source == source
+    rendered = template.render([{"role": "user", "content": "Hi"}])
+    assert rendered == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert "built-in" in repr(template)
+    assert ChatTemplate.from_gguf_metadata({**metadata, "general.architecture": "llama"}, tok) is None

@@ -20,13 +20,14 @@ def test_layer_outputs_match_transformers_hidden_states(arch, tmp_path):
     """The residual stream after each layer (the ffn_residual nodes) and the final norm, dumped, against
     transformers' output_hidden_states for the 33-token sequence: within 1e-4."""
     model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, dump_dir=tmp_path,
-                        dump_filter="embd,blk.*.ffn_residual,output_norm.gain")
+                        dump_filter="embd,embd.scale,blk.*.ffn_residual,output_norm.gain")
     model.logits(fixture_sequences(arch)[2])
     hidden = np.load(fixture_dir(arch) / "hidden_states.npy")  # [layers + 1, tokens, hidden]
     files = {e["name"]: np.load(tmp_path / e["file"]) for e in load_manifest(tmp_path)}
     n_layer = model.hparams.n_layer
-    assert len(files) == n_layer + 2
-    np.testing.assert_allclose(files["embd"], hidden[0], atol=1e-4)
+    scaled = model.hparams.embd_scale != 1.0  # Gemma: layer 0 reads the embeddings times sqrt(n_embd)
+    assert len(files) == n_layer + 2 + scaled
+    np.testing.assert_allclose(files["embd.scale" if scaled else "embd"], hidden[0], atol=1e-4)
     for il in range(n_layer - 1):
         np.testing.assert_allclose(files[f"blk.{il}.ffn_residual"], hidden[il + 1], atol=1e-4)
     np.testing.assert_allclose(files["output_norm.gain"], hidden[n_layer], atol=1e-4)  # after the final norm

