@@ -137,7 +137,7 @@ def test_position_beyond_a_sequence_is_refused_before_writing():
     assert not kv.layers[0].k.any()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # both RoPE layouts
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])  # both RoPE layouts; sliding-window layers
 @pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
 def test_context_shift_keeps_generating(arch, cache_type):
     model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=32, cache_type=cache_type)
@@ -163,3 +163,30 @@ def test_shift_re_rotates_k_rows_to_their_new_positions(arch):
     model.logits(kept)
     np.testing.assert_allclose(k_shifted, model.kv.layers[0].k[:18], atol=1e-5)
     np.testing.assert_array_equal(v_shifted, model.kv.layers[0].v[:18])
+
+
+def test_gemma3_shift_rotates_each_layer_with_its_own_rope():
+    """Gemma 3's sliding-window layers rotate with base 1e4, its global layer (5) with 1e6 and linear
+    scaling x8: a context shift re-rotates every layer's K rows with that layer's own frequencies."""
+    from minfer.backends.cpu.reference import rope
+    from minfer.graph.ir import RopeMeta, RopeStyle
+
+    model = minfer.load(fixture_dir("gemma3") / "model-f32.gguf", n_ctx=64, threads=1)
+    hp = model.hparams
+    raw = np.random.default_rng(5).standard_normal((30, hp.k_width)).astype(np.float32)
+
+    def rotated(il, rows, positions):
+        meta = RopeMeta(hp.n_head_kv, hp.head_dim_k, hp.n_rot, *hp.layer_rope(il), RopeStyle.NEOX)
+        k = raw[rows].copy()
+        rope(k, np.asarray(positions), meta, k)
+        return k
+
+    for il, layer in enumerate(model.kv.layers):
+        layer.k[:30] = rotated(il, slice(0, 30), range(30))
+    model.kv.record(0, np.arange(30), np.arange(30))
+    model.runner.shift_context(0, n_keep=5, n_discard=12)
+    for il, layer in enumerate(model.kv.layers):
+        want = np.concatenate([rotated(il, slice(0, 5), range(5)), rotated(il, slice(17, 30), range(5, 18))])
+        np.testing.assert_allclose(layer.k[:18], want, atol=1e-5, err_msg=f"layer {il}")
+    # the two kinds of layer really rotate differently
+    assert float(np.abs(rotated(0, slice(17, 30), range(5, 18)) - rotated(5, slice(17, 30), range(5, 18))).max()) > 0.1

@@ -90,3 +90,29 @@ def test_smollm2_attention_screenshot(smollm2_path):
     shot = ARTIFACTS / "trace-smollm2.png"
     chromium("--window-size=1400,1000", f"--screenshot={shot}", page.as_uri())
     assert shot.stat().st_size > 10_000
+
+
+def test_gemma3_page_shows_sliding_windows(tmp_path):
+    """Gemma 3's sliding-window layers (window 6 in the fixture) mask keys 6 or more positions back; the
+    view's output per head is still the engine's own attention output, layer by layer kind."""
+    model = minfer.load(fixture_dir("gemma3") / "model-f32.gguf", n_ctx=64)
+    prompt = "The capital of France is Paris. The capital of Japan is Tokyo."
+    data = trace_page_data(model, prompt)
+    n = len(data["tokens"])
+    assert n > 12
+    assert [layer["window"] for layer in data["layers"]] == [6, 6, 6, 6, 6, 0, 6]
+    local, glob = data["layers"][0]["heads"][0], data["layers"][5]["heads"][0]
+    assert local["masked"][n - 1][n - 7] is None and local["masked"][n - 1][n - 6] is not None
+    assert all(x is not None for x in glob["masked"][n - 1])
+    dumps = minfer.load(fixture_dir("gemma3") / "model-f32.gguf", n_ctx=64, dump_dir=tmp_path / "d",
+                        dump_filter="blk.0.attn,blk.5.attn")
+    dumps.logits(model.tokenize(prompt))
+    for entry in json.loads((tmp_path / "d" / "manifest.json").read_text())["entries"]:
+        il = int(entry["name"].split(".")[1])
+        attn = np.load(tmp_path / "d" / entry["file"]).reshape(n, 4, 16)
+        for h in range(4):
+            np.testing.assert_allclose(data["layers"][il]["heads"][h]["output"], attn[:, h], atol=1e-5)
+    page = tmp_path / "gemma3.html"
+    page.write_text(render(data))
+    dom = chromium("--dump-dom", page.as_uri())
+    assert '<div id="errors"></div>' in dom and "sliding window of 6" in dom

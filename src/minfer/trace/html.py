@@ -3,7 +3,8 @@
 The page (no network at view time: data and script are inline) shows the compute graph of one layer,
 per-node output statistics for every layer, the top tokens the logits give at each position, and for a
 chosen layer and head the attention intermediates the learning page works through: the scaled scores
-Q·Kᵀ/√d, the causal window (masked cells are -inf), the softmax weights (each row sums to 1) and the
+Q·Kᵀ/√d, the causal window (masked cells are -inf; a sliding-window layer also masks keys older than its
+window), the softmax weights (each row sums to 1) and the
 weighted-V output, as heatmaps with exact values on hover and token labels on the axes. Query heads that
 share a KV head (GQA) are grouped in the head picker.
 """
@@ -23,13 +24,19 @@ from minfer.graph.scheduler import Step
 from minfer.trace.tracer import array_stats
 
 
-def attention_intermediates(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> dict[str, Any]:
+def attention_intermediates(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0
+) -> dict[str, Any]:
     """One head's attention, every intermediate kept: q ``[t, d]``, k ``[s, d]``, v ``[s, dv]`` (rows at
-    positions 0..), token t sees keys 0..t. Float64, from the float32 inputs the engine used."""
+    positions 0..), token t sees keys 0..t (in a sliding-window layer, ``window`` > 0, only keys
+    t - window + 1..t). Float64, from the float32 inputs the engine used."""
     q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
     scores = q64 @ k64.T * scale
     t, s = scores.shape
-    masked = np.where(np.arange(s)[None, :] > np.arange(t)[:, None], -np.inf, scores)
+    hidden = np.arange(s)[None, :] > np.arange(t)[:, None]
+    if window > 0:
+        hidden |= np.arange(t)[:, None] - np.arange(s)[None, :] >= window
+    masked = np.where(hidden, -np.inf, scores)
     e = np.exp(masked - masked.max(axis=1, keepdims=True))
     weights = e / e.sum(axis=1, keepdims=True)
     return {"scores": scores.tolist(), "masked": [[None if math.isinf(x) else x for x in row] for row in masked],
@@ -78,9 +85,10 @@ def trace_page_data(model: Any, prompt: str, top: int = 5) -> dict[str, Any]:
         k = capture.outputs[p + "k_rope"].reshape(len(ids), hp.n_head_kv, hp.head_dim_k)
         v_name = p + "v.bias" if p + "v.bias" in capture.outputs else p + "v"
         v = capture.outputs[v_name].reshape(len(ids), hp.n_head_kv, hp.head_dim_v)
-        heads = [attention_intermediates(q[:, h], k[:, h // group], v[:, h // group], hp.attn_scale)
+        window = hp.layer_window(il)
+        heads = [attention_intermediates(q[:, h], k[:, h // group], v[:, h // group], hp.attn_scale, window)
                  for h in range(hp.n_head)]
-        layers.append({"heads": heads})
+        layers.append({"heads": heads, "window": window})
     top_tokens = []
     for row in logits:
         best = np.argsort(-row, kind="stable")[:top]
