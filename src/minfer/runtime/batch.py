@@ -170,10 +170,15 @@ class BatchScheduler:
 
     def submit(self, requests: Sequence[BatchRequest]) -> None:
         """Queue requests (all or none): QueueFullError when they do not fit in the waiting queue."""
+        n_vocab = self.runner.model.hparams.n_vocab
         for r in requests:
             n = len(r.prompt_ids)
             if n == 0:
                 raise BadRequestError("the prompt is empty (no tokens to start from)")
+            # checked here: a bad id inside a shared forward pass would fail every sequence in it
+            for i, t in enumerate(r.prompt_ids):
+                if not 0 <= t < n_vocab:
+                    raise BadRequestError(f"token id {t} at index {i} is outside the vocabulary (0..{n_vocab - 1})")
             if n > self.slot_context:
                 raise ContextOverflowError(
                     f"the prompt has {n} tokens, more than the context of {self.slot_context} tokens per sequence"

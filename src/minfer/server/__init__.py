@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -68,4 +69,10 @@ def serve(opts: ServeOptions) -> None:
     print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences of "
           f"{kv.capacity} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
           file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
+    # uvicorn re-raises the signal that stopped it once it has shut down; a SIGTERM that ended in a
+    # graceful shutdown is a normal exit
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
