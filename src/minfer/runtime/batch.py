@@ -38,7 +38,7 @@ from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.models.hparams import HParams
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, SequenceDecoder, TokenStep
-from minfer.runtime.kv_cache import KVCache
+from minfer.runtime.kv_cache import KVCache, common_prefix
 from minfer.runtime.sampler import Sampler
 
 
@@ -316,7 +316,7 @@ class BatchScheduler:
         free = [s for s in range(self.n_slots) if s not in busy]
         best_src, best_n = -1, 0
         for s in range(self.n_slots):
-            n = _common_prefix(self.kv.tokens(s), prompt, limit)
+            n = common_prefix(self.kv.tokens(s), prompt, limit)
             if n > best_n or (n == best_n and n > 0 and s in free and best_src not in free):
                 best_src, best_n = s, n
 
@@ -447,10 +447,3 @@ class BatchScheduler:
             run.request.emit(Failed(error))
             self._release(run)
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
