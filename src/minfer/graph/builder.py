@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from minfer.errors import ModelError
-from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, NormMeta, Op, RopeMeta
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, NormMeta, Op, RopeMeta, ScaleMeta
 
 
 class GraphBuilder:
@@ -110,7 +110,7 @@ class GraphBuilder:
         return self._emit(Op.GELU, (x,), x.shape, name=name, layer=layer)
 
     def scale(self, x: Node, factor: float, name: str = "", layer=None) -> Node:
-        return self._emit(Op.SCALE, (x,), x.shape, meta=float(factor), name=name, layer=layer)
+        return self._emit(Op.SCALE, (x,), x.shape, meta=ScaleMeta(float(factor)), name=name, layer=layer)
 
     def build(self, output: Node) -> Graph:
         return Graph(self.nodes, self.inputs, output)

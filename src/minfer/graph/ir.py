@@ -30,7 +30,7 @@ class Op(StrEnum):
     RMS_NORM_MUL = "rms_norm_mul"  # rms_norm followed by the gain multiply
     SWIGLU = "swiglu"  # silu(gate) * up
     QUANTIZE = "quantize"  # activations to 8-bit blocks, shared by the matmuls that read the same input
-    SCALE = "scale"  # x * a constant (meta: the float), Gemma's embedding scale
+    SCALE = "scale"  # x * a constant factor (Gemma's embedding scale)
     GELU = "gelu"  # tanh-approximated GELU
     GEGLU = "geglu"  # fused: gelu(gate) * up
 
@@ -44,6 +44,11 @@ class RopeStyle(StrEnum):
 class NormMeta:
     eps: float
     width: int  # normalize every group of `width` consecutive values (n_embd, or head_dim for QK-norm)
+
+
+@dataclass(frozen=True)
+class ScaleMeta:
+    factor: float  # float32 multiplier (Gemma's embedding scale sqrt(n_embd))
 
 
 @dataclass(frozen=True)

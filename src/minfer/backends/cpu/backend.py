@@ -44,29 +44,49 @@ def _kv_load(node: Node, kv, store) -> None:
     """A view: the load's operand already is the layer's regions."""
 
 
-def attend_by_sequence(q, kv, positions, rows, out, attend: Callable[..., None]) -> None:
+# A sliding-window layer reads its sequence's rows from a multiple of this many positions on (the fast
+# attention's key chunk, vec_kernels.ATTN_KEY_CHUNK): positions shift by a multiple of the chunk, so the
+# kernel sums the same chunks whatever the first row read, and a decode step keeps giving the same bits as
+# the token's row in a prefill.
+WINDOW_ROW_ALIGN = 256
+
+
+def _first_window_row(min_pos: int, window: int) -> int:
+    """The first row any token from position ``min_pos`` on reads: 0 for full attention."""
+    if window <= 0 or min_pos < window:
+        return 0
+    lo = min_pos - window + 1
+    return lo - lo % WINDOW_ROW_ALIGN
+
+
+def attend_by_sequence(q, kv, positions, rows, out, attend: Callable[..., None], window: int = 0) -> None:
     """Run ``attend(q, K, V, positions, out)`` once per sequence in the batch, with K/V the float32 window
-    of that sequence's rows 0..max(pos) (a view for f32 cells, dequantized for f16 / q8_0 ones)."""
+    of that sequence's rows 0..max(pos) (a view for f32 cells, dequantized for f16 / q8_0 ones). In a
+    sliding-window layer (``window`` > 0) rows before the oldest one still visible are left out (up to
+    ``WINDOW_ROW_ALIGN``), and the positions handed to ``attend`` count from the first row read."""
     n = positions.shape[0]
     start = int(rows[0]) - int(positions[0])
     if n == 1:  # decode: one token, one window
-        k, v = kv.window(start, start + int(positions[0]) + 1)
-        attend(q, k, v, positions, out)
+        lo = _first_window_row(int(positions[0]), window)
+        k, v = kv.window(start + lo, start + int(positions[0]) + 1)
+        attend(q, k, v, positions - lo if lo else positions, out)
         return
     starts = rows - positions
     if (starts == start).all():
-        k, v = kv.window(start, start + int(positions.max()) + 1)
-        attend(q, k, v, positions, out)
+        lo = _first_window_row(int(positions.min()), window)
+        k, v = kv.window(start + lo, start + int(positions.max()) + 1)
+        attend(q, k, v, positions - lo if lo else positions, out)
         return
     for s in dict.fromkeys(starts.tolist()):  # each sequence once, in batch order
         idx = np.flatnonzero(starts == s)
-        k, v = kv.window(s, s + int(positions[idx].max()) + 1)
+        lo = _first_window_row(int(positions[idx].min()), window)
+        k, v = kv.window(s + lo, s + int(positions[idx].max()) + 1)
         if idx[-1] - idx[0] + 1 == len(idx):  # contiguous tokens: views, no copies
             sl = slice(int(idx[0]), int(idx[-1]) + 1)
-            attend(q[sl], k, v, positions[sl], out[sl])
+            attend(q[sl], k, v, positions[sl] - lo if lo else positions[sl], out[sl])
         else:
             o = np.empty((len(idx), out.shape[1]), np.float32)
-            attend(np.ascontiguousarray(q[idx]), k, v, np.ascontiguousarray(positions[idx]), o)
+            attend(np.ascontiguousarray(q[idx]), k, v, np.ascontiguousarray(positions[idx] - lo), o)
             out[idx] = o
 
 
@@ -87,11 +107,12 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     Op.KV_STORE: _reference_kv_store,
     Op.KV_LOAD: _kv_load,
     Op.ATTN: lambda node, out, q, kv, positions, rows: attend_by_sequence(
-        q, kv, positions, rows, out, lambda q, k, v, pos, o: ref.attention(q, k, v, pos, node.meta, o)
+        q, kv, positions, rows, out, lambda q, k, v, pos, o: ref.attention(q, k, v, pos, node.meta, o),
+        node.meta.window,
     ),
     Op.SILU: lambda node, out, x: ref.silu(x, out),
     Op.SWIGLU: lambda node, out, gate, up: ref.swiglu(gate, up, out),
-    Op.SCALE: lambda node, out, x: ref.scale(x, node.meta, out),
+    Op.SCALE: lambda node, out, x: ref.scale(x, node.meta.factor, out),
     Op.GELU: lambda node, out, x: ref.gelu(x, out),
     Op.GEGLU: lambda node, out, gate, up: ref.geglu(gate, up, out),
 }
@@ -209,7 +230,7 @@ class CPUBackend:
         if op is Op.GEGLU:
             return lambda node, out, gate, up: vk.geglu(gate, up, out)
         if op is Op.SCALE:
-            factor = float(meta)
+            factor = meta.factor
             return lambda node, out, x: vk.scale(x, factor, out)
         if op is Op.ROPE:
             key = (meta.head_dim, meta.n_rot, float(meta.freq_base), float(meta.freq_scale))
@@ -236,7 +257,10 @@ class CPUBackend:
                     q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out, m.window
                 )
 
-            return lambda node, out, q, kv, positions, rows: attend_by_sequence(q, kv, positions, rows, out, attend)
+            window = m.window
+            return lambda node, out, q, kv, positions, rows: attend_by_sequence(
+                q, kv, positions, rows, out, attend, window
+            )
         return REFERENCE_KERNELS[op]
 
     def close(self) -> None:
