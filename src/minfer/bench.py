@@ -68,7 +68,7 @@ class BenchReport:
 def weight_bytes_per_token(model: Model) -> int:
     """Bytes of weights one decode step reads: every tensor, except that the embedding gives one row."""
     total = 0
-    for t in model.transformer.gguf.tensors.values():
+    for t in model.transformer.tensors.values():
         if t.name == "token_embd.weight" and not model.transformer.tied_output:
             total += t.nbytes // t.shape[0]
         else:
@@ -93,7 +93,7 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
             report_ = BenchReport(
                 model=model.path.name,
                 model_bytes=model.path.stat().st_size,
-                n_params=sum(int(np.prod(x.shape)) for x in model.transformer.gguf.tensors.values()),
+                n_params=sum(int(np.prod(x.shape)) for x in model.transformer.tensors.values()),
                 weight_bytes_per_token=weight_bytes_per_token(model),
                 load_s=load_s,
                 kv_bytes_per_position=hp.kv_f32_bytes_per_position,

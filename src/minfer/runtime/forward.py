@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,9 @@ import numpy as np
 from minfer.backends.cpu.reference import rope
 from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
-from minfer.graph.ir import RopeMeta
 from minfer.graph.scheduler import Backend, Plan
 from minfer.models.model import TransformerModel
+from minfer.models.rope_scaling import rope_meta
 from minfer.runtime.kv_cache import KVCache
 
 MAX_PLANS = 8
@@ -96,8 +97,8 @@ class ForwardRunner:
 
     def shift_context(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Drop ``n_discard`` positions of ``seq`` after the first ``n_keep``; later K rows are re-rotated."""
-        hp, arch = self.model.hparams, self.model.arch
-        meta = RopeMeta(hp.n_head_kv, hp.head_dim_k, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, arch.rope_style)
+        # a pure rotation by the position delta: the YaRN magnitude (mscale) is already in the stored rows
+        meta = replace(rope_meta(self.model.hparams, self.model.rope_style, self.model.hparams.n_head_kv), mscale=1.0)
 
         def rotate(k: np.ndarray, delta: int) -> None:
             # RoPE is a rotation by position x frequency, so rotating a row stored at p by -d puts it at p - d
