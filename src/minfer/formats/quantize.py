@@ -8,8 +8,8 @@
   float32 operation for operation. ``tests/test_quantize.py`` holds it bit-equal to llama.cpp's own C
   function (bytes committed by ``scripts/make_q4k_refs.py`` from ``llama-cpp-python``'s libggml-base).
 * **Q5_0**: what llama.cpp falls back to for a Q4_K tensor whose rows are not a whole number of 256-value
-  super-blocks (``tensor_type_fallback``); ``quantize_row_q5_0_ref``, bit-identical to ``gguf.quants``'
-  Q5_0. Rows that are not a whole number of 32-value blocks either way fall back to F16, as in llama.cpp.
+  super-blocks (``tensor_type_fallback``); ``quantize_row_q5_0_ref`` as ``gguf.quants`` writes it, bit-identical
+  to it (and to the C function except for the sign of d in an all-zero block that starts with -0.0). Rows that are not a whole number of 32-value blocks either way fall back to F16, as in llama.cpp.
 
 Rows are independent, so the kernels run rows in parallel (numba ``prange``); each row's bytes are the
 same at any thread count. Float16 / bfloat16 sources are widened to float32 a chunk of rows at a time
@@ -215,9 +215,11 @@ def _q5_0_row(x, out):
     for ib in range(x.shape[0] // 32):
         x0 = ib * 32
         o = ib * Q5_0_BLOCK_BYTES
-        amax = F32(0.0)
-        mx = F32(0.0)
-        for j in range(32):
+        # the first value of largest magnitude, as gguf's argmax picks it (in an all-zero block that is the
+        # first zero, whose sign reaches d; llama.cpp's C starts from +0 instead: the only difference)
+        mx = x[x0]
+        amax = abs(mx)
+        for j in range(1, 32):
             v = x[x0 + j]
             if amax < abs(v):
                 amax = abs(v)
