@@ -8,8 +8,9 @@
   float32 operation for operation. ``tests/test_quantize.py`` holds it bit-equal to llama.cpp's own C
   function (bytes committed by ``scripts/make_q4k_refs.py`` from ``llama-cpp-python``'s libggml-base).
 * **Q5_0**: what llama.cpp falls back to for a Q4_K tensor whose rows are not a whole number of 256-value
-  super-blocks (``tensor_type_fallback``); ``quantize_row_q5_0_ref`` as ``gguf.quants`` writes it, bit-identical
-  to it (and to the C function except for the sign of d in an all-zero block that starts with -0.0). Rows that are not a whole number of 32-value blocks either way fall back to F16, as in llama.cpp.
+  super-blocks (``tensor_type_fallback``): ``quantize_row_q5_0_ref`` as ``gguf.quants`` writes it, bit-identical
+  to it (and to the C function except for the sign of d in an all-zero block that starts with -0.0). Rows
+  that are not a whole number of 32-value blocks either way fall back to F16, as in llama.cpp.
 
 Rows are independent, so the kernels run rows in parallel (numba ``prange``); each row's bytes are the
 same at any thread count. Float16 / bfloat16 sources are widened to float32 a chunk of rows at a time
