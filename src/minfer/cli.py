@@ -1,4 +1,4 @@
-"""The ``minfer`` command: run, chat, inspect, perplexity, bench, pull.
+"""The ``minfer`` command: run, chat, serve, inspect, perplexity, bench, trace, pull.
 
 User mistakes print one line ``minfer: error: ...`` on stderr and exit with status 1 (2 for bad
 command-line usage, as argparse does); no traceback.
@@ -203,6 +203,30 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("b", help="dump folder to compare with")
     cmp.add_argument("--tol", type=float, default=1e-4, help="relative difference that counts as parting (1e-4)")
     cmp.add_argument("--all", action="store_true", help="print every node, not only up to the first divergence")
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
+    srv.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
+    srv.add_argument("-np", "--parallel", type=int, default=4,
+                     help="sequences generated at once, sharing the context (default: 4)")
+    srv.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
+                     help="KV cache positions shared by all sequences; each gets ctx-size / parallel "
+                     "(default: the model's, at most 4096)")
+    srv.add_argument("-b", "--batch-size", type=int, default=512,
+                     help="most tokens one forward pass evaluates (default: 512)")
+    srv.add_argument("--queue-size", type=int, default=64,
+                     help="requests that may wait for a free sequence; beyond it: 429 (default: 64)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $MINFER_API_KEY)")
+    srv.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
+    srv.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
+    srv.add_argument("--cache-type", default=None, choices=["f32", "f16", "q8_0"],
+                     help="KV cache cells (default: $MINFER_CACHE_TYPE or f32)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
+    srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn log level (default: warning)")
 
     pull = sub.add_parser("pull", help="download a known model into the cache")
     pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
@@ -506,6 +530,16 @@ def cmd_compare_dumps(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minfer.server import ServeOptions, serve
+
+    serve(ServeOptions(model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
+                       batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
+                       threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
+                       log_level=args.log_level))
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from minfer.pull import pull
 
@@ -515,7 +549,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": cmd_run, "chat": cmd_chat, "inspect": cmd_inspect, "perplexity": cmd_perplexity, "bench": cmd_bench,
-            "trace": cmd_trace, "compare-dumps": cmd_compare_dumps, "pull": cmd_pull}
+            "trace": cmd_trace, "compare-dumps": cmd_compare_dumps, "serve": cmd_serve, "pull": cmd_pull}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,7 +26,12 @@ MAX_PLANS = 8
 
 class ForwardRunner:
     def __init__(
-        self, model: TransformerModel, backend: Backend, kv: KVCache, observers: Sequence[Any] = ()
+        self,
+        model: TransformerModel,
+        backend: Backend,
+        kv: KVCache,
+        observers: Sequence[Any] = (),
+        max_plans: int = MAX_PLANS,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -34,6 +39,8 @@ class ForwardRunner:
         # minfer.trace observers (Tracer, Dumper): see every executed node, then each call's logits
         self.observers = list(observers)
         self._plans: OrderedDict[tuple[int, int], Plan] = OrderedDict()
+        # a batching server sees many batch shapes; each plan holds its own activation buffers
+        self.max_plans = max_plans
 
     def plan(self, n_tokens: int, n_outputs: int) -> Plan:
         key = (n_tokens, n_outputs)
@@ -43,7 +50,7 @@ class ForwardRunner:
             graph = fuse(self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx), quantized_input)
             plan = Plan(graph, self.backend, self.kv.layers)
             self._plans[key] = plan
-            if len(self._plans) > MAX_PLANS:
+            if len(self._plans) > self.max_plans:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.sampler import Sampler, TokenLogprob
@@ -52,6 +54,94 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
+class SequenceDecoder:
+    """One sequence's side of a decode step: logits -> (constraint mask) -> sampler -> token, then the
+    token's text through the UTF-8-safe detokenizer and the stop-string matcher, and the stop checks.
+
+    The decode loop below drives one of these; the batch scheduler drives one per running sequence.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        sampler: Sampler,
+        max_tokens: int,
+        stats: GenerationStats,
+        stop_ids: frozenset[int] | None = None,
+        stop: str | Sequence[str] = (),
+        logprobs: int | None = None,
+        constraint: Any = None,
+    ) -> None:
+        if max_tokens < 0:
+            raise BadRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise BadRequestError(f"logprobs must be between 0 and 20, got {logprobs}")
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stats = stats
+        self.stop_ids = tokenizer.eog_ids if stop_ids is None else stop_ids
+        self.matcher = StopMatcher(stop) if stop else None
+        self.logprobs = logprobs
+        self.constraint = constraint
+        self.detok = tokenizer.detokenizer()
+        self.done = max_tokens == 0
+        if self.done:
+            stats.finish_reason = "length"
+        self._stopped_by_string = False
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self.stats.prompt_tokens = len(prompt_ids)
+        self.sampler.reset(prompt_ids)
+
+    def step(self, logits: np.ndarray) -> TokenStep | None:
+        """Pick the next token from ``logits``; its step, or None for an end-of-generation token.
+        Afterwards ``done`` says whether the sequence has finished (``stats.finish_reason`` says why)."""
+        stats = self.stats
+        if self.constraint is not None:
+            self.constraint.mask_logits(logits)
+        lp = None
+        if self.logprobs is None:
+            token = self.sampler.sample(logits)
+        else:
+            token, lp = self.sampler.sample_with_logprobs(logits, self.logprobs)
+        self.sampler.accept(token)
+        stats.tokens.append(token)
+        stats.generated_tokens += 1
+        if token in self.stop_ids:
+            stats.finish_reason, self.done = "stop", True
+            return None
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        text = self.detok.push(token)
+        if self.matcher is not None:
+            text, stopped = self.matcher.push(text)
+            if stopped:
+                stats.finish_reason, stats.stop = "stop", self.matcher.stop
+                self.done = self._stopped_by_string = True
+                return TokenStep(token, text, lp)
+        if self.constraint is not None and self.constraint.is_finished():
+            stats.finish_reason, self.done = "stop", True
+        elif stats.generated_tokens >= self.max_tokens:
+            stats.finish_reason, self.done = "length", True
+        return TokenStep(token, text, lp)
+
+    def finish(self, reason: str | None = None) -> TokenStep | None:
+        """The text still held back (a split character, a possible stop string's start), once the sequence
+        ends; ``reason`` ends it from outside (a full context, a cancelled request)."""
+        if reason is not None:
+            self.stats.finish_reason, self.done = reason, True
+        if self._stopped_by_string:
+            return None
+        tail = self.detok.flush()
+        if self.matcher is not None:
+            tail, stopped = self.matcher.push(tail)
+            if stopped:
+                self.stats.finish_reason, self.stats.stop = "stop", self.matcher.stop
+            else:
+                tail += self.matcher.flush()
+        return TokenStep(None, tail) if tail else None
+
+
 def generate(
     runner: ForwardRunner,
     tokenizer: Any,
@@ -83,20 +173,13 @@ def generate(
         raise BadRequestError("the prompt is empty (no tokens to start from)")
     if n > n_ctx:
         raise ContextOverflowError(f"the prompt has {n} tokens, more than the context of {n_ctx}")
-    if max_tokens < 0:
-        raise BadRequestError(f"max_tokens must be >= 0, got {max_tokens}")
     if not 0 <= n_cached < n:
         raise BadRequestError(f"n_cached must be in 0..{n - 1} (a prompt token must be evaluated), got {n_cached}")
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise BadRequestError(f"logprobs must be between 0 and 20, got {logprobs}")
-    stop_ids = tokenizer.eog_ids if stop_ids is None else stop_ids
-    matcher = StopMatcher(stop) if stop else None
+    decoder = SequenceDecoder(tokenizer, sampler, max_tokens, stats, stop_ids, stop, logprobs, constraint)
     stats.prompt_tokens = n
-    if max_tokens == 0:
-        stats.finish_reason = "length"
+    if decoder.done:
         return
-    detok = tokenizer.detokenizer()
-    sampler.reset(prompt_ids)
+    decoder.start(prompt_ids)
 
     t0 = time.perf_counter()
     logits = runner.forward(prompt_ids[n_cached:], range(n_cached, n), output_rows=[n - 1 - n_cached])[0]
@@ -104,34 +187,10 @@ def generate(
     pos = n
     t0 = time.perf_counter()
     while True:
-        if constraint is not None:
-            constraint.mask_logits(logits)
-        lp = None
-        if logprobs is None:
-            token = sampler.sample(logits)
-        else:
-            token, lp = sampler.sample_with_logprobs(logits, logprobs)
-        sampler.accept(token)
-        stats.tokens.append(token)
-        stats.generated_tokens += 1
-        if token in stop_ids:
-            stats.finish_reason = "stop"
-            break
-        if constraint is not None:
-            constraint.accept(token)
-        text = detok.push(token)
-        if matcher is not None:
-            text, stopped = matcher.push(text)
-            if stopped:
-                stats.finish_reason, stats.stop = "stop", matcher.stop
-                yield TokenStep(token, text, lp)
-                return
-        yield TokenStep(token, text, lp)
-        if constraint is not None and constraint.is_finished():
-            stats.finish_reason = "stop"
-            break
-        if stats.generated_tokens >= max_tokens:
-            stats.finish_reason = "length"
+        step = decoder.step(logits)
+        if step is not None:
+            yield step
+        if decoder.done:
             break
         if pos >= n_ctx and context_shift:
             n_discard = (pos - n_keep) // 2
@@ -144,15 +203,9 @@ def generate(
                 f"generation reached the end of the context: the next token would be at position {pos}, "
                 f"n_ctx is {n_ctx} (use a larger context)"
             )
-        logits = runner.forward([token], [pos])[0]
+        logits = runner.forward([step.token], [pos])[0]
         pos += 1
         stats.decode_seconds = time.perf_counter() - t0
-    tail = detok.flush()
-    if matcher is not None:
-        tail, stopped = matcher.push(tail)
-        if stopped:
-            stats.finish_reason, stats.stop = "stop", matcher.stop
-        else:
-            tail += matcher.flush()
-    if tail:
-        yield TokenStep(None, tail)
+    tail = decoder.finish()
+    if tail is not None:
+        yield tail

@@ -1,0 +1,78 @@
+"""``minfer serve``: an OpenAI-compatible HTTP server with continuous batching (see :mod:`.app`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from minfer.errors import BadRequestError
+
+DEFAULT_PARALLEL = 4
+DEFAULT_CTX_SIZE = 4096
+MAX_PLANS = 48  # batch shapes whose prepared plans the server keeps
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    parallel: int = DEFAULT_PARALLEL
+    ctx_size: int | None = None  # shared by all sequences (each gets ctx_size // parallel); default min(train, 4096)
+    batch_size: int = 512
+    queue_size: int = 64
+    api_key: str | None = None
+    alias: str | None = None
+    threads: int | None = None
+    kernels: str | None = None
+    cache_type: str | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "warning"
+
+
+def serve(opts: ServeOptions) -> None:
+    """Load the model, then serve until SIGINT/SIGTERM (graceful: open requests get ``shutdown_timeout``)."""
+    import uvicorn
+
+    from minfer.api import load
+    from minfer.runtime.batch import BatchScheduler
+    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.kv_cache import KVCache
+    from minfer.server.app import ServerConfig, create_app
+
+    if opts.parallel < 1:
+        raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
+    model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
+                 cache_type=opts.cache_type)
+    n_ctx = opts.ctx_size or min(model.hparams.n_ctx_train, DEFAULT_CTX_SIZE)
+    kv = KVCache(model.hparams, n_ctx, cache_type=opts.cache_type, n_seq=opts.parallel)
+    runner = ForwardRunner(model.transformer, model.backend, kv, max_plans=MAX_PLANS)
+    scheduler = BatchScheduler(runner, model.tokenizer, batch_size=opts.batch_size, max_queue=opts.queue_size)
+    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key)
+    app = create_app(model, scheduler, config, shutdown_timeout=0.0)
+
+    sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((opts.host, opts.port))
+    except OSError as e:
+        raise BadRequestError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False,
+                                           timeout_graceful_shutdown=opts.shutdown_timeout))
+    print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences of "
+          f"{kv.capacity} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
+          file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down; a SIGTERM that ended in a
+    # graceful shutdown is a normal exit
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)

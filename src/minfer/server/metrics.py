@@ -1,0 +1,68 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-wide state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from minfer.runtime.batch import BatchMetrics
+from minfer.runtime.generate import GenerationStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class ServerMetrics:
+    def __init__(
+        self,
+        load: Callable[[], tuple[int, int]],
+        cells_in_use: Callable[[], int],
+        cells_total: int,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes, cpu seconds, open fds
+        self.requests = Counter("minfer_requests", "HTTP requests answered", ["endpoint", "status"], registry=reg)
+        self.prompt_tokens = Counter("minfer_prompt_tokens", "prompt tokens of finished sequences", registry=reg)
+        self.cached_tokens = Counter("minfer_prompt_tokens_cached",
+                                     "prompt tokens reused from the KV cache instead of evaluated", registry=reg)
+        self.generated_tokens = Counter("minfer_generated_tokens", "tokens generated", registry=reg)
+        self.finished = Counter("minfer_sequences_finished", "sequences finished, by reason", ["reason"], registry=reg)
+        running = Gauge("minfer_requests_running", "sequences holding a slot", registry=reg)
+        running.set_function(lambda: load()[0])
+        waiting = Gauge("minfer_queue_depth", "sequences waiting for a slot", registry=reg)
+        waiting.set_function(lambda: load()[1])
+        used = Gauge("minfer_kv_cells_used", "KV cache positions held by running sequences", registry=reg)
+        used.set_function(cells_in_use)
+        total = Gauge("minfer_kv_cells_total", "KV cache positions (all slots)", registry=reg)
+        total.set(cells_total)
+        self.ttft = Histogram("minfer_time_to_first_token_seconds", "from request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("minfer_inter_token_latency_seconds", "between two tokens of one sequence",
+                             buckets=GAP_BUCKETS, registry=reg)
+        self.batch_tokens = Histogram("minfer_batch_tokens", "tokens evaluated per forward pass",
+                                      buckets=BATCH_BUCKETS, registry=reg)
+        self.forward_seconds = Counter("minfer_forward_seconds", "time spent in forward passes", registry=reg)
+
+    def batch_hooks(self) -> BatchMetrics:
+        return BatchMetrics(
+            on_first_token=self.ttft.observe,
+            on_token_gap=self.itl.observe,
+            on_finished=self._finished,
+            on_step=self._step,
+        )
+
+    def _finished(self, stats: GenerationStats, cached: int) -> None:
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(cached)
+        self.generated_tokens.inc(stats.generated_tokens)
+        self.finished.labels(stats.finish_reason or "unknown").inc()
+
+    def _step(self, n_tokens: int, n_sequences: int, seconds: float) -> None:
+        self.batch_tokens.observe(n_tokens)
+        self.forward_seconds.inc(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,242 @@
+"""Continuous batching (minfer.runtime.batch) on the tiny fixtures: what one batch gives equals what each
+sequence gives alone, prefix reuse, chunked prefill, cancellation, the bounded queue."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import fixture_dir, fixture_sequences
+
+import minfer
+from minfer.errors import ContextOverflowError
+from minfer.runtime.batch import (
+    BatchRequest,
+    BatchScheduler,
+    Failed,
+    Finished,
+    QueueFullError,
+    ShuttingDownError,
+    Started,
+    Token,
+)
+from minfer.runtime.forward import ForwardRunner
+from minfer.runtime.kv_cache import KVCache
+
+ARCH = "qwen2"
+
+
+class Collector:
+    """Events of several requests, and a way to wait for all of them to end."""
+
+    def __init__(self, n: int) -> None:
+        self.events: list[list] = [[] for _ in range(n)]
+        self._left = n
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def emit(self, i: int):
+        def push(ev) -> None:
+            self.events[i].append(ev)
+            if isinstance(ev, Finished | Failed):
+                with self._lock:
+                    self._left -= 1
+                    if self._left == 0:
+                        self._done.set()
+
+        return push
+
+    def wait(self, timeout: float = 60) -> None:
+        assert self._done.wait(timeout), "requests did not finish"
+
+    def tokens(self, i: int) -> list[int]:
+        return [e.step.token for e in self.events[i] if isinstance(e, Token) and e.step.token is not None]
+
+    def final(self, i: int):
+        return self.events[i][-1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return minfer.load(fixture_dir(ARCH) / "model-f32.gguf", n_ctx=64, threads=2)
+
+
+def make_scheduler(model, n_seq: int, n_ctx: int | None = None, batch_size: int = 512, max_queue: int = 16):
+    kv = KVCache(model.hparams, n_ctx or 64 * n_seq, n_seq=n_seq)
+    sched = BatchScheduler(ForwardRunner(model.transformer, model.backend, kv, max_plans=32), model.tokenizer,
+                           batch_size=batch_size, max_queue=max_queue)
+    sched.start()
+    return sched
+
+
+def run_all(sched, model, prompts, max_tokens=12, **sampling) -> Collector:
+    c = Collector(len(prompts))
+    sampling = {"temperature": 0.0, **sampling}
+    reqs = [BatchRequest(p, model.sampler(**sampling), max_tokens, c.emit(i)) for i, p in enumerate(prompts)]
+    sched.submit(reqs)
+    c.wait()
+    return c
+
+
+def prompts_of(n: int) -> list[list[int]]:
+    seqs = fixture_sequences(ARCH)
+    rng = np.random.default_rng(0)
+    base = seqs[2]
+    return [base[: 3 + int(rng.integers(0, 28))] for _ in range(n)]
+
+
+def alone(model, prompt, max_tokens=12, **sampling) -> list[int]:
+    sampling = {"temperature": 0.0, **sampling}
+    model.kv.clear()
+    return model.complete(prompt, max_tokens, **sampling).tokens
+
+
+@pytest.mark.parametrize("batch_size", [512, 7])
+def test_eight_sequences_in_one_batch_equal_each_alone(model, batch_size):
+    """Greedy and seeded sampling: every sequence gets exactly the tokens it gets alone, whether the
+    prompts are prefilled whole or in chunks of 7 tokens next to the decodes."""
+    prompts = prompts_of(8)
+    sched = make_scheduler(model, n_seq=8, batch_size=batch_size)
+    try:
+        greedy = run_all(sched, model, prompts)
+        seeded = run_all(sched, model, prompts, temperature=0.9, seed=7)
+    finally:
+        sched.stop()
+    for i, p in enumerate(prompts):
+        assert greedy.tokens(i) == alone(model, p)
+        assert seeded.tokens(i) == alone(model, p, temperature=0.9, seed=7)
+        assert isinstance(greedy.final(i), Finished) and greedy.final(i).stats.finish_reason == "length"
+
+
+def test_more_requests_than_slots_wait_their_turn(model):
+    prompts = prompts_of(6)
+    sched = make_scheduler(model, n_seq=2)
+    try:
+        c = run_all(sched, model, prompts)
+    finally:
+        sched.stop()
+    for i, p in enumerate(prompts):
+        assert c.tokens(i) == alone(model, p)
+
+
+def test_a_shared_prefix_is_reused_and_gives_the_same_tokens(model):
+    seq = fixture_sequences(ARCH)[2]
+    first, second = seq[:30], seq[:20] + seq[25:33]
+    sched = make_scheduler(model, n_seq=2)
+    try:
+        a = run_all(sched, model, [first])
+        b = run_all(sched, model, [second])
+        again = run_all(sched, model, [first])
+    finally:
+        sched.stop()
+    assert a.events[0][0] == Started(0)
+    assert b.events[0][0] == Started(20)
+    assert b.final(0).cached_tokens == 20
+    assert again.events[0][0].cached_tokens == 29  # all but the last prompt token, whose logits are needed
+    assert b.tokens(0) == alone(model, second)
+    assert again.tokens(0) == a.tokens(0)
+
+
+def test_prefix_is_copied_from_a_busy_slot(model):
+    """A request whose prefix sits in another (running or free) slot gets those rows copied."""
+    seq = fixture_sequences(ARCH)[2]
+    sched = make_scheduler(model, n_seq=3)
+    try:
+        run_all(sched, model, [seq[:25]])
+        c = run_all(sched, model, [seq[:18] + [5, 6, 7], seq[:10] + [9, 9]])
+    finally:
+        sched.stop()
+    cached = sorted(c.final(i).cached_tokens for i in range(2))
+    assert cached == [10, 18]
+    assert c.tokens(0) == alone(model, seq[:18] + [5, 6, 7])
+    assert c.tokens(1) == alone(model, seq[:10] + [9, 9])
+
+
+def test_cancel_frees_the_slot_and_others_go_on(model):
+    prompts = prompts_of(2)
+    sched = make_scheduler(model, n_seq=2)
+    c = Collector(2)
+    first_token = threading.Event()
+
+    def cancel_after_first(ev) -> None:
+        c.emit(0)(ev)
+        if isinstance(ev, Token):
+            first_token.set()
+
+    slow = BatchRequest(prompts[0], model.sampler(temperature=0), 200, cancel_after_first)
+    other = BatchRequest(prompts[1], model.sampler(temperature=0), 12, c.emit(1))
+    try:
+        sched.submit([slow, other])
+        assert first_token.wait(30)
+        slow.cancel()
+        c.wait()
+        assert sched.load() == (0, 0)
+        assert sched.cells_in_use() == 0
+    finally:
+        sched.stop()
+    assert c.final(0).stats.finish_reason == "cancelled"
+    assert len(c.tokens(0)) < 200
+    assert c.tokens(1) == alone(model, prompts[1])
+
+
+def test_queue_limit_refuses_with_queue_full(model):
+    sched = make_scheduler(model, n_seq=1, max_queue=1)
+    c = Collector(3)
+    reqs = [BatchRequest(p, model.sampler(temperature=0), 40, c.emit(i)) for i, p in enumerate(prompts_of(3))]
+    try:
+        sched.submit(reqs[:2])  # one runs (or is about to), one waits
+        with pytest.raises(QueueFullError, match="queue limit 1"):
+            sched.submit(reqs[2:])
+    finally:
+        sched.stop()
+    assert all(isinstance(c.final(i), Finished) for i in range(2))
+
+
+def test_prompt_longer_than_a_slot_is_refused(model):
+    sched = make_scheduler(model, n_seq=4, n_ctx=64)  # 16 positions per sequence
+    try:
+        with pytest.raises(ContextOverflowError, match="17 tokens, more than the context of 16"):
+            sched.submit([BatchRequest(list(range(3, 20)), model.sampler(), 4, lambda ev: None)])
+    finally:
+        sched.stop()
+
+
+def test_generation_ends_with_length_when_the_slot_is_full(model):
+    sched = make_scheduler(model, n_seq=4, n_ctx=64)
+    prompt = fixture_sequences(ARCH)[2][:10]
+    try:
+        c = run_all(sched, model, [prompt], max_tokens=None)
+    finally:
+        sched.stop()
+    # 16 positions: 10 prompt tokens, then 7 tokens (the last one never needs a cache row)
+    assert len(c.tokens(0)) + sum(1 for e in c.events[0] if isinstance(e, Token) and e.step.token is None) <= 7
+    assert c.final(0).stats.generated_tokens == 7
+    assert c.final(0).stats.finish_reason == "length"
+
+
+def test_stopped_scheduler_refuses_new_requests(model):
+    sched = make_scheduler(model, n_seq=1)
+    sched.stop()
+    with pytest.raises(ShuttingDownError):
+        sched.submit([BatchRequest([3, 4], model.sampler(), 2, lambda ev: None)])
+
+
+def test_a_failing_request_fails_alone(model):
+    """A constraint that breaks mid-run fails its own request; the batch goes on."""
+
+    class Broken:
+        def mask_logits(self, logits):
+            raise RuntimeError("broken grammar")
+
+    prompts = prompts_of(2)
+    sched = make_scheduler(model, n_seq=2)
+    c = Collector(2)
+    try:
+        sched.submit([BatchRequest(prompts[0], model.sampler(temperature=0), 8, c.emit(0), constraint=Broken()),
+                      BatchRequest(prompts[1], model.sampler(temperature=0), 8, c.emit(1))])
+        c.wait()
+    finally:
+        sched.stop()
+    assert isinstance(c.final(0), Failed) and "broken grammar" in str(c.final(0).error)
+    assert c.tokens(1) == alone(model, prompts[1], max_tokens=8)
