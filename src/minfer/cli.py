@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                          description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
-    srv.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    srv.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF file, HF model folder or known model name")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
     srv.add_argument("-np", "--parallel", type=int, default=4,
@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
     srv.add_argument("--cache-type", default=None, choices=["f32", "f16", "q8_0"],
                      help="KV cache cells (default: $MINFER_CACHE_TYPE or f32)")
+    _add_quantize_flag(srv)
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -536,7 +537,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
-                       log_level=args.log_level))
+                       log_level=args.log_level, quantize=args.quantize))
     return 0
 
 
