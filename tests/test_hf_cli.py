@@ -87,3 +87,9 @@ def test_bench_perplexity_and_trace_on_a_folder(tmp_path):
     r = minfer("trace", QWEN3_HF, "Hello", "--html", str(page))
     assert r.returncode == 0, r.stderr
     assert page.stat().st_size > 1000
+    trace, dumps = tmp_path / "trace.jsonl", tmp_path / "dumps"
+    r = minfer("run", QWEN3_HF, "Hello", "-n", "2", "--temp", "0", "--trace", str(trace), "--dump-dir", str(dumps),
+               "--dump-filter", "blk.0.q_rope")
+    assert r.returncode == 0, r.stderr
+    assert any(json.loads(line).get("op") == "rope" for line in trace.read_text().splitlines())
+    assert list(dumps.glob("call*/*blk.0.q_rope.npy"))

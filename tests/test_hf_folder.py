@@ -214,3 +214,27 @@ def test_conversation_saved_and_resumed_from_a_folder(tmp_path):
     quantized = minfer.load(folder, n_ctx=128, quantize="q8_0")
     with pytest.raises(minfer.MinferError, match="fingerprint"):
         Conversation.load(quantized, tmp_path / "chat.session")  # other tensor types: not this cache's model
+
+
+def test_output_layer_padded_past_the_tokenizer(tmp_path):
+    """Embeddings and output padded to 1024 rows over a 1000-token tokenizer (as Qwen2.5 pads 151665 to
+    151936): the padded ids are valid output that decodes to nothing; the other logits are unchanged."""
+    folder = copy_hf_folder(tmp_path / "padded", "qwen3", weights=False)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["vocab_size"] = 1024
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = read_safetensors(fixture_dir("qwen3") / "hf" / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        dtype, shape, data = tensors[name]
+        tensors[name] = (dtype, [1024, shape[1]], data + bytes(24 * shape[1] * 4))
+    write_safetensors(folder / "model.safetensors", tensors)
+    model = minfer.load(folder, n_ctx=64)
+    seq = fixture_sequences("qwen3")[2]
+    logits = model.logits(seq)
+    assert logits.shape == (len(seq), 1024)
+    np.testing.assert_array_equal(logits[:, :1000], minfer.load(fixture_dir("qwen3") / "hf", n_ctx=64).logits(seq))
+    tok = model.tokenizer
+    assert tok.vocab_size == 1000 and tok.decode([42, 1010, 43]) == tok.decode([42, 43])
+    assert tok.token_bytes(1023) == b"" and tok.token_text(1010) == "[PAD1010]"
+    with pytest.raises(minfer.MinferError, match="outside the vocabulary"):
+        tok.decode([1024])

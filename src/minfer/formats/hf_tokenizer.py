@@ -17,7 +17,7 @@ wrap), so ids are transformers' own. What transformers reads from the other file
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,30 @@ class HFTokenizer(Tokenizer):
     SentencePiece-style ones write spaces as ▁ and raw bytes as ``<0xNN>`` tokens.
     """
 
-    def __init__(self, backend: TokenizersTokenizer, tokens: list[str], decoder_kind: str, **kwargs: Any) -> None:
+    def __init__(self, backend: TokenizersTokenizer, tokens: list[str], decoder_kind: str, n_model_vocab: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(backend, tokens, **kwargs)
         self.decoder_kind = decoder_kind
+        # the model's output layer may be padded past the tokenizer (Qwen2.5: 151936 rows, 151665 tokens);
+        # such ids are valid output that decodes to nothing, as the [PAD] tokens of a GGUF conversion do
+        self.n_model_vocab = max(n_model_vocab, self.vocab_size)
+
+    def _check_id(self, id: int) -> int:
+        if isinstance(id, int) and not isinstance(id, bool) and self.vocab_size <= id < self.n_model_vocab:
+            return id
+        return super()._check_id(id)
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return super().decode([i for i in ids if self._check_id(i) < self.vocab_size], skip_special)
+
+    def token_text(self, id: int) -> str:
+        if self._check_id(id) >= self.vocab_size:
+            return f"[PAD{id}]"
+        return super().token_text(id)
 
     def token_bytes(self, id: int) -> bytes:
+        if self._check_id(id) >= self.vocab_size:
+            return b""
         cached = self._bytes_cache.get(id)
         if cached is None:
             text = self._hf.id_to_token(self._check_id(id)) or ""
@@ -92,8 +111,11 @@ def _id_list(value: Any, where: str, n_vocab: int) -> list[int]:
 
 
 def load_hf_tokenizer(directory: Path, config: Mapping[str, Any], tokenizer_config: Mapping[str, Any] | None,
-                      generation_config: Mapping[str, Any] | None) -> HFTokenizer:
-    """The tokenizer of an HF folder (see the module docstring for where each piece comes from)."""
+                      generation_config: Mapping[str, Any] | None, n_model_vocab: int = 0) -> HFTokenizer:
+    """The tokenizer of an HF folder (see the module docstring for where each piece comes from).
+
+    ``n_model_vocab``: the rows of the model's output layer; ids from the tokenizer's size up to it are
+    padding, accepted and decoded as nothing."""
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise FormatError(f"{path}: missing (minfer reads HF tokenizers from tokenizer.json)")
@@ -138,8 +160,9 @@ def load_hf_tokenizer(directory: Path, config: Mapping[str, Any], tokenizer_conf
     if eos_id is not None:
         eog.add(eos_id)
     eog |= {i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content in _EOG_TEXTS}
-    return HFTokenizer(backend, tokens, _decoder_kind(spec.get("decoder")), model="hf", pre="tokenizer.json",
-                       bos_id=bos_id, eos_id=eos_id, eog_ids=frozenset(eog), add_bos=add_bos, add_eos=add_eos)
+    return HFTokenizer(backend, tokens, _decoder_kind(spec.get("decoder")), n_model_vocab, model="hf",
+                       pre="tokenizer.json", bos_id=bos_id, eos_id=eos_id, eog_ids=frozenset(eog), add_bos=add_bos,
+                       add_eos=add_eos)
 
 
 def load_hf_chat_template(directory: Path, tokenizer_config: Mapping[str, Any] | None) -> ChatTemplate | None:

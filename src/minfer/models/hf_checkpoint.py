@@ -121,11 +121,9 @@ class _Config:
             value = self.spec.defaults.get(name, default)
         return value
 
-    def int(self, name: str, default: int | None = None, required: bool = False) -> int:
+    def int(self, name: str, default: int | None = None) -> int:
         value = self.get(name, default)
         if value is None:
-            if required:
-                raise FormatError(f"{self.where}: missing field {name!r}")
             raise FormatError(f"{self.where}: missing field {name!r}")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise FormatError(f"{self.where}: field {name!r} must be a positive integer, got {value!r}")
@@ -143,11 +141,11 @@ class _Config:
 def hparams_from_hf_config(cfg: Mapping[str, Any], spec: HFArchitecture, n_vocab: int, where: Path) -> HParams:
     """Hyperparameters from ``config.json``, read as the transformers config class reads them."""
     c = _Config(cfg, spec, where)
-    n_embd = c.int("hidden_size", required=True)
-    n_layer = c.int("num_hidden_layers", required=True)
-    n_head = c.int("num_attention_heads", required=True)
-    n_ff = c.int("intermediate_size", required=True)
-    vocab_size = c.int("vocab_size", required=True)
+    n_embd = c.int("hidden_size")
+    n_layer = c.int("num_hidden_layers")
+    n_head = c.int("num_attention_heads")
+    n_ff = c.int("intermediate_size")
+    vocab_size = c.int("vocab_size")
     if vocab_size != n_vocab:
         raise ModelError(f"{where}: vocab_size is {vocab_size} but model.embed_tokens.weight has {n_vocab} rows")
     n_head_kv = c.int("num_key_value_heads", default=n_head)
@@ -259,7 +257,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     tied = cfg.get("tie_word_embeddings")
     if tied is None:
         tied = spec.defaults.get("tie_word_embeddings", True)
-    n_layer = _Config(cfg, spec, cfg_path).int("num_hidden_layers", required=True)
+    n_layer = _Config(cfg, spec, cfg_path).int("num_hidden_layers")
     tensors: dict[str, GGUFTensor] = {}
     origin: dict[str, tuple[str, Path]] = {}
     for hf_name, info in folder.infos.items():

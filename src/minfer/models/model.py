@@ -166,7 +166,8 @@ class TransformerModel:
             from minfer.formats.hf_tokenizer import load_hf_tokenizer
 
             h = self.hf
-            return load_hf_tokenizer(h.directory, h.config, h.tokenizer_config, h.generation_config)
+            return load_hf_tokenizer(h.directory, h.config, h.tokenizer_config, h.generation_config,
+                                     n_model_vocab=self.hparams.n_vocab)
         from minfer.formats.tokenizer import Tokenizer
 
         assert self.gguf is not None

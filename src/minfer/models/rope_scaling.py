@@ -211,9 +211,11 @@ def rope_scaling_from_gguf(f: Any, n_rot: int, n_ctx_train: int) -> RopeScaling:
 # --------------------------------------------------------------------------------------------------- HF
 
 
-def hf_rope_parameters(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+def hf_rope_parameters(cfg: Mapping[str, Any], where: str, layer_type: str = "full_attention") -> dict[str, Any]:
     """The RoPE parameters of a config.json, merged as transformers' ``standardize_rope_params`` does:
-    ``rope_parameters`` (transformers 5) or the older ``rope_scaling``, with a top-level ``rope_theta``."""
+    ``rope_parameters`` (transformers 5) or the older ``rope_scaling``, with a top-level ``rope_theta``.
+    Parameters nested by layer type (``{"full_attention": {...}, "sliding_attention": {...}}``) give
+    ``layer_type``'s."""
     params = cfg.get("rope_parameters")
     field = "rope_parameters"
     if params is None:
@@ -222,6 +224,8 @@ def hf_rope_parameters(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
         params = {}
     if not isinstance(params, Mapping):
         raise FormatError(f"{where}: field {field!r} must be an object, got {type(params).__name__}")
+    if isinstance(params.get(layer_type), Mapping):
+        params, field = params[layer_type], f"{field}.{layer_type}"
     out = dict(params)
     out.setdefault("rope_type", out.get("type", "default"))
     if "rope_theta" not in out and cfg.get("rope_theta") is not None:
