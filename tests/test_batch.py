@@ -20,9 +20,10 @@ from minfer.runtime.batch import (
     ShuttingDownError,
     Started,
     Token,
+    batch_buckets,
+    batch_kv_cache,
 )
 from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.kv_cache import KVCache
 
 ARCH = "qwen2"
 
@@ -63,7 +64,7 @@ def model():
 
 
 def make_scheduler(model, n_seq: int, n_ctx: int | None = None, batch_size: int = 512, max_queue: int = 16):
-    kv = KVCache(model.hparams, n_ctx or 64 * n_seq, n_seq=n_seq)
+    kv = batch_kv_cache(model.hparams, n_ctx or 64 * n_seq, n_seq)
     sched = BatchScheduler(ForwardRunner(model.transformer, model.backend, kv, max_plans=32), model.tokenizer,
                            batch_size=batch_size, max_queue=max_queue)
     sched.start()
@@ -240,3 +241,22 @@ def test_a_failing_request_fails_alone(model):
         sched.stop()
     assert isinstance(c.final(0), Failed) and "broken grammar" in str(c.final(0).error)
     assert c.tokens(1) == alone(model, prompts[1], max_tokens=8)
+
+
+def test_batches_are_padded_to_a_few_shapes(model):
+    """Mixed prefill + decode steps use bucketed token counts: only a handful of plans get built."""
+    sched = make_scheduler(model, n_seq=4, batch_size=64)
+    try:
+        rng = np.random.default_rng(1)
+        seq = fixture_sequences(ARCH)[2]
+        for _ in range(3):
+            prompts = [seq[: int(rng.integers(3, 33))] for _ in range(4)]
+            c = run_all(sched, model, prompts, max_tokens=5)
+            for i, p in enumerate(prompts):
+                assert c.tokens(i) == alone(model, p, max_tokens=5)
+        shapes = list(sched.runner._plans)
+    finally:
+        sched.stop()
+    buckets = set(batch_buckets(64))
+    assert all(n in buckets and o in buckets for n, o in shapes)
+    assert batch_buckets(512) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]

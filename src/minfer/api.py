@@ -26,7 +26,7 @@ from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, TokenStep, generate
-from minfer.runtime.kv_cache import KVCache
+from minfer.runtime.kv_cache import KVCache, common_prefix
 from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
 from minfer.trace.dump import Dumper
 from minfer.trace.tracer import Tracer
@@ -43,15 +43,6 @@ class Completion:
     completion_tokens: int
     logprobs: list[TokenLogprob]
     stats: GenerationStats
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def default_threads() -> int:

@@ -11,6 +11,12 @@ Prefix reuse: a finished request leaves its tokens in its slot. A new request ta
 cached tokens share the longest prefix with its prompt, or copies the longest shared prefix from any
 slot, and evaluates only the rest of its prompt.
 
+Batch shapes: every new (tokens, outputs) shape costs a graph build and its own buffers, and a mixed
+step's token count would otherwise be new almost every time. So a pass evaluates a bucketed number of
+tokens (1..8, then steps of about 1.5x up to the batch size): the spare rows are padding tokens at
+position 0 of one extra scratch sequence that nothing reads (its rows never mix with a real sequence's:
+each token attends to its own sequence only), and spare output rows repeat a real one.
+
 Everything that touches the model, the cache or a request's decoder runs on the scheduler thread;
 callers submit requests and receive events through the request's ``emit`` callback (called on that
 thread: hand them to another thread or event loop from there).
@@ -29,10 +35,29 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
+from minfer.models.hparams import HParams
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, SequenceDecoder, TokenStep
-from minfer.runtime.kv_cache import KVCache
+from minfer.runtime.kv_cache import KVCache, common_prefix
 from minfer.runtime.sampler import Sampler
+
+
+def batch_kv_cache(hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None) -> KVCache:
+    """A cache for ``n_slots`` sequences of ``n_ctx // n_slots`` positions each, plus the scratch
+    sequence the scheduler pads batches with."""
+    if n_slots < 1 or n_ctx < n_slots:
+        raise BadRequestError(f"a context of {n_ctx} cannot hold {n_slots} sequences")
+    capacity = n_ctx // n_slots
+    return KVCache(hparams, capacity * (n_slots + 1), cache_type, n_seq=n_slots + 1)
+
+
+def batch_buckets(batch_size: int) -> list[int]:
+    """Token counts a forward pass is padded to: 1..8, then about 1.5x apart, and ``batch_size``."""
+    sizes = list(range(1, 9))
+    while sizes[-1] < batch_size:
+        nxt = sizes[-1] * 3 // 2 if len(sizes) % 2 == 0 else sizes[-1] * 4 // 3
+        sizes.append(nxt)
+    return sorted({x for x in sizes if x < batch_size} | {batch_size})
 
 
 class QueueFullError(MinferError):
@@ -118,7 +143,8 @@ class BatchMetrics:
 
 
 class BatchScheduler:
-    """Serve :class:`BatchRequest` s from a bounded queue with up to ``kv.n_seq`` running at once.
+    """Serve :class:`BatchRequest` s from a bounded queue, up to ``kv.n_seq - 1`` running at once (the
+    runner's cache comes from :func:`batch_kv_cache`: its last sequence is the padding scratch).
 
     ``batch_size``: most tokens one forward pass evaluates (decodes first, then prompt chunks).
     ``max_queue``: requests waiting for a slot beyond which :meth:`submit` raises :class:`QueueFullError`.
@@ -138,6 +164,11 @@ class BatchScheduler:
             raise BadRequestError(f"max_queue must be >= 0, got {max_queue}")
         self.runner = runner
         self.kv: KVCache = runner.kv
+        if self.kv.n_seq < 2:
+            raise BadRequestError("the batch scheduler needs a cache from batch_kv_cache (one sequence + scratch)")
+        self.n_slots = self.kv.n_seq - 1
+        self._pad_seq = self.kv.n_seq - 1
+        self._buckets = batch_buckets(batch_size)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_queue = max_queue
@@ -153,10 +184,6 @@ class BatchScheduler:
         self._thread: threading.Thread | None = None
 
     # -- caller side (any thread) -----------------------------------------------------------------
-
-    @property
-    def n_slots(self) -> int:
-        return self.kv.n_seq
 
     @property
     def slot_context(self) -> int:
@@ -289,7 +316,7 @@ class BatchScheduler:
         free = [s for s in range(self.n_slots) if s not in busy]
         best_src, best_n = -1, 0
         for s in range(self.n_slots):
-            n = _common_prefix(self.kv.tokens(s), prompt, limit)
+            n = common_prefix(self.kv.tokens(s), prompt, limit)
             if n > best_n or (n == best_n and n > 0 and s in free and best_src not in free):
                 best_src, best_n = s, n
 
@@ -342,17 +369,33 @@ class BatchScheduler:
                 sampled.append(run)
         if not tokens:
             return
+        n_real, n_out = len(tokens), len(outputs)
+        pad = self._bucket(n_real) - n_real
+        tokens += [0] * pad
+        positions += [0] * pad
+        seqs += [self._pad_seq] * pad
+        spare = outputs[-1] if outputs else 0  # a pass of prompt chunks only still gets one (unused) output row
+        outputs += [spare] * (self._bucket(max(n_out, 1)) - n_out)
         t0 = time.perf_counter()
-        logits = self.runner.forward(tokens, positions, output_rows=outputs, seq_ids=seqs)
+        logits = self.runner.forward(tokens, positions, output_rows=outputs, seq_ids=seqs)[:n_out]
         t1 = time.perf_counter()
         for run in sampled:
             if run.next_token is None:
                 run.stats.prefill_seconds = t1 - run.started_at
         self._step += 1
         if self.metrics.on_step:
-            self.metrics.on_step(len(tokens), len(sampled), t1 - t0)
+            self.metrics.on_step(n_real, len(sampled), t1 - t0)
         for run, row in zip(sampled, logits, strict=True):
             self._advance(run, row)
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self._buckets if b >= n)
+
+    def warm_up(self) -> None:
+        """Prepare the plans of the decode shapes (1..n_slots sequences) before the first requests."""
+        for n in range(1, self.n_slots + 1):
+            b = self._bucket(n)
+            self.runner.plan(b, b)
 
     def _advance(self, run: _Running, logits: np.ndarray) -> None:
         try:
@@ -404,10 +447,3 @@ class BatchScheduler:
             run.request.emit(Failed(error))
             self._release(run)
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -17,7 +17,7 @@ can reuse a cached prefix instead of recomputing it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +35,16 @@ def check_cache_type(cache_type: str | None) -> str:
     if value not in CACHE_TYPES:
         raise BadRequestError(f"unknown KV cache type {value!r} (valid: {', '.join(CACHE_TYPES)})")
     return value
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit`` (how much of a prompt a
+    sequence's cached tokens already hold)."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def cell_bytes(cache_type: str, width: int) -> int:

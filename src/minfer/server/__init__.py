@@ -40,9 +40,8 @@ def serve(opts: ServeOptions) -> None:
     import uvicorn
 
     from minfer.api import load
-    from minfer.runtime.batch import BatchScheduler
+    from minfer.runtime.batch import BatchScheduler, batch_kv_cache
     from minfer.runtime.forward import ForwardRunner
-    from minfer.runtime.kv_cache import KVCache
     from minfer.server.app import ServerConfig, create_app
 
     if opts.parallel < 1:
@@ -50,9 +49,10 @@ def serve(opts: ServeOptions) -> None:
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
                  cache_type=opts.cache_type, quantize=opts.quantize)
     n_ctx = opts.ctx_size or min(model.hparams.n_ctx_train, DEFAULT_CTX_SIZE)
-    kv = KVCache(model.hparams, n_ctx, cache_type=opts.cache_type, n_seq=opts.parallel)
+    kv = batch_kv_cache(model.hparams, n_ctx, opts.parallel, cache_type=opts.cache_type)
     runner = ForwardRunner(model.transformer, model.backend, kv, max_plans=MAX_PLANS)
     scheduler = BatchScheduler(runner, model.tokenizer, batch_size=opts.batch_size, max_queue=opts.queue_size)
+    scheduler.warm_up()
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
     config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key)
     app = create_app(model, scheduler, config, shutdown_timeout=0.0)

@@ -61,7 +61,6 @@ class _Choice:
     prompt_index: int
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    token_texts: list[str] = field(default_factory=list)
     stats: GenerationStats | None = None
     cached_tokens: int = 0
     error: Exception | None = None
