@@ -7,7 +7,11 @@ themselves only read the committed files.
 Usage::
 
     /opt/refenv/bin/python scripts/make_fixtures.py --out DIR [--only llama,qwen2,qwen3]
-        [--tokenizers tests/fixtures] [--compare tests/fixtures]
+        [--tokenizers tests/fixtures] [--compare tests/fixtures] [--variants-only]
+
+Besides the base fixtures it writes their variants (``<name>/variants/<variant>/``: transformers'
+references for the same weights with Llama 3 / YaRN RoPE scaling, or rounded to bf16 / f16; see the
+"variants" section below) and ``rope_scaling_refs.json``; ``--variants-only`` writes just those.
 
 ``--out DIR`` receives one folder per fixture (``DIR/llama``, ...). Copy them over
 ``tests/fixtures/`` to update the committed fixtures. ``--compare REF`` compares every regenerated
