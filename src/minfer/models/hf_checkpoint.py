@@ -190,7 +190,7 @@ def hparams_from_hf_config(cfg: Mapping[str, Any], spec: HFArchitecture, n_vocab
     )
 
 
-def _sliding_window(cfg: Mapping[str, Any], n_layer: int, spec: HFArchitecture, where: Path) -> int | None:
+def _sliding_window(cfg: Mapping[str, Any], n_layer: int, spec: HFArchitecture, where: Path) -> int:
     """The attention window of the config's sliding layers; an error if a recipe without windows would need one."""
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
@@ -202,7 +202,7 @@ def _sliding_window(cfg: Mapping[str, Any], n_layer: int, spec: HFArchitecture, 
     else:
         sliding = []
     if not sliding:
-        return None
+        return 0
     raise ModelError(f"{where}: sliding-window attention (window {window}, layers {sliding[0]}..{sliding[-1]}) is "
                      f"not supported for {spec.model_type}")
 

@@ -28,7 +28,7 @@ class HParams:
     rms_eps: float
     attn_scale: float
     rope_scaling: RopeScaling = RopeScaling()  # Llama 3 / linear / YaRN (rope_freq_scale is its freq_scale)
-    sliding_window: int | None = None  # the checkpoint's attention window where one is active (HF config.json)
+    sliding_window: int = 0  # attention window of the sliding-window layers, 0 = none
 
     @property
     def n_group(self) -> int:

@@ -91,19 +91,24 @@ class RopeScaling:
         return f"{text} ({self.source})" if self.source else text
 
 
-def rope_meta(hp: Any, style: RopeStyle, n_head: int) -> RopeMeta:
-    """The RoPE node's meta for a model's hyperparameters (``HParams``), with its scaling applied."""
-    s: RopeScaling = hp.rope_scaling
+def rope_meta(hp: Any, style: RopeStyle, n_head: int, freq_base: float | None = None,
+              freq_scale: float | None = None, scaled: bool = True) -> RopeMeta:
+    """The RoPE node's meta for a model's hyperparameters (``HParams``), with its scaling applied.
+
+    ``freq_base`` / ``freq_scale`` override the model's (layers with their own RoPE, such as Gemma 3's
+    sliding-window ones); ``scaled=False`` leaves the scaling out (those layers are not scaled)."""
+    s: RopeScaling = hp.rope_scaling if scaled else RopeScaling()
+    base = hp.rope_freq_base if freq_base is None else freq_base
     return RopeMeta(
         n_head=n_head,
         head_dim=hp.head_dim_k,
         n_rot=hp.n_rot,
-        freq_base=hp.rope_freq_base,
-        freq_scale=hp.rope_freq_scale,
+        freq_base=base,
+        freq_scale=(hp.rope_freq_scale if scaled else 1.0) if freq_scale is None else freq_scale,
         style=style,
         freq_factors=s.freq_factors,
         ext_factor=s.ext_factor,
-        corr_dims=s.corr_dims(hp.n_rot, hp.rope_freq_base),
+        corr_dims=s.corr_dims(hp.n_rot, base),
         mscale=s.mscale,
     )
 
