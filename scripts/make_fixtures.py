@@ -7,7 +7,11 @@ themselves only read the committed files.
 Usage::
 
     /opt/refenv/bin/python scripts/make_fixtures.py --out DIR [--only llama,qwen2,qwen3]
-        [--tokenizers tests/fixtures] [--compare tests/fixtures]
+        [--tokenizers tests/fixtures] [--compare tests/fixtures] [--variants-only]
+
+Besides the base fixtures it writes their variants (``<name>/variants/<variant>/``: transformers'
+references for the same weights with Llama 3 / YaRN RoPE scaling, or rounded to bf16 / f16; see the
+"variants" section below) and ``rope_scaling_refs.json``; ``--variants-only`` writes just those.
 
 ``--out DIR`` receives one folder per fixture (``DIR/llama``, ...). Copy them over
 ``tests/fixtures/`` to update the committed fixtures. ``--compare REF`` compares every regenerated
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import math
@@ -189,18 +194,22 @@ class HParams:
     eps: float
     rope_base: float
     rope_interleaved: bool  # True: pairs (2i, 2i+1) (llama.cpp NORM); False: pairs (i, i+d/2) (NEOX)
+    inv_freq: tuple[float, ...] | None = None  # scaled RoPE frequencies (variants); None: 1 / base^(2i/d)
+    rope_mscale: float = 1.0  # cos/sin magnitude (YaRN attention factor)
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, base: float, interleaved: bool) -> np.ndarray:
+def _rope(
+    x: np.ndarray, base: float, interleaved: bool, inv_freq: tuple[float, ...] | None = None, mscale: float = 1.0
+) -> np.ndarray:
     """Rotate ``x`` of shape [tokens, heads, head_dim]; positions are 0..tokens-1."""
     n_tok, _, d = x.shape
-    inv_freq = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = np.arange(n_tok, dtype=np.float64)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    freqs = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d) if inv_freq is None else np.asarray(inv_freq)
+    ang = np.arange(n_tok, dtype=np.float64)[:, None] * freqs[None, :]
+    cos, sin = mscale * np.cos(ang)[:, None, :], mscale * np.sin(ang)[:, None, :]
     out = np.empty_like(x)
     if interleaved:
         a, b = x[..., 0::2], x[..., 1::2]
@@ -245,8 +254,8 @@ def numpy_forward(
         if not skip_qk_norm and p + "attn_q_norm.weight" in w:
             q = _rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
             k = _rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
-        q = _rope(q, hp.rope_base, hp.rope_interleaved)
-        k = _rope(k, hp.rope_base, hp.rope_interleaved)
+        q = _rope(q, hp.rope_base, hp.rope_interleaved, hp.inv_freq, hp.rope_mscale)
+        k = _rope(k, hp.rope_base, hp.rope_interleaved, hp.inv_freq, hp.rope_mscale)
         heads = []
         for hd in range(hp.n_head):
             kh, vh = k[:, kv_of_head[hd]], v[:, kv_of_head[hd]]
@@ -832,6 +841,224 @@ def compare_dirs(new: Path, ref: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
+# variants: the same weights with a scaled RoPE, or rounded to bf16 / f16. Only references are written
+# (``<name>/variants/<variant>/``); the tests derive the HF folder and the GGUF file of a variant from the
+# base fixture's files at test time, so the weights are not committed twice.
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeVariant:
+    base: str  # the fixture whose weights it reuses
+    name: str
+    rope_parameters: dict[str, Any]  # config.json rope_parameters (transformers 5)
+
+
+ROPE_VARIANTS = (
+    # a short original context so that all three Llama 3 regimes occur with head dim 16 (pair 0 kept,
+    # pairs 1-2 smoothed, pairs 3-7 divided by 8) and the scaling visibly changes 33-token logits
+    RopeVariant("llama", "llama3", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
+    # YaRN as Qwen3 long-context checkpoints use it, with a short original context and a non-default beta
+    RopeVariant("qwen3", "yarn", {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 1.0}),
+)
+# variant -> (torch dtype, fixtures): bf16 for every architecture, f16 (the same code path) for one
+DTYPE_VARIANTS = {"bf16": ("bfloat16", ("llama", "qwen2", "qwen3")), "f16": ("float16", ("llama",))}
+
+
+def llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> list[float]:
+    """``rope_freqs.weight`` as llama.cpp's convert_hf_to_gguf.py computes it for ``rope_type: llama3``
+    (float32 torch), except that the original context comes from the rope parameters: the converter reads a
+    top-level ``original_max_position_embeddings`` (default 8192), which would describe another model here."""
+    import torch
+
+    base = rope["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            out.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return [float(np.float32(v)) for v in out]
+
+
+def yarn_llamacpp(n_rot: int, base: float, factor: float, n_ctx_orig: int, beta_fast: float,
+                  beta_slow: float) -> tuple[np.ndarray, float]:
+    """Per-pair frequencies and cos/sin magnitude of llama.cpp's YaRN (``rope_yarn``,
+    ``ggml_rope_yarn_corr_dims``, ``yarn_attn_factor``), in float64: independent of transformers' code."""
+
+    def corr_dim(n_rotations: float) -> float:
+        return n_rot * math.log(n_ctx_orig / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    extrap = base ** (-2.0 * i / n_rot)
+    interp = extrap / factor
+    ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)
+    return interp * (1 - ramp) + extrap * ramp, 1.0 + 0.1 * math.log(factor)
+
+
+def _weights_equal_base(model: Any, base_hf: Path) -> bool:
+    from safetensors.numpy import load_file
+
+    saved = load_file(base_hf / "model.safetensors")
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return all(np.array_equal(state[k], v) for k, v in saved.items())
+
+
+def make_rope_variant(variant: RopeVariant, base_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """References for the base fixture's weights with ``variant.rope_parameters``; returns the self-check."""
+    import tempfile
+
+    spec = SPECS[variant.base]
+    vspec = dataclasses.replace(spec, config={**spec.config, "rope_parameters": dict(variant.rope_parameters)})
+    model = build_model(vspec)
+    if not _weights_equal_base(model, base_dir / "hf"):
+        raise RuntimeError(f"{variant.name}: the weights differ from {base_dir / 'hf'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _ = save_hf_dir(vspec, model, base_dir / "hf" / "tokenizer.json", Path(tmp) / "hf")
+        config_text = (Path(tmp) / "hf" / "config.json").read_text(encoding="utf-8")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(config_text, encoding="utf-8")
+    sequences = json.loads((base_dir / "tokens.json").read_text(encoding="utf-8"))["sequences"]
+    logits = [hf_logits(model, seq) for seq in sequences]
+    np.save(out_dir / "logits_2.npy", logits[-1])  # the 33-token sequence: every position 0..32
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.double().numpy()
+    mscale = float(rotary.attention_scaling)
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = variant.rope_parameters
+    base_freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    gguf_kv: dict[str, Any] = {}
+    rope_freqs = None
+    if rope["rope_type"] == "llama3":
+        rope_freqs = llama3_rope_freqs(rope, head_dim)
+        gguf_freqs, gguf_mscale = base_freqs / np.asarray(rope_freqs, dtype=np.float64), 1.0
+    else:
+        arch = spec.arch
+        gguf_kv = {f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": rope["factor"],
+                   f"{arch}.rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+                   f"{arch}.rope.scaling.yarn_beta_fast": rope["beta_fast"],
+                   f"{arch}.rope.scaling.yarn_beta_slow": rope["beta_slow"]}
+        gguf_freqs, gguf_mscale = yarn_llamacpp(head_dim, rope["rope_theta"], rope["factor"],
+                                                rope["original_max_position_embeddings"], rope["beta_fast"],
+                                                rope["beta_slow"])
+
+    # independent checks: the numpy forward with transformers' frequencies from the HF weights, and with
+    # llama.cpp's (rope_freqs.weight / YaRN keys) from the GGUF-layout weights, both reproduce the logits
+    hf_tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        hf_tensors.pop("lm_head.weight", None)
+    w_hf = {n: t.astype(np.float64) for n, t in
+            hf_to_gguf_tensors(dataclasses.replace(spec, qk_permuted=False), cfg, hf_tensors).items()}
+    w_gguf = {n: t.astype(np.float64) for n, t in hf_to_gguf_tensors(spec, cfg, hf_tensors).items()}
+    hp = HParams(n_layer=cfg.num_hidden_layers, n_head=cfg.num_attention_heads, n_head_kv=cfg.num_key_value_heads,
+                 head_dim=head_dim, eps=cfg.rms_norm_eps, rope_base=rope["rope_theta"], rope_interleaved=False,
+                 inv_freq=tuple(inv_freq), rope_mscale=mscale)
+    hp_gguf = dataclasses.replace(hp, rope_interleaved=spec.qk_permuted, inv_freq=tuple(gguf_freqs),
+                                  rope_mscale=gguf_mscale)
+    unscaled = dataclasses.replace(hp, inv_freq=None, rope_mscale=1.0)
+    check = {
+        "numpy_vs_hf_transformers_freqs": max(float(np.abs(numpy_forward(w_hf, hp, s) - lg).max())
+                                              for s, lg in zip(sequences, logits, strict=True)),
+        "numpy_vs_hf_llamacpp_freqs_gguf_layout": max(float(np.abs(numpy_forward(w_gguf, hp_gguf, s) - lg).max())
+                                                      for s, lg in zip(sequences, logits, strict=True)),
+        "llamacpp_vs_transformers_freqs_max_rel": float(np.abs(gguf_freqs / inv_freq - 1).max()),
+        "llamacpp_vs_transformers_mscale": gguf_mscale - mscale,
+        "scaling_effect_vs_unscaled": float(np.abs(numpy_forward(w_hf, unscaled, sequences[-1]) - logits[-1]).max()),
+    }
+    _dump_json(out_dir / "meta.json", {
+        "base": variant.base,
+        "rope_parameters": rope,
+        "transformers": {"inv_freq": inv_freq.tolist(), "attention_scaling": mscale},
+        "gguf": {"metadata": gguf_kv, "rope_freqs": rope_freqs},
+        "self_check": check,
+        "versions": _versions(),
+    })
+    return check
+
+
+def make_dtype_variant(name: str, dtype: str, base_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """transformers' fp32 logits of the 33-token sequence with every weight rounded to ``dtype`` first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir / "hf", dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(getattr(torch, dtype)).float())
+    seq = json.loads((base_dir / "tokens.json").read_text(encoding="utf-8"))["sequences"][-1]
+    lg = hf_logits(model.eval(), seq)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    np.save(out_dir / "logits_2.npy", lg)
+    w = {n: t.astype(np.float64) for n, t in read_gguf_weights(base_dir / "model-f32.gguf").items()}
+    rounded = {n: torch.from_numpy(t.astype(np.float32)).to(getattr(torch, dtype)).double().numpy()
+               for n, t in w.items()}
+    hp = gguf_hparams(base_dir / "model-f32.gguf")
+    check = {
+        "numpy_vs_hf": float(np.abs(numpy_forward(rounded, hp, seq) - lg).max()),
+        "vs_fp32_logits": float(np.abs(lg - np.load(base_dir / "logits_2.npy")).max()),
+        "max_rel_weight_rounding": max(float((np.abs(rounded[n] - t) / np.maximum(np.abs(t), 1e-30)).max())
+                                       for n, t in w.items()),
+    }
+    _dump_json(out_dir / "meta.json", {"base": name, "dtype": dtype, "self_check": check, "versions": _versions()})
+    return check
+
+
+ROPE_REF_CASES: tuple[dict[str, Any], ...] = (
+    {"head_dim": 16, "max_position_embeddings": 256, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
+                                                                          "factor": 2.0}},
+    {"head_dim": 16, "max_position_embeddings": 256, "rope_parameters": ROPE_VARIANTS[0].rope_parameters},
+    {"head_dim": 128, "max_position_embeddings": 131072,
+     "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    {"head_dim": 32, "max_position_embeddings": 256, "rope_parameters": ROPE_VARIANTS[1].rope_parameters},
+    {"head_dim": 128, "max_position_embeddings": 131072,
+     "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                         "original_max_position_embeddings": 32768}},
+    {"head_dim": 64, "max_position_embeddings": 16384,
+     "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 4096, "truncate": False, "attention_factor": 0.9}},
+    {"head_dim": 64, "max_position_embeddings": 163840,
+     "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 0.707, "mscale_all_dim": 0.707}},
+    {"head_dim": 64, "max_position_embeddings": 163840,
+     "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5}},
+)
+
+
+def make_rope_refs(path: Path) -> None:
+    """transformers' ``ROPE_INIT_FUNCTIONS`` (inverse frequencies, attention factor) for a few configs."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cases = []
+    for case in ROPE_REF_CASES:
+        cfg = LlamaConfig(hidden_size=4 * case["head_dim"], num_attention_heads=4, head_dim=case["head_dim"],
+                          max_position_embeddings=case["max_position_embeddings"],
+                          rope_parameters=dict(case["rope_parameters"]))
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[case["rope_parameters"]["rope_type"]](cfg)
+        cases.append({"config": case, "inv_freq": inv_freq.double().tolist(), "attention_factor": attention_factor})
+    _dump_json(path, {"note": "transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS on LlamaConfig(**config)",
+                      "cases": cases, "versions": _versions()})
+
+
+# ---------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -852,6 +1079,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="compare the output with this fixture folder (e.g. tests/fixtures)",
     )
+    ap.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="skip the base fixtures; write the variants (and rope_scaling_refs.json) from the base fixtures "
+        "already in --out (or in tests/fixtures when --out has none)",
+    )
     args = ap.parse_args(argv)
 
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -859,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown fixture(s) {unknown}; choose from {list(SPECS)}")
     ok = True
-    for name in names:
+    for name in [] if args.variants_only else names:
         tokenizer_json = args.tokenizers / name / "hf" / "tokenizer.json"
         print(f"[{name}] building into {args.out / name} (tokenizer {tokenizer_json})")
         check = make_fixture(SPECS[name], args.out / name, tokenizer_json)
@@ -886,7 +1119,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] comparison with {args.compare / name}:")
             same = compare_dirs(args.out / name, args.compare / name)
             print(f"[{name}] {'all files bit-equal' if same else 'some files differ (see above)'}")
+    ok = make_variants(names, args.out, args.compare) and ok
     return 0 if ok else 1
+
+
+def make_variants(names: list[str], out: Path, compare: Path | None) -> bool:
+    ok = True
+    for name in names:
+        base_dir = out / name if (out / name / "hf").is_dir() else DEFAULT_TOKENIZERS / name
+        jobs: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
+            (v.name, functools.partial(make_rope_variant, v, base_dir)) for v in ROPE_VARIANTS if v.base == name
+        ]
+        jobs += [(v, functools.partial(make_dtype_variant, name, t, base_dir))
+                 for v, (t, bases) in DTYPE_VARIANTS.items() if name in bases]
+        for vname, job in jobs:
+            vdir = out / name / "variants" / vname
+            check = job(vdir)
+            if "numpy_vs_hf" in check:
+                good = check["numpy_vs_hf"] <= TOL
+            else:
+                good = (check["numpy_vs_hf_transformers_freqs"] <= TOL
+                        and check["numpy_vs_hf_llamacpp_freqs_gguf_layout"] <= TOL
+                        and check["scaling_effect_vs_unscaled"] > MIN_BUG_EFFECT)
+            print(f"[{name}/{vname}] self-check {'passed' if good else 'FAILED'}: {check}")
+            ok = ok and good
+            if compare is not None and (compare / name / "variants" / vname).is_dir():
+                same = compare_dirs(vdir, compare / name / "variants" / vname)
+                print(f"[{name}/{vname}] {'all files bit-equal' if same else 'some files differ (see above)'}")
+    make_rope_refs(out / "rope_scaling_refs.json")
+    print(f"[rope] transformers' RoPE scaling references written to {out / 'rope_scaling_refs.json'}")
+    return ok
 
 
 if __name__ == "__main__":

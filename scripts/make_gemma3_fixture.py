@@ -36,7 +36,8 @@ Recipe:
    .npy``, ``embeddings.npy`` (the scaled embeddings, input of layer 0), ``layer_outputs.npy``,
    ``final_norm.npy``, ``hidden_states.npy``, ``greedy.json`` + ``greedy_logits.npy``, ``q8_0_ref/``
    (float64 numpy forward over the dequantized Q8_0 weights), ``chat.json`` (transformers'
-   ``apply_chat_template`` of a few conversations), ``meta.json``.
+   ``apply_chat_template`` of a few conversations), ``meta.json``; and ``variants/bf16/`` (transformers'
+   logits of the 33-token sequence with the HF weights rounded to bf16, as make_fixtures.py's variants).
 
 Self-check (the script exits non-zero when it fails): a float64 numpy Gemma 3 forward written here from
 the GGUF's weights reproduces transformers' logits within ``TOL``; each plausible engine bug (window off by
@@ -665,6 +666,38 @@ def make_fixture(out_dir: Path) -> dict[str, Any]:
     }
 
 
+def make_bf16_variant(out_dir: Path) -> dict[str, Any]:
+    """``variants/bf16``: transformers' fp32 logits of the 33-token sequence with every HF weight rounded to
+    bf16 first (Gemma's norm weights w rounded, then 1 + w in float32, as an HF bf16 folder gives them)."""
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir / "hf", dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    seq = json.loads((out_dir / "tokens.json").read_text(encoding="utf-8"))["sequences"][-1]
+    lg = mf.hf_logits(model.eval(), seq)
+    vdir = out_dir / "variants" / "bf16"
+    vdir.mkdir(parents=True, exist_ok=True)
+    np.save(vdir / "logits_2.npy", lg)
+    hf = load_file(out_dir / "hf" / "model.safetensors")
+    rounded = {n: torch.from_numpy(t).to(torch.bfloat16).float().numpy() for n, t in hf.items()}
+    w = {n: t.astype(np.float64) for n, t in gguf_tensors(rounded).items()}
+    check = {
+        "numpy_vs_hf": float(np.abs(numpy_forward(w, fixture_hparams(), seq) - lg).max()),
+        "vs_fp32_logits": float(np.abs(lg - np.load(out_dir / "logits_2.npy")).max()),
+        "max_rel_weight_rounding": max(
+            float((np.abs(rounded[n] - t) / np.maximum(np.abs(t), 1e-30)).max()) for n, t in hf.items()
+        ),
+    }
+    mf._dump_json(
+        vdir / "meta.json", {"base": NAME, "dtype": "bfloat16", "self_check": check, "versions": mf._versions()}
+    )
+    return check
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (gets a gemma3/ sub-folder)")
@@ -677,7 +710,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(tolerance {TOL:g})"
     )
     print(f"[{NAME}] simulated bugs, max |delta logits|: " + ", ".join(f"{k} {v:.3g}" for k, v in bugs.items()))
+    bf16 = make_bf16_variant(args.out / NAME)
+    print(
+        f"[{NAME}] bf16 variant: numpy vs transformers {bf16['numpy_vs_hf']:.3g}, "
+        f"vs fp32 logits {bf16['vs_fp32_logits']:.3g}"
+    )
     good = check["numpy_vs_hf_from_gguf_f32"] <= TOL and check["greedy_cache_matches_no_cache"]
+    good = good and bf16["numpy_vs_hf"] <= TOL
     good = good and all(v > (MIN_GELU_EFFECT if k == "exact_gelu" else MIN_BUG_EFFECT) for k, v in bugs.items())
     print(f"[{NAME}] self-check {'passed' if good else 'FAILED'}: {check}")
     if args.compare is not None:

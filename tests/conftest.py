@@ -41,3 +41,114 @@ def gemma3_270m_path() -> Path:
     from minfer.pull import pull
 
     return pull("gemma3-270m", progress=False)
+
+
+# --- folders and files derived from the fixtures at test time ---------------------------------------
+
+
+def copy_hf_folder(dst: Path, arch: str = "llama", config: dict | None = None, weights: bool = True) -> Path:
+    """A copy of a fixture's ``hf/`` folder at ``dst`` (safetensors left out unless ``weights``), with
+    ``config.json`` replaced by ``config`` when given."""
+    import shutil
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in (fixture_dir(arch) / "hf").iterdir():
+        if weights or not f.name.endswith(".safetensors"):
+            shutil.copy(f, dst / f.name)
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def read_safetensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, raw bytes) of a safetensors file, in file order (independent of minfer)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        b, end = e["data_offsets"]
+        out[name] = (e["dtype"], e["shape"], raw[8 + n + b : 8 + n + end])
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
+    """Write a safetensors file by hand (numpy has no bfloat16): header padded to 8 bytes, then the data."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for _, _, data in tensors.values():
+            f.write(data)
+
+
+def to_bf16_bytes(x: np.ndarray) -> bytes:
+    """float32 -> bfloat16 rounded to nearest even (as torch's ``.to(torch.bfloat16)``), as raw bytes."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16).tobytes()
+
+
+def convert_hf_folder(dst: Path, arch: str, dtype: str) -> Path:
+    """The fixture's HF folder with every tensor stored as ``dtype`` (``F16`` or ``BF16``)."""
+    copy_hf_folder(dst, arch, weights=False)
+    out = {}
+    for name, (_, shape, data) in read_safetensors(fixture_dir(arch) / "hf" / "model.safetensors").items():
+        x = np.frombuffer(data, np.float32)
+        out[name] = (dtype, shape, to_bf16_bytes(x) if dtype == "BF16" else x.astype(np.float16).tobytes())
+    write_safetensors(dst / "model.safetensors", out)
+    return dst
+
+
+def derive_gguf(src: Path, dst: Path, kv: dict | None = None, tensors: dict[str, np.ndarray] | None = None,
+                transform=None) -> Path:
+    """A copy of GGUF ``src`` with metadata ``kv`` added (or replaced), extra F32 ``tensors`` appended, and each
+    tensor passed through ``transform(name, float32 array) -> (array, raw_dtype or None)`` when given."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    kv = dict(kv or {})
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in kv:
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    for key, value in kv.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_float32(key, float(value))
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if transform is None:
+            w.add_tensor(t.name, np.ascontiguousarray(np.asarray(t.data)), raw_shape=np.asarray(t.data).shape,
+                         raw_dtype=t.tensor_type)
+            continue
+        out, raw_dtype = transform(t.name, np.ascontiguousarray(arr, np.float32))
+        if raw_dtype is None:
+            w.add_tensor(t.name, out)
+        else:
+            w.add_tensor(t.name, out, raw_shape=out.shape, raw_dtype=raw_dtype)
+    for name, arr in (tensors or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def variant_dir(arch: str, name: str) -> Path:
+    return fixture_dir(arch) / "variants" / name

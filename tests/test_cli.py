@@ -38,7 +38,7 @@ def test_inspect_prints_metadata_and_hparams():
     r = minfer("inspect", QWEN3, "--tensors")
     assert r.returncode == 0, r.stderr
     assert "architecture: qwen3" in r.stdout
-    assert "head_dim_k = 32" in r.stdout and "qk norm = True" in r.stdout
+    assert "head_dim_k = 32" in r.stdout and "QK-norm" in r.stdout
     assert "blk.0.attn_q_norm.weight" in r.stdout
 
 

@@ -66,23 +66,25 @@ class Model:
         trace: str | os.PathLike[str] | None = None,
         dump_dir: str | os.PathLike[str] | None = None,
         dump_filter: str | None = None,
+        quantize: str | None = None,
     ) -> None:
-        self.transformer = TransformerModel.from_gguf(path)
-        self.path = self.transformer.path
-        hp = self.transformer.hparams
-        if n_ctx is None:
-            n_ctx = min(hp.n_ctx_train, DEFAULT_N_CTX)
-        if not isinstance(n_ctx, int) or n_ctx < 1:
+        if n_ctx is not None and (not isinstance(n_ctx, int) or n_ctx < 1):
             raise BadRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
         if threads is None:
             threads = default_threads()
         if not isinstance(threads, int) or threads < 1:
             raise BadRequestError(f"threads must be a positive integer, got {threads!r}")
+        self.transformer = TransformerModel.from_path(path, quantize=quantize, threads=threads)
+        self.path = self.transformer.path
+        hp = self.transformer.hparams
+        if n_ctx is None:
+            n_ctx = min(hp.n_ctx_train, DEFAULT_N_CTX)
         self.n_ctx = n_ctx
         self.threads = threads
-        metadata = self.transformer.gguf.metadata
-        self.tokenizer = Tokenizer.from_gguf_metadata(metadata, source=str(self.path))
-        self.chat_template = ChatTemplate.from_gguf_metadata(metadata, self.tokenizer)
+        self.tokenizer: Tokenizer = self.transformer.load_tokenizer()
+        self.chat_template: ChatTemplate | None = self.transformer.load_chat_template(self.tokenizer)
+        # sampling defaults the checkpoint ships (HF generation_config.json); explicit arguments win
+        self.generation_defaults: dict[str, Any] = self.transformer.generation_defaults()
         self.backend = CPUBackend(threads=threads, kernels=kernels)
         self.kv = KVCache(hp, n_ctx, cache_type=cache_type)
         trace = trace or os.environ.get("MINFER_TRACE") or None
@@ -137,7 +139,8 @@ class Model:
         unknown = sorted(set(sampling) - set(fields))
         if unknown:
             raise BadRequestError(f"unknown sampling parameter {unknown[0]!r} (known: {', '.join(fields)})")
-        return Sampler(SamplingParams(**sampling), token_text=self.tokenizer.token_bytes)
+        params = SamplingParams(**{**self.generation_defaults, **sampling})
+        return Sampler(params, token_text=self.tokenizer.token_bytes)
 
     def _prompt_ids(self, prompt: str | Sequence[int], add_special: bool) -> list[int]:
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
@@ -249,7 +252,8 @@ class Model:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
-            raise BadRequestError(f"{self.path} has no chat template (tokenizer.chat_template)")
+            where = "tokenizer_config.json chat_template" if self.transformer.hf else "tokenizer.chat_template"
+            raise BadRequestError(f"{self.path} has no chat template ({where})")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
     # -- evaluation -------------------------------------------------------------------------------
@@ -288,8 +292,13 @@ def load(
     trace: str | os.PathLike[str] | None = None,
     dump_dir: str | os.PathLike[str] | None = None,
     dump_filter: str | None = None,
+    quantize: str | None = None,
 ) -> Model:
-    """Load a GGUF model: a file path, or a known model name such as ``"smollm2"`` (pulled on first use).
+    """Load a model: a GGUF file, a Hugging Face model folder (config.json, safetensors, tokenizer.json), or
+    a known model name such as ``"smollm2"`` (pulled on first use).
+
+    ``quantize``: ``"q8_0"`` or ``"q4_k"`` quantizes the float weight matrices at load time (HF folders
+    hold f32/f16/bf16 weights; see :mod:`minfer.formats.quantize`).
 
     ``kernels``: ``"fast"`` (compiled, the default) or ``"reference"`` (plain numpy); the environment
     variable ``MINFER_KERNELS`` sets the default. ``cache_type``: KV cells ``"f32"`` (default), ``"f16"``
@@ -300,4 +309,4 @@ def load(
     :mod:`minfer.trace.dump`).
     """
     return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
-                 trace=trace, dump_dir=dump_dir, dump_filter=dump_filter)
+                 trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize)

@@ -68,7 +68,7 @@ class BenchReport:
 def weight_bytes_per_token(model: Model) -> int:
     """Bytes of weights one decode step reads: every tensor, except that the embedding gives one row."""
     total = 0
-    for t in model.transformer.gguf.tensors.values():
+    for t in model.transformer.tensors.values():
         if t.name == "token_embd.weight" and not model.transformer.tied_output:
             total += t.nbytes // t.shape[0]
         else:
@@ -76,24 +76,31 @@ def weight_bytes_per_token(model: Model) -> int:
     return total
 
 
+def _file_bytes(path: Path) -> int:
+    """Size of a model file, or of an HF folder's safetensors files."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    return path.stat().st_size
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int],
-               reps: int, report: BenchReport | None = None) -> BenchReport:
+               reps: int, report: BenchReport | None = None, quantize: str | None = None) -> BenchReport:
     n_ctx = max([*prompts, *gens, 1])
     report_ = report
     for t in threads:
         t0 = time.perf_counter()
-        model = Model(model_path, n_ctx=n_ctx, threads=t)
+        model = Model(model_path, n_ctx=n_ctx, threads=t, quantize=quantize)
         load_s = time.perf_counter() - t0
         if report_ is None:
             hp = model.hparams
             report_ = BenchReport(
                 model=model.path.name,
-                model_bytes=model.path.stat().st_size,
-                n_params=sum(int(np.prod(x.shape)) for x in model.transformer.gguf.tensors.values()),
+                model_bytes=_file_bytes(model.path),
+                n_params=sum(int(np.prod(x.shape)) for x in model.transformer.tensors.values()),
                 weight_bytes_per_token=weight_bytes_per_token(model),
                 load_s=load_s,
                 kv_bytes_per_position=hp.kv_f32_bytes_per_position,
@@ -167,13 +174,13 @@ def markdown(report: BenchReport) -> str:
 
 
 def bench(model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int], reps: int,
-          compare: bool = False, peer_python: dict[str, str] | None = None) -> BenchReport:
+          compare: bool = False, peer_python: dict[str, str] | None = None, quantize: str | None = None) -> BenchReport:
     """Run the tests; with ``compare`` also the peers (``peer_python`` maps an engine to its interpreter)."""
     if reps < 1:
         raise BadRequestError(f"repetitions must be >= 1, got {reps}")
     if any(n < 1 for n in [*prompts, *gens]) or any(t < 1 for t in threads):
         raise BadRequestError("test sizes and thread counts must be positive")
-    report = run_minfer(model_path, prompts, gens, threads, reps)
+    report = run_minfer(model_path, prompts, gens, threads, reps, quantize=quantize)
     if compare:
         for engine in ("llama.cpp", "transformers"):
             python = (peer_python or {}).get(engine, sys.executable)

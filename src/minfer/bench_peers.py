@@ -33,6 +33,8 @@ def _random_tokens(n: int, vocab: int, seed: int) -> list[int]:
 def bench_llamacpp(model: Path, prompts: list[int], gens: list[int], threads: list[int], reps: int) -> dict:
     import llama_cpp
 
+    if model.is_dir():
+        raise ValueError("llama.cpp reads GGUF files, not HF folders (convert the folder to compare)")
     out: dict = {"engine": "llama.cpp", "version": f"llama-cpp-python {llama_cpp.__version__}", "records": []}
     n_ctx = max(prompts + gens) + 8
     for t in threads:
@@ -68,7 +70,10 @@ def bench_transformers(model: Path, prompts: list[int], gens: list[int], threads
     out: dict = {"engine": "transformers", "version": f"transformers {transformers.__version__}, "
                  f"torch {torch.__version__}, float32", "records": []}
     t0 = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, torch_dtype=torch.float32).eval()
+    if model.is_dir():  # an HF folder: its own weights, in float32
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32).eval()
     out["load_s"] = time.perf_counter() - t0
     vocab = hf.config.vocab_size
     for t in threads:

@@ -106,7 +106,13 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
+def _add_quantize_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default=None, choices=["q8_0", "q4_k"],
+                   help="quantize the float weight matrices at load (HF folders: f32/f16/bf16 safetensors)")
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    _add_quantize_flag(p)
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
     p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
                    help="context size in tokens (default: the model's, at most 4096)")
@@ -118,12 +124,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minfer", description="Run GGUF language models on the CPU.")
+    parser = argparse.ArgumentParser(prog="minfer",
+                                     description="Run GGUF and Hugging Face language models on the CPU.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     run = sub.add_parser("run", help="generate text from a prompt",
-                         description="Generate text. MODEL is a GGUF path or a known model name "
+                         description="Generate text. MODEL is a GGUF file, an HF model folder (config.json, "
+                         "safetensors, tokenizer.json) or a known model name "
                          f"({', '.join(KNOWN_MODELS)}; default {DEFAULT_MODEL}, pulled on first use).")
     run.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="the model (optional) and the prompt")
     _add_sampling_flags(run)
@@ -141,17 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
                      "(also $MINFER_DUMP_FILTER; default: every node)")
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat (type /help inside)")
-    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF file, HF model folder or known model name")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--load", default=None, metavar="FILE", help="resume a saved session")
     _add_sampling_flags(chat)
     _add_model_flags(chat)
 
     insp = sub.add_parser("inspect", help="show a model's metadata, tensors and compute graph")
-    insp.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    insp.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF file, HF model folder or known model name")
     insp.add_argument("--tensors", action="store_true", help="list every tensor")
     insp.add_argument("--graph", action="store_true", help="print the compute graph of one forward pass")
-    insp.add_argument("--format", choices=["text", "dot", "json"], default="text", help="graph format (default: text)")
+    insp.add_argument("--format", choices=["text", "dot", "json"], default="text",
+                      help="output format: text or json for the summary; text, dot or json for --graph")
+    _add_quantize_flag(insp)
     insp.add_argument("--tokens", type=int, default=1, help="tokens in the graph's batch (default: 1)")
     insp.add_argument("--layer", type=int, action="append", default=None,
                       help="only show this layer's nodes (repeatable; text and dot)")
@@ -161,20 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="context size for --kv (default: the model's, at most 4096)")
 
     ppl = sub.add_parser("perplexity", help="perplexity of a text file (the llama-perplexity method)")
-    ppl.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    ppl.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF file, HF model folder or known model name")
     ppl.add_argument("-f", "--file", required=True, help="text file to score")
     ppl.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=512, help="chunk size in tokens (default: 512)")
     ppl.add_argument("-b", "--batch-size", dest="batch", type=int, default=None,
                      help="tokens per forward pass (default: the chunk size)")
     ppl.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
+    _add_quantize_flag(ppl)
 
     bench = sub.add_parser("bench", help="throughput of prompt processing and generation (llama-bench style)")
-    bench.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    bench.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF file, HF model folder or known model name")
     bench.add_argument("-p", "--n-prompt", default="128,512", help="prompt sizes, comma-separated (default: 128,512)")
     bench.add_argument("-n", "--n-gen", default="128", help="generation lengths, comma-separated (default: 128)")
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="runs per test after a warm-up (default: 3)")
     bench.add_argument("-t", "--threads", default=None, help="thread counts, comma-separated (default: the cores)")
     bench.add_argument("--json", action="store_true", help="print a JSON list of records instead of a table")
+    _add_quantize_flag(bench)
     bench.add_argument("--compare", action="store_true",
                        help="also run llama.cpp (llama-cpp-python) and HF transformers on the same file")
     bench.add_argument("--peer-python", action="append", default=[], metavar="ENGINE=PYTHON",
@@ -184,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="the model (optional) and the prompt")
     tr.add_argument("--html", required=True, metavar="FILE", help="where to write the page")
     tr.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None, help="context size")
+    _add_quantize_flag(tr)
 
     cmp = sub.add_parser("compare-dumps", help="compare two dump folders node by node")
     cmp.add_argument("a", help="dump folder (minfer run --dump-dir)")
@@ -193,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                          description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
-    srv.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF path or known model name")
+    srv.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF file, HF model folder or known model name")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
     srv.add_argument("-np", "--parallel", type=int, default=4,
@@ -210,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
     srv.add_argument("--cache-type", default=None, choices=["f32", "f16", "q8_0"],
                      help="KV cache cells (default: $MINFER_CACHE_TYPE or f32)")
+    _add_quantize_flag(srv)
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -228,7 +242,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise MinferError(f"run takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
     model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
-                        trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter)
+                        trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter, quantize=args.quantize)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
@@ -277,7 +291,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.logprobs is not None:
         raise MinferError("--logprobs is printed by `minfer run`, not in the chat")
-    model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type)
+    model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
+                        quantize=args.quantize)
     sampling = _sampling_kwargs(args)
     conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)
     turn = dict(stop=args.stop, context_shift=args.context_shift, n_keep=args.keep, **_constraint_kwargs(args))
@@ -341,9 +356,9 @@ def _fmt_bytes(n: float) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from minfer.formats.gguf_file import GGUFFile
     from minfer.graph import printing
     from minfer.graph.fusion import fuse
+    from minfer.model_summary import format_summary, summarize
     from minfer.models.model import TransformerModel
     from minfer.pull import resolve_model
 
@@ -351,7 +366,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.kv:
         from minfer.runtime.kv_cache import CACHE_TYPES, cell_bytes
 
-        model = TransformerModel.from_gguf(path)
+        model = TransformerModel.from_path(path)
         hp = model.hparams
         n_ctx = args.n_ctx or min(hp.n_ctx_train, 4096)
         print(f"KV cache of {path.name}: {hp.n_layer} layers, K width {hp.k_width}, V width {hp.v_width}")
@@ -361,7 +376,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                   f"  ({hp.kv_f32_bytes_per_position / per_pos:.2f}x smaller than f32)")
         return 0
     if args.graph:
-        model = TransformerModel.from_gguf(path)
+        model = TransformerModel.from_path(path, quantize=args.quantize)
         if args.tokens < 1:
             raise MinferError(f"--tokens must be >= 1, got {args.tokens}")
         graph = model.build_graph(args.tokens, args.tokens, min(model.hparams.n_ctx_train, 4096))
@@ -375,32 +390,55 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print(printing.to_text(graph, layers))
         return 0
+    if args.format == "dot":
+        raise MinferError("--format dot is for --graph; the summary prints as text or json")
 
-    f = GGUFFile(path)
-    print(f"file: {f.path}")
-    print(f"format: GGUF v{f.version}, {len(f.tensors)} tensors, {_fmt_bytes(sum(t.nbytes for t in f))} of weights")
-    print(f"architecture: {f.get('general.architecture', '?')}")
-    print("\nmetadata:")
-    for k, v in f.summary_metadata().items():
-        print(f"  {k} = {v}")
-    types = Counter(t.ggml_type.name for t in f)
-    print("\ntensor types: " + ", ".join(f"{k} x{v}" for k, v in types.most_common()))
-    try:
-        model = TransformerModel.from_gguf(path)
-    except MinferError as e:
-        print(f"\nnot runnable: {e}")
+    if path.is_dir():
+        model = TransformerModel.from_path(path, quantize=args.quantize)  # an HF folder: errors are the answer
     else:
-        hp = model.hparams
-        print("\nhyperparameters:")
-        for k, v in vars(hp).items():
-            print(f"  {k} = {v}")
-        print(f"  rope style = {model.arch.rope_style}, qkv bias = {model.has_tensor('blk.0.attn_q.bias')}, "
-              f"qk norm = {model.arch.qk_norm}, tied output = {model.tied_output}")
-        print(f"  kv cache (f32) = {_fmt_bytes(hp.kv_f32_bytes_per_position)} per position")
+        from minfer.formats.gguf_file import GGUFFile
+
+        f = GGUFFile(path)  # a file that is GGUF but not runnable still shows its metadata and tensors
+        try:
+            model = TransformerModel.from_path(path, quantize=args.quantize)
+        except MinferError as e:
+            if args.format == "json":
+                raise
+            print(f"file: {f.path}\nformat: GGUF v{f.version}, {len(f.tensors)} tensors\n"
+                  f"architecture: {f.get('general.architecture', '?')}\n\nnot runnable: {e}\n\nmetadata:")
+            for k, v in f.summary_metadata().items():
+                print(f"  {k} = {v}")
+            types = Counter(t.ggml_type.name for t in f)
+            print("\ntensor types: " + ", ".join(f"{k}: {v}" for k, v in types.most_common()))
+            return 0
+    summary = summarize(model)
+    if args.format == "json":
+        hp = vars(model.hparams)
+        summary["hparams"] = {k: (v.describe() if hasattr(v, "describe") else v) for k, v in hp.items()}
+        if args.tensors:
+            summary["tensors"] = [{"name": n, "type": t.ggml_type.name, "shape": list(t.shape), "bytes": t.nbytes}
+                                  for n, t in model.tensors.items()]
+        print(json.dumps(summary, indent=1, default=str))
+        return 0
+    print(format_summary(summary))
+    print("\nhyperparameters:")
+    for k, v in vars(model.hparams).items():
+        print(f"  {k} = {v.describe() if hasattr(v, 'describe') else v}")
+    print(f"  kv cache (f32) = {_fmt_bytes(model.hparams.kv_f32_bytes_per_position)} per position")
+    source = "metadata" if model.gguf is not None else "config.json"
+    print(f"\n{source}:")
+    shown = model.gguf.summary_metadata() if model.gguf is not None else model.metadata
+    for k, v in shown.items():
+        print(f"  {k} = {v}")
     if args.tensors:
         print("\ntensors:")
-        for t in f:
-            print(f"  {t.name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {_fmt_bytes(t.nbytes):>12s}")
+        for name, t in model.tensors.items():
+            shown_name = name
+            if model.hf is not None:
+                from minfer.models.hf_checkpoint import hf_tensor_name
+
+                shown_name = f"{name} ({hf_tensor_name(model.hf.spec, name)})"
+            print(f"  {shown_name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {_fmt_bytes(t.nbytes):>12s}")
     return 0
 
 
@@ -416,7 +454,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise MinferError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise MinferError(f"{path}: cannot read as UTF-8 text: {e}") from None
-    model = minfer.load(args.model, n_ctx=max(args.ctx, 4), threads=args.threads)
+    model = minfer.load(args.model, n_ctx=max(args.ctx, 4), threads=args.threads, quantize=args.quantize)
     t0 = time.perf_counter()
     result = model.perplexity(text, n_ctx=args.ctx, n_batch=args.batch, progress=True)
     elapsed = time.perf_counter() - t0
@@ -449,7 +487,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peers[engine] = python
     threads = _int_list(args.threads, "--threads") if args.threads else [default_threads()]
     report = bench(resolve_model(args.model), _int_list(args.n_prompt, "-p"), _int_list(args.n_gen, "-n"),
-                   threads, args.repetitions, compare=args.compare, peer_python=peers)
+                   threads, args.repetitions, compare=args.compare, peer_python=peers, quantize=args.quantize)
     print(json.dumps(report.to_json(), indent=1) if args.json else markdown(report))
     return 0
 
@@ -463,7 +501,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         raise MinferError(f"trace takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_ref, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
-    model = minfer.load(model_ref, n_ctx=args.n_ctx)
+    model = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize)
     out = Path(args.html)
     out.write_text(render(trace_page_data(model, prompt)), encoding="utf-8")
     print(out)
@@ -499,7 +537,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
-                       log_level=args.log_level))
+                       log_level=args.log_level, quantize=args.quantize))
     return 0
 
 

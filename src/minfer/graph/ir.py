@@ -59,6 +59,13 @@ class RopeMeta:
     freq_base: float
     freq_scale: float
     style: RopeStyle
+    # RoPE scaling (see minfer.models.rope_scaling): per-pair divisors of the base frequencies (Llama 3,
+    # GGUF rope_freqs.weight); YaRN's ramp between scaled and unscaled frequencies over the pairs
+    # corr_dims[0]..corr_dims[1] (ext_factor 0 = off); mscale multiplies cos and sin (YaRN's attention factor).
+    freq_factors: tuple[float, ...] | None = None
+    ext_factor: float = 0.0
+    corr_dims: tuple[float, float] = (0.0, 0.0)
+    mscale: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from minfer.graph.builder import GraphBuilder
-from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, RopeMeta
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node
+from minfer.models.rope_scaling import layer_rope_meta
 
 if TYPE_CHECKING:
     from minfer.models.model import TransformerModel
@@ -57,16 +58,8 @@ def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, 
         if arch.qk_norm:
             q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=hp.head_dim_k)
             k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=hp.head_dim_k)
-        freq_base, freq_scale = hp.layer_rope(il)
-        rope = dict(
-            head_dim=hp.head_dim_k,
-            n_rot=hp.n_rot,
-            freq_base=freq_base,
-            freq_scale=freq_scale,
-            style=arch.rope_style,
-        )
-        q = b.rope(q, positions, RopeMeta(n_head=hp.n_head, **rope), name=p + "q_rope", layer=il)
-        k = b.rope(k, positions, RopeMeta(n_head=hp.n_head_kv, **rope), name=p + "k_rope", layer=il)
+        q = b.rope(q, positions, layer_rope_meta(hp, model.rope_style, hp.n_head, il), name=p + "q_rope", layer=il)
+        k = b.rope(k, positions, layer_rope_meta(hp, model.rope_style, hp.n_head_kv, il), name=p + "k_rope", layer=il)
         store = b.kv_store(k, v, rows, KVMeta(il, hp.k_width, hp.v_width), n_ctx, name=p + "kv_store")
         kv = b.kv_load(store, name=p + "kv_load")
         attn_meta = AttnMeta(

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from minfer.errors import FormatError
+from minfer.errors import FormatError, ModelError
 from minfer.formats.gguf_file import GGUFFile
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture
@@ -36,24 +39,34 @@ ROPE_BASE_LOCAL = 10000.0
 N_LAYER_27B = 62  # llama.cpp's LLM_TYPE_27B for gemma3, whose attention scale is 1/sqrt(n_embd / n_head)
 
 
-def gemma3_layout(hp: HParams, sliding_window: int, source: str = "") -> HParams:
+def gemma3_layout(
+    hp: HParams,
+    sliding_window: int,
+    source: str = "",
+    *,
+    swa_layers: tuple[bool, ...] | None = None,
+    attn_scale: float | None = None,
+    rope_base_local: float = ROPE_BASE_LOCAL,
+) -> HParams:
     """``hp`` completed with Gemma 3's sliding-window layout, local RoPE, attention and embedding scales.
 
-    Shared by the GGUF reader below and any other loader that knows the window (``config.json``'s
-    ``sliding_window``)."""
+    Shared by the GGUF reader (llama.cpp's rules: layers il % 6 < 5 local, the attention scale by layer
+    count) and the HF folder reader (``config.json``'s ``layer_types``, ``query_pre_attn_scalar`` and the
+    sliding layers' ``rope_theta``)."""
     if sliding_window < 1:
         where = f"{source}: " if source else ""
         raise FormatError(f"{where}gemma3 sliding window must be a positive number of positions, got {sliding_window}")
-    if hp.n_layer == N_LAYER_27B:
-        attn_scale = 1.0 / math.sqrt(hp.n_embd // hp.n_head)
-    else:
-        attn_scale = 1.0 / math.sqrt(hp.head_dim_k)
+    if attn_scale is None:
+        n = hp.n_embd // hp.n_head if hp.n_layer == N_LAYER_27B else hp.head_dim_k
+        attn_scale = 1.0 / math.sqrt(n)
+    if swa_layers is None:
+        swa_layers = tuple(il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(hp.n_layer))
     return dataclasses.replace(
         hp,
         attn_scale=attn_scale,
         sliding_window=sliding_window,
-        swa_layers=tuple(il % SWA_PATTERN < SWA_PATTERN - 1 for il in range(hp.n_layer)),
-        rope_freq_base_swa=ROPE_BASE_LOCAL,
+        swa_layers=swa_layers,
+        rope_freq_base_swa=rope_base_local,
         rope_freq_scale_swa=1.0,
         embd_scale=float(np.float32(math.sqrt(hp.n_embd))),
     )
@@ -62,6 +75,40 @@ def gemma3_layout(hp: HParams, sliding_window: int, source: str = "") -> HParams
 def gemma3_gguf_hparams(f: GGUFFile, hp: HParams) -> HParams:
     key = f"{f.architecture}.attention.sliding_window"
     return gemma3_layout(hp, int(f.require(key, int)), f"{f.path}: {key}")
+
+
+def gemma3_hf_hparams(cfg: Mapping[str, Any], hp: HParams, where: Path) -> HParams:
+    """``hp`` (the common config.json fields) completed from a ``Gemma3TextConfig`` as transformers reads it:
+    ``sliding_window``, ``layer_types`` (default: the 6-layer pattern), ``query_pre_attn_scalar`` (the
+    attention scale is its inverse square root), the sliding layers' own ``rope_theta``; no soft-capping."""
+    from minfer.models.rope_scaling import hf_rope_parameters
+
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ModelError(f"{where}: field {key!r} ({cfg[key]!r}) is not supported (Gemma 3 has none)")
+    window = cfg.get("sliding_window", 4096)
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise FormatError(f"{where}: field 'sliding_window' must be an integer, got {window!r}")
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern", SWA_PATTERN))
+        types = ["sliding_attention" if (il + 1) % pattern else "full_attention" for il in range(hp.n_layer)]
+    if not isinstance(types, list) or len(types) != hp.n_layer or set(types) - {"sliding_attention", "full_attention"}:
+        raise FormatError(f"{where}: field 'layer_types' must list 'sliding_attention' or 'full_attention' for each "
+                          f"of the {hp.n_layer} layers, got {types!r}")
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+        raise FormatError(f"{where}: field 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
+    local = hf_rope_parameters(cfg, str(where), layer_type="sliding_attention")
+    if local.get("rope_type", "default") != "default":
+        raise ModelError(f"{where}: {local['_field']}: rope_type {local['rope_type']!r} on the sliding-window layers "
+                         "is not supported (Gemma 3's are unscaled)")
+    base = local.get("rope_theta", cfg.get("rope_local_base_freq", ROPE_BASE_LOCAL))
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+        raise FormatError(f"{where}: {local['_field']}: rope_theta must be a number > 1, got {base!r}")
+    return gemma3_layout(hp, window, f"{where}: field 'sliding_window'",
+                         swa_layers=tuple(t == "sliding_attention" for t in types),
+                         attn_scale=float(scalar) ** -0.5, rope_base_local=float(base))
 
 
 ARCH = Architecture(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from minfer.errors import FormatError, ModelError
 from minfer.formats.gguf_file import GGUFFile
+from minfer.models.rope_scaling import RopeScaling, rope_scaling_from_gguf
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,10 @@ class HParams:
     rope_freq_scale: float
     rms_eps: float
     attn_scale: float
+    rope_scaling: RopeScaling = RopeScaling()  # Llama 3 / linear / YaRN (rope_freq_scale is its freq_scale)
+    sliding_window: int = 0  # attention window of the sliding-window layers, 0 = none
     # Sliding-window attention (Gemma 3): layer il with swa_layers[il] attends to the last `sliding_window`
-    # positions only (key j visible to query i iff i - j < sliding_window) and has its own RoPE.
-    sliding_window: int = 0
+    # positions only (key j visible to query i iff i - j < sliding_window) and has its own, unscaled RoPE.
     swa_layers: tuple[bool, ...] = ()
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
@@ -109,15 +111,7 @@ def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
         raise ModelError(f"{f.path}: rope.dimension_count {n_rot} must be even and <= head dim {head_dim_k}")
 
     freq_base = float(f.get(key("rope.freq_base"), 10000.0))
-    freq_scale = 1.0
-    scaling_type = f.get(key("rope.scaling.type"), "none")
-    if scaling_type == "linear":
-        factor = float(f.require(key("rope.scaling.factor"), float))
-        if factor <= 0:
-            raise FormatError(f"{f.path}: {key('rope.scaling.factor')} must be positive, got {factor}")
-        freq_scale = 1.0 / factor
-    elif scaling_type not in ("none", ""):
-        raise ModelError(f"{f.path}: rope scaling type {scaling_type!r} is not supported yet (supported: none, linear)")
+    scaling = rope_scaling_from_gguf(f, n_rot, n_ctx_train)
     rms_eps = float(f.require(key("attention.layer_norm_rms_epsilon"), float))
 
     return HParams(
@@ -133,7 +127,8 @@ def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
         head_dim_v=head_dim_v,
         n_rot=n_rot,
         rope_freq_base=freq_base,
-        rope_freq_scale=freq_scale,
+        rope_freq_scale=scaling.freq_scale,
         rms_eps=rms_eps,
         attn_scale=1.0 / math.sqrt(head_dim_k),
+        rope_scaling=scaling,
     )

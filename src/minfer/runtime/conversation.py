@@ -29,7 +29,7 @@ def model_fingerprint(model: Model) -> str:
     t = model.transformer
     h = hashlib.sha256()
     h.update(json.dumps(vars(t.hparams), sort_keys=True, default=str).encode())
-    for name, tensor in t.gguf.tensors.items():
+    for name, tensor in t.tensors.items():
         h.update(f"{name}:{tensor.ggml_type.name}:{tensor.shape}:{tensor.nbytes};".encode())
     return f"{t.arch.name}:{t.path.name}:{h.hexdigest()[:24]}"
 

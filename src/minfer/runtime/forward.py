@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,9 @@ import numpy as np
 from minfer.backends.cpu.reference import rope
 from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
-from minfer.graph.ir import RopeMeta
 from minfer.graph.scheduler import Backend, Plan
 from minfer.models.model import TransformerModel
+from minfer.models.rope_scaling import layer_rope_meta
 from minfer.runtime.kv_cache import KVCache
 
 MAX_PLANS = 8
@@ -103,15 +104,16 @@ class ForwardRunner:
 
     def shift_context(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Drop ``n_discard`` positions of ``seq`` after the first ``n_keep``; later K rows are re-rotated."""
-        hp, arch = self.model.hparams, self.model.arch
+        hp = self.model.hparams
+        # a pure rotation by the position delta: the YaRN magnitude (mscale) is already in the stored rows;
+        # each layer with its own frequencies (Gemma's sliding-window layers have another base)
         metas = [
-            RopeMeta(hp.n_head_kv, hp.head_dim_k, hp.n_rot, *hp.layer_rope(il), arch.rope_style)
+            replace(layer_rope_meta(hp, self.model.rope_style, hp.n_head_kv, il), mscale=1.0)
             for il in range(hp.n_layer)
         ]
 
         def rotate(k: np.ndarray, delta: int, layer: int) -> None:
             # RoPE is a rotation by position x frequency, so rotating a row stored at p by -d puts it at p - d
-            # (with the layer's own frequencies: Gemma's sliding-window layers have another base)
             rope(k, np.full(k.shape[0], delta), metas[layer], k)
 
         self.kv.shift(seq, n_keep, n_discard, rotate)

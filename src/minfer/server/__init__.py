@@ -32,6 +32,7 @@ class ServeOptions:
     cache_type: str | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
+    quantize: str | None = None  # q8_0 / q4_k: quantize float weight matrices at load
 
 
 def serve(opts: ServeOptions) -> None:
@@ -46,7 +47,7 @@ def serve(opts: ServeOptions) -> None:
     if opts.parallel < 1:
         raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
-                 cache_type=opts.cache_type)
+                 cache_type=opts.cache_type, quantize=opts.quantize)
     n_ctx = opts.ctx_size or min(model.hparams.n_ctx_train, DEFAULT_CTX_SIZE)
     kv = batch_kv_cache(model.hparams, n_ctx, opts.parallel, cache_type=opts.cache_type)
     runner = ForwardRunner(model.transformer, model.backend, kv, max_plans=MAX_PLANS)

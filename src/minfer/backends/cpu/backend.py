@@ -233,10 +233,10 @@ class CPUBackend:
             factor = meta.factor
             return lambda node, out, x: vk.scale(x, factor, out)
         if op is Op.ROPE:
-            key = (meta.head_dim, meta.n_rot, float(meta.freq_base), float(meta.freq_scale))
+            key = vk.RopeTable.key(meta)
             table = self._rope_tables.get(key)
             if table is None:
-                table = self._rope_tables[key] = vk.RopeTable(*key)
+                table = self._rope_tables[key] = vk.RopeTable.from_meta(meta)
             n_head, neox = meta.n_head, meta.style is RopeStyle.NEOX
             return lambda node, out, x, positions: table.apply(x, positions, n_head, neox, out)
         if op is Op.KV_STORE:

@@ -120,9 +120,34 @@ def matmul(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray) -> None:
 
 
 def rope_freqs(meta: RopeMeta) -> np.ndarray:
-    """Angular speed of each rotating pair: ``freq_scale / base^(2i / head_dim)``, float64."""
+    """Angular speed of each rotating pair i, float64: ``freq_scale / base^(2i / n_rot)``.
+
+    With RoPE scaling (llama.cpp's ``ggml_rope_ext``): each base frequency is first divided by its factor
+    (``freq_factors``, Llama 3); with YaRN (``ext_factor`` != 0) pair i mixes the scaled and the unscaled
+    frequency by a ramp that is 1 (unscaled) below ``corr_dims[0]`` and 0 (scaled) above ``corr_dims[1]``.
+    """
     i = np.arange(meta.n_rot // 2, dtype=np.float64)
-    return meta.freq_scale / meta.freq_base ** (2.0 * i / meta.head_dim)
+    if meta.freq_factors is None and not meta.ext_factor:
+        return meta.freq_scale / meta.freq_base ** (2.0 * i / meta.n_rot)
+    extrap = 1.0 / meta.freq_base ** (2.0 * i / meta.n_rot)
+    if meta.freq_factors is not None:
+        extrap = extrap / np.asarray(meta.freq_factors, dtype=np.float64)
+    interp = meta.freq_scale * extrap
+    if not meta.ext_factor:
+        return interp
+    low, high = meta.corr_dims
+    ramp = (1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)) * meta.ext_factor
+    return interp * (1.0 - ramp) + extrap * ramp
+
+
+def rope_cos_sin(freqs: np.ndarray, mscale: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``mscale * cos`` / ``mscale * sin`` of the angles ``pos * freq`` (computed in float64)."""
+    theta = np.asarray(positions).astype(np.float64)[:, None] * freqs[None, :]
+    cos, sin = np.cos(theta), np.sin(theta)
+    if mscale != 1.0:
+        cos *= mscale
+        sin *= mscale
+    return cos.astype(np.float32), sin.astype(np.float32)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
@@ -130,9 +155,8 @@ def rope(x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) 
     if out is not x:
         out[:] = x
     heads = out.reshape(nt, meta.n_head, meta.head_dim)
-    theta = positions.astype(np.float64)[:, None] * rope_freqs(meta)[None, :]  # [nt, n_rot/2]
-    cos = np.cos(theta).astype(np.float32)[:, None, :]
-    sin = np.sin(theta).astype(np.float32)[:, None, :]
+    cos, sin = rope_cos_sin(rope_freqs(meta), meta.mscale, positions)  # [nt, n_rot/2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
     half = meta.n_rot // 2
     if meta.style is RopeStyle.NEOX:
         i0, i1 = slice(0, half), slice(half, meta.n_rot)

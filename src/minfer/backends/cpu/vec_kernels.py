@@ -58,6 +58,7 @@ Call :func:`warmup` once at backend creation: it compiles (or, thanks to ``cache
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 from llvmlite import ir
@@ -711,30 +712,60 @@ def _rope_kernel(x, positions, cos, sin, direct, n_head, head_dim, n_rot, neox, 
 class RopeTable:
     """cos/sin of RoPE angles for positions ``0..n_pos-1`` of one geometry, shared by q and k of every layer.
 
-    Computed by numpy with the reference's expressions (``reference.rope_freqs``, float64 angles
-    ``pos * freq``, ``cos``/``sin`` cast to float32), so a row is bit-identical to what the reference
-    computes for that position. The table grows (doubling) when a position beyond it shows up.
+    Computed by numpy with the reference's expressions (``reference.rope_freqs`` and
+    ``reference.rope_cos_sin``: float64 angles ``pos * freq``, ``cos``/``sin`` times the YaRN magnitude,
+    cast to float32), so a row is bit-identical to what the reference computes for that position. The
+    table grows (doubling) when a position beyond it shows up. The keyword arguments are RoPE scaling
+    (see :class:`~minfer.graph.ir.RopeMeta`).
     """
 
-    def __init__(self, head_dim: int, n_rot: int, freq_base: float, freq_scale: float, n_pos: int = 4096) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        n_rot: int,
+        freq_base: float,
+        freq_scale: float,
+        n_pos: int = 4096,
+        *,
+        freq_factors: tuple[float, ...] | None = None,
+        ext_factor: float = 0.0,
+        corr_dims: tuple[float, float] = (0.0, 0.0),
+        mscale: float = 1.0,
+    ) -> None:
         from minfer.backends.cpu.reference import rope_freqs
         from minfer.graph.ir import RopeMeta, RopeStyle
 
         if n_rot % 2 or not 0 < n_rot <= head_dim:
             raise ValueError(f"RoPE: n_rot {n_rot} must be even and in 1..head_dim ({head_dim})")
+        if freq_factors is not None and len(freq_factors) != n_rot // 2:
+            raise ValueError(f"RoPE: {len(freq_factors)} frequency factors for {n_rot // 2} rotating pairs")
         self.head_dim = head_dim
         self.n_rot = n_rot
         meta = RopeMeta(
-            n_head=1, head_dim=head_dim, n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, style=RopeStyle.NEOX
+            n_head=1, head_dim=head_dim, n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale, style=RopeStyle.NEOX,
+            freq_factors=freq_factors, ext_factor=ext_factor, corr_dims=corr_dims, mscale=mscale,
         )
         self.freqs = rope_freqs(meta)  # float64 [n_rot/2]
+        self.mscale = mscale
         self._lock = threading.Lock()
         self.cos, self.sin = self.cos_sin(np.arange(max(1, n_pos)))
 
+    @staticmethod
+    def key(meta: Any) -> tuple:
+        """What decides a table's contents: metas with equal keys can share one table."""
+        return (meta.head_dim, meta.n_rot, float(meta.freq_base), float(meta.freq_scale), meta.freq_factors,
+                float(meta.ext_factor), tuple(meta.corr_dims), float(meta.mscale))
+
+    @classmethod
+    def from_meta(cls, meta: Any, n_pos: int = 4096) -> RopeTable:
+        return cls(meta.head_dim, meta.n_rot, meta.freq_base, meta.freq_scale, n_pos, freq_factors=meta.freq_factors,
+                   ext_factor=meta.ext_factor, corr_dims=tuple(meta.corr_dims), mscale=meta.mscale)
+
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """float32 cos/sin ``[len(positions), n_rot/2]`` for these positions, exactly as the reference computes."""
-        theta = np.asarray(positions).astype(np.float64)[:, None] * self.freqs[None, :]
-        return np.cos(theta).astype(F32), np.sin(theta).astype(F32)
+        from minfer.backends.cpu.reference import rope_cos_sin
+
+        return rope_cos_sin(self.freqs, self.mscale, positions)
 
     def _grow(self, positions: np.ndarray) -> None:
         need = int(positions.max()) + 1

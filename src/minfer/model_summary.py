@@ -1,0 +1,121 @@
+"""``minfer inspect``: what a checkpoint is, named: format, architecture, tensor types, vocabulary, geometry,
+RoPE and the features its layer recipe turns on. :func:`summarize` gives it as plain data (the JSON output),
+:func:`format_summary` as text."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from minfer.models.model import TransformerModel
+
+
+def _vocab(model: TransformerModel) -> dict[str, Any]:
+    if model.hf is not None:
+        from minfer.formats.hf_tokenizer import load_hf_tokenizer
+
+        h = model.hf
+        tok = load_hf_tokenizer(h.directory, h.config, h.tokenizer_config, h.generation_config)
+        spec = json.loads((h.directory / "tokenizer.json").read_text(encoding="utf-8"))
+        kind = (spec.get("model") or {}).get("type") or "?"
+        return {"type": f"HF tokenizer.json ({kind}, {tok.decoder_kind})", "size": tok.vocab_size,
+                "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos}
+    md = model.metadata
+    kind = md.get("tokenizer.ggml.model")
+    names = {"gpt2": "gpt2 BPE (byte-level)", "llama": "SentencePiece (llama)"}
+    text = names.get(kind, str(kind)) if kind is not None else "none (no tokenizer.ggml.model)"
+    pre = md.get("tokenizer.ggml.pre")
+    tokens = md.get("tokenizer.ggml.tokens")
+    return {"type": text + (f", pre {pre!r}" if pre else ""), "size": len(tokens) if tokens else None,
+            "bos_id": md.get("tokenizer.ggml.bos_token_id"), "eos_id": md.get("tokenizer.ggml.eos_token_id"),
+            "add_bos": md.get("tokenizer.ggml.add_bos_token")}
+
+
+def summarize(model: TransformerModel) -> dict[str, Any]:
+    """What ``minfer inspect`` reports about a loaded model, as JSON-ready data."""
+    hp, arch = model.hparams, model.arch
+    types = Counter(t.ggml_type.name for t in model.tensors.values())
+    features = []
+    if hp.n_head_kv < hp.n_head:
+        features.append(f"GQA ({hp.n_group} query heads per kv head)" if hp.n_head_kv > 1 else "MQA")
+    if arch.qk_norm:
+        features.append("QK-norm")
+    if model.has_tensor("blk.0.attn_q.bias"):
+        features.append("qkv bias")
+    if model.tied_output:
+        features.append("tied embeddings")
+    window = getattr(hp, "sliding_window", None)
+    if window:
+        local = [il for il in range(hp.n_layer) if hp.is_swa(il)]
+        if local:
+            features.append(f"sliding window {window} on {len(local)} of {hp.n_layer} layers (global: "
+                            f"{', '.join(str(il) for il in range(hp.n_layer) if il not in local)}; local RoPE base "
+                            f"{hp.rope_freq_base_swa:g}, unscaled)")
+        else:
+            features.append(f"sliding window {window}")
+    if arch.post_norms:
+        features.append("post-attention and post-FFN norms")
+    if arch.ffn_act == "gelu":
+        features.append("GELU (tanh) gate")
+    if hp.embd_scale != 1.0:
+        features.append(f"embeddings x {hp.embd_scale:.6g}")
+    if hp.rope_scaling.active:
+        features.append(f"rope scaling ({hp.rope_scaling.kind})")
+    if model.quantized:
+        note = ""
+        if model.quantized == "q4_k" and ("Q5_0" in types or "F16" in types):
+            note = "; rows that are not whole 256-value super-blocks fall back to Q5_0 (or F16), as in llama.cpp"
+        features.append(f"quantized at load ({model.quantized}{note})")
+    source: dict[str, Any] = {"format": model.format_name}
+    if model.hf is not None:
+        source["hf_model_type"] = model.hf.spec.model_type
+        source["hf_architectures"] = model.hf.config.get("architectures")
+        source["files"] = [f.path.name for f in model.hf.folder.files]
+    style = model.rope_style.value
+    pairs = "(i, i + n_rot/2)" if style == "neox" else "(2i, 2i+1)"
+    return {
+        "path": str(model.path),
+        **source,
+        "architecture": arch.name,
+        "n_tensors": len(model.tensors),
+        "weight_bytes": model.weight_bytes,
+        "tensor_types": dict(types.most_common()),
+        "vocab": _vocab(model),
+        "context_length": hp.n_ctx_train,
+        "geometry": {"n_layer": hp.n_layer, "n_embd": hp.n_embd, "n_ff": hp.n_ff, "n_head": hp.n_head,
+                     "n_head_kv": hp.n_head_kv, "head_dim_k": hp.head_dim_k, "head_dim_v": hp.head_dim_v,
+                     "n_rot": hp.n_rot, "attn_scale": hp.attn_scale},
+        "rope": {"style": style, "pairs": pairs, "freq_base": hp.rope_freq_base, "freq_scale": hp.rope_freq_scale,
+                 "scaling": hp.rope_scaling.describe()},
+        "features": features,
+        "kv_f32_bytes_per_position": hp.kv_f32_bytes_per_position,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    g, r, v = s["geometry"], s["rope"], s["vocab"]
+    arch = s["architecture"]
+    if "hf_model_type" in s:
+        arch += f" (HF model_type {s['hf_model_type']!r}, {', '.join(s.get('hf_architectures') or [])})"
+    lines = [
+        f"file: {s['path']}",
+        f"format: {s['format']}, {s['n_tensors']} tensors, {_fmt_bytes(s['weight_bytes'])} of weights",
+        f"architecture: {arch}",
+        "tensor types: " + ", ".join(f"{k}: {n}" for k, n in s["tensor_types"].items()),
+        f"vocab: {v['type']}, {v['size']} tokens (bos {v['bos_id']}, eos {v['eos_id']}, add_bos {v['add_bos']})",
+        f"context length: {s['context_length']} (training)",
+        f"geometry: {g['n_layer']} layers, n_embd {g['n_embd']}, n_ff {g['n_ff']}, {g['n_head']} query heads / "
+        f"{g['n_head_kv']} kv heads, head dim {g['head_dim_k']} (v {g['head_dim_v']}), {g['n_rot']} rotary dims",
+        f"rope: {r['style']} pairs {r['pairs']}, base {r['freq_base']:g}, scaling: {r['scaling']}",
+        "features: " + (", ".join(s["features"]) or "none"),
+    ]
+    return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,351 @@
+"""Hugging Face model folders: ``config.json`` -> hyperparameters, safetensors names -> the engine's names.
+
+The engine's layer recipe reads GGUF-style tensor names (``blk.0.attn_q.weight``). An HF folder names the
+same tensors after its transformers module tree (``model.layers.0.self_attn.q_proj.weight``); each
+supported ``model_type`` has one :class:`HFArchitecture` entry: the engine architecture it runs as, a
+table from HF names to engine names, and the transformers config class's defaults for optional fields.
+Adding an architecture is one entry (plus, when its recipe needs them, the config keys it reads).
+
+HF weights are stored as trained: Llama's W_q/W_k rows are not permuted the way llama.cpp's converter
+permutes them for GGUF, so every HF checkpoint rotates pairs (i, i + n_rot/2) (NEOX), Llama included.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minfer.errors import FormatError, ModelError
+from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
+from minfer.graph.ir import RopeStyle
+from minfer.models.gemma3 import gemma3_hf_hparams
+from minfer.models.hparams import HParams
+from minfer.models.rope_scaling import hf_rope_parameters, rope_scaling_from_hf
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+GLOBAL_TENSORS: Mapping[str, str] = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_ATTENTION = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+}
+_QKV_BIAS = {
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+}
+_QK_NORM = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+_SWIGLU_FFN = {
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# Gemma 3: its post_attention_layernorm is the norm of the attention output (Llama's is the FFN's input norm)
+_GEMMA3_LAYER = {
+    **_ATTENTION,
+    **_QK_NORM,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+# buffers some older checkpoints saved, that the recipe recomputes
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """One ``config.json`` ``model_type`` the engine runs."""
+
+    model_type: str
+    classes: tuple[str, ...]  # accepted config.json "architectures" entries
+    arch: str  # the engine architecture (minfer.models.registry) that runs it
+    layer_tensors: Mapping[str, str]  # name after "model.layers.{i}." -> name after "blk.{i}."
+    global_tensors: Mapping[str, str] = field(default_factory=lambda: dict(GLOBAL_TENSORS))
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # the transformers config class's defaults
+    activation_key: str = "hidden_act"
+    activation: str = "silu"  # the MLP activation the engine's recipe for `arch` computes
+    norm_gain_offset: bool = False  # HF RMSNorm gains are w where the recipe (like GGUF) multiplies by 1 + w
+    # what the architecture reads from config.json beyond the common fields (Gemma 3: its sliding-window
+    # layout and scales); architectures with one may have sliding-window layers
+    hf_hparams: Callable[[Mapping[str, Any], HParams, Path], HParams] | None = None
+
+
+HF_ARCHITECTURES: dict[str, HFArchitecture] = {
+    a.model_type: a
+    for a in (
+        HFArchitecture(
+            "llama", ("LlamaForCausalLM",), "llama", {**_ATTENTION, **_QKV_BIAS, **_SWIGLU_FFN},
+            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+                      "tie_word_embeddings": False},
+        ),
+        HFArchitecture(
+            "qwen2", ("Qwen2ForCausalLM",), "qwen2", {**_ATTENTION, **_QKV_BIAS, **_SWIGLU_FFN},
+            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+                      "tie_word_embeddings": False},
+        ),
+        HFArchitecture(
+            "qwen3", ("Qwen3ForCausalLM",), "qwen3", {**_ATTENTION, **_QKV_BIAS, **_QK_NORM, **_SWIGLU_FFN},
+            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+                      "tie_word_embeddings": False, "head_dim": 128},
+        ),
+        HFArchitecture(
+            "gemma3_text", ("Gemma3ForCausalLM",), "gemma3", _GEMMA3_LAYER,
+            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_theta": 1_000_000.0,
+                      "tie_word_embeddings": True, "head_dim": 256},
+            activation_key="hidden_activation", activation="gelu_pytorch_tanh", norm_gain_offset=True,
+            hf_hparams=gemma3_hf_hparams,
+        ),
+    )
+}
+
+
+def get_hf_architecture(cfg: Mapping[str, Any], where: Path) -> HFArchitecture:
+    model_type = cfg.get("model_type")
+    if model_type is None:
+        raise FormatError(f"{where}: missing field 'model_type'")
+    spec = HF_ARCHITECTURES.get(model_type)
+    if spec is None:
+        raise ModelError(f"{where}: unsupported model_type {model_type!r} "
+                         f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
+    classes = cfg.get("architectures")
+    if isinstance(classes, list) and classes and not any(c in spec.classes for c in classes):
+        raise ModelError(f"{where}: architectures {classes} is not a causal LM minfer runs for model_type "
+                         f"{model_type!r} (supported: {', '.join(spec.classes)})")
+    return spec
+
+
+class _Config:
+    """Typed access to config.json fields with one-line errors naming the file and field."""
+
+    def __init__(self, cfg: Mapping[str, Any], spec: HFArchitecture, where: Path) -> None:
+        self.cfg, self.spec, self.where = cfg, spec, where
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.cfg.get(name)
+        if value is None:
+            value = self.spec.defaults.get(name, default)
+        return value
+
+    def int(self, name: str, default: int | None = None) -> int:
+        value = self.get(name, default)
+        if value is None:
+            raise FormatError(f"{self.where}: missing field {name!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise FormatError(f"{self.where}: field {name!r} must be a positive integer, got {value!r}")
+        return value
+
+    def float(self, name: str, default: float | None = None) -> float:
+        value = self.get(name, default)
+        if value is None:
+            raise FormatError(f"{self.where}: missing field {name!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise FormatError(f"{self.where}: field {name!r} must be a number, got {value!r}")
+        return float(value)
+
+
+def hparams_from_hf_config(cfg: Mapping[str, Any], spec: HFArchitecture, n_vocab: int, where: Path) -> HParams:
+    """Hyperparameters from ``config.json``, read as the transformers config class reads them."""
+    c = _Config(cfg, spec, where)
+    n_embd = c.int("hidden_size")
+    n_layer = c.int("num_hidden_layers")
+    n_head = c.int("num_attention_heads")
+    n_ff = c.int("intermediate_size")
+    vocab_size = c.int("vocab_size")
+    if vocab_size != n_vocab:
+        raise ModelError(f"{where}: vocab_size is {vocab_size} but model.embed_tokens.weight has {n_vocab} rows")
+    n_head_kv = c.int("num_key_value_heads", default=n_head)
+    if n_head % n_head_kv:
+        raise ModelError(f"{where}: num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_head_kv}")
+    if c.get("head_dim") is None and n_embd % n_head:
+        raise ModelError(f"{where}: hidden_size {n_embd} is not divisible by {n_head} heads and no head_dim is given")
+    head_dim = c.int("head_dim", default=n_embd // n_head)
+    activation = c.get(spec.activation_key, spec.activation)
+    if activation != spec.activation:
+        raise ModelError(f"{where}: {spec.activation_key} {activation!r} is not supported for {spec.model_type} "
+                         f"(the recipe computes {spec.activation!r})")
+    rope = hf_rope_parameters(cfg, str(where))
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise FormatError(f"{where}: partial_rotary_factor must be in (0, 1], got {partial!r}")
+    n_rot = int(head_dim * partial)
+    if n_rot % 2:
+        raise ModelError(f"{where}: {n_rot} rotary dims (head_dim x partial_rotary_factor) is odd")
+    theta = rope.get("rope_theta", spec.defaults.get("rope_theta"))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
+        raise FormatError(f"{where}: rope_theta must be a number > 1, got {theta!r}")
+    scaling = rope_scaling_from_hf(rope, cfg, n_rot, float(theta), str(where))
+    hp = HParams(
+        arch=spec.arch,
+        n_vocab=n_vocab,
+        n_ctx_train=c.int("max_position_embeddings"),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim,
+        n_rot=n_rot,
+        rope_freq_base=float(theta),
+        rope_freq_scale=scaling.freq_scale,
+        rms_eps=c.float("rms_norm_eps"),
+        attn_scale=1.0 / math.sqrt(head_dim),
+        rope_scaling=scaling,
+        sliding_window=0 if spec.hf_hparams is not None else _sliding_window(cfg, n_layer, spec, where),
+    )
+    return spec.hf_hparams(cfg, hp, where) if spec.hf_hparams is not None else hp
+
+
+def _sliding_window(cfg: Mapping[str, Any], n_layer: int, spec: HFArchitecture, where: Path) -> int:
+    """The attention window of the config's sliding layers; an error if a recipe without windows would need one."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list):
+        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    elif cfg.get("use_sliding_window") and window:
+        first = cfg.get("max_window_layers", 0)
+        sliding = [i for i in range(n_layer) if i >= first]
+    else:
+        sliding = []
+    if not sliding:
+        return 0
+    raise ModelError(f"{where}: sliding-window attention (window {window}, layers {sliding[0]}..{sliding[-1]}) is "
+                     f"not supported for {spec.model_type}")
+
+
+@dataclass
+class HFCheckpoint:
+    """An HF folder opened for the engine: its files, hyperparameters and tensors under engine names."""
+
+    directory: Path
+    config: dict[str, Any]
+    tokenizer_config: dict[str, Any] | None
+    generation_config: dict[str, Any] | None
+    spec: HFArchitecture
+    folder: SafetensorsFolder
+    hparams: HParams
+    tensors: dict[str, GGUFTensor]  # engine names
+    origin: dict[str, tuple[str, Path]]  # engine name -> (HF name, file)
+    quantized: str | None = None  # the --quantize type applied at load, if any
+
+    @property
+    def rope_style(self) -> RopeStyle:
+        return RopeStyle.NEOX  # unpermuted HF weights: pairs (i, i + n_rot/2), for every architecture
+
+    def describe_tensor(self, name: str) -> str:
+        hf_name, file = self.origin.get(name, (name, self.directory))
+        return f"{file}: tensor {hf_name!r}"
+
+
+def _json_object(path: Path, required: bool) -> dict[str, Any] | None:
+    content = read_json(path, required=required)
+    if content is not None and not isinstance(content, dict):
+        raise FormatError(f"{path}: expected a JSON object, got {type(content).__name__}")
+    return content
+
+
+def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
+    """Open an HF model folder: config, weights (memory-mapped) under engine names, hyperparameters.
+
+    Raises a one-line :class:`FormatError` / :class:`ModelError` naming the file and the field or tensor.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FormatError(f"{directory}: not a folder")
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise FormatError(f"{cfg_path}: missing (an HF model folder needs config.json)")
+    cfg = _json_object(cfg_path, required=True)
+    assert cfg is not None
+    spec = get_hf_architecture(cfg, cfg_path)
+    folder = SafetensorsFolder(directory)
+
+    tied = cfg.get("tie_word_embeddings")
+    if tied is None:
+        tied = spec.defaults.get("tie_word_embeddings", True)
+    n_layer = _Config(cfg, spec, cfg_path).int("num_hidden_layers")
+    tensors: dict[str, GGUFTensor] = {}
+    origin: dict[str, tuple[str, Path]] = {}
+    for hf_name, info in folder.infos.items():
+        if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            continue  # tied: transformers reads the output projection from the embeddings
+        name = spec.global_tensors.get(hf_name)
+        m = _LAYER.fullmatch(hf_name)
+        if name is None and m is not None:
+            il, rest = int(m.group(1)), m.group(2)
+            suffix = spec.layer_tensors.get(rest)
+            if suffix is not None and il < n_layer:
+                name = f"blk.{il}.{suffix}"
+        if name is None:
+            raise ModelError(f"{info.file}: tensor {hf_name!r} has no place in the {spec.model_type} recipe")
+        if info.dtype not in SAFETENSORS_TYPES:
+            raise ModelError(f"{info.file}: tensor {hf_name!r} has dtype {info.dtype}, not supported "
+                             f"(supported: {', '.join(SAFETENSORS_TYPES)})")
+        t = folder.tensors[hf_name]
+        tensors[name] = GGUFTensor(name, t.ggml_type, t.shape, t.data)
+        origin[name] = (hf_name, info.file)
+
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise FormatError(f"{directory}: missing tensor 'model.embed_tokens.weight'")
+    if len(embd.shape) != 2:
+        raise ModelError(f"{origin['token_embd.weight'][1]}: tensor 'model.embed_tokens.weight' has shape "
+                         f"{embd.shape}, expected 2-D")
+    if not tied and "output.weight" not in tensors:
+        raise FormatError(f"{directory}: missing tensor 'lm_head.weight' (config.json tie_word_embeddings is false)")
+    hparams = hparams_from_hf_config(cfg, spec, embd.shape[0], cfg_path)
+    if spec.norm_gain_offset:
+        for name, t in tensors.items():
+            if name.endswith("norm.weight") and len(t.shape) == 1:
+                tensors[name] = _plus_one(t)
+    return HFCheckpoint(
+        directory=directory,
+        config=cfg,
+        tokenizer_config=_json_object(directory / "tokenizer_config.json", required=False),
+        generation_config=_json_object(directory / "generation_config.json", required=False),
+        spec=spec,
+        folder=folder,
+        hparams=hparams,
+        tensors=tensors,
+        origin=origin,
+    )
+
+
+def _plus_one(t: GGUFTensor) -> GGUFTensor:
+    """An RMSNorm gain stored as w (HF Gemma) as the 1 + w the recipe multiplies by (in float32, as GGUF stores it)."""
+    import numpy as np
+
+    from minfer.formats.quants import GGMLType, dequantize_rows
+
+    w = dequantize_rows(t.data, t.ggml_type, t.shape[-1]).reshape(-1) + np.float32(1.0)
+    return GGUFTensor(t.name, GGMLType.F32, t.shape, w.astype(np.float32).view(np.uint8).reshape(1, -1))
+
+
+def hf_tensor_name(spec: HFArchitecture, name: str) -> str:
+    """The HF name of an engine tensor name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    for hf_name, ours in spec.global_tensors.items():
+        if ours == name:
+            return hf_name
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m:
+        for hf_name, ours in spec.layer_tensors.items():
+            if ours == m.group(2):
+                return f"model.layers.{m.group(1)}.{hf_name}"
+    return name
