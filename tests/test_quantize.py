@@ -145,6 +145,8 @@ def _dequantized_folder(model, dst: Path) -> Path:
     out = {}
     for name, t in model.transformer.tensors.items():
         w = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(int(t.ggml_type)))
+        if spec.norm_gain_offset and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the folder stores Gemma's w, the engine holds 1 + w (exact both ways here)
         out[hf_tensor_name(spec, name)] = ("F32", list(t.shape), np.ascontiguousarray(w, np.float32).tobytes())
     write_safetensors(dst / "model.safetensors", out)
     return dst
