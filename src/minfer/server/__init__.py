@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def serve(opts: ServeOptions) -> None:
     scheduler.warm_up()
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
     config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key)
-    app = create_app(model, scheduler, config, shutdown_timeout=0.0)
+    app = create_app(model, scheduler, config, shutdown_timeout=0.0, start_scheduler=False)
 
     sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -67,13 +68,30 @@ def serve(opts: ServeOptions) -> None:
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False,
                                            timeout_graceful_shutdown=opts.shutdown_timeout))
-    print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences of "
-          f"{kv.capacity} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
-          file=sys.stderr, flush=True)
-    # uvicorn re-raises the signal that stopped it once it has shut down; a SIGTERM that ended in a
-    # graceful shutdown is a normal exit
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    # The scheduler (the model's kernels) runs on the main thread, uvicorn's event loop on another one.
+    # A first SIGTERM/SIGINT starts uvicorn's graceful shutdown (open requests get --shutdown-timeout
+    # seconds, then the app's lifespan stops the scheduler); a second one forces it.
+    def on_signal(_signum: int, _frame: object) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    def serve_http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            scheduler.stop(0.0)  # also when uvicorn could not start: the main thread must not wait forever
+
+    http = threading.Thread(target=serve_http, name="minfer-http", daemon=True)
     try:
-        server.run(sockets=[sock])
+        http.start()
+        print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences of "
+              f"{kv.capacity} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
+              file=sys.stderr, flush=True)
+        scheduler.run()  # returns once the app's lifespan has stopped the scheduler
+        http.join()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

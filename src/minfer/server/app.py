@@ -168,8 +168,12 @@ class _AuthAndCount:
         return False
 
 
-def create_app(model: Model, scheduler: BatchScheduler, config: ServerConfig, shutdown_timeout: float = 0.0) -> Any:
-    """The ASGI app; the scheduler is started and stopped with the app's lifespan."""
+def create_app(
+    model: Model, scheduler: BatchScheduler, config: ServerConfig, shutdown_timeout: float = 0.0,
+    start_scheduler: bool = True,
+) -> Any:
+    """The ASGI app; the scheduler is stopped with the app's lifespan, and started with it unless
+    ``start_scheduler`` is False (the caller runs ``scheduler.run()`` on a thread of its choice)."""
     metrics = ServerMetrics(scheduler.load, scheduler.cells_in_use, scheduler.n_slots * scheduler.slot_context)
     scheduler.metrics = metrics.batch_hooks()
     created = int(time.time())
@@ -177,7 +181,8 @@ def create_app(model: Model, scheduler: BatchScheduler, config: ServerConfig, sh
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        scheduler.start()
+        if start_scheduler:
+            scheduler.start()
         yield
         # uvicorn has waited for open requests (--shutdown-timeout); what is left gets cancelled
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop, shutdown_timeout)
