@@ -259,4 +259,14 @@ def test_batches_are_padded_to_a_few_shapes(model):
         sched.stop()
     buckets = set(batch_buckets(64))
     assert all(n in buckets and o in buckets for n, o in shapes)
-    assert batch_buckets(512) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert batch_buckets(512) == [1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+
+
+def test_as_many_chosen_output_rows_as_tokens_are_honoured(model):
+    """A forward call whose output_rows select n of n rows in another order (or repeated) gets those rows."""
+    seq = fixture_sequences(ARCH)[2][:6]
+    kv = batch_kv_cache(model.hparams, 128, 2)
+    runner = ForwardRunner(model.transformer, model.backend, kv)
+    full = runner.forward(seq, range(6))
+    picked = runner.forward(seq, range(6), output_rows=[5, 5, 0, 1, 2, 3])
+    np.testing.assert_array_equal(picked, full[[5, 5, 0, 1, 2, 3]])

@@ -85,6 +85,9 @@ class ForwardRunner:
             )
         rows = self.kv.rows(positions, seq_ids)  # refuses positions beyond the context before any write
         out_rows = np.arange(n) if output_rows is None else np.asarray(output_rows, dtype=np.int64)
+        # a plan with as many outputs as tokens outputs every row in order (it has no output_rows input):
+        # any other selection of n rows is taken from that full result afterwards
+        reorder = out_rows.shape[0] == n and not np.array_equal(out_rows, np.arange(n))
         plan = self.plan(n, out_rows.shape[0])
         plan.inputs["tokens"][:] = tokens
         plan.inputs["positions"][:] = positions
@@ -99,6 +102,8 @@ class ForwardRunner:
                 logits = plan.run(lambda s, t: [o.step(s, t) for o in observers]).copy()
                 for o in observers:
                     o.logits(tokens, positions, logits)
+        if reorder:
+            logits = logits[out_rows]
         self._record(tokens, positions, seq_ids)
         return logits
 
