@@ -347,18 +347,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 return 1
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     from minfer.graph import printing
     from minfer.graph.fusion import fuse
-    from minfer.model_summary import format_summary, summarize
+    from minfer.model_summary import format_bytes, format_summary, summarize
     from minfer.models.model import TransformerModel
     from minfer.pull import resolve_model
 
@@ -372,7 +364,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"KV cache of {path.name}: {hp.n_layer} layers, K width {hp.k_width}, V width {hp.v_width}")
         for ct in CACHE_TYPES:
             per_pos = hp.n_layer * (cell_bytes(ct, hp.k_width) + cell_bytes(ct, hp.v_width))
-            print(f"  {ct:5s} {per_pos:8d} bytes per position, {_fmt_bytes(per_pos * n_ctx):>11s} for n_ctx {n_ctx}"
+            print(f"  {ct:5s} {per_pos:8d} bytes per position, {format_bytes(per_pos * n_ctx):>11s} for n_ctx {n_ctx}"
                   f"  ({hp.kv_f32_bytes_per_position / per_pos:.2f}x smaller than f32)")
         return 0
     if args.graph:
@@ -424,7 +416,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print("\nhyperparameters:")
     for k, v in vars(model.hparams).items():
         print(f"  {k} = {v.describe() if hasattr(v, 'describe') else v}")
-    print(f"  kv cache (f32) = {_fmt_bytes(model.hparams.kv_f32_bytes_per_position)} per position")
+    print(f"  kv cache (f32) = {format_bytes(model.hparams.kv_f32_bytes_per_position)} per position")
     source = "metadata" if model.gguf is not None else "config.json"
     print(f"\n{source}:")
     shown = model.gguf.summary_metadata() if model.gguf is not None else model.metadata
@@ -438,7 +430,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 from minfer.models.hf_checkpoint import hf_tensor_name
 
                 shown_name = f"{name} ({hf_tensor_name(model.hf.spec, name)})"
-            print(f"  {shown_name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {_fmt_bytes(t.nbytes):>12s}")
+            print(f"  {shown_name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {format_bytes(t.nbytes):>12s}")
     return 0
 
 

@@ -100,7 +100,7 @@ def format_summary(s: dict[str, Any]) -> str:
         arch += f" (HF model_type {s['hf_model_type']!r}, {', '.join(s.get('hf_architectures') or [])})"
     lines = [
         f"file: {s['path']}",
-        f"format: {s['format']}, {s['n_tensors']} tensors, {_fmt_bytes(s['weight_bytes'])} of weights",
+        f"format: {s['format']}, {s['n_tensors']} tensors, {format_bytes(s['weight_bytes'])} of weights",
         f"architecture: {arch}",
         "tensor types: " + ", ".join(f"{k}: {n}" for k, n in s["tensor_types"].items()),
         f"vocab: {v['type']}, {v['size']} tokens (bos {v['bos_id']}, eos {v['eos_id']}, add_bos {v['add_bos']})",
@@ -113,7 +113,8 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
