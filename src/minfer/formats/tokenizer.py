@@ -278,6 +278,44 @@ def _scores(metadata: Mapping[str, Any], n_vocab: int, source: str) -> list[floa
     return [float(x) for x in scores]
 
 
+def _named_ids(metadata: Mapping[str, Any], n_vocab: int, source: str) -> tuple[int | None, ...]:
+    """BOS, EOS, UNK and PAD ids from the metadata (None where absent)."""
+    return tuple(
+        _get_id(metadata, f"tokenizer.ggml.{name}_token_id", n_vocab, source)
+        for name in ("bos", "eos", "unknown", "padding")
+    )
+
+
+def _add_added_tokens(
+    backend: Any,
+    tokens: Sequence[str],
+    token_types: Sequence[int],
+    named_ids: Sequence[int | None],
+    is_piece: Callable[[str], bool],
+    spellable: Callable[[str], bool],
+) -> None:
+    """The added tokens, as transformers makes them. Control tokens stay whole in text and are special
+    (skipped by skip_special); user-defined tokens (like "<think>") are matched whole in text, always, by
+    llama.cpp and by transformers, but are ordinary text otherwise; then the named special tokens (BOS,
+    EOS, UNK, PAD) become special when they are not added tokens already, whatever their type."""
+    special = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _CONTROL and spellable(token)
+    ]
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _USER_DEFINED and is_piece(token)
+    ]
+    named = {tokens[i] for i in named_ids if i is not None}
+    named -= {t.content for t in special} | {t.content for t in user_defined}
+    special += [AddedToken(text, normalized=False, special=True) for text in sorted(named) if spellable(text)]
+    backend.add_special_tokens(special)
+    if user_defined:
+        backend.add_tokens(user_defined)
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary.
 
@@ -389,39 +427,12 @@ class Tokenizer:
         )
         backend.decoder = decoders.ByteLevel()
 
-        bos_id = _get_id(metadata, "tokenizer.ggml.bos_token_id", n_vocab, source)
-        eos_id = _get_id(metadata, "tokenizer.ggml.eos_token_id", n_vocab, source)
-        unk_id = _get_id(metadata, "tokenizer.ggml.unknown_token_id", n_vocab, source)
-        pad_id = _get_id(metadata, "tokenizer.ggml.padding_token_id", n_vocab, source)
-
-        # Control tokens stay whole in text and are special (skipped by skip_special). One spelled
-        # outside the byte alphabet cannot be a real byte-level token: transformers takes it for a
-        # converter mislabel and leaves it out, which we copy.
+        bos_id, eos_id, unk_id, pad_id = _named_ids(metadata, n_vocab, source)
+        # A control token spelled outside the byte alphabet cannot be a real byte-level token:
+        # transformers takes it for a converter mislabel and leaves it out, which we copy.
         alphabet = _char_to_byte()
-        special = [
-            AddedToken(token, normalized=False, special=True)
-            for token, kind in zip(tokens, token_types, strict=False)
-            if kind == _CONTROL and all(c in alphabet for c in token)
-        ]
-        # User-defined tokens (like "<think>") are matched whole in text, always, by llama.cpp and by
-        # transformers, but are ordinary text otherwise: not special, kept by skip_special.
-        user_defined = [
-            AddedToken(token, normalized=False, special=False)
-            for token, kind in zip(tokens, token_types, strict=False)
-            if kind == _USER_DEFINED and token in vocab
-        ]
-        # transformers then makes the named special tokens (BOS, EOS, UNK, PAD) special when they are
-        # not added tokens already, whatever their type.
-        named = {tokens[i] for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
-        named -= {t.content for t in special} | {t.content for t in user_defined}
-        special += [
-            AddedToken(text, normalized=False, special=True)
-            for text in sorted(named)
-            if all(c in alphabet for c in text)
-        ]
-        backend.add_special_tokens(special)
-        if user_defined:
-            backend.add_tokens(user_defined)
+        _add_added_tokens(backend, tokens, token_types, (bos_id, eos_id, unk_id, pad_id),
+                          is_piece=vocab.__contains__, spellable=lambda t: all(c in alphabet for c in t))
 
         add_bos, add_eos = _add_bos_eos(metadata, pre_type.add_bos, bos_id, eos_id, source)
 
@@ -459,30 +470,11 @@ class Tokenizer:
         merges = spm_merges(vocabulary.pieces, None if vocabulary.gemma_style else scores)
         backend = spm_backend(vocabulary, merges)
 
-        bos_id = _get_id(metadata, "tokenizer.ggml.bos_token_id", n_vocab, source)
-        eos_id = _get_id(metadata, "tokenizer.ggml.eos_token_id", n_vocab, source)
-        unk_id = _get_id(metadata, "tokenizer.ggml.unknown_token_id", n_vocab, source)
-        pad_id = _get_id(metadata, "tokenizer.ggml.padding_token_id", n_vocab, source)
-        # As for byte-level vocabularies: control tokens are special and stay whole in text; user-defined
-        # ones are matched whole but are text (transformers checks the file's spelling against the renamed
-        # vocabulary, so Gemma's runs of real spaces are left to the merges); then the named tokens.
-        pieces = set(vocabulary.pieces)
-        special = [
-            AddedToken(token, normalized=False, special=True)
-            for token, kind in zip(tokens, token_types, strict=False)
-            if kind == _CONTROL
-        ]
-        user_defined = [
-            AddedToken(token, normalized=False, special=False)
-            for token, kind in zip(tokens, token_types, strict=False)
-            if kind == _USER_DEFINED and token in pieces
-        ]
-        named = {tokens[i] for i in (bos_id, eos_id, unk_id, pad_id) if i is not None}
-        named -= {t.content for t in special} | {t.content for t in user_defined}
-        special += [AddedToken(text, normalized=False, special=True) for text in sorted(named)]
-        backend.add_special_tokens(special)
-        if user_defined:
-            backend.add_tokens(user_defined)
+        bos_id, eos_id, unk_id, pad_id = _named_ids(metadata, n_vocab, source)
+        # As for byte-level vocabularies; user-defined tokens are checked against the renamed vocabulary
+        # (as transformers does), so Gemma's runs of real spaces are left to the merges.
+        _add_added_tokens(backend, tokens, token_types, (bos_id, eos_id, unk_id, pad_id),
+                          is_piece=set(vocabulary.pieces).__contains__, spellable=lambda t: True)
 
         # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary that does not say otherwise
         add_bos, add_eos = _add_bos_eos(metadata, True, bos_id, eos_id, source)

@@ -87,7 +87,7 @@ class ForwardRunner:
         out_rows = np.arange(n) if output_rows is None else np.asarray(output_rows, dtype=np.int64)
         # a plan with as many outputs as tokens outputs every row in order (it has no output_rows input):
         # any other selection of n rows is taken from that full result afterwards
-        reorder = out_rows.shape[0] == n and not np.array_equal(out_rows, np.arange(n))
+        reorder = output_rows is not None and out_rows.shape[0] == n and not np.array_equal(out_rows, np.arange(n))
         plan = self.plan(n, out_rows.shape[0])
         plan.inputs["tokens"][:] = tokens
         plan.inputs["positions"][:] = positions

@@ -176,10 +176,9 @@ def generate(
     if not 0 <= n_cached < n:
         raise BadRequestError(f"n_cached must be in 0..{n - 1} (a prompt token must be evaluated), got {n_cached}")
     decoder = SequenceDecoder(tokenizer, sampler, max_tokens, stats, stop_ids, stop, logprobs, constraint)
-    stats.prompt_tokens = n
+    decoder.start(prompt_ids)
     if decoder.done:
         return
-    decoder.start(prompt_ids)
 
     t0 = time.perf_counter()
     logits = runner.forward(prompt_ids[n_cached:], range(n_cached, n), output_rows=[n - 1 - n_cached])[0]
