@@ -8,7 +8,12 @@ measures prefix reuse: the time to first token of a request with a long system p
 warm (the system prompt's cells reused).
 
     python bench/server_load.py [MODEL] [--clients 1,4,8] [--requests 8] [--max-tokens 64] [--parallel 8]
-        [--long-run 200] [--json]
+        [--repeat 1] [--long-run 200] [--json]
+
+``--repeat K`` runs the whole list of concurrencies K times, interleaved, and reports for each concurrency
+the run with the median token rate (a shared 2-core machine drifts by ±30% from one minute to the next,
+so single runs of 1 and 8 clients taken minutes apart give a ratio that is mostly drift), and the ratio
+of each round's 8-client rate to the same round's 1-client rate.
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over the concurrencies, interleaved")
     ap.add_argument("--long-run", type=int, default=200, help="requests of the memory run (8 clients), 0 = skip")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -132,21 +138,31 @@ def main() -> None:
     report: dict = {"model": str(path), "parallel": args.parallel, "max_tokens": args.max_tokens, "runs": []}
     with ServerProcess(path, server_args) as server:
         asyncio.run(load_run(server.url, 2, 1, 8, bias))  # warm-up: plans for the common batch shapes
-        for c in [int(x) for x in args.clients.split(",")]:
-            before = rss_mib(server)
-            run = asyncio.run(load_run(server.url, c, args.requests, args.max_tokens, bias))
-            run["rss_before_mib"], run["rss_after_mib"] = before, rss_mib(server)
-            report["runs"].append(run)
-            if not args.json:
-                print(f"{c:2d} clients x {args.requests}: {run['requests_per_s']:.2f} req/s, "
-                      f"{run['tokens_per_s']:.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms p95 "
-                      f"{run['ttft_p95_ms']:.0f} ms, ITL p50 {run['itl_p50_ms']:.1f} ms "
-                      f"p95 {run['itl_p95_ms']:.1f} ms, "
-                      f"failed {run['failed']}, RSS {before:.0f} -> {run['rss_after_mib']:.0f} MiB", flush=True)
+        concurrencies = [int(x) for x in args.clients.split(",")]
+        rounds: list[dict[int, dict]] = []
+        for k in range(args.repeat):
+            rounds.append({})
+            for c in concurrencies:
+                before = rss_mib(server)
+                run = asyncio.run(load_run(server.url, c, args.requests, args.max_tokens, bias))
+                run["rss_before_mib"], run["rss_after_mib"] = before, rss_mib(server)
+                rounds[-1][c] = run
+                if not args.json:
+                    print(f"{'' if args.repeat == 1 else f'round {k + 1}: '}{c:2d} clients x {args.requests}: "
+                          f"{run['requests_per_s']:.2f} req/s, "
+                          f"{run['tokens_per_s']:.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms p95 "
+                          f"{run['ttft_p95_ms']:.0f} ms, ITL p50 {run['itl_p50_ms']:.1f} ms "
+                          f"p95 {run['itl_p95_ms']:.1f} ms, "
+                          f"failed {run['failed']}, RSS {before:.0f} -> {run['rss_after_mib']:.0f} MiB", flush=True)
+        for c in concurrencies:  # the median round of each concurrency
+            runs = sorted((r[c] for r in rounds), key=lambda r: r["tokens_per_s"])
+            report["runs"].append({**runs[len(runs) // 2], "rounds": len(runs),
+                                   "failed_all_rounds": sum(r["failed"] for r in runs)})
         single = next((r["tokens_per_s"] for r in report["runs"] if r["clients"] == 1), None)
         if single:
             for r in report["runs"]:
                 r["speedup_vs_1_client"] = r["tokens_per_s"] / single
+                r["speedup_by_round"] = [x[r["clients"]]["tokens_per_s"] / x[1]["tokens_per_s"] for x in rounds]
         if args.long_run:
             samples = [rss_mib(server)]
             per_client = max(1, args.long_run // 8)
@@ -163,7 +179,11 @@ def main() -> None:
     else:
         for r in report["runs"]:
             if "speedup_vs_1_client" in r:
-                print(f"aggregate tokens/s at {r['clients']} clients: {r['speedup_vs_1_client']:.2f}x one client")
+                rounds_txt = "" if r["rounds"] == 1 else (
+                    f" (median of {r['rounds']} rounds: {r['tokens_per_s']:.1f} tok/s; each round's ratio: "
+                    + ", ".join(f"{x:.2f}" for x in r["speedup_by_round"]) + ")")
+                print(f"aggregate tokens/s at {r['clients']} clients: {r['speedup_vs_1_client']:.2f}x one client"
+                      f"{rounds_txt}; failed {r['failed_all_rounds']}")
         pr = report["prefix_reuse"]
         print(f"prefix reuse: TTFT cold {pr['cold']['ttft_ms']:.0f} ms ({pr['cold']['cached_tokens']} cached), "
               f"warm {pr['warm']['ttft_ms']:.0f} ms ({pr['warm']['cached_tokens']} cached)")

@@ -262,6 +262,33 @@ def test_batches_are_padded_to_a_few_shapes(model):
     assert batch_buckets(512) == [1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 
 
+
+def test_after_events_follows_each_steps_events(model):
+    """The hook a server flushes its buffered events with runs on the scheduler thread after the events
+    of the iteration: every event has been emitted before some after_events call."""
+    from dataclasses import replace
+
+    sched = make_scheduler(model, n_seq=2)
+    log: list[str] = []
+    c = Collector(2)
+
+    def emit(i: int):
+        push = c.emit(i)
+        return lambda ev: (log.append(type(ev).__name__), push(ev))
+
+    sched.metrics = replace(sched.metrics, after_events=lambda: log.append("flush"))
+    try:
+        seq = fixture_sequences(ARCH)[1]
+        sched.submit([BatchRequest(seq[:7], model.sampler(temperature=0.0), 4, emit(0)),
+                      BatchRequest(seq[:9], model.sampler(temperature=0.0), 4, emit(1))])
+        c.wait()
+    finally:
+        sched.stop()  # returns once the loop has ended: the iteration that emitted Finished flushed
+    assert log.count("Token") == 8 and log.count("Finished") == 2
+    assert log[-1] == "flush"
+    # one flush per iteration, not per event: two sequences' tokens share an iteration
+    assert log.count("flush") < log.count("Token")
+
 def test_as_many_chosen_output_rows_as_tokens_are_honoured(model):
     """A forward call whose output_rows select n of n rows in another order (or repeated) gets those rows."""
     seq = fixture_sequences(ARCH)[2][:6]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import ARCHS, fixture_dir, fixture_logits, fixture_sequences, load_json
@@ -125,6 +127,43 @@ def test_copy_prefix_remove_and_clear():
         kv.copy_prefix(0, 1, 5)
 
 
+
+def test_commit_takes_the_memory_at_creation():
+    """A lazy cache (the default) costs resident memory only as positions are written; ``commit=True``
+    (the batch server's cache) takes all of it at creation, so serving does not grow it. Measured in a
+    fresh interpreter: in this one, memory freed by earlier tests is already resident."""
+    import subprocess
+    import sys
+
+    script = f"""
+import json
+from dataclasses import replace
+import minfer
+from minfer.runtime.batch import batch_kv_cache
+from minfer.runtime.kv_cache import KVCache
+
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+hp = replace(minfer.load({str(fixture_dir("llama") / "model-f32.gguf")!r}, n_ctx=16).hparams, n_layer=4)
+n_ctx = 96 * 2**20 // (4 * 2 * hp.n_layer * max(hp.k_width, hp.v_width))  # regions of ~96 MiB in all
+grown = {{}}
+for name, make in (("lazy", lambda: KVCache(hp, n_ctx)), ("committed", lambda: KVCache(hp, n_ctx, commit=True)),
+                   ("server", lambda: batch_kv_cache(hp, n_ctx // 2, 2))):  # 2 slots + scratch: ~72 MiB
+    before = resident_mib()
+    cache = make()
+    grown[name] = resident_mib() - before
+    assert not cache.layers[0].k.any()  # zeroed either way
+    del cache
+print(json.dumps(grown))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    grown = json.loads(out.stdout.strip().splitlines()[-1])
+    assert grown["lazy"] < 8, grown
+    assert grown["committed"] > 80, grown
+    assert grown["server"] > 60, grown
+
 def test_position_beyond_a_sequence_is_refused_before_writing():
     from minfer.runtime.forward import ForwardRunner
     from minfer.runtime.kv_cache import KVCache
@@ -215,9 +254,11 @@ def test_gemma3_sliding_layers_read_only_their_window(cache_type):
     runner.forward(seq[:580], range(580))
     rows = [runner.forward([seq[p]], [p]) for p in range(580, 600)]
     np.testing.assert_array_equal(np.concatenate(rows), full[580:])
-    assert reads[0][0] == (0, 580)  # the prefill's first token is at position 0: every row
-    assert reads[0][1:] == [(512, p + 1) for p in range(580, 600)]  # p - 5 rounded down to 256
-    assert reads[5][1:] == [(0, p + 1) for p in range(580, 600)]
+    # f32 cells: a prefill attends on the regions themselves (attention_rows), no window is read; other
+    # cells: the prefill's first token is at position 0, so every row is dequantized
+    prefill = [] if cache_type == "f32" else [(0, 580)]
+    assert reads[0] == prefill + [(512, p + 1) for p in range(580, 600)]  # p - 5 rounded down to 256
+    assert reads[5] == prefill + [(0, p + 1) for p in range(580, 600)]
     reference = minfer.load(path, n_ctx=640, cache_type=cache_type, kernels="reference").logits(seq)
     # q8_0 cells: the two kernel sets' K/V differ in the last bits, which can round a value to a neighbouring
     # 8-bit step (measured 0.018 over 600 positions): DESIGN.md's q8_0 bound

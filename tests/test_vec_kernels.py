@@ -477,6 +477,58 @@ def test_sliding_window_attention_matches_reference(rng, window, positions):
             np.testing.assert_array_equal(one[0], got[t])
 
 
+
+@pytest.mark.parametrize("window", [0, 40, 300])
+def test_attention_rows_mixing_sequences_equals_each_sequence_alone(rng, window):
+    """One call over a batch that mixes sequences (decode tokens, prefill chunks, a sequence split into two
+    runs, 20 padding tokens at one position) gives every token the bits it gets attending its own
+    sequence's rows alone: the view the per-sequence path uses. Garbage in other sequences' rows (NaN) is
+    never read."""
+    n_head, n_head_kv, hd = 6, 2, 32
+    cap = 2 * vk.ATTN_KEY_CHUNK + 64  # rows per sequence: decodes past two key chunks
+    n_seq = 5
+    k_reg = np.full((cap * n_seq, n_head_kv * hd), np.nan, F32)
+    v_reg = np.full_like(k_reg, np.nan)
+    # (sequence, positions) in batch order
+    batch = [(0, [530]), (1, [3]), (2, list(range(100, 131))), (3, [0]), (1, [4]), (2, [131, 132]),
+             (4, [0] * 20)]
+    seq = np.concatenate([[s] * len(p) for s, p in batch])
+    pos = np.concatenate([p for _, p in batch]).astype(np.int32)
+    rows = (seq * cap + pos).astype(np.int32)
+    for s in range(n_seq):  # each sequence's rows 0..its last position hold data
+        n = int(pos[seq == s].max()) + 1
+        k_reg[s * cap : s * cap + n] = rng.standard_normal((n, n_head_kv * hd)).astype(F32)
+        v_reg[s * cap : s * cap + n] = rng.standard_normal((n, n_head_kv * hd)).astype(F32)
+    q = rng.standard_normal((len(pos), n_head * hd)).astype(F32)
+    geometry = (n_head, n_head_kv, hd, hd, 1 / math.sqrt(hd))
+    for n_threads in (1, MAX_THREADS):
+        got = np.full((len(pos), n_head * hd), np.nan, F32)
+        at_threads(n_threads, lambda got=got: vk.attention_rows(q, k_reg, v_reg, pos, rows, *geometry, got, window))
+        for t in range(len(pos)):
+            s = int(seq[t])
+            k_seq, v_seq = k_reg[s * cap : (s + 1) * cap], v_reg[s * cap : (s + 1) * cap]
+            alone = _vk_attention(q[t : t + 1], k_seq, v_seq, pos[t : t + 1], *geometry, window)
+            np.testing.assert_array_equal(got[t], alone[0], err_msg=f"token {t} at {n_threads} threads")
+        expect = _ref_attention(q[:1], k_reg[:cap], v_reg[:cap], pos[:1], *geometry, window)
+        np.testing.assert_allclose(got[:1], expect, rtol=0, atol=1e-5)
+    # told of 64 threads, the kernel splits each kv group's heads over units: still the same bits
+    split = np.full_like(got, np.nan)
+    assert vk._attn_rows_kernel(q, k_reg, v_reg, pos, rows, *geometry, 64, window, split) == -1
+    np.testing.assert_array_equal(split, got)
+
+
+def test_attention_rows_errors(rng):
+    q, k_reg, v_reg, pos = _attn_case(rng, 4, 2, 8, 8, [0, 1], n_ctx=8)
+    out = np.empty((2, 32), F32)
+    with pytest.raises(ContextOverflowError, match="position 3 \\(token 1\\)"):
+        vk.attention_rows(q, k_reg, v_reg, np.array([0, 3], np.int32), np.array([4, 8], np.int32), 4, 2, 8, 8, 1.0,
+                          out)
+    with pytest.raises(ValueError, match="token 1 at row 2 has position 5 before its sequence's first row"):
+        vk.attention_rows(q, k_reg, v_reg, np.array([0, 5], np.int32), np.array([4, 2], np.int32), 4, 2, 8, 8, 1.0,
+                          out)
+    with pytest.raises(ValueError, match="1 rows for 2 positions"):
+        vk.attention_rows(q, k_reg, v_reg, pos, np.array([0], np.int32), 4, 2, 8, 8, 1.0, out)
+
 def test_sliding_window_reference_mask():
     # 1 head, head dim 1, q = k = 0: uniform weights over exactly the visible keys
     n = 6

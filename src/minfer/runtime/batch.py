@@ -5,7 +5,8 @@ slot ``n_ctx // n_slots`` positions). Between two forward passes requests join (
 prefilled in chunks) and leave (finished, cancelled): one forward call evaluates every running
 sequence's next token plus as much waiting prompt as the token budget allows, each token with its own
 sequence id and position (positions and cache rows are data), so a decode step of eight streams costs
-one pass over the weights instead of eight.
+one pass over the weights instead of eight, and one attention call per layer for all of them (the fast
+backend's ``attention_rows``: each token reads its own sequence's rows).
 
 Prefix reuse: a finished request leaves its tokens in its slot. A new request takes the free slot whose
 cached tokens share the longest prefix with its prompt, or copies the longest shared prefix from any
@@ -44,11 +45,13 @@ from minfer.runtime.sampler import Sampler
 
 def batch_kv_cache(hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None) -> KVCache:
     """A cache for ``n_slots`` sequences of ``n_ctx // n_slots`` positions each, plus the scratch
-    sequence the scheduler pads batches with."""
+    sequence the scheduler pads batches with. Its memory is committed at creation: a server's resident
+    memory does not grow as slots fill, and no pass waits on page faults (measured with 8 slots: copying a
+    prefix into fresh pages took ~40 ms, into committed ones well under 1 ms)."""
     if n_slots < 1 or n_ctx < n_slots:
         raise BadRequestError(f"a context of {n_ctx} cannot hold {n_slots} sequences")
     capacity = n_ctx // n_slots
-    return KVCache(hparams, capacity * (n_slots + 1), cache_type, n_seq=n_slots + 1)
+    return KVCache(hparams, capacity * (n_slots + 1), cache_type, n_seq=n_slots + 1, commit=True)
 
 
 def batch_buckets(batch_size: int) -> list[int]:
@@ -144,6 +147,9 @@ class BatchMetrics:
     on_token_gap: Callable[[float], None] | None = None  # seconds between two tokens of a sequence
     on_finished: Callable[[GenerationStats, int], None] | None = None  # stats, cached prompt tokens
     on_step: Callable[[int, int, float], None] | None = None  # tokens evaluated, sequences, seconds
+    # end of each loop iteration, once its events were emitted: a consumer that buffers events (the
+    # server's event pump) hands them over then, one wake-up for the whole step
+    after_events: Callable[[], None] | None = None
 
 
 class BatchScheduler:
@@ -302,6 +308,8 @@ class BatchScheduler:
                     for r in self._waiting:
                         r.emit(Failed(ShuttingDownError("the server shut down before this request started")))
                     self._waiting.clear()
+            if self.metrics.after_events:
+                self.metrics.after_events()
 
     def _drop_cancelled_waiting(self) -> None:
         """Called with the lock held."""

@@ -8,7 +8,9 @@ them and each token's attention reads its own sequence's rows ``0..pos`` (the wi
 Cell types (``cache_type``): ``f32`` (default), ``f16`` (half the bytes), ``q8_0`` (packed Q8_0 blocks,
 34 bytes per 32 values, ~3.76x smaller than f32): quantized on store, dequantized for the window a
 layer's attention is about to read. Regions are allocated zeroed (``np.zeros`` maps untouched pages
-lazily), so a large context costs memory only as positions are written.
+lazily), so a large context costs memory only as positions are written; ``commit=True`` writes every page
+at creation instead (a server: its memory is all taken at start and stays flat under load, and no
+request pays the page faults of cells touched for the first time).
 
 The cache also records which token each sequence holds at each position (``tokens(seq)``), so callers
 can reuse a cached prefix instead of recomputing it.
@@ -103,7 +105,9 @@ class KVLayer:
 
 
 class KVCache:
-    def __init__(self, hparams: HParams, n_ctx: int, cache_type: str | None = None, n_seq: int = 1) -> None:
+    def __init__(
+        self, hparams: HParams, n_ctx: int, cache_type: str | None = None, n_seq: int = 1, commit: bool = False
+    ) -> None:
         self.cache_type = check_cache_type(cache_type)
         if n_seq < 1 or n_ctx < n_seq:
             raise BadRequestError(f"a context of {n_ctx} cannot hold {n_seq} sequences")
@@ -126,6 +130,10 @@ class KVCache:
                     *scratch)
             for _ in range(hparams.n_layer)
         ]
+        if commit:
+            for layer in self.layers:
+                layer.k.fill(0)
+                layer.v.fill(0)
         self._tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
     def _region(self, rows: int, width: int) -> np.ndarray:

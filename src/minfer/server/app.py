@@ -6,7 +6,7 @@ an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; with a
 every endpoint but ``/health`` wants ``Authorization: Bearer <key>``.
 
 Request handlers run on the event loop: they parse, render the chat template, tokenize and submit
-sequences to the scheduler thread, whose events come back through ``call_soon_threadsafe``.
+sequences to the scheduler thread, whose events come back through an :class:`_EventPump`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import asyncio
 import contextlib
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,19 +71,58 @@ class _Choice:
         return self.stats is not None or self.error is not None
 
 
+class _EventPump:
+    """Carries events from the scheduler thread to the event loop's queues.
+
+    One forward pass emits a token to every running sequence; waking the loop once per event (a
+    ``call_soon_threadsafe`` each, a write to its wake-up pipe each) cost more than sampling that token.
+    Events wait in a list; the scheduler calls :meth:`flush` once per step, which wakes the loop once.
+    """
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[tuple[int, Event]], tuple[int, Event]]] = []
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue[tuple[int, Event]], item: tuple[int, Event]) -> None:
+        """On the scheduler thread."""
+        with self._lock:
+            self._pending.append((queue, item))
+
+    def flush(self) -> None:
+        """On the scheduler thread: have the loop take what is pending (unless it is about to)."""
+        with self._lock:
+            if not self._pending or self._scheduled or self.loop is None:
+                return
+            self._scheduled = True
+            loop = self.loop
+        try:
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is gone: the server has stopped
+            with self._lock:
+                self._scheduled = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
 class _Job:
     """The sequences of one HTTP request, and the queue their events arrive in."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, pump: _EventPump) -> None:
+        self.pump = pump
         self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.requests: list[BatchRequest] = []
         self.choices: list[_Choice] = []
 
     def emitter(self, index: int) -> Callable[[Event], None]:
         def emit(event: Event) -> None:  # on the scheduler thread
-            with contextlib.suppress(RuntimeError):  # the loop is gone: the server has stopped
-                self.loop.call_soon_threadsafe(self.events.put_nowait, (index, event))
+            self.pump.put(self.events, (index, event))
 
         return emit
 
@@ -175,7 +215,8 @@ def create_app(
     """The ASGI app; the scheduler is stopped with the app's lifespan, and started with it unless
     ``start_scheduler`` is False (the caller runs ``scheduler.run()`` on a thread of its choice)."""
     metrics = ServerMetrics(scheduler.load, scheduler.cells_in_use, scheduler.n_slots * scheduler.slot_context)
-    scheduler.metrics = metrics.batch_hooks()
+    pump = _EventPump()
+    scheduler.metrics = replace(metrics.batch_hooks(), after_events=pump.flush)
     created = int(time.time())
     names = {config.model_id, str(model.path), Path(model.path).name, Path(model.path).stem}
 
@@ -237,7 +278,8 @@ def create_app(
             raise ApiError(f"the request body is not valid JSON: {e}") from None
 
     def submit(prompts: Sequence[list[int]], params: GenerationParams) -> _Job:
-        job = _Job(asyncio.get_running_loop())
+        pump.loop = asyncio.get_running_loop()  # the loop exists only once the server runs
+        job = _Job(pump)
         try:
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
@@ -322,18 +364,27 @@ def create_app(
         async def events() -> AsyncIterator[bytes]:
             try:
                 while not job.done:
-                    index, event = await job.events.get()
-                    c = job.apply(index, event)
-                    if isinstance(event, Failed) or (c.stats is not None and c.stats.finish_reason == "cancelled"):
-                        e = _api_error(event.error) if isinstance(event, Failed) else ApiError(
-                            "the request was cancelled before it finished (server shutting down)", status=503,
-                            type="server_error", code="cancelled")
-                        job.cancel()
-                        yield sse(e.body())
-                        return
-                    body = chunk(c, event)
-                    if body is not None:
-                        yield sse(body)
+                    # every event already queued goes out in one write (a client that fell behind, n > 1)
+                    out: list[bytes] = []
+                    item = await job.events.get()
+                    while True:
+                        index, event = item
+                        c = job.apply(index, event)
+                        if isinstance(event, Failed) or (c.stats is not None and c.stats.finish_reason == "cancelled"):
+                            e = _api_error(event.error) if isinstance(event, Failed) else ApiError(
+                                "the request was cancelled before it finished (server shutting down)", status=503,
+                                type="server_error", code="cancelled")
+                            job.cancel()
+                            yield b"".join(out) + sse(e.body())
+                            return
+                        body = chunk(c, event)
+                        if body is not None:
+                            out.append(sse(body))
+                        if job.done or job.events.empty():
+                            break
+                        item = job.events.get_nowait()
+                    if out:
+                        yield b"".join(out)
                 if final_usage is not None:
                     yield sse(final_usage())
                 yield b"data: [DONE]\n\n"

@@ -258,9 +258,18 @@ class CPUBackend:
                 )
 
             window = m.window
-            return lambda node, out, q, kv, positions, rows: attend_by_sequence(
-                q, kv, positions, rows, out, attend, window
-            )
+
+            def attn(node: Node, out, q, kv, positions, rows) -> None:
+                if kv.cache_type == "f32" and positions.shape[0] > 1:
+                    # every sequence of the batch in one parallel call, on the regions themselves
+                    vk.attention_rows(
+                        q, kv.k, kv.v, positions, rows, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v,
+                        m.scale, out, window,
+                    )
+                else:  # a decode step may split its keys over threads; f16 / q8_0 cells are dequantized
+                    attend_by_sequence(q, kv, positions, rows, out, attend, window)
+
+            return attn
         return REFERENCE_KERNELS[op]
 
     def close(self) -> None:

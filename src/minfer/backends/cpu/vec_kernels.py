@@ -1083,6 +1083,32 @@ def _attn_task(
                     _attn_pv(sc, h, vr, g * hdv, k0, k1, hdv, part, h * n_chunks + c, 0)
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out):
+    """-1 when the operands fit each other, else the kernels' error code (-2, -3 or -4)."""
+    nt = q.shape[0]
+    if (
+        n_head_kv < 1
+        or window < 0
+        or n_head % n_head_kv
+        or hdk < 1
+        or hdv < 1
+        or q.shape[1] != n_head * hdk
+        or out.shape[0] != nt
+        or out.shape[1] != n_head * hdv
+        or positions.shape[0] != nt
+        or k_region.shape[1] != n_head_kv * hdk
+        or v_region.shape[1] != n_head_kv * hdv
+        or v_region.shape[0] != k_region.shape[0]
+    ):
+        return -2
+    if q.strides[1] != 4 or k_region.strides[1] != 4 or v_region.strides[1] != 4 or out.strides[1] != 4:
+        return -3  # the vector loads/stores move 8 consecutive floats of a row
+    if out.ctypes.data == q.ctypes.data:
+        return -4  # out rows are accumulated in place while other workers still read q
+    return -1
+
+
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attn_kernel(
     q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, window, out
@@ -1096,25 +1122,9 @@ def _attn_kernel(
     ``window`` covers them all)."""
     nt = q.shape[0]
     n_ctx = k_region.shape[0]
-    if (
-        n_head_kv < 1
-        or window < 0
-        or n_head % n_head_kv
-        or hdk < 1
-        or hdv < 1
-        or q.shape[1] != n_head * hdk
-        or out.shape[0] != nt
-        or out.shape[1] != n_head * hdv
-        or positions.shape[0] != nt
-        or k_region.shape[1] != n_head_kv * hdk
-        or v_region.shape[1] != n_head_kv * hdv
-        or v_region.shape[0] != n_ctx
-    ):
-        return -2
-    if q.strides[1] != 4 or k_region.strides[1] != 4 or v_region.strides[1] != 4 or out.strides[1] != 4:
-        return -3  # the vector loads/stores move 8 consecutive floats of a row
-    if out.ctypes.data == q.ctypes.data:
-        return -4  # out rows are accumulated in place while other workers still read q
+    code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
+    if code != -1:
+        return code
     max_len = 0
     for t in range(nt):
         p = positions[t]
@@ -1174,6 +1184,74 @@ def _attn_kernel(
                 for c in range(n_chunks):
                     acc += part[h * n_chunks + c, d]
                 out[0, h * hdv + d] = acc
+    return -1
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _attn_rows_kernel(
+    q, k_region, v_region, positions, rows, n_head, n_head_kv, hdk, hdv, scale, n_threads, window, out
+):
+    """Attention for tokens of several sequences sharing regions, in one parallel loop: token t reads the
+    rows ``rows[t] - positions[t]`` (its sequence's position 0) up to ``rows[t]``.
+
+    Tokens are taken in runs that share their first row (a sequence's tokens, consecutive in the batch);
+    each run is split into the same (kv head, head subset, token block) units as ``_attn_kernel``'s
+    phase 0, on a view of the regions starting at the run's first row, so every (token, head) result is
+    bit-identical to attending that sequence alone. Returns as ``_attn_kernel`` does (-1 when done), the
+    first bad token when a row is outside the regions or before its position."""
+    nt = q.shape[0]
+    n_ctx = k_region.shape[0]
+    code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
+    if code != -1:
+        return code
+    if rows.shape[0] != nt:
+        return -2
+    run_start = np.empty(nt + 1, np.int64)  # runs of tokens with one first row: run_start[i]..run_start[i+1]
+    n_runs = 0
+    max_len = 0
+    for t in range(nt):
+        p = positions[t]
+        r = rows[t]
+        if p < 0 or r < p or r >= n_ctx:
+            return t
+        max_len = max(max_len, p + 1)
+        if t == 0 or r - p != rows[t - 1] - positions[t - 1]:
+            run_start[n_runs] = t
+            n_runs += 1
+    run_start[n_runs] = nt
+    group = n_head // n_head_kv
+    n_blocks_all = 0
+    for i in range(n_runs):
+        n_blocks_all += (run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+    n_sub = 1  # as in _attn_kernel: split a group's heads only when the units would not fill the threads
+    if n_head_kv * n_blocks_all < n_threads:
+        n_sub = min(group, (n_threads + n_head_kv * n_blocks_all - 1) // (n_head_kv * n_blocks_all))
+    per_sub = (group + n_sub - 1) // n_sub
+    n_sub = (group + per_sub - 1) // per_sub
+    unit_end = np.empty(n_runs, np.int64)  # units of runs 0..i end before unit_end[i]
+    n_units = 0
+    for i in range(n_runs):
+        n_units += n_head_kv * n_sub * ((run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK)
+        unit_end[i] = n_units
+    scale32 = F32(scale)
+    for u in prange(n_units):
+        i = 0
+        while unit_end[i] <= u:
+            i += 1
+        t_first = run_start[i]
+        n_blocks = (run_start[i + 1] - t_first + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+        v = u - (unit_end[i] - n_head_kv * n_sub * n_blocks)
+        b = v % n_blocks
+        s = (v // n_blocks) % n_sub
+        g = v // (n_blocks * n_sub)
+        h0 = g * group + s * per_sub
+        h1 = min(g * group + group, h0 + per_sub)
+        t0 = t_first + b * ATTN_TOKEN_BLOCK
+        t1 = min(run_start[i + 1], t0 + ATTN_TOKEN_BLOCK)
+        base = rows[t_first] - positions[t_first]
+        _attn_unit(
+            q, k_region[base:], v_region[base:], positions, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out
+        )
     return -1
 
 
@@ -1262,8 +1340,45 @@ def attention(
             window,
             out,
         )
+    if code != -1:
+        _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
+
+
+def attention_rows(
+    q: np.ndarray,
+    k_region: np.ndarray,
+    v_region: np.ndarray,
+    positions: np.ndarray,
+    rows: np.ndarray,
+    n_head: int,
+    n_head_kv: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    scale: float,
+    out: np.ndarray,
+    window: int = 0,
+) -> None:
+    """:func:`attention` for a batch mixing sequences of one cache: token t sits at region row
+    ``rows[t]`` and position ``positions[t]`` of a sequence whose position 0 is row
+    ``rows[t] - positions[t]``, and reads that sequence's rows only. One parallel call serves every
+    sequence; each token's result is bit-identical to :func:`attention` on its sequence's rows alone."""
+    if rows.shape != positions.shape:
+        raise ValueError(f"attention: {rows.shape[0]} rows for {positions.shape[0]} positions")
+    code = _attn_rows_kernel(
+        q, k_region, v_region, positions, rows, n_head, n_head_kv, head_dim_k, head_dim_v, scale, get_num_threads(),
+        window, out,
+    )
     if code == -1:
         return
+    if code >= 0 and 0 <= int(rows[code]) < k_region.shape[0]:
+        raise ValueError(f"attention: token {code} at row {int(rows[code])} has position {int(positions[code])} "
+                         "before its sequence's first row")
+    _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
+
+
+def _raise_attention_error(
+    code: int, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out
+) -> None:
     if code == -3:
         raise ValueError("attention: q, the K/V regions and out must have contiguous rows (inner stride 4 bytes)")
     if code == -4:
@@ -1309,3 +1424,5 @@ def warmup() -> None:
     kv_store(x, x, pos, *regions)
     attention(x, *regions, pos, 2, 2, 8, 8, 0.5, np.empty_like(x))
     attention(x, *regions, pos, 2, 2, 8, 8, 0.5, np.empty_like(x), window=1)
+    for window in (0, 1):
+        attention_rows(x, *regions, pos, np.array([0, 2], np.int32), 2, 2, 8, 8, 0.5, np.empty_like(x), window)
