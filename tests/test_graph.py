@@ -139,3 +139,33 @@ def test_matmuls_reading_one_activation_share_its_quantization():
         with backend.running():
             outs.append(plan.run().copy())
     assert np.array_equal(outs[0], outs[1])
+
+
+def test_plans_of_one_runner_share_their_buffers():
+    """A runner's plans take their activation slots and quantized activations from one arena: a smaller
+    plan built after the largest one adds no memory and shares its arrays, and interleaving shapes gives
+    the same logits as plans with buffers of their own."""
+    from minfer.runtime.forward import ForwardRunner
+
+    model = TransformerModel.from_gguf(fixture_dir("llama") / "model-q8_0.gguf")
+    backend = CPUBackend(kernels="fast")
+    runner = ForwardRunner(model, backend, KVCache(model.hparams, 64, n_seq=2))
+    big = runner.plan(12, 12)
+    size = runner.arena.nbytes
+    small = runner.plan(3, 1)
+    assert runner.arena.nbytes == size and runner.arena.grown == 0
+    assert all(any(np.shares_memory(a, b) for b in big.pool) for a in small.pool)
+    quantized = [v for v in small.views.values() if type(v).__name__ == "QuantizedActivations"]
+    assert quantized and any(np.shares_memory(q._q, v._q) for q in quantized for v in big.views.values()
+                             if type(v).__name__ == "QuantizedActivations")
+    seq = list(range(5, 17))
+    first = runner.forward(seq, range(12), seq_ids=0)
+    tail = runner.forward(seq[:3], range(3), output_rows=[2], seq_ids=1)  # the small plan overwrites the arena
+    again = runner.forward(seq, range(12), seq_ids=0)
+    alone = ForwardRunner(model, backend, KVCache(model.hparams, 64, n_seq=2))
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, alone.forward(seq, range(12), seq_ids=0))
+    np.testing.assert_array_equal(tail[0], first[2])
+    # a larger shape grows the arena; the plans built before are dropped (they hold the old arrays)
+    runner.plan(20, 20)
+    assert runner.arena.grown > 0 and list(runner._plans) == [(20, 20)]

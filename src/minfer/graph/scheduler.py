@@ -19,6 +19,9 @@ import numpy as np
 from minfer.graph.allocator import Allocation, allocate
 from minfer.graph.ir import Graph, Node, Op
 
+# storage for a plan's buffers: (part name, elements, dtype) -> a 1-D array of that many elements
+Take = Callable[[str, int, Any], np.ndarray]
+
 
 class Backend(Protocol):
     def prepare_weight(self, tensor: Any) -> Any: ...
@@ -27,7 +30,40 @@ class Backend(Protocol):
 
     def running(self) -> AbstractContextManager[Any]: ...
 
-    def buffer(self, node: Node) -> Any: ...
+    def buffer(self, node: Node, take: Take) -> Any: ...
+
+
+class BufferArena:
+    """Storage shared by plans that never run at the same time (the plans of one runner).
+
+    A plan's activation slots and backend buffers are prefixes of the arena's arrays (the k-th largest
+    slot of every plan shares one array, and so does the k-th backend buffer), so all the plans together take
+    the memory of the largest one instead of the sum: a server that has seen every batch shape keeps a
+    few dozen plans. ``grown`` counts the arrays replaced by larger ones; plans built before a growth
+    still hold the old arrays (correct, not shared) until they are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple[Any, ...], np.ndarray] = {}
+        self.grown = 0
+
+    def take(self, key: tuple[Any, ...], n: int, dtype: Any) -> np.ndarray:
+        a = self._arrays.get(key)
+        if a is None or a.size < n or a.dtype != dtype:
+            if a is not None:
+                self.grown += 1
+            keep = a.size if a is not None and a.dtype == dtype else 0
+            a = self._arrays[key] = np.empty(max(n, keep), dtype)
+        return a[:n]
+
+    def commit(self) -> None:
+        """Write every page of the arena now (so the memory is taken once, up front)."""
+        for a in self._arrays.values():
+            a.fill(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())
 
 
 @dataclass
@@ -47,11 +83,21 @@ class Plan:
         backend: Backend,
         kv_layers: Sequence[Any],
         allocation: Allocation | None = None,
+        arena: BufferArena | None = None,
     ) -> None:
         self.graph = graph
         self.allocation = allocation or allocate(graph)
         alloc = self.allocation
-        self.pool = [np.empty(n, dtype=np.float32) for n in alloc.slot_sizes]
+
+        def take(key: tuple[Any, ...], n: int, dtype: Any) -> np.ndarray:
+            return np.empty(n, dtype) if arena is None else arena.take(key, n, dtype)
+
+        # the arena's k-th array serves every plan's k-th largest slot: a plan whose buffers are all no
+        # larger than another's (fewer tokens, fewer outputs) then fits in what that one took
+        by_size = sorted(range(len(alloc.slot_sizes)), key=lambda i: -alloc.slot_sizes[i])
+        rank = {slot: k for k, slot in enumerate(by_size)}
+        self.pool = [take(("slot", rank[i]), n, np.float32) for i, n in enumerate(alloc.slot_sizes)]
+        n_buffers = 0
         self.inputs: dict[str, np.ndarray] = {}
         views: dict[int, Any] = {}
         for node in graph.nodes:
@@ -61,8 +107,11 @@ class Plan:
                 views[node.id] = backend.prepare_weight(node.source)
             elif node.op in (Op.KV_STORE, Op.KV_LOAD):
                 views[node.id] = kv_layers[node.meta.layer]
-            elif node.op is Op.QUANTIZE:
-                views[node.id] = backend.buffer(node)  # a layout only the backend knows
+            elif node.op is Op.QUANTIZE:  # a layout only the backend knows
+                views[node.id] = backend.buffer(
+                    node, lambda part, n, dtype, k=n_buffers: take(("buffer", k, part), n, dtype)
+                )
+                n_buffers += 1
             else:
                 size = int(np.prod(node.shape))
                 views[node.id] = self.pool[alloc.slot_of[node.id]][:size].reshape(node.shape)

@@ -421,7 +421,12 @@ class BatchScheduler:
         return next(b for b in self._buckets if b >= n)
 
     def warm_up(self) -> None:
-        """Prepare the plans of the decode shapes (1..n_slots sequences) before the first requests."""
+        """Before the first requests: size the runner's buffer arena for the largest pass this scheduler
+        makes (a full batch with an output per slot) and write its pages, then prepare the plans of the
+        decode shapes (1..n_slots sequences). Memory is then taken up front, and no later batch shape
+        grows it."""
+        self.runner.plan(self.batch_size, self._bucket(min(self.n_slots, self.batch_size)))
+        self.runner.arena.commit()
         for n in range(1, self.n_slots + 1):
             b = self._bucket(n)
             self.runner.plan(b, b)

@@ -1,7 +1,8 @@
 """Forward passes: build (or reuse) the graph for a batch shape, bind it, run it.
 
 One graph per (tokens, outputs) shape: build -> fusion -> allocation -> plan. Plans are kept for the
-shapes seen recently (decode reuses the one-token plan every step).
+shapes seen recently (decode reuses the one-token plan every step); their activation buffers come from
+one :class:`~minfer.graph.scheduler.BufferArena` (the plans run one at a time).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from minfer.backends.cpu.reference import rope
 from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
-from minfer.graph.scheduler import Backend, Plan
+from minfer.graph.scheduler import Backend, BufferArena, Plan
 from minfer.models.model import TransformerModel
 from minfer.models.rope_scaling import layer_rope_meta
 from minfer.runtime.kv_cache import KVCache
@@ -39,8 +40,10 @@ class ForwardRunner:
         # minfer.trace observers (Tracer, Dumper): see every executed node, then each call's logits
         self.observers = list(observers)
         self._plans: OrderedDict[tuple[int, int], Plan] = OrderedDict()
-        # a batching server sees many batch shapes; each plan holds its own activation buffers
+        # a batching server sees many batch shapes; the plans share their activation buffers (they run
+        # one at a time), so memory is that of the largest plan whatever the number of plans
         self.max_plans = max_plans
+        self.arena = BufferArena()
 
     def plan(self, n_tokens: int, n_outputs: int) -> Plan:
         key = (n_tokens, n_outputs)
@@ -48,7 +51,10 @@ class ForwardRunner:
         if plan is None:
             quantized_input = getattr(self.backend, "quantized_input", None)
             graph = fuse(self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx), quantized_input)
-            plan = Plan(graph, self.backend, self.kv.layers)
+            grown = self.arena.grown
+            plan = Plan(graph, self.backend, self.kv.layers, arena=self.arena)
+            if self.arena.grown != grown:  # the older plans hold arrays the arena has replaced: let them go
+                self._plans.clear()
             self._plans[key] = plan
             if len(self._plans) > self.max_plans:
                 self._plans.popitem(last=False)

@@ -29,6 +29,7 @@ from minfer.errors import BadRequestError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
 from minfer.graph.ir import Node, Op, RopeStyle
+from minfer.graph.scheduler import Take
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
 # weight types whose fast matmul quantizes its activations to Q8 blocks (float weights do not)
@@ -168,9 +169,9 @@ class CPUBackend:
         """Whether a matmul with this weight quantizes its activations (so sharing them pays)."""
         return self.kernels == "fast" and tensor.ggml_type in Q8_ACTIVATION_TYPES
 
-    def buffer(self, node: Node) -> Any:
-        """Buffers of non-float nodes: the quantized activations of a QUANTIZE node."""
-        return self._qm.QuantizedActivations(*node.shape)
+    def buffer(self, node: Node, take: Take) -> Any:
+        """Buffers of non-float nodes: the quantized activations of a QUANTIZE node (storage from ``take``)."""
+        return self._qm.QuantizedActivations(*node.shape, take=take)
 
     def kernel(self, node: Node) -> Callable[..., None]:
         if self.kernels == "fast":

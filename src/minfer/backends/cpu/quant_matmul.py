@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
+from typing import Any
 
 import llvmlite.binding as llb
 import numba
@@ -544,9 +546,11 @@ class QuantizedActivations:
 
     __slots__ = ("q", "ds", "_q", "_ds")
 
-    def __init__(self, n_tok: int, n_in: int) -> None:
-        self._q = np.empty(n_tok * n_in, np.int8)
-        self._ds = np.empty(n_tok * (n_in // QK) * 2, np.float32)
+    def __init__(self, n_tok: int, n_in: int, take: Callable[[str, int, Any], np.ndarray] | None = None) -> None:
+        # ``take(part, elements, dtype)``: where the flat buffers come from (a plan's shared arena)
+        take = take or (lambda part, n, dtype: np.empty(n, dtype))
+        self._q = take("q", n_tok * n_in, np.int8)
+        self._ds = take("ds", n_tok * (n_in // QK) * 2, np.float32)
         self.q = self._q.reshape(n_tok, n_in)
         self.ds = self._ds.reshape(n_tok, n_in // QK, 2)
 
