@@ -32,6 +32,31 @@ from numba import njit, prange
 
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import reference as ref
+from minfer.backends.cpu.quant_matmul import (  # the intrinsics the row-by-row variants are made of
+    GEMM_ROWS,
+    GEMM_TOKENS,
+    PREFETCH_ROWS,
+    QK,
+    _f16,
+    _prefetch,
+    _tile_scales,
+    _vadd2,
+    _vadd8,
+    _vbytes,
+    _vdot_u8s8,
+    _vf16x2,
+    _vfma_i,
+    _vhsum,
+    _vlane,
+    _vload2,
+    _vload8,
+    _vmul2,
+    _vmul8,
+    _vnibbles,
+    _vsplat8,
+    _vzero2,
+    _vzero8,
+)
 from minfer.formats.gguf_file import GGUFFile, GGUFTensor
 from minfer.formats.quants import GGMLType
 
@@ -51,12 +76,116 @@ OUTPUT = ("output", 49152, 576)
 # --- variants that lost, kept here to show what the kept kernels are measured against ---------------
 
 
+@njit(inline="always")
+def _step_q4_1(acc, accm, w, o, a, xs):
+    """Q4_1: acc += Σn·a lanes * (d_w d_x); accm += (.., m * d_x Σa) (lane 1 is the offset term)."""
+    ds = _vmul2(_vf16x2(w, o), xs)  # (d_w d_x, m d_x Σa)
+    acc = _vfma_i(acc, _vdot_u8s8(_vnibbles(w, o + 4), a), _vsplat8(_vlane(ds, 0)))
+    return acc, _vadd2(accm, ds)
+
+
+@njit(inline="always")
+def _row_q4_1(w, o, nb, aq, ao, ds, do):
+    """One Q4_1 row (blocks from byte ``o``) against one token (int8 at ``ao``, pairs at ``ds[do:]``)."""
+    acc = _vzero8()
+    accm = _vzero2()
+    for b in range(nb):
+        acc, accm = _step_q4_1(acc, accm, w, o + 20 * b, _vbytes(aq, ao + QK * b), _vload2(ds, do + 2 * b))
+    return _vhsum(acc) + _vlane(accm, 1)
+
+
+@njit(parallel=True, cache=True)
+def _gemv_q4_1_rows(w, rb, aq, ds, out):
+    """Decode variant (the kept kernel until the 8-row groups): four raw rows per pass, float lanes per row."""
+    n_out = out.shape[1]
+    nb = aq.shape[0] // QK
+    n_pass = n_out // 4
+    for p in prange(n_pass):
+        r0 = 4 * p
+        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        m0, m1, m2, m3 = _vzero2(), _vzero2(), _vzero2(), _vzero2()
+        o = r0 * rb
+        pf = o + PREFETCH_ROWS * rb
+        for b in range(nb):
+            _prefetch(w, pf)
+            _prefetch(w, pf + 64)
+            pf += 80
+            a = _vbytes(aq, QK * b)
+            xs = _vload2(ds, 2 * b)
+            acc0, m0 = _step_q4_1(acc0, m0, w, o, a, xs)
+            acc1, m1 = _step_q4_1(acc1, m1, w, o + rb, a, xs)
+            acc2, m2 = _step_q4_1(acc2, m2, w, o + 2 * rb, a, xs)
+            acc3, m3 = _step_q4_1(acc3, m3, w, o + 3 * rb, a, xs)
+            o += 20
+        out[0, r0] = _vhsum(acc0) + _vlane(m0, 1)
+        out[0, r0 + 1] = _vhsum(acc1) + _vlane(m1, 1)
+        out[0, r0 + 2] = _vhsum(acc2) + _vlane(m2, 1)
+        out[0, r0 + 3] = _vhsum(acc3) + _vlane(m3, 1)
+    for r in range(4 * n_pass, n_out):  # the last 1..3 rows
+        out[0, r] = _row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
+
+
+@njit(inline="always")
+def _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, extra):
+    """As _store_tile, plus lane c of ``extra`` (Q4_1's offset terms) for token c, after the sum."""
+    out[t0, r] = _vhsum(a0) + _vlane(extra, 0)
+    out[t0 + 1, r] = _vhsum(a1) + _vlane(extra, 1)
+    out[t0 + 2, r] = _vhsum(a2) + _vlane(extra, 2)
+    out[t0 + 3, r] = _vhsum(a3) + _vlane(extra, 3)
+    out[t0 + 4, r] = _vhsum(a4) + _vlane(extra, 4)
+    out[t0 + 5, r] = _vhsum(a5) + _vlane(extra, 5)
+    out[t0 + 6, r] = _vhsum(a6) + _vlane(extra, 6)
+    out[t0 + 7, r] = _vhsum(a7) + _vlane(extra, 7)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_q4_1_rows(w, rb, aq, ds, out):
+    """Prefill variant (the kept kernel until the 8-row groups): 8-token tiles over raw rows."""
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nb = n_in // QK
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    d_b, s_t = _tile_scales(ds, n_full, nb)
+    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
+        r0 = g * GEMM_ROWS
+        r1 = min(n_out, r0 + GEMM_ROWS)
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
+            for r in range(r0, r1):
+                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                ms = _vzero8()  # the eight tokens' offset terms Σ m d_x Σa, in block order
+                o = r * rb
+                ao = t0 * n_in
+                for b in range(nb):
+                    q = _vnibbles(w, o + 4)
+                    dw = _vsplat8(_f16(w, o))
+                    ms = _vadd8(ms, _vmul8(_vsplat8(_f16(w, o + 2)), _vload8(s_t, tb + b * GEMM_TOKENS)))
+                    c = tb + b * GEMM_TOKENS
+                    a0 = _vfma_i(a0, _vdot_u8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
+                    a1 = _vfma_i(a1, _vdot_u8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
+                    a2 = _vfma_i(a2, _vdot_u8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
+                    a3 = _vfma_i(a3, _vdot_u8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
+                    a4 = _vfma_i(a4, _vdot_u8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
+                    a5 = _vfma_i(a5, _vdot_u8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
+                    a6 = _vfma_i(a6, _vdot_u8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
+                    a7 = _vfma_i(a7, _vdot_u8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    o += 20
+                    ao += QK
+                _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, ms)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_q4_1(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
+
+
+
+
 @njit(parallel=True, cache=True)
 def _gemv_q4_1_one_row(w, rb, aq, ds, out):
     """Decode variant: one weight row per pass (no sharing of the activation loads between rows)."""
     nb = aq.shape[0] // qm.QK
     for r in prange(out.shape[1]):
-        out[0, r] = qm._row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
+        out[0, r] = _row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
 
 
 @njit(parallel=True, cache=True)
@@ -183,9 +312,14 @@ def bench_shapes(layers, output, n_tok: int, seconds: float, with_variants: bool
             row("variant: 1 row per pass (intrinsics)", 1, n_out, n_in, best_time(one_row, seconds), base)
             scalar = partial(_gemv_q4_1_scalar, wf, rb, xq._q, xq._ds, out)
             row("variant: plain numba scalar loop", 1, n_out, n_in, best_time(scalar, seconds), base)
+            rows = partial(_gemv_q4_1_rows, wf, rb, xq._q, xq._ds, out)
+            row("variant: 4 raw rows per pass (before 8-row groups)", 1, n_out, n_in, best_time(rows, seconds), base)
         else:
-            per_token = partial(_gemm_by_gemv(qm._gemv_q4_1), wf, rb, xq, out)
-            row("variant: decode kernel once per token", n_tok, n_out, n_in, best_time(per_token, seconds), base)
+            per_token = partial(_gemm_by_gemv(_gemv_q4_1_rows), wf, rb, xq, out)
+            row("variant: 4-row decode kernel once per token", n_tok, n_out, n_in, best_time(per_token, seconds), base)
+            tiles = partial(_gemm_q4_1_rows, wf, rb, xq._q, xq._ds, out)
+            row("variant: 8-token tiles of raw rows (before 8-row groups)", n_tok, n_out, n_in,
+                best_time(tiles, seconds), base)
 
 
 def bench_layer(layers, n_tok: int, seconds: float) -> None:

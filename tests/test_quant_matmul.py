@@ -207,6 +207,54 @@ def test_shared_quantized_activations_and_layouts():
     np.testing.assert_array_equal(out, fast(x, w))
 
 
+
+def test_q4_1_row_groups_and_tail_rows_do_the_same_arithmetic():
+    """Q4_1 runs whole groups of eight rows on a repacked copy and the last 1..7 rows on the raw blocks:
+    a row gives the same bits in either, and the repacked copy holds exactly the file's values."""
+    w = make_weight(GGMLType.Q4_1, 29, 160, seed=11)
+    x = make_x(11, 160, seed=12)
+    full = fast(x, w)  # rows 24..28 take the tail path
+    shifted = GGUFTensor("w", GGMLType.Q4_1, (24, 160), w.data[5:])  # rows 5..28, all in groups
+    assert full[:, 5:].view(np.uint32).tolist() == fast(x, shifted).view(np.uint32).tolist()
+    packed, scales = qm._repack_q4_1(w.data, 29, 160)
+    values = packed.reshape(3, 5, 4, 8, 4)  # [group, block, chunk, row, i]
+    n = np.concatenate([values & 15, values >> 4], axis=-1)  # [..., chunk c, row, value 8c + (0..7)]
+    n = n.transpose(0, 3, 1, 2, 4).reshape(24, 160)
+    blocks = w.data[:24].reshape(24, 5, 20)
+    expected = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1).reshape(24, 160)
+    np.testing.assert_array_equal(n, expected)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    np.testing.assert_array_equal(scales.reshape(3, 5, 16)[..., :8], d.reshape(3, 8, 5).transpose(0, 2, 1))
+
+
+def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
+    """Preparing a Q4_1 weight read from a file mapping drops the mapping's resident pages (its values
+    live in the repacked copy); a weight in ordinary memory is left alone."""
+    import mmap
+
+    w = make_weight(GGMLType.Q4_1, 256, 1024, seed=13)
+    path = tmp_path / "w.bin"
+    path.write_bytes(w.data.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped = np.frombuffer(mm, np.uint8).reshape(w.data.shape)
+    x = make_x(3, 1024, seed=14)
+    before = fast(x, w)
+    assert int(mapped.sum()) > 0  # every page of the mapping read in
+
+    def resident_kib() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+    held = resident_kib()
+    tensor = GGUFTensor("w", GGMLType.Q4_1, w.shape, mapped)
+    after = fast(x, tensor)
+    assert held - resident_kib() > 0.8 * w.data.nbytes / 1024  # ~160 KiB of the file given back
+    assert after.view(np.uint32).tolist() == before.view(np.uint32).tolist()
+    assert int(mapped[-1].sum()) == int(w.data[-1].sum())  # still readable: the file is still there
+    copy = w.data.copy()
+    qm.prepare(GGUFTensor("w", GGMLType.Q4_1, w.shape, copy))
+    np.testing.assert_array_equal(copy, w.data)
+
 def test_errors_name_the_problem():
     w = make_weight(GGMLType.Q4_1, 8, 64)
     x = make_x(2, 64)

@@ -130,6 +130,7 @@ class CPUBackend:
         self._blas = ThreadpoolController()
         self._pool: ThreadPoolExecutor | None = None
         self._rope_tables: dict[tuple, Any] = {}
+        self._prepared: dict[int, tuple[GGUFTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
         if kernels == "fast":
             from minfer.backends.cpu import kquant_matmul, quant_matmul, vec_kernels
 
@@ -158,11 +159,17 @@ class CPUBackend:
         # tensor in another type is small, so it is dequantized once. Matrices stay raw blocks.
         if len(tensor.shape) == 1 or (tensor.ggml_type == GGMLType.F32 and self.kernels != "fast"):
             return np.ascontiguousarray(ref.dequantize_tensor(tensor))
-        if self.kernels == "fast":  # the fast matmuls' per-weight setup, done once per plan
+        if self.kernels == "fast":  # the fast matmuls' per-weight setup (a repacked copy for Q4_1)
+            held = self._prepared.get(id(tensor))
+            if held is not None and held[0] is tensor:  # every plan of the model shares it
+                return held[1]
+            prepared = tensor
             if self._qm.supports(tensor.ggml_type):
-                return self._qm.prepare(tensor)
-            if self._kq.supports(tensor.ggml_type):
-                return self._kq.prepare(tensor)
+                prepared = self._qm.prepare(tensor)
+            elif self._kq.supports(tensor.ggml_type):
+                prepared = self._kq.prepare(tensor)
+            self._prepared[id(tensor)] = (tensor, prepared)
+            return prepared
         return tensor
 
     def quantized_input(self, tensor: GGUFTensor) -> bool:

@@ -40,6 +40,7 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 from collections.abc import Callable
@@ -107,7 +108,7 @@ class _VecType(types.Type):
         super().__init__(name=f"vec_{kind}x{lanes}")
 
     def llvm_type(self) -> ir.VectorType:
-        return ir.VectorType({"f32": _F32, "i32": _I32, "i8": _I8}[self.kind], self.lanes)
+        return ir.VectorType({"f32": _F32, "i32": _I32, "i16": _I16, "i8": _I8}[self.kind], self.lanes)
 
 
 @register_model(_VecType)
@@ -120,7 +121,9 @@ f32x8 = _VecType("f32", 8)
 f32x2 = _VecType("f32", 2)
 i32x8 = _VecType("i32", 8)
 i8x32 = _VecType("i8", 32)
+i16x16 = _VecType("i16", 16)
 _V8F, _V2F, _V8I, _V32B = f32x8.llvm_type(), f32x2.llvm_type(), i32x8.llvm_type(), i8x32.llvm_type()
+_V16S = i16x16.llvm_type()
 
 
 def _idx(context, builder, val, ty):
@@ -481,6 +484,123 @@ def _vhsum(typingctx, v):
     return types.float32(f32x8), codegen
 
 
+
+# -- Q4_1 in groups of eight rows (see _q4_1_rows8) ------------------------------------------------
+
+
+@intrinsic
+def _vbcast4(typingctx, arr, off):
+    """The 4 bytes at byte offset ``off`` of an int8 array, repeated in all eight 32-bit lanes."""
+    if not _is_1d(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I32)
+        return builder.bitcast(_splat(builder, v, 8), _V32B)
+
+    return i8x32(arr, off), codegen
+
+
+def _nibbles_ir(context, builder, sig, args, high: bool):
+    v = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V16S)
+    if high:
+        v = builder.lshr(v, ir.Constant(_V16S, [4] * 16))
+    return builder.and_(builder.bitcast(v, _V32B), ir.Constant(_V32B, [15] * 32))
+
+
+@intrinsic
+def _vlow_nibbles(typingctx, raw, off):
+    """The low nibbles (0..15) of the 32 bytes at ``off``."""
+    if not _is_1d(raw):
+        return None
+    return i8x32(raw, off), lambda context, builder, sig, args: _nibbles_ir(context, builder, sig, args, False)
+
+
+@intrinsic
+def _vhigh_nibbles(typingctx, raw, off):
+    """The high nibbles (0..15) of the 32 bytes at ``off``."""
+    if not _is_1d(raw):
+        return None
+    return i8x32(raw, off), lambda context, builder, sig, args: _nibbles_ir(context, builder, sig, args, True)
+
+
+@intrinsic
+def _vpairs_u8s8(typingctx, q, a):
+    """Sixteen int16 lanes, lane i = q[2i] a[2i] + q[2i+1] a[2i+1]; q 0..15, a -127..127 (no saturation)."""
+
+    def codegen(context, builder, sig, args):
+        if _AVX2:
+            return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [args[0], args[1]])
+        v32 = ir.VectorType(_I16, 32)
+        p = builder.mul(builder.zext(args[0], v32), builder.sext(args[1], v32))
+        even = builder.shuffle_vector(p, p, _shuffle_idx(16, lambda i: 2 * i))
+        odd = builder.shuffle_vector(p, p, _shuffle_idx(16, lambda i: 2 * i + 1))
+        return builder.add(even, odd)
+
+    return i16x16(i8x32, i8x32), codegen
+
+
+@intrinsic
+def _vadd16(typingctx, a, b):
+    return i16x16(i16x16, i16x16), lambda context, builder, sig, args: builder.add(args[0], args[1])
+
+
+@intrinsic
+def _vwiden_pairs(typingctx, p):
+    """Eight int32 lanes, lane i = p[2i] + p[2i+1]."""
+
+    def codegen(context, builder, sig, args):
+        if _AVX2:
+            return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [args[0], ir.Constant(_V16S, [1] * 16)])
+        w = builder.sext(args[0], ir.VectorType(_I32, 16))
+        even = builder.shuffle_vector(w, w, _shuffle_idx(8, lambda i: 2 * i))
+        odd = builder.shuffle_vector(w, w, _shuffle_idx(8, lambda i: 2 * i + 1))
+        return builder.add(even, odd)
+
+    return i32x8(i16x16), codegen
+
+
+@intrinsic
+def _vihsum(typingctx, v):
+    """The exact sum of the eight int32 lanes."""
+
+    def codegen(context, builder, sig, args):
+        lane = [builder.extract_element(args[0], ir.Constant(_I32, i)) for i in range(8)]
+        total = lane[0]
+        for x in lane[1:]:
+            total = builder.add(total, x)
+        return total
+
+    return types.int32(i32x8), codegen
+
+
+@intrinsic
+def _fma1(typingctx, a, b, c):
+    """``a * b + c`` on float32 scalars, one rounding where the CPU fuses (as ``_vfma`` lane by lane)."""
+    if not (a == types.float32 and b == types.float32 and c == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if _FMA:
+            return _call(builder, "llvm.fma.f32", _F32, list(args))
+        return builder.fadd(builder.fmul(args[0], args[1]), args[2])
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _vstore8(typingctx, arr, i, v):
+    """arr[i:i+8] = v for a float32 array."""
+    if not (_is_1d(arr) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8F), align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, f32x8), codegen
+
+
 # Float weights stay raw bytes; ``kind`` (0: F32, 1: F16, 2: BF16) picks how to widen them. It is a
 # runtime value rather than a compile-time type so that the three types share one compiled kernel
 # (three specializations cost ~10 s of JIT on a cold cache); the test is loop-invariant, so LLVM moves it
@@ -630,14 +750,6 @@ def quantize_activations(x: np.ndarray, out: QuantizedActivations | None = None)
 
 
 @njit(inline="always")
-def _step_q4_1(acc, accm, w, o, a, xs):
-    """Q4_1: acc += Σn·a lanes * (d_w d_x); accm += (.., m * d_x Σa) (lane 1 is the offset term)."""
-    ds = _vmul2(_vf16x2(w, o), xs)  # (d_w d_x, m d_x Σa)
-    acc = _vfma_i(acc, _vdot_u8s8(_vnibbles(w, o + 4), a), _vsplat8(_vlane(ds, 0)))
-    return acc, _vadd2(accm, ds)
-
-
-@njit(inline="always")
 def _step_q4_0(acc, w, o, a, off8, dx):
     """Q4_0: acc += (Σn·a - 8Σa) lanes * (d_w d_x); exact integers up to the scale."""
     vi = _visub(_vdot_u8s8(_vnibbles(w, o + 2), a), off8)
@@ -648,16 +760,6 @@ def _step_q4_0(acc, w, o, a, off8, dx):
 def _step_q8_0(acc, w, o, a, dx):
     """Q8_0: acc += Σq·a lanes * (d_w d_x)."""
     return _vfma_i(acc, _vdot_s8s8(_vbytes(w, o + 2), a), _vsplat8(_f16(w, o) * dx))
-
-
-@njit(inline="always")
-def _row_q4_1(w, o, nb, aq, ao, ds, do):
-    """One Q4_1 row (blocks from byte ``o``) against one token (int8 at ``ao``, pairs at ``ds[do:]``)."""
-    acc = _vzero8()
-    accm = _vzero2()
-    for b in range(nb):
-        acc, accm = _step_q4_1(acc, accm, w, o + 20 * b, _vbytes(aq, ao + QK * b), _vload2(ds, do + 2 * b))
-    return _vhsum(acc) + _vlane(accm, 1)
 
 
 @njit(inline="always")
@@ -701,36 +803,6 @@ def _row_float(w, kind, o, n, x, xo):
 # row streams defeat the hardware prefetcher: without help one thread read only ~7 GB/s on the
 # 49152x576 output head. Each pass therefore prefetches the bytes it will need PREFETCH_ROWS rows ahead
 # (the four rows of a pass are contiguous, consumed at 4 blocks per iteration), which tripled that.
-
-
-@njit(parallel=True, cache=True)
-def _gemv_q4_1(w, rb, aq, ds, out):
-    n_out = out.shape[1]
-    nb = aq.shape[0] // QK
-    n_pass = n_out // 4
-    for p in prange(n_pass):
-        r0 = 4 * p
-        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-        m0, m1, m2, m3 = _vzero2(), _vzero2(), _vzero2(), _vzero2()
-        o = r0 * rb
-        pf = o + PREFETCH_ROWS * rb
-        for b in range(nb):
-            _prefetch(w, pf)
-            _prefetch(w, pf + 64)
-            pf += 80
-            a = _vbytes(aq, QK * b)
-            xs = _vload2(ds, 2 * b)
-            acc0, m0 = _step_q4_1(acc0, m0, w, o, a, xs)
-            acc1, m1 = _step_q4_1(acc1, m1, w, o + rb, a, xs)
-            acc2, m2 = _step_q4_1(acc2, m2, w, o + 2 * rb, a, xs)
-            acc3, m3 = _step_q4_1(acc3, m3, w, o + 3 * rb, a, xs)
-            o += 20
-        out[0, r0] = _vhsum(acc0) + _vlane(m0, 1)
-        out[0, r0 + 1] = _vhsum(acc1) + _vlane(m1, 1)
-        out[0, r0 + 2] = _vhsum(acc2) + _vlane(m2, 1)
-        out[0, r0 + 3] = _vhsum(acc3) + _vlane(m3, 1)
-    for r in range(4 * n_pass, n_out):  # the last 1..3 rows
-        out[0, r] = _row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
 
 
 @njit(parallel=True, cache=True)
@@ -869,58 +941,6 @@ def _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7):
     out[t0 + 7, r] = _vhsum(a7)
 
 
-@njit(inline="always")
-def _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, extra):
-    """As _store_tile, plus lane c of ``extra`` (Q4_1's offset terms) for token c, after the sum."""
-    out[t0, r] = _vhsum(a0) + _vlane(extra, 0)
-    out[t0 + 1, r] = _vhsum(a1) + _vlane(extra, 1)
-    out[t0 + 2, r] = _vhsum(a2) + _vlane(extra, 2)
-    out[t0 + 3, r] = _vhsum(a3) + _vlane(extra, 3)
-    out[t0 + 4, r] = _vhsum(a4) + _vlane(extra, 4)
-    out[t0 + 5, r] = _vhsum(a5) + _vlane(extra, 5)
-    out[t0 + 6, r] = _vhsum(a6) + _vlane(extra, 6)
-    out[t0 + 7, r] = _vhsum(a7) + _vlane(extra, 7)
-
-
-@njit(parallel=True, cache=True)
-def _gemm_q4_1(w, rb, aq, ds, out):
-    n_tok, n_out = out.shape
-    n_in = aq.shape[0] // n_tok
-    nb = n_in // QK
-    n_full = n_tok - n_tok % GEMM_TOKENS
-    d_b, s_t = _tile_scales(ds, n_full, nb)
-    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
-        r0 = g * GEMM_ROWS
-        r1 = min(n_out, r0 + GEMM_ROWS)
-        for t0 in range(0, n_full, GEMM_TOKENS):
-            tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
-            for r in range(r0, r1):
-                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                ms = _vzero8()  # the eight tokens' offset terms Σ m d_x Σa, in block order
-                o = r * rb
-                ao = t0 * n_in
-                for b in range(nb):
-                    q = _vnibbles(w, o + 4)
-                    dw = _vsplat8(_f16(w, o))
-                    ms = _vadd8(ms, _vmul8(_vsplat8(_f16(w, o + 2)), _vload8(s_t, tb + b * GEMM_TOKENS)))
-                    c = tb + b * GEMM_TOKENS
-                    a0 = _vfma_i(a0, _vdot_u8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
-                    a1 = _vfma_i(a1, _vdot_u8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
-                    a2 = _vfma_i(a2, _vdot_u8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
-                    a3 = _vfma_i(a3, _vdot_u8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
-                    a4 = _vfma_i(a4, _vdot_u8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
-                    a5 = _vfma_i(a5, _vdot_u8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
-                    a6 = _vfma_i(a6, _vdot_u8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
-                    a7 = _vfma_i(a7, _vdot_u8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
-                    o += 20
-                    ao += QK
-                _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, ms)
-        for t in range(n_full, n_tok):
-            for r in range(r0, r1):
-                out[t, r] = _row_q4_1(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
-
-
 @njit(parallel=True, cache=True)
 def _gemm_q4_0(w, rb, aq, ds, out):
     n_tok, n_out = out.shape
@@ -1057,8 +1077,105 @@ def _gemm_float(w, kind, x, out):
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
-_GEMV = {GGMLType.Q4_1: _gemv_q4_1, GGMLType.Q4_0: _gemv_q4_0, GGMLType.Q8_0: _gemv_q8_0}
-_GEMM = {GGMLType.Q4_1: _gemm_q4_1, GGMLType.Q4_0: _gemm_q4_0, GGMLType.Q8_0: _gemm_q8_0}
+
+# ---------------------------------------------------------------------------------------------------
+# Q4_1 in groups of eight rows: the weights are repacked once (see _repack_q4_1) so that one 256-bit
+# register holds four consecutive values of each of eight rows; four activation bytes broadcast to all
+# lanes then give eight rows' products in one pmaddubsw. The int16 pair sums of a block's eight such
+# steps are added exactly (at most 16 products of 15 x 127 per lane: 30480 < 2^15), widened once, and
+# converted once: per token and block that is ~20 vector operations for eight rows, against ~40 in the
+# row-by-row tile. Every row and token then does, in block order, ``acc = fma(float(Σqa), d_w d_x,
+# acc); acc = fma(m, d_x Σa, acc)`` (the block's integer sum is exact): the same float operations for
+# any number of tokens (decode or prefill), any thread count, and for the rows past the last whole
+# group, which take _q4_1_row_exact on the raw blocks.
+# ---------------------------------------------------------------------------------------------------
+ROWS8_TOKENS = 64  # tokens per pass over a group's weights: their activations stay in L2
+
+
+@njit(inline="always")
+def _rows8_block(w0, w1, w2, w3, w4, w5, w6, w7, aq, ao):
+    """Eight int32 lanes: lane r = Σ q a over one block of row r (repacked registers w0..w7) against the
+    activation block at byte ``ao``; exact."""
+    p = _vpairs_u8s8(w0, _vbcast4(aq, ao))
+    p = _vadd16(p, _vpairs_u8s8(w1, _vbcast4(aq, ao + 4)))
+    p = _vadd16(p, _vpairs_u8s8(w2, _vbcast4(aq, ao + 8)))
+    p = _vadd16(p, _vpairs_u8s8(w3, _vbcast4(aq, ao + 12)))
+    p = _vadd16(p, _vpairs_u8s8(w4, _vbcast4(aq, ao + 16)))
+    p = _vadd16(p, _vpairs_u8s8(w5, _vbcast4(aq, ao + 20)))
+    p = _vadd16(p, _vpairs_u8s8(w6, _vbcast4(aq, ao + 24)))
+    p = _vadd16(p, _vpairs_u8s8(w7, _vbcast4(aq, ao + 28)))
+    return _vwiden_pairs(p)
+
+
+@njit(inline="always")
+def _q4_1_row_exact(raw, o, nb, aq, ao, ds, do):
+    """One Q4_1 row (raw blocks from byte ``o``) against one token, with the row groups' arithmetic."""
+    acc = np.float32(0.0)
+    for b in range(nb):
+        isum = _vihsum(_vdot_u8s8(_vnibbles(raw, o + 20 * b + 4), _vbytes(aq, ao + QK * b)))
+        acc = _fma1(np.float32(isum), _f16(raw, o + 20 * b) * ds[do + 2 * b], acc)
+        acc = _fma1(_f16(raw, o + 20 * b + 2), ds[do + 2 * b + 1], acc)
+    return acc
+
+
+@njit(parallel=True, cache=True)
+def _q4_1_rows8(packed, scales, raw, rb, aq, ds, out):
+    """``out[n_tok, n_out]`` for a Q4_1 weight: ``packed``/``scales`` from _repack_q4_1 (whole groups of
+    eight rows), ``raw`` the original blocks (rows past the last whole group)."""
+    n_tok, n_out = out.shape
+    nb = rb // 20
+    n_in = nb * QK
+    n_groups = n_out // 8
+    for g in prange(n_groups):
+        acc = np.empty(ROWS8_TOKENS * 8, np.float32)
+        for t0 in range(0, n_tok, ROWS8_TOKENS):
+            t1 = min(n_tok, t0 + ROWS8_TOKENS)
+            for i in range(8 * (t1 - t0)):
+                acc[i] = np.float32(0.0)
+            for b in range(nb):
+                o = (g * nb + b) * 128
+                w0, w1 = _vlow_nibbles(packed, o), _vhigh_nibbles(packed, o)
+                w2, w3 = _vlow_nibbles(packed, o + 32), _vhigh_nibbles(packed, o + 32)
+                w4, w5 = _vlow_nibbles(packed, o + 64), _vhigh_nibbles(packed, o + 64)
+                w6, w7 = _vlow_nibbles(packed, o + 96), _vhigh_nibbles(packed, o + 96)
+                dw = _vload8(scales, (g * nb + b) * 16)
+                mw = _vload8(scales, (g * nb + b) * 16 + 8)
+                for t in range(t0, t1):
+                    isum = _rows8_block(w0, w1, w2, w3, w4, w5, w6, w7, aq, t * n_in + b * QK)
+                    k = 8 * (t - t0)
+                    a = _vfma_i(_vload8(acc, k), isum, _vmul8(dw, _vsplat8(ds[(t * nb + b) * 2])))
+                    _vstore8(acc, k, _vfma(a, mw, _vsplat8(ds[(t * nb + b) * 2 + 1])))
+            for t in range(t0, t1):
+                for r in range(8):
+                    out[t, 8 * g + r] = acc[8 * (t - t0) + r]
+    for r in range(8 * n_groups, n_out):  # the last 1..7 rows
+        for t in range(n_tok):
+            out[t, r] = _q4_1_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
+
+
+def _repack_q4_1(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_1 rows [n_out, n_in] (raw blocks of 20 bytes: f16 d, f16 m, 16 bytes of nibbles with value j in
+    byte j's low and value j + 16 in its high nibble) -> the layout of _q4_1_rows8, whole groups of 8 rows:
+
+    ``packed [group, block, chunk c (4), row (8), i (4)]`` bytes holding value 8c + i of the row in the low
+    nibble and value 8c + 4 + i in the high one (so chunk c's low nibbles are four consecutive values of
+    each row, as are its high nibbles); ``scales [group, block, 16]``: the eight rows' d, then their m, as
+    float32 (exact)."""
+    nb = n_in // QK
+    g = n_out // 8
+    blocks = data[: 8 * g].reshape(g, 8, nb, 20)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:20]
+    values = np.concatenate((qs & 15, qs >> 4), axis=3)  # [g, row, block, value k]
+    v = values.transpose(0, 2, 1, 3).reshape(g, nb, 8, 4, 8).transpose(0, 1, 3, 2, 4)  # [g, block, c, row, j]
+    packed = np.ascontiguousarray(v[..., :4] | (v[..., 4:] << 4), dtype=np.uint8).reshape(-1)
+    scales = np.concatenate((d.transpose(0, 2, 1), m.transpose(0, 2, 1)), axis=2)
+    return packed, np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
+
+
+_GEMV = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemv_q4_0, GGMLType.Q8_0: _gemv_q8_0}  # Q4_1: _q4_1_rows8
+_GEMM = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemm_q4_0, GGMLType.Q8_0: _gemm_q8_0}
 _FLOAT_KIND = {GGMLType.F32: _KIND_F32, GGMLType.F16: _KIND_F16, GGMLType.BF16: _KIND_BF16}
 
 
@@ -1080,7 +1197,7 @@ class _Prepared:
     matmul ~200 times on the same tensors: building views and checking sizes each time would cost
     about as much as the small matmuls themselves)."""
 
-    __slots__ = ("tensor", "flat", "arg", "n_out", "n_in", "gemv", "gemm")
+    __slots__ = ("tensor", "flat", "arg", "n_out", "n_in", "gemv", "gemm", "rows8")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -1111,6 +1228,30 @@ class _Prepared:
         self.n_out, self.n_in = n_out, n_in
         self.gemv = _GEMV.get(t, _gemv_float)
         self.gemm = _GEMM.get(t, _gemm_float)
+        # Q4_1 runs on its repacked copy (both decode and prefill); the raw pages are then given back
+        self.rows8 = None
+        if t == GGMLType.Q4_1:
+            self.rows8 = _repack_q4_1(data.reshape(n_out, rb), n_out, n_in)
+            if n_out % 8 == 0:
+                release_file_pages(data)
+
+
+def release_file_pages(data: np.ndarray) -> None:
+    """Give back the resident pages of ``data`` when it is a view of a read-only file mapping (a GGUF
+    tensor that was copied into another layout): they are dropped from this process, not from the file,
+    and a later read faults them in again. Memory of any other kind is left alone."""
+    base = data
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or not hasattr(base, "madvise"):
+        return
+    start = data.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # only whole pages inside the tensor
+    last = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        base.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def prepare(w: GGUFTensor) -> _Prepared:
@@ -1143,15 +1284,17 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
     if n_tok == 0 or p.n_out == 0:
         return
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-    kernel = p.gemv if n_tok == 1 else p.gemm
     if p.gemv is _gemv_float:
-        kernel(p.flat, p.arg, _as_f32_2d(x).reshape(-1), dst)
+        (p.gemv if n_tok == 1 else p.gemm)(p.flat, p.arg, _as_f32_2d(x).reshape(-1), dst)
     else:
         if xq is None:
             xq = quantize_activations(x)
         elif xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
-        kernel(p.flat, p.arg, xq._q, xq._ds, dst)
+        if p.rows8 is not None:
+            _q4_1_rows8(*p.rows8, p.flat, p.arg, xq._q, xq._ds, dst)
+        else:
+            (p.gemv if n_tok == 1 else p.gemm)(p.flat, p.arg, xq._q, xq._ds, dst)
     if dst is not out:
         out[...] = dst
 

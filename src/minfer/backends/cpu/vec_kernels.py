@@ -295,6 +295,44 @@ def _dhsum8(typingctx, v):
     return types.float64(v), codegen
 
 
+_V4F = ir.VectorType(ir.FloatType(), 4)
+_V4D = ir.VectorType(ir.DoubleType(), 4)
+
+
+class _F64x4Type(types.Type):
+    """Four float64 lanes (``<4 x double>``): the attention softmax's sum."""
+
+    def __init__(self) -> None:
+        super().__init__(name="vec_kernels.f64x4")
+
+
+_f64x4 = _F64x4Type()
+
+
+@register_model(_F64x4Type)
+class _F64x4Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, _V4D)
+
+
+@intrinsic
+def _dzero4(typingctx):
+    return _f64x4(), lambda context, builder, sig, args: ir.Constant(_V4D, [0.0] * 4)
+
+
+@intrinsic
+def _dpairs4(typingctx, v):
+    """(l0 + l1) + (l2 + l3) of a four-lane float64 vector."""
+    if v != _f64x4:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lane = [builder.extract_element(args[0], ir.Constant(ir.IntType(32), i)) for i in range(4)]
+        return builder.fadd(builder.fadd(lane[0], lane[1]), builder.fadd(lane[2], lane[3]))
+
+    return types.float64(v), codegen
+
+
 # ---------------------------------------------------------------------------------------------------------
 # building blocks, inlined into the loops that call them
 #
@@ -900,30 +938,79 @@ def _attn_scores(q, t, qo, kr, ko, j0, j1, hdk, scale32, sc, row):
         j += 1
 
 
+@intrinsic
+def _vmax8(typingctx, a, b):
+    """Lane by lane ``a if a > b else b``."""
+    if not (a == _f32x8 and b == _f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+
+    return _f32x8(a, b), codegen
+
+
+@intrinsic
+def _hmax8(typingctx, v):
+    """The largest of the eight lanes (exact in any order)."""
+    if v != _f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lane = [builder.extract_element(args[0], ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        while len(lane) > 1:
+            lane = [builder.select(builder.fcmp_ordered(">", lane[i], lane[i + 1]), lane[i], lane[i + 1])
+                    for i in range(0, len(lane), 2)]
+        return lane[0]
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def _dadd4(typingctx, arr, row, col, acc):
+    """``acc + double(arr[row, col:col+4])`` on four float64 lanes (same contract as ``_vload8``)."""
+    if not (acc == _f64x4 and _is_f32_2d(arr)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.bitcast(_row_ptr(context, builder, sig, args), _V4F.as_pointer())
+        return builder.fadd(args[3], builder.fpext(builder.load(p, align=4), _V4D))
+
+    return _f64x4(arr, row, col, acc), codegen
+
+
 @njit(cache=True, error_model="numpy")
 def _attn_softmax(sc, row, lo, n):
     """Scores ``sc[row, lo:n]`` -> weights in place: the reference's row max, float32 exp, float64 sum,
-    ``e * f32(1/sum)``."""
+    ``e * f32(1/sum)``. The sum takes four lanes (lane l adds j = lo + l mod 4 in order), then
+    (l0 + l1) + (l2 + l3), then the tail in order."""
     m = sc[row, lo]
-    for j in range(lo + 1, n):
-        m = sc[row, j] if sc[row, j] > m else m
+    j = lo + 1
+    if j + 8 <= n:
+        mv = _vload8(sc, row, j)
+        j += 8
+        while j + 8 <= n:
+            mv = _vmax8(_vload8(sc, row, j), mv)
+            j += 8
+        hm = _hmax8(mv)
+        m = hm if hm > m else m
+    while j < n:
+        m = sc[row, U(j)] if sc[row, U(j)] > m else m
+        j += 1
     for j in range(lo, n):
-        sc[row, j] = _exp32(sc[row, j] - m)
-    s0 = s1 = s2 = s3 = 0.0  # float64 sum in 4 lanes
+        sc[row, U(j)] = _exp32(sc[row, U(j)] - m)
+    acc = _dzero4()
     j = lo
     while j + 4 <= n:
-        s0 += np.float64(sc[row, j])
-        s1 += np.float64(sc[row, j + 1])
-        s2 += np.float64(sc[row, j + 2])
-        s3 += np.float64(sc[row, j + 3])
+        acc = _dadd4(sc, row, j, acc)
         j += 4
-    tot = (s0 + s1) + (s2 + s3)
+    tot = _dpairs4(acc)
     while j < n:
-        tot += np.float64(sc[row, j])
+        tot += np.float64(sc[row, U(j)])
         j += 1
     inv = F32(1.0 / tot)
     for j in range(lo, n):
-        sc[row, j] = sc[row, j] * inv
+        sc[row, U(j)] = sc[row, U(j)] * inv
 
 
 @njit(cache=True, error_model="numpy")
