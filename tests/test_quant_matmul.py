@@ -216,15 +216,18 @@ def test_q4_1_row_groups_and_tail_rows_do_the_same_arithmetic():
     full = fast(x, w)  # rows 24..28 take the tail path
     shifted = GGUFTensor("w", GGMLType.Q4_1, (24, 160), w.data[5:])  # rows 5..28, all in groups
     assert full[:, 5:].view(np.uint32).tolist() == fast(x, shifted).view(np.uint32).tolist()
-    packed, scales = qm._repack_q4_1(w.data, 29, 160)
-    values = packed.reshape(3, 5, 4, 8, 4)  # [group, block, chunk, row, i]
+    packed = qm._repack_q4_1(w.data, 29, 160).reshape(3, 5, 160)  # [group, block, bytes]
+    values = packed[..., :128].reshape(3, 5, 4, 8, 4)  # [group, block, chunk, row, i]
     n = np.concatenate([values & 15, values >> 4], axis=-1)  # [..., chunk c, row, value 8c + (0..7)]
     n = n.transpose(0, 3, 1, 2, 4).reshape(24, 160)
     blocks = w.data[:24].reshape(24, 5, 20)
     expected = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1).reshape(24, 160)
     np.testing.assert_array_equal(n, expected)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    np.testing.assert_array_equal(scales.reshape(3, 5, 16)[..., :8], d.reshape(3, 8, 5).transpose(0, 2, 1))
+    halves = packed[..., 128:].copy().view(np.float16).reshape(3, 5, 2, 8)  # [group, block, d | m, row]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].reshape(3, 8, 5).transpose(0, 2, 1)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].reshape(3, 8, 5).transpose(0, 2, 1)
+    np.testing.assert_array_equal(halves[:, :, 0], d)
+    np.testing.assert_array_equal(halves[:, :, 1], m)
 
 
 def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):

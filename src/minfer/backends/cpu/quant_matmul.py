@@ -509,6 +509,18 @@ def _nibbles_ir(context, builder, sig, args, high: bool):
 
 
 @intrinsic
+def _vhalves8(typingctx, raw, off):
+    """The eight little-endian float16 at byte offset ``off`` of a uint8 array, as float32 (exact)."""
+    if not _is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.VectorType(_I16, 8))
+        return _half_to_float(builder, h)
+
+    return f32x8(raw, off), codegen
+
+@intrinsic
 def _vlow_nibbles(typingctx, raw, off):
     """The low nibbles (0..15) of the 32 bytes at ``off``."""
     if not _is_1d(raw):
@@ -1090,6 +1102,8 @@ def _gemm_float(w, kind, x, out):
 # group, which take _q4_1_row_exact on the raw blocks.
 # ---------------------------------------------------------------------------------------------------
 ROWS8_TOKENS = 64  # tokens per pass over a group's weights: their activations stay in L2
+# decode streams the weights from DRAM: fetch this many bytes of the repacked copy ahead
+ROWS8_PREFETCH = 2048
 
 
 @njit(inline="always")
@@ -1119,60 +1133,82 @@ def _q4_1_row_exact(raw, o, nb, aq, ao, ds, do):
 
 
 @njit(parallel=True, cache=True)
-def _q4_1_rows8(packed, scales, raw, rb, aq, ds, out):
-    """``out[n_tok, n_out]`` for a Q4_1 weight: ``packed``/``scales`` from _repack_q4_1 (whole groups of
-    eight rows), ``raw`` the original blocks (rows past the last whole group)."""
+def _q4_1_rows8(packed, raw, rb, aq, ds, out):
+    """``out[n_tok, n_out]`` for a Q4_1 weight: ``packed`` from _repack_q4_1 (whole groups of eight rows),
+    ``raw`` the original blocks (rows past the last whole group)."""
     n_tok, n_out = out.shape
     nb = rb // 20
     n_in = nb * QK
     n_groups = n_out // 8
+    span = 8 * min(n_tok, ROWS8_TOKENS)
+    acc = np.empty(n_groups * span, np.float32)  # each group's accumulators (one allocation per call)
     for g in prange(n_groups):
-        acc = np.empty(ROWS8_TOKENS * 8, np.float32)
+        h = g * span
+        if n_tok == 1:  # decode: the accumulator stays in a register
+            a = _vzero8()
+            for b in range(nb):
+                o = (g * nb + b) * 160
+                _prefetch(packed, o + ROWS8_PREFETCH)
+                _prefetch(packed, o + ROWS8_PREFETCH + 64)
+                _prefetch(packed, o + ROWS8_PREFETCH + 128)
+                isum = _rows8_block(
+                    _vlow_nibbles(packed, o), _vhigh_nibbles(packed, o),
+                    _vlow_nibbles(packed, o + 32), _vhigh_nibbles(packed, o + 32),
+                    _vlow_nibbles(packed, o + 64), _vhigh_nibbles(packed, o + 64),
+                    _vlow_nibbles(packed, o + 96), _vhigh_nibbles(packed, o + 96), aq, b * QK,
+                )
+                a = _vfma_i(a, isum, _vmul8(_vhalves8(packed, o + 128), _vsplat8(ds[2 * b])))
+                a = _vfma(a, _vhalves8(packed, o + 144), _vsplat8(ds[2 * b + 1]))
+            _vstore8(acc, h, a)
+            for r in range(8):
+                out[0, 8 * g + r] = acc[h + r]
+            continue
         for t0 in range(0, n_tok, ROWS8_TOKENS):
             t1 = min(n_tok, t0 + ROWS8_TOKENS)
-            for i in range(8 * (t1 - t0)):
+            for i in range(h, h + 8 * (t1 - t0)):
                 acc[i] = np.float32(0.0)
             for b in range(nb):
-                o = (g * nb + b) * 128
+                o = (g * nb + b) * 160
+                _prefetch(packed, o + ROWS8_PREFETCH)
+                _prefetch(packed, o + ROWS8_PREFETCH + 64)
+                _prefetch(packed, o + ROWS8_PREFETCH + 128)
                 w0, w1 = _vlow_nibbles(packed, o), _vhigh_nibbles(packed, o)
                 w2, w3 = _vlow_nibbles(packed, o + 32), _vhigh_nibbles(packed, o + 32)
                 w4, w5 = _vlow_nibbles(packed, o + 64), _vhigh_nibbles(packed, o + 64)
                 w6, w7 = _vlow_nibbles(packed, o + 96), _vhigh_nibbles(packed, o + 96)
-                dw = _vload8(scales, (g * nb + b) * 16)
-                mw = _vload8(scales, (g * nb + b) * 16 + 8)
+                dw = _vhalves8(packed, o + 128)
+                mw = _vhalves8(packed, o + 144)
                 for t in range(t0, t1):
                     isum = _rows8_block(w0, w1, w2, w3, w4, w5, w6, w7, aq, t * n_in + b * QK)
-                    k = 8 * (t - t0)
+                    k = h + 8 * (t - t0)
                     a = _vfma_i(_vload8(acc, k), isum, _vmul8(dw, _vsplat8(ds[(t * nb + b) * 2])))
                     _vstore8(acc, k, _vfma(a, mw, _vsplat8(ds[(t * nb + b) * 2 + 1])))
             for t in range(t0, t1):
                 for r in range(8):
-                    out[t, 8 * g + r] = acc[8 * (t - t0) + r]
+                    out[t, 8 * g + r] = acc[h + 8 * (t - t0) + r]
     for r in range(8 * n_groups, n_out):  # the last 1..7 rows
         for t in range(n_tok):
             out[t, r] = _q4_1_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
 
 
-def _repack_q4_1(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+def _repack_q4_1(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     """Q4_1 rows [n_out, n_in] (raw blocks of 20 bytes: f16 d, f16 m, 16 bytes of nibbles with value j in
-    byte j's low and value j + 16 in its high nibble) -> the layout of _q4_1_rows8, whole groups of 8 rows:
+    byte j's low and value j + 16 in its high nibble) -> the layout of _q4_1_rows8 for the whole groups
+    of 8 rows: per group and block, 160 bytes (the same 20 per row and block as the file, one stream):
 
-    ``packed [group, block, chunk c (4), row (8), i (4)]`` bytes holding value 8c + i of the row in the low
-    nibble and value 8c + 4 + i in the high one (so chunk c's low nibbles are four consecutive values of
-    each row, as are its high nibbles); ``scales [group, block, 16]``: the eight rows' d, then their m, as
-    float32 (exact)."""
+    * 128 bytes ``[chunk c (4), row (8), i (4)]`` holding value 8c + i of the row in the low nibble and
+      value 8c + 4 + i in the high one (chunk c's low nibbles: four consecutive values of each row, as
+      are its high nibbles);
+    * the eight rows' d, then their m, as float16 (16 + 16 bytes)."""
     nb = n_in // QK
     g = n_out // 8
     blocks = data[: 8 * g].reshape(g, 8, nb, 20)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
     qs = blocks[..., 4:20]
     values = np.concatenate((qs & 15, qs >> 4), axis=3)  # [g, row, block, value k]
     v = values.transpose(0, 2, 1, 3).reshape(g, nb, 8, 4, 8).transpose(0, 1, 3, 2, 4)  # [g, block, c, row, j]
-    packed = np.ascontiguousarray(v[..., :4] | (v[..., 4:] << 4), dtype=np.uint8).reshape(-1)
-    scales = np.concatenate((d.transpose(0, 2, 1), m.transpose(0, 2, 1)), axis=2)
-    return packed, np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
-
+    nibbles = (v[..., :4] | (v[..., 4:] << 4)).astype(np.uint8).reshape(g, nb, 128)
+    scales = blocks[..., 0:4].reshape(g, 8, nb, 2, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, 32)  # d x8, m x8
+    return np.ascontiguousarray(np.concatenate((nibbles, scales), axis=2)).reshape(-1)
 
 _GEMV = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemv_q4_0, GGMLType.Q8_0: _gemv_q8_0}  # Q4_1: _q4_1_rows8
 _GEMM = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemm_q4_0, GGMLType.Q8_0: _gemm_q8_0}
@@ -1292,7 +1328,7 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
         elif xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
         if p.rows8 is not None:
-            _q4_1_rows8(*p.rows8, p.flat, p.arg, xq._q, xq._ds, dst)
+            _q4_1_rows8(p.rows8, p.flat, p.arg, xq._q, xq._ds, dst)
         else:
             (p.gemv if n_tok == 1 else p.gemm)(p.flat, p.arg, xq._q, xq._ds, dst)
     if dst is not out:
