@@ -88,9 +88,9 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int, bias:
                 out.append(await one_request(client, url, [{"role": "user", "content": q}], max_tokens, bias))
             return out
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = [r for rs in await asyncio.gather(*(worker(w) for w in range(clients))) for r in rs]
-        wall = time.perf_counter() - t0
+        wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     good = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in good)
     ttft = [r["ttft"] for r in good]
@@ -98,7 +98,9 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int, bias:
     return {"clients": clients, "requests": len(results), "failed": len(results) - len(good), "seconds": wall,
             "requests_per_s": len(good) / wall, "tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p95_ms": 1e3 * percentile(ttft, 0.95),
-            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p95_ms": 1e3 * percentile(gaps, 0.95)}
+            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p95_ms": 1e3 * percentile(gaps, 0.95),
+            # the clients share the server's machine: the share of one core they used themselves
+            "client_cpu_share": client_cpu / wall}
 
 
 def rss_mib(server: ServerProcess) -> float:
@@ -153,7 +155,8 @@ def main() -> None:
                           f"{run['tokens_per_s']:.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms p95 "
                           f"{run['ttft_p95_ms']:.0f} ms, ITL p50 {run['itl_p50_ms']:.1f} ms "
                           f"p95 {run['itl_p95_ms']:.1f} ms, "
-                          f"failed {run['failed']}, RSS {before:.0f} -> {run['rss_after_mib']:.0f} MiB", flush=True)
+                          f"failed {run['failed']}, RSS {before:.0f} -> {run['rss_after_mib']:.0f} MiB, "
+                          f"client CPU {100 * run['client_cpu_share']:.0f}% of a core", flush=True)
         for c in concurrencies:  # the median round of each concurrency
             runs = sorted((r[c] for r in rounds), key=lambda r: r["tokens_per_s"])
             report["runs"].append({**runs[len(runs) // 2], "rounds": len(runs),
