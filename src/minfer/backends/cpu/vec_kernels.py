@@ -246,21 +246,23 @@ def _store_hsum8x4_scaled(typingctx, out, row, col, scale, a, b, c, d):
     return types.none(out, row, col, scale, a, b, c, d), codegen
 
 
-class _F64x8Type(types.Type):
-    """Eight float64 lanes (``<8 x double>``): the RMSNorm sum of squares."""
+class _F64Lanes(types.Type):
+    """float64 lanes in one LLVM vector (``<n x double>``): 8 for the RMSNorm sum of squares, 4 for the
+    attention softmax's sum."""
 
-    def __init__(self) -> None:
-        super().__init__(name="vec_kernels.f64x8")
-
-
-_f64x8 = _F64x8Type()
-_V8D = ir.VectorType(ir.DoubleType(), 8)
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        super().__init__(name=f"vec_kernels.f64x{lanes}")
 
 
-@register_model(_F64x8Type)
-class _F64x8Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type) -> None:
-        super().__init__(dmm, fe_type, _V8D)
+@register_model(_F64Lanes)
+class _F64LanesModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type: _F64Lanes) -> None:
+        super().__init__(dmm, fe_type, ir.VectorType(ir.DoubleType(), fe_type.lanes))
+
+
+_f64x8, _f64x4 = _F64Lanes(8), _F64Lanes(4)
+_V8D, _V4D = ir.VectorType(ir.DoubleType(), 8), ir.VectorType(ir.DoubleType(), 4)
 
 
 @intrinsic
@@ -296,23 +298,6 @@ def _dhsum8(typingctx, v):
 
 
 _V4F = ir.VectorType(ir.FloatType(), 4)
-_V4D = ir.VectorType(ir.DoubleType(), 4)
-
-
-class _F64x4Type(types.Type):
-    """Four float64 lanes (``<4 x double>``): the attention softmax's sum."""
-
-    def __init__(self) -> None:
-        super().__init__(name="vec_kernels.f64x4")
-
-
-_f64x4 = _F64x4Type()
-
-
-@register_model(_F64x4Type)
-class _F64x4Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type) -> None:
-        super().__init__(dmm, fe_type, _V4D)
 
 
 @intrinsic
