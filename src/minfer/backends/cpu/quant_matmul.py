@@ -40,7 +40,7 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
     prefill runs one weight row against 8 tokens, unpacking each weight block once per 8 tokens. Q4_1
     runs eight rows per register for any number of tokens (one pmaddubsw serves eight rows): against the
     row-by-row kernels (kept in the bench as variants), 8 tokens ~20% faster, 2-4 tokens ~2x, prompts
-    of 64+ tokens ~1.7x, one token within ~10% (it streams the same bytes).
+    of 64+ tokens ~1.7x, one token 5-15% slower (it streams the same bytes; measured in-model).
 """
 
 from __future__ import annotations
