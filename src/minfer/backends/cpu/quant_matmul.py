@@ -40,7 +40,8 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
     prefill runs one weight row against 8 tokens, unpacking each weight block once per 8 tokens. Q4_1
     runs eight rows per register for any number of tokens (one pmaddubsw serves eight rows): against the
     row-by-row kernels (kept in the bench as variants), 8 tokens ~20% faster, 2-4 tokens ~2x, prompts
-    of 64+ tokens ~1.7x, one token 5-15% slower (it streams the same bytes; measured in-model).
+    of 64+ tokens ~1.7x; one token 10-20% slower in the matmuls alone (it streams the same bytes), which
+    end to end (tg128) was lost in the noise.
 """
 
 from __future__ import annotations
