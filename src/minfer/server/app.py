@@ -70,6 +70,11 @@ class _Choice:
     def finished(self) -> bool:
         return self.stats is not None or self.error is not None
 
+    @property
+    def cancelled(self) -> bool:
+        """Ended by the scheduler, not by the model (the server is shutting down)."""
+        return self.stats is not None and self.stats.finish_reason == "cancelled"
+
 
 class _EventPump:
     """Carries events from the scheduler thread to the event loop's queues.
@@ -151,6 +156,11 @@ class _Job:
 
 def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _cancelled_error() -> ApiError:
+    return ApiError("the request was cancelled before it finished (server shutting down)", status=503,
+                    type="server_error", code="cancelled")
 
 
 def _api_error(e: Exception) -> ApiError:
@@ -322,9 +332,8 @@ def create_app(
         for c in job.choices:
             if c.error is not None:
                 raise _api_error(c.error)
-            if c.stats is not None and c.stats.finish_reason == "cancelled":
-                raise ApiError("the request was cancelled before it finished (server shutting down)",
-                               status=503, type="server_error", code="cancelled")
+            if c.cancelled:
+                raise _cancelled_error()
 
     def usage(job: _Job, prompts: Sequence[list[int]]) -> dict[str, Any]:
         completion = sum(c.stats.generated_tokens for c in job.choices if c.stats is not None)
@@ -370,10 +379,8 @@ def create_app(
                     while True:
                         index, event = item
                         c = job.apply(index, event)
-                        if isinstance(event, Failed) or (c.stats is not None and c.stats.finish_reason == "cancelled"):
-                            e = _api_error(event.error) if isinstance(event, Failed) else ApiError(
-                                "the request was cancelled before it finished (server shutting down)", status=503,
-                                type="server_error", code="cancelled")
+                        if isinstance(event, Failed) or c.cancelled:
+                            e = _api_error(event.error) if isinstance(event, Failed) else _cancelled_error()
                             job.cancel()
                             yield b"".join(out) + sse(e.body())
                             return

@@ -1113,17 +1113,34 @@ ROWS8_PREFETCH = 2048
 
 
 @njit(inline="always")
-def _rows8_block(w0, w1, w2, w3, w4, w5, w6, w7, aq, ao):
-    """Eight int32 lanes: lane r = Σ q a over one block of row r (repacked registers w0..w7) against the
-    activation block at byte ``ao``; exact."""
-    p = _vpairs_u8s8(w0, _vbcast4(aq, ao))
-    p = _vadd16(p, _vpairs_u8s8(w1, _vbcast4(aq, ao + 4)))
-    p = _vadd16(p, _vpairs_u8s8(w2, _vbcast4(aq, ao + 8)))
-    p = _vadd16(p, _vpairs_u8s8(w3, _vbcast4(aq, ao + 12)))
-    p = _vadd16(p, _vpairs_u8s8(w4, _vbcast4(aq, ao + 16)))
-    p = _vadd16(p, _vpairs_u8s8(w5, _vbcast4(aq, ao + 20)))
-    p = _vadd16(p, _vpairs_u8s8(w6, _vbcast4(aq, ao + 24)))
-    p = _vadd16(p, _vpairs_u8s8(w7, _vbcast4(aq, ao + 28)))
+def _rows8_weights(packed, o):
+    """A group's block at byte ``o`` of the repacked copy, as one tuple: its eight nibble registers (four
+    consecutive values of each row), then the rows' d and m; the bytes a few blocks ahead are prefetched
+    (decode streams the weights from DRAM). (One flat tuple, indexed: numba's parallel-loop analysis
+    rejects unpacking a nested one.)"""
+    _prefetch(packed, o + ROWS8_PREFETCH)
+    _prefetch(packed, o + ROWS8_PREFETCH + 64)
+    _prefetch(packed, o + ROWS8_PREFETCH + 128)
+    return (
+        _vlow_nibbles(packed, o), _vhigh_nibbles(packed, o), _vlow_nibbles(packed, o + 32),
+        _vhigh_nibbles(packed, o + 32), _vlow_nibbles(packed, o + 64), _vhigh_nibbles(packed, o + 64),
+        _vlow_nibbles(packed, o + 96), _vhigh_nibbles(packed, o + 96),
+        _vhalves8(packed, o + 128), _vhalves8(packed, o + 144),
+    )
+
+
+@njit(inline="always")
+def _rows8_block(w, aq, ao):
+    """Eight int32 lanes: lane r = Σ q a over one block of row r (registers 0..7 of _rows8_weights)
+    against the activation block at byte ``ao``; exact."""
+    p = _vpairs_u8s8(w[0], _vbcast4(aq, ao))
+    p = _vadd16(p, _vpairs_u8s8(w[1], _vbcast4(aq, ao + 4)))
+    p = _vadd16(p, _vpairs_u8s8(w[2], _vbcast4(aq, ao + 8)))
+    p = _vadd16(p, _vpairs_u8s8(w[3], _vbcast4(aq, ao + 12)))
+    p = _vadd16(p, _vpairs_u8s8(w[4], _vbcast4(aq, ao + 16)))
+    p = _vadd16(p, _vpairs_u8s8(w[5], _vbcast4(aq, ao + 20)))
+    p = _vadd16(p, _vpairs_u8s8(w[6], _vbcast4(aq, ao + 24)))
+    p = _vadd16(p, _vpairs_u8s8(w[7], _vbcast4(aq, ao + 28)))
     return _vwiden_pairs(p)
 
 
@@ -1153,18 +1170,9 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
         if n_tok == 1:  # decode: the accumulator stays in a register
             a = _vzero8()
             for b in range(nb):
-                o = (g * nb + b) * 160
-                _prefetch(packed, o + ROWS8_PREFETCH)
-                _prefetch(packed, o + ROWS8_PREFETCH + 64)
-                _prefetch(packed, o + ROWS8_PREFETCH + 128)
-                isum = _rows8_block(
-                    _vlow_nibbles(packed, o), _vhigh_nibbles(packed, o),
-                    _vlow_nibbles(packed, o + 32), _vhigh_nibbles(packed, o + 32),
-                    _vlow_nibbles(packed, o + 64), _vhigh_nibbles(packed, o + 64),
-                    _vlow_nibbles(packed, o + 96), _vhigh_nibbles(packed, o + 96), aq, b * QK,
-                )
-                a = _vfma_i(a, isum, _vmul8(_vhalves8(packed, o + 128), _vsplat8(ds[2 * b])))
-                a = _vfma(a, _vhalves8(packed, o + 144), _vsplat8(ds[2 * b + 1]))
+                w = _rows8_weights(packed, (g * nb + b) * 160)
+                a = _vfma_i(a, _rows8_block(w, aq, b * QK), _vmul8(w[8], _vsplat8(ds[2 * b])))
+                a = _vfma(a, w[9], _vsplat8(ds[2 * b + 1]))
             _vstore8(acc, h, a)
             for r in range(8):
                 out[0, 8 * g + r] = acc[h + r]
@@ -1174,21 +1182,12 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
             for i in range(h, h + 8 * (t1 - t0)):
                 acc[i] = np.float32(0.0)
             for b in range(nb):
-                o = (g * nb + b) * 160
-                _prefetch(packed, o + ROWS8_PREFETCH)
-                _prefetch(packed, o + ROWS8_PREFETCH + 64)
-                _prefetch(packed, o + ROWS8_PREFETCH + 128)
-                w0, w1 = _vlow_nibbles(packed, o), _vhigh_nibbles(packed, o)
-                w2, w3 = _vlow_nibbles(packed, o + 32), _vhigh_nibbles(packed, o + 32)
-                w4, w5 = _vlow_nibbles(packed, o + 64), _vhigh_nibbles(packed, o + 64)
-                w6, w7 = _vlow_nibbles(packed, o + 96), _vhigh_nibbles(packed, o + 96)
-                dw = _vhalves8(packed, o + 128)
-                mw = _vhalves8(packed, o + 144)
+                w = _rows8_weights(packed, (g * nb + b) * 160)
                 for t in range(t0, t1):
-                    isum = _rows8_block(w0, w1, w2, w3, w4, w5, w6, w7, aq, t * n_in + b * QK)
+                    isum = _rows8_block(w, aq, t * n_in + b * QK)
                     k = h + 8 * (t - t0)
-                    a = _vfma_i(_vload8(acc, k), isum, _vmul8(dw, _vsplat8(ds[(t * nb + b) * 2])))
-                    _vstore8(acc, k, _vfma(a, mw, _vsplat8(ds[(t * nb + b) * 2 + 1])))
+                    a = _vfma_i(_vload8(acc, k), isum, _vmul8(w[8], _vsplat8(ds[(t * nb + b) * 2])))
+                    _vstore8(acc, k, _vfma(a, w[9], _vsplat8(ds[(t * nb + b) * 2 + 1])))
             for t in range(t0, t1):
                 for r in range(8):
                     out[t, 8 * g + r] = acc[h + 8 * (t - t0) + r]

@@ -1113,6 +1113,33 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, wi
                         out[t, h * hdv + d] += part[row, d]
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _head_subsets(group, n_head_kv, n_blocks, n_threads):
+    """(n_sub, per_sub): phase-0 units are (kv head, subset of its query heads, token block). A unit reads
+    its K/V blocks once for all its heads; only when there are fewer (kv head, token block) pairs than
+    threads are a group's heads split into ``n_sub`` subsets of ``per_sub``, so that every thread gets
+    work. (Splitting sooner measured slower for decode, which is bound by reading K/V: a split reads them
+    twice.)"""
+    n_sub = 1
+    if n_head_kv * n_blocks < n_threads:
+        n_sub = min(group, (n_threads + n_head_kv * n_blocks - 1) // (n_head_kv * n_blocks))
+    per_sub = (group + n_sub - 1) // n_sub
+    return (group + per_sub - 1) // per_sub, per_sub
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _unit_span(v, n_blocks, n_sub, per_sub, group):
+    """(kv head g, query heads h0..h1-1, token block b) of phase-0 unit ``v`` of one run of tokens."""
+    b = v % n_blocks
+    s = (v // n_blocks) % n_sub
+    g = v // (n_blocks * n_sub)
+    # zigzag the token blocks (0, n-1, 1, n-2, ...): with causal windows their cost grows with the
+    # token index, and any contiguous range of units (what a worker gets) then holds a balanced mix
+    b = b // 2 if b % 2 == 0 else n_blocks - 1 - b // 2
+    h0 = g * group + s * per_sub
+    return g, h0, min(g * group + group, h0 + per_sub), b
+
+
 @njit(cache=True, error_model="numpy")
 def _attn_task(
     phase, u, n_blocks, n_sub, per_sub, n_chunks, group, q, kr, vr, pos, hdk, hdv, scale32, max_len, window, sc,
@@ -1123,17 +1150,9 @@ def _attn_task(
     one head, 3 the chunk sums of w_j v_j of (kv head, key chunk), each unit computing exactly what
     ``_attn_unit`` computes for those keys."""
     if phase == 0:
-        nt = q.shape[0]
-        b = u % n_blocks
-        s = (u // n_blocks) % n_sub
-        g = u // (n_blocks * n_sub)
-        # zigzag the token blocks (0, n-1, 1, n-2, ...): with causal windows their cost grows with the
-        # token index, and any contiguous range of units (what a worker gets) then holds a balanced mix
-        b = b // 2 if b % 2 == 0 else n_blocks - 1 - b // 2
-        h0 = g * group + s * per_sub
-        h1 = min(g * group + group, h0 + per_sub)
+        g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
         t0 = b * ATTN_TOKEN_BLOCK
-        t1 = min(nt, t0 + ATTN_TOKEN_BLOCK)
+        t1 = min(q.shape[0], t0 + ATTN_TOKEN_BLOCK)
         _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
     elif phase == 2:
         _attn_softmax(sc, u, 0, max_len)
@@ -1207,16 +1226,9 @@ def _attn_kernel(
     n_blocks = (nt + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
     n_chunks = (max_len + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
     scale32 = F32(scale)
-    # phase 0 units: (kv head, subset of its query heads, token block). A unit reads its K/V blocks once
-    # for all its heads; only when there are fewer (kv head, token block) pairs than threads are a
-    # group's heads split over units, so that every thread gets work. (Splitting sooner measured slower
-    # for decode, which is bound by reading K/V: a split reads them twice.) The thread count comes from
-    # the caller: numba's get_num_threads inside a kernel would keep it out of the on-disk cache.
-    n_sub = 1
-    if n_head_kv * n_blocks < n_threads:
-        n_sub = min(group, (n_threads + n_head_kv * n_blocks - 1) // (n_head_kv * n_blocks))
-    per_sub = (group + n_sub - 1) // n_sub
-    n_sub = (group + per_sub - 1) // per_sub
+    # the thread count comes from the caller: numba's get_num_threads inside a kernel would keep it out of
+    # the on-disk cache
+    n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks, n_threads)
     if phase == 0:
         n_units = n_head_kv * n_sub * n_blocks
     elif phase == 2:
@@ -1295,11 +1307,7 @@ def _attn_rows_kernel(
     n_blocks_all = 0
     for i in range(n_runs):
         n_blocks_all += (run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
-    n_sub = 1  # as in _attn_kernel: split a group's heads only when the units would not fill the threads
-    if n_head_kv * n_blocks_all < n_threads:
-        n_sub = min(group, (n_threads + n_head_kv * n_blocks_all - 1) // (n_head_kv * n_blocks_all))
-    per_sub = (group + n_sub - 1) // n_sub
-    n_sub = (group + per_sub - 1) // per_sub
+    n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks_all, n_threads)
     unit_end = np.empty(n_runs, np.int64)  # units of runs 0..i end before unit_end[i]
     n_units = 0
     for i in range(n_runs):
@@ -1312,12 +1320,7 @@ def _attn_rows_kernel(
             i += 1
         t_first = run_start[i]
         n_blocks = (run_start[i + 1] - t_first + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
-        v = u - (unit_end[i] - n_head_kv * n_sub * n_blocks)
-        b = v % n_blocks
-        s = (v // n_blocks) % n_sub
-        g = v // (n_blocks * n_sub)
-        h0 = g * group + s * per_sub
-        h1 = min(g * group + group, h0 + per_sub)
+        g, h0, h1, b = _unit_span(u - (unit_end[i] - n_head_kv * n_sub * n_blocks), n_blocks, n_sub, per_sub, group)
         t0 = t_first + b * ATTN_TOKEN_BLOCK
         t1 = min(run_start[i + 1], t0 + ATTN_TOKEN_BLOCK)
         base = rows[t_first] - positions[t_first]
