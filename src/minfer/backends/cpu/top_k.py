@@ -1,0 +1,102 @@
+"""The k largest of a float32 vector, in one compiled pass: the sampler's top-k over a whole vocabulary.
+
+``top_k_positions(x, k)`` returns the positions of the ``k`` largest values, largest first, equal values
+by lower position first (-0.0 equals 0.0): exactly what ``np.lexsort((np.arange(n), -x))[:k]`` gives,
+which :func:`top_k_positions_reference` computes.
+
+How: the k-th largest of the block maxima (blocks of ``BLOCK`` values), ``T``, is at most the k-th
+largest value, since k distinct values reach it. Only blocks whose maximum reaches ``T`` can hold a
+winner; their values ``>= T`` (usually little more than k of them) are ranked exactly by one sort of
+order-preserving integer keys. On a 49152-token vocabulary with k = 40 this takes ~26 µs here, against
+~86 µs for numpy's partition alone; a sampler step with the default chain went from ~250 to ~150 µs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+BLOCK = 64  # values per block maximum
+
+
+# max is exact in any order and the input holds no NaN: the flags only let LLVM vectorize the loop
+@njit(cache=True, nogil=True, fastmath={"nnan", "nsz", "reassoc"})
+def _block_maxima(x, n_blocks):
+    """max of each block of BLOCK values (the last one may be shorter); a whole block in eight
+    interleaved lanes (a single chain of max does not vectorize)."""
+    n = x.shape[0]
+    out = np.empty(n_blocks, np.float32)
+    for b in range(n // BLOCK):
+        o = b * BLOCK
+        m0, m1, m2, m3 = x[o], x[o + 1], x[o + 2], x[o + 3]
+        m4, m5, m6, m7 = x[o + 4], x[o + 5], x[o + 6], x[o + 7]
+        for i in range(o + 8, o + BLOCK, 8):
+            m0, m1, m2, m3 = max(m0, x[i]), max(m1, x[i + 1]), max(m2, x[i + 2]), max(m3, x[i + 3])
+            m4, m5, m6, m7 = max(m4, x[i + 4]), max(m5, x[i + 5]), max(m6, x[i + 6]), max(m7, x[i + 7])
+        out[b] = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    if n % BLOCK:
+        o = n - n % BLOCK
+        m = x[o]
+        for i in range(o + 1, n):
+            m = max(m, x[i])
+        out[n_blocks - 1] = m
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _top_k_kernel(x, k, out):
+    n = x.shape[0]
+    n_blocks = (n + BLOCK - 1) // BLOCK
+    block_max = _block_maxima(x, n_blocks)
+    threshold = np.partition(block_max, n_blocks - k)[n_blocks - k]
+    count = 0
+    for b in range(n_blocks):
+        if block_max[b] >= threshold:
+            for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
+                if x[i] >= threshold:
+                    count += 1
+    # sort keys: -v's float32 bits mapped to an order-preserving unsigned integer, above the position
+    negated = np.empty(count, np.float32)
+    pos = np.empty(count, np.uint64)
+    j = 0
+    for b in range(n_blocks):
+        if block_max[b] >= threshold:
+            for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
+                if x[i] >= threshold:
+                    negated[j] = -(x[i] + np.float32(0.0))  # + 0.0: -0.0 sorts as 0.0
+                    pos[j] = i
+                    j += 1
+    bits = negated.view(np.uint32)
+    keys = np.empty(count, np.uint64)
+    for j in range(count):
+        u = bits[j]
+        u = ~u if u & np.uint32(0x80000000) else u | np.uint32(0x80000000)
+        keys[j] = (np.uint64(u) << np.uint64(32)) | pos[j]
+    keys.sort()
+    for i in range(k):
+        out[i] = np.int64(keys[i] & np.uint64(0xFFFFFFFF))
+
+
+def top_k_positions(x: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` largest values of the 1-D float32 ``x`` (no NaN), largest first, equal
+    values by lower position; int64. ``k`` must be in 1..len(x)."""
+    n = x.shape[0]
+    if x.ndim != 1 or x.dtype != np.float32:
+        raise ValueError(f"top_k_positions takes a 1-D float32 array, got {x.dtype} {x.shape}")
+    if not 1 <= k <= n:
+        raise ValueError(f"top_k_positions: k must be in 1..{n}, got {k}")
+    if k * BLOCK > n:  # too few blocks for the bound to prune anything
+        return top_k_positions_reference(x, k)
+    out = np.empty(k, np.int64)
+    _top_k_kernel(np.ascontiguousarray(x), k, out)
+    return out
+
+
+def top_k_positions_reference(x: np.ndarray, k: int) -> np.ndarray:
+    """The plain numpy definition of :func:`top_k_positions`."""
+    return np.lexsort((np.arange(x.shape[0]), -(x + np.float32(0.0))))[:k].astype(np.int64)
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) the kernel."""
+    top_k_positions(np.arange(2 * BLOCK, dtype=np.float32), 2)

@@ -1,0 +1,61 @@
+"""The compiled top-k (the sampler's cut of a whole vocabulary) against its numpy definition."""
+
+import numpy as np
+import pytest
+
+from minfer.backends.cpu.top_k import BLOCK, top_k_positions, top_k_positions_reference
+from minfer.runtime.sampler import _Candidates
+
+
+SIZES = [BLOCK * 40, BLOCK * 40 + 1, 49152, 49152 + 37, 151936]
+
+
+@pytest.mark.parametrize(("n", "k"), [(n, k) for n in SIZES for k in (1, 2, 40, 100) if k * BLOCK <= n] + [(500, 30)])
+def test_top_k_equals_the_reference(n, k):
+    # (500, 30): too few blocks to prune anything, handed to the reference
+    rng = np.random.default_rng(n + k)
+    x = (rng.standard_normal(n) * 4).astype(np.float32)
+    assert np.array_equal(top_k_positions(x, k), top_k_positions_reference(x, k))
+
+
+def test_ties_go_to_the_lower_position_and_signed_zeros_are_equal():
+    rng = np.random.default_rng(0)
+    x = np.round(rng.standard_normal(49152)).astype(np.float32)  # a handful of distinct values: many ties
+    x[::5] = -0.0
+    x[3::5] = 0.0
+    for k in (1, 40, 300):
+        got = top_k_positions(x, k)
+        assert np.array_equal(got, top_k_positions_reference(x, k))
+        assert np.all(np.diff(x[got]) <= 0)
+    zeros = np.where(np.arange(8192) % 2, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    assert np.array_equal(top_k_positions(zeros, 40), np.arange(40))  # all equal: the first 40 positions
+
+
+def test_infinities_and_a_single_survivor():
+    x = np.full(49152, -np.inf, np.float32)
+    x[[7, 40000]] = [1.0, np.inf]
+    assert top_k_positions(x, 40)[:2].tolist() == [40000, 7]
+    assert np.array_equal(top_k_positions(x, 40), top_k_positions_reference(x, 40))
+
+
+def test_the_winners_all_in_one_block_and_spread_out():
+    x = np.zeros(49152, np.float32)
+    x[BLOCK * 10 : BLOCK * 10 + 40] = np.arange(40, 0, -1)  # every winner inside one block
+    assert top_k_positions(x, 40).tolist() == list(range(BLOCK * 10, BLOCK * 10 + 40))
+    y = np.zeros(49152, np.float32)
+    y[::1000] = 1.0 + np.arange(len(y[::1000]))  # one winner per block, far apart
+    assert np.array_equal(top_k_positions(y, 40), top_k_positions_reference(y, 40))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="float32"):
+        top_k_positions(np.zeros(100), 3)
+    with pytest.raises(ValueError, match="k must be in 1..100"):
+        top_k_positions(np.zeros(100, np.float32), 0)
+
+
+def test_the_sampler_cut_keeps_its_order_through_the_kernel():
+    rng = np.random.default_rng(3)
+    x = np.round(rng.standard_normal(49152) * 3, 1).astype(np.float32)
+    best = _Candidates(x).best(40)
+    assert np.array_equal(best, np.lexsort((np.arange(len(x)), -x))[:40])
