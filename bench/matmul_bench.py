@@ -39,10 +39,12 @@ from minfer.backends.cpu.quant_matmul import (  # the intrinsics the row-by-row 
     QK,
     _f16,
     _prefetch,
+    _store_tile,
     _tile_scales,
     _vadd2,
     _vadd8,
     _vbytes,
+    _vdot_s8s8,
     _vdot_u8s8,
     _vf16x2,
     _vfma_i,
@@ -218,6 +220,90 @@ def _f16_scalar(lo, hi):
     return -v if h & 0x8000 else v
 
 
+# Q8_0 row by row (before 8-row groups): 4 rows per decode pass, 8-token tiles for prefill
+
+
+@njit(inline="always")
+def _step_q8_0(acc, w, o, a, dx):
+    """Q8_0: acc += Σq·a lanes * (d_w d_x)."""
+    return _vfma_i(acc, _vdot_s8s8(_vbytes(w, o + 2), a), _vsplat8(_f16(w, o) * dx))
+
+
+@njit(inline="always")
+def _row_q8_0(w, o, nb, aq, ao, ds, do):
+    acc = _vzero8()
+    for b in range(nb):
+        acc = _step_q8_0(acc, w, o + 34 * b, _vbytes(aq, ao + QK * b), ds[do + 2 * b])
+    return _vhsum(acc)
+
+
+@njit(parallel=True)
+def _gemv_q8_0_rows(w, rb, aq, ds, out):
+    n_out = out.shape[1]
+    nb = aq.shape[0] // QK
+    n_pass = n_out // 4
+    for p in prange(n_pass):
+        r0 = 4 * p
+        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        o = r0 * rb
+        pf = o + PREFETCH_ROWS * rb
+        for b in range(nb):
+            _prefetch(w, pf)
+            _prefetch(w, pf + 64)
+            _prefetch(w, pf + 128)
+            pf += 136
+            a = _vbytes(aq, QK * b)
+            dx = ds[2 * b]
+            acc0 = _step_q8_0(acc0, w, o, a, dx)
+            acc1 = _step_q8_0(acc1, w, o + rb, a, dx)
+            acc2 = _step_q8_0(acc2, w, o + 2 * rb, a, dx)
+            acc3 = _step_q8_0(acc3, w, o + 3 * rb, a, dx)
+            o += 34
+        out[0, r0] = _vhsum(acc0)
+        out[0, r0 + 1] = _vhsum(acc1)
+        out[0, r0 + 2] = _vhsum(acc2)
+        out[0, r0 + 3] = _vhsum(acc3)
+    for r in range(4 * n_pass, n_out):
+        out[0, r] = _row_q8_0(w, r * rb, nb, aq, 0, ds, 0)
+
+
+@njit(parallel=True)
+def _gemm_q8_0_rows(w, rb, aq, ds, out):
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nb = n_in // QK
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    d_b, _ = _tile_scales(ds, n_full, nb)
+    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
+        r0 = g * GEMM_ROWS
+        r1 = min(n_out, r0 + GEMM_ROWS)
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
+            for r in range(r0, r1):
+                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                o = r * rb
+                ao = t0 * n_in
+                for b in range(nb):
+                    q = _vbytes(w, o + 2)
+                    dw = _vsplat8(_f16(w, o))
+                    c = tb + b * GEMM_TOKENS
+                    a0 = _vfma_i(a0, _vdot_s8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
+                    a1 = _vfma_i(a1, _vdot_s8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
+                    a2 = _vfma_i(a2, _vdot_s8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
+                    a3 = _vfma_i(a3, _vdot_s8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
+                    a4 = _vfma_i(a4, _vdot_s8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
+                    a5 = _vfma_i(a5, _vdot_s8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
+                    a6 = _vfma_i(a6, _vdot_s8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
+                    a7 = _vfma_i(a7, _vdot_s8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    o += 34
+                    ao += QK
+                _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row_q8_0(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
+
+
 def _gemm_by_gemv(kernel):
     """Prefill variant: the decode kernel once per token (each weight block unpacked once per token)."""
 
@@ -300,13 +386,20 @@ def bench_shapes(layers, output, n_tok: int, seconds: float, with_variants: bool
         else:
             base = None
         xq = qm.quantize_activations(x)
-        kept = partial(qm.matmul, x, w, out, xq)
+        pw = qm.prepare(w)  # once, as the backend does (a Q4_1/Q8_0 weight is repacked)
+        kept = partial(qm.matmul, x, pw, out, xq)
         row("kept kernel, activations quantized once", n_tok, n_out, n_in, best_time(kept, seconds), base)
-        full = partial(qm.matmul, x, w, out)
+        full = partial(qm.matmul, x, pw, out)
         row("kept kernel, incl. activation quantization", n_tok, n_out, n_in, best_time(full, seconds), base)
-        if not with_variants or w.ggml_type != GGMLType.Q4_1:
+        if not with_variants:
             continue
-        wf, rb = qm.prepare(w).flat, w.data.shape[1]
+        wf, rb = pw.flat, w.data.shape[1]
+        if w.ggml_type == GGMLType.Q8_0:
+            kernel = _gemv_q8_0_rows if n_tok == 1 else _gemm_q8_0_rows
+            rows = partial(kernel, wf, rb, xq._q, xq._ds, out)
+            row("variant: raw rows, 4 per decode pass / 8-token tiles", n_tok, n_out, n_in,
+                best_time(rows, seconds), base)
+            continue
         if n_tok == 1:
             one_row = partial(_gemv_q4_1_one_row, wf, rb, xq._q, xq._ds, out)
             row("variant: 1 row per pass (intrinsics)", 1, n_out, n_in, best_time(one_row, seconds), base)
@@ -323,7 +416,7 @@ def bench_shapes(layers, output, n_tok: int, seconds: float, with_variants: bool
 
 
 def bench_layer(layers, n_tok: int, seconds: float) -> None:
-    layer = layers[0]
+    layer = {name: qm.prepare(w) for name, w in layers[0].items()}
     rng = np.random.default_rng(2)
     x = rng.standard_normal((n_tok, 576)).astype(np.float32)
     h = rng.standard_normal((n_tok, 1536)).astype(np.float32)
@@ -341,7 +434,7 @@ def bench_layer(layers, n_tok: int, seconds: float) -> None:
 
     def ref_layer() -> None:
         for name, _, n_in in LAYER:
-            ref.matmul(x if n_in == 576 else h, layer[name], outs[name])
+            ref.matmul(x if n_in == 576 else h, layers[0][name], outs[name])
 
     macs = sum(n_out * n_in for _, n_out, n_in in LAYER)
     print(f" layer: 7 matmuls, {macs / 1e6:.2f} M weights, {n_tok} token(s)")
@@ -356,6 +449,9 @@ def bench_model_decode(layers, output, seconds: float) -> None:
     h = rng.standard_normal((1, 1536)).astype(np.float32)
     outs = {name: np.empty((1, n_out), np.float32) for name, n_out, _ in LAYER}
     logits = np.empty((1, output.shape[0]), np.float32)
+    nbytes = sum(t.nbytes for layer in layers for t in layer.values()) + output.nbytes
+    layers = [{name: qm.prepare(w) for name, w in layer.items()} for layer in layers]
+    output = qm.prepare(output)
 
     def step() -> None:
         for layer in layers:
@@ -369,7 +465,6 @@ def bench_model_decode(layers, output, seconds: float) -> None:
             qm.matmul(h, layer["ffn_down"], outs["ffn_down"])
         qm.matmul(x, output, logits)
 
-    nbytes = sum(t.nbytes for layer in layers for t in layer.values()) + output.nbytes
     t = best_time(step, seconds)
     print(f" model: {len(layers)} layers + output head, 1 token, {nbytes / 2**20:.0f} MiB of weights per token")
     print(

@@ -230,6 +230,27 @@ def test_q4_1_row_groups_and_tail_rows_do_the_same_arithmetic():
     np.testing.assert_array_equal(halves[:, :, 1], m)
 
 
+def test_q8_0_row_groups_and_tail_rows_do_the_same_arithmetic():
+    """Q8_0, as Q4_1: whole groups of eight rows on a repacked copy, the last rows on the raw blocks; a row
+    gives the same bits in either, and the repacked copy holds exactly the file's values and scales."""
+    w = make_weight(GGMLType.Q8_0, 29, 160, seed=13)
+    w.data[1, 2:34] = np.array([-128, 127] * 16, np.int8).view(np.uint8)  # the extremes of the sign trick
+    x = make_x(11, 160, seed=14)
+    full = fast(x, w)
+    q, d = llama_q8(x)
+    xq = (q.reshape(11, -1, 32).astype(np.float64) * d[..., None]).reshape(11, 160)
+    wd = dequantize_rows(w.data, GGMLType.Q8_0, 160).astype(np.float64)
+    assert np.all(np.abs(full - xq @ wd.T) <= (3 * 5 + 8) * U * (np.abs(xq) @ np.abs(wd).T) + 1e-30)
+    shifted = GGUFTensor("w", GGMLType.Q8_0, (24, 160), w.data[5:])
+    assert full[:, 5:].view(np.uint32).tolist() == fast(x, shifted).view(np.uint32).tolist()
+    packed = qm._repack_q8_0(w.data, 29, 160).reshape(3, 5, 272)  # [group, block, bytes]
+    values = packed[..., :256].reshape(3, 5, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(24, 160)  # [row, value]
+    blocks = w.data[:24].reshape(24, 5, 34)
+    np.testing.assert_array_equal(values, blocks[..., 2:].reshape(24, 160))
+    d = packed[..., 256:].copy().view(np.float16).transpose(0, 2, 1).reshape(24, 5)
+    np.testing.assert_array_equal(d, blocks[..., 0:2].copy().view(np.float16)[..., 0])
+
+
 def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
     """Preparing a Q4_1 weight read from a file mapping drops the mapping's resident pages (its values
     live in the repacked copy); a weight in ordinary memory is left alone."""

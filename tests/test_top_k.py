@@ -6,7 +6,6 @@ import pytest
 from minfer.backends.cpu.top_k import BLOCK, top_k_positions, top_k_positions_reference
 from minfer.runtime.sampler import _Candidates
 
-
 SIZES = [BLOCK * 40, BLOCK * 40 + 1, 49152, 49152 + 37, 151936]
 
 

@@ -775,25 +775,11 @@ def _step_q4_0(acc, w, o, a, off8, dx):
 
 
 @njit(inline="always")
-def _step_q8_0(acc, w, o, a, dx):
-    """Q8_0: acc += Σq·a lanes * (d_w d_x)."""
-    return _vfma_i(acc, _vdot_s8s8(_vbytes(w, o + 2), a), _vsplat8(_f16(w, o) * dx))
-
-
-@njit(inline="always")
 def _row_q4_0(w, o, nb, aq, ao, ds, do):
     acc = _vzero8()
     for b in range(nb):
         a = _vbytes(aq, ao + QK * b)
         acc = _step_q4_0(acc, w, o + 18 * b, a, _vq4_0_offset(a), ds[do + 2 * b])
-    return _vhsum(acc)
-
-
-@njit(inline="always")
-def _row_q8_0(w, o, nb, aq, ao, ds, do):
-    acc = _vzero8()
-    for b in range(nb):
-        acc = _step_q8_0(acc, w, o + 34 * b, _vbytes(aq, ao + QK * b), ds[do + 2 * b])
     return _vhsum(acc)
 
 
@@ -851,36 +837,6 @@ def _gemv_q4_0(w, rb, aq, ds, out):
         out[0, r0 + 3] = _vhsum(acc3)
     for r in range(4 * n_pass, n_out):
         out[0, r] = _row_q4_0(w, r * rb, nb, aq, 0, ds, 0)
-
-
-@njit(parallel=True, cache=True)
-def _gemv_q8_0(w, rb, aq, ds, out):
-    n_out = out.shape[1]
-    nb = aq.shape[0] // QK
-    n_pass = n_out // 4
-    for p in prange(n_pass):
-        r0 = 4 * p
-        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-        o = r0 * rb
-        pf = o + PREFETCH_ROWS * rb
-        for b in range(nb):
-            _prefetch(w, pf)
-            _prefetch(w, pf + 64)
-            _prefetch(w, pf + 128)
-            pf += 136
-            a = _vbytes(aq, QK * b)
-            dx = ds[2 * b]
-            acc0 = _step_q8_0(acc0, w, o, a, dx)
-            acc1 = _step_q8_0(acc1, w, o + rb, a, dx)
-            acc2 = _step_q8_0(acc2, w, o + 2 * rb, a, dx)
-            acc3 = _step_q8_0(acc3, w, o + 3 * rb, a, dx)
-            o += 34
-        out[0, r0] = _vhsum(acc0)
-        out[0, r0 + 1] = _vhsum(acc1)
-        out[0, r0 + 2] = _vhsum(acc2)
-        out[0, r0 + 3] = _vhsum(acc3)
-    for r in range(4 * n_pass, n_out):
-        out[0, r] = _row_q8_0(w, r * rb, nb, aq, 0, ds, 0)
 
 
 @njit(parallel=True, cache=True)
@@ -1009,43 +965,6 @@ def _gemm_q4_0(w, rb, aq, ds, out):
         for t in range(n_full, n_tok):
             for r in range(r0, r1):
                 out[t, r] = _row_q4_0(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
-
-
-@njit(parallel=True, cache=True)
-def _gemm_q8_0(w, rb, aq, ds, out):
-    n_tok, n_out = out.shape
-    n_in = aq.shape[0] // n_tok
-    nb = n_in // QK
-    n_full = n_tok - n_tok % GEMM_TOKENS
-    d_b, _ = _tile_scales(ds, n_full, nb)
-    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
-        r0 = g * GEMM_ROWS
-        r1 = min(n_out, r0 + GEMM_ROWS)
-        for t0 in range(0, n_full, GEMM_TOKENS):
-            tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
-            for r in range(r0, r1):
-                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                o = r * rb
-                ao = t0 * n_in
-                for b in range(nb):
-                    q = _vbytes(w, o + 2)
-                    dw = _vsplat8(_f16(w, o))
-                    c = tb + b * GEMM_TOKENS
-                    a0 = _vfma_i(a0, _vdot_s8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
-                    a1 = _vfma_i(a1, _vdot_s8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
-                    a2 = _vfma_i(a2, _vdot_s8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
-                    a3 = _vfma_i(a3, _vdot_s8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
-                    a4 = _vfma_i(a4, _vdot_s8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
-                    a5 = _vfma_i(a5, _vdot_s8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
-                    a6 = _vfma_i(a6, _vdot_s8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
-                    a7 = _vfma_i(a7, _vdot_s8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
-                    o += 34
-                    ao += QK
-                _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
-        for t in range(n_full, n_tok):
-            for r in range(r0, r1):
-                out[t, r] = _row_q8_0(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
 
 
 @njit(parallel=True, cache=True)
@@ -1215,8 +1134,121 @@ def _repack_q4_1(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     scales = blocks[..., 0:4].reshape(g, 8, nb, 2, 2).transpose(0, 2, 3, 1, 4).reshape(g, nb, 32)  # d x8, m x8
     return np.ascontiguousarray(np.concatenate((nibbles, scales), axis=2)).reshape(-1)
 
-_GEMV = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemv_q4_0, GGMLType.Q8_0: _gemv_q8_0}  # Q4_1: _q4_1_rows8
-_GEMM = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemm_q4_0, GGMLType.Q8_0: _gemm_q8_0}
+
+# ---------------------------------------------------------------------------------------------------
+# Q8_0 in groups of eight rows, as Q4_1: a repacked copy (see _repack_q8_0) holds in one 256-bit
+# register four consecutive values of each of eight rows; four activation bytes broadcast to all lanes
+# then give eight rows' products per register with llama.cpp's sign trick (|w| * (a * sign(w)) in one
+# pmaddubsw: pairs at most 2 * 128 * 127 < 2^15), widened to int32 at once (two such pairs would not
+# fit int16). A block's integer sum is exact; every row and token then does ``acc = fma(float(Σqa),
+# d_w d_x, acc)`` block after block: the same float operations for any number of tokens, any thread
+# count, and for the rows past the last whole group (_q8_0_row_exact on the raw blocks). Per token and
+# block that is ~35 vector operations for eight rows, against ~56 in the row-by-row tile.
+# ---------------------------------------------------------------------------------------------------
+
+
+@intrinsic
+def _viadd(typingctx, a, b):
+    """a + b, int32 lanes."""
+    return i32x8(i32x8, i32x8), lambda context, builder, sig, args: builder.add(args[0], args[1])
+
+
+@njit(inline="always")
+def _q8_rows8_weights(packed, o):
+    """A group's block at byte ``o`` of the repacked Q8_0 copy: its eight value registers (four
+    consecutive values of each row), then the rows' d; the bytes a few blocks ahead are prefetched."""
+    _prefetch(packed, o + ROWS8_PREFETCH)
+    _prefetch(packed, o + ROWS8_PREFETCH + 64)
+    _prefetch(packed, o + ROWS8_PREFETCH + 128)
+    _prefetch(packed, o + ROWS8_PREFETCH + 192)
+    _prefetch(packed, o + ROWS8_PREFETCH + 256)
+    return (
+        _vbytes(packed, o), _vbytes(packed, o + 32), _vbytes(packed, o + 64), _vbytes(packed, o + 96),
+        _vbytes(packed, o + 128), _vbytes(packed, o + 160), _vbytes(packed, o + 192), _vbytes(packed, o + 224),
+        _vhalves8(packed, o + 256),
+    )
+
+
+@njit(inline="always")
+def _q8_rows8_block(w, aq, ao):
+    """Eight int32 lanes: lane r = Σ q a over one block of row r against the activation block at byte
+    ``ao``; exact."""
+    s = _vdot_s8s8(w[0], _vbcast4(aq, ao))
+    s = _viadd(s, _vdot_s8s8(w[1], _vbcast4(aq, ao + 4)))
+    s = _viadd(s, _vdot_s8s8(w[2], _vbcast4(aq, ao + 8)))
+    s = _viadd(s, _vdot_s8s8(w[3], _vbcast4(aq, ao + 12)))
+    s = _viadd(s, _vdot_s8s8(w[4], _vbcast4(aq, ao + 16)))
+    s = _viadd(s, _vdot_s8s8(w[5], _vbcast4(aq, ao + 20)))
+    s = _viadd(s, _vdot_s8s8(w[6], _vbcast4(aq, ao + 24)))
+    return _viadd(s, _vdot_s8s8(w[7], _vbcast4(aq, ao + 28)))
+
+
+@njit(inline="always")
+def _q8_0_row_exact(raw, o, nb, aq, ao, ds, do):
+    """One Q8_0 row (raw blocks from byte ``o``) against one token, with the row groups' arithmetic."""
+    acc = np.float32(0.0)
+    for b in range(nb):
+        isum = _vihsum(_vdot_s8s8(_vbytes(raw, o + 34 * b + 2), _vbytes(aq, ao + QK * b)))
+        acc = _fma1(np.float32(isum), _f16(raw, o + 34 * b) * ds[do + 2 * b], acc)
+    return acc
+
+
+@njit(parallel=True, cache=True)
+def _q8_0_rows8(packed, raw, rb, aq, ds, out):
+    """``out[n_tok, n_out]`` for a Q8_0 weight: ``packed`` from _repack_q8_0 (whole groups of eight rows),
+    ``raw`` the original blocks (rows past the last whole group)."""
+    n_tok, n_out = out.shape
+    nb = rb // 34
+    n_in = nb * QK
+    n_groups = n_out // 8
+    span = 8 * min(n_tok, ROWS8_TOKENS)
+    acc = np.empty(n_groups * span, np.float32)  # each group's accumulators (one allocation per call)
+    for g in prange(n_groups):
+        h = g * span
+        if n_tok == 1:  # decode: the accumulator stays in a register
+            a = _vzero8()
+            for b in range(nb):
+                w = _q8_rows8_weights(packed, (g * nb + b) * 272)
+                a = _vfma_i(a, _q8_rows8_block(w, aq, b * QK), _vmul8(w[8], _vsplat8(ds[2 * b])))
+            _vstore8(acc, h, a)
+            for r in range(8):
+                out[0, 8 * g + r] = acc[h + r]
+            continue
+        for t0 in range(0, n_tok, ROWS8_TOKENS):
+            t1 = min(n_tok, t0 + ROWS8_TOKENS)
+            for i in range(h, h + 8 * (t1 - t0)):
+                acc[i] = np.float32(0.0)
+            for b in range(nb):
+                w = _q8_rows8_weights(packed, (g * nb + b) * 272)
+                for t in range(t0, t1):
+                    k = h + 8 * (t - t0)
+                    isum = _q8_rows8_block(w, aq, t * n_in + b * QK)
+                    _vstore8(acc, k, _vfma_i(_vload8(acc, k), isum, _vmul8(w[8], _vsplat8(ds[(t * nb + b) * 2]))))
+            for t in range(t0, t1):
+                for r in range(8):
+                    out[t, 8 * g + r] = acc[h + 8 * (t - t0) + r]
+    for r in range(8 * n_groups, n_out):  # the last 1..7 rows
+        for t in range(n_tok):
+            out[t, r] = _q8_0_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
+
+
+def _repack_q8_0(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """Q8_0 rows [n_out, n_in] (raw blocks of 34 bytes: f16 d, 32 int8 values) -> the layout of
+    _q8_0_rows8 for the whole groups of 8 rows: per group and block, 272 bytes (the same 34 per row and
+    block as the file, one stream): 256 bytes ``[chunk c (8), row (8), i (4)]`` holding value 4c + i of
+    the row, then the eight rows' d as float16 (16 bytes)."""
+    nb = n_in // QK
+    g = n_out // 8
+    blocks = data[: 8 * g].reshape(g, 8, nb, 34)
+    values = blocks[..., 2:].reshape(g, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 256)  # [g, b, c, row, i]
+    scales = blocks[..., 0:2].transpose(0, 2, 1, 3).reshape(g, nb, 16)
+    return np.ascontiguousarray(np.concatenate((values, scales), axis=2)).reshape(-1)
+
+# Q4_1 and Q8_0 run their row-group kernels (_q4_1_rows8, _q8_0_rows8) for any number of tokens
+_GEMV = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemv_q4_0, GGMLType.Q8_0: None}
+_GEMM = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemm_q4_0, GGMLType.Q8_0: None}
+# the row-group kernels and repacking of the types that have them
+_ROWS8 = {GGMLType.Q4_1: (_q4_1_rows8, _repack_q4_1), GGMLType.Q8_0: (_q8_0_rows8, _repack_q8_0)}
 _FLOAT_KIND = {GGMLType.F32: _KIND_F32, GGMLType.F16: _KIND_F16, GGMLType.BF16: _KIND_BF16}
 
 
@@ -1238,7 +1270,7 @@ class _Prepared:
     matmul ~200 times on the same tensors: building views and checking sizes each time would cost
     about as much as the small matmuls themselves)."""
 
-    __slots__ = ("tensor", "flat", "arg", "n_out", "n_in", "gemv", "gemm", "rows8")
+    __slots__ = ("tensor", "flat", "arg", "n_out", "n_in", "gemv", "gemm", "rows8", "rows8_kernel")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -1269,10 +1301,11 @@ class _Prepared:
         self.n_out, self.n_in = n_out, n_in
         self.gemv = _GEMV.get(t, _gemv_float)
         self.gemm = _GEMM.get(t, _gemm_float)
-        # Q4_1 runs on its repacked copy (both decode and prefill); the raw pages are then given back
-        self.rows8 = None
-        if t == GGMLType.Q4_1:
-            self.rows8 = _repack_q4_1(data.reshape(n_out, rb), n_out, n_in)
+        # Q4_1 and Q8_0 run on a repacked copy (both decode and prefill); the raw pages are then given back
+        self.rows8 = self.rows8_kernel = None
+        if t in _ROWS8:
+            self.rows8_kernel, repack = _ROWS8[t]
+            self.rows8 = repack(data.reshape(n_out, rb), n_out, n_in)
             if n_out % 8 == 0:
                 release_file_pages(data)
 
@@ -1333,7 +1366,7 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
         elif xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
         if p.rows8 is not None:
-            _q4_1_rows8(p.rows8, p.flat, p.arg, xq._q, xq._ds, dst)
+            p.rows8_kernel(p.rows8, p.flat, p.arg, xq._q, xq._ds, dst)
         else:
             (p.gemv if n_tok == 1 else p.gemm)(p.flat, p.arg, xq._q, xq._ds, dst)
     if dst is not out:
