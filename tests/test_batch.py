@@ -12,6 +12,7 @@ from conftest import fixture_dir, fixture_sequences
 import minfer
 from minfer.errors import ContextOverflowError
 from minfer.runtime.batch import (
+    BatchMetrics,
     BatchRequest,
     BatchScheduler,
     Failed,
@@ -297,3 +298,22 @@ def test_as_many_chosen_output_rows_as_tokens_are_honoured(model):
     full = runner.forward(seq, range(6))
     picked = runner.forward(seq, range(6), output_rows=[5, 5, 0, 1, 2, 3])
     np.testing.assert_array_equal(picked, full[[5, 5, 0, 1, 2, 3]])
+
+
+def test_prompt_chunks_end_a_pass_on_a_bucket_rather_than_pad_it(model):
+    """136 prompt tokens arriving together: the first pass takes 128 (a bucket) instead of padding 136 to
+    192; the 8 left over go first in the next pass; no token is evaluated twice, and every sequence
+    still gets the tokens it gets alone."""
+    seq = fixture_sequences(ARCH)[2]
+    prompts = [seq[i : i + 17] for i in range(8)]  # 8 x 17 = 136 tokens
+    sched = make_scheduler(model, n_seq=8, n_ctx=8 * 64)
+    steps: list[int] = []
+    sched.metrics = BatchMetrics(on_step=lambda n_tokens, n_seq, seconds: steps.append(n_tokens))
+    try:
+        c = run_all(sched, model, prompts, max_tokens=4)
+    finally:
+        sched.stop()
+    assert steps[0] == 128
+    assert sum(steps) == 136 + 8 * 3  # every prompt token once, then three decodes per sequence
+    for i, p in enumerate(prompts):
+        assert c.tokens(i) == alone(model, p, max_tokens=4)

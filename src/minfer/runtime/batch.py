@@ -382,7 +382,7 @@ class BatchScheduler:
                 tokens.append(run.next_token)
                 positions.append(run.pos)
                 seqs.append(run.slot)
-        budget = self.batch_size - len(tokens)
+        budget = self._prompt_budget(len(tokens))
         for run in self._running:
             if run.next_token is not None or budget <= 0:
                 continue
@@ -419,6 +419,19 @@ class BatchScheduler:
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self._buckets if b >= n)
+
+    def _prompt_budget(self, n_decode: int) -> int:
+        """Prompt tokens this pass takes beside its ``n_decode`` decodes: as many as wait (up to the batch
+        size), or fewer when that ends the pass exactly on a bucket instead of padding it to the next one.
+        The tokens left out go first in the next pass, so nothing is computed twice; a cut of more than a
+        quarter of the prompt tokens is not worth the delay (it would also starve a small pass)."""
+        waiting = sum(len(r.request.prompt_ids) - r.n_done for r in self._running if r.next_token is None)
+        take = min(waiting, self.batch_size - n_decode)
+        n = n_decode + take
+        if take == 0 or self._bucket(n) == n:
+            return take
+        fit = max(b for b in self._buckets if b <= n)
+        return fit - n_decode if 4 * (fit - n_decode) >= 3 * take else take
 
     def warm_up(self) -> None:
         """Before the first requests: size the runner's buffer arena for the largest pass this scheduler
