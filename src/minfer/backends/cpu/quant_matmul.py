@@ -14,11 +14,11 @@ Integer path (what llama.cpp does in ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` 
     * Q4_0 (``w = d_w (n - 8)``): ``d_w d_x Σ (n - 8) a``, the ``-8 Σ a`` folded in as integers;
     * Q8_0 (``w = d_w q``): ``d_w d_x Σ q a``.
 
-    Q4_0 and Q8_0: the eight int32 lanes are converted to float and accumulated with one fused
-    multiply-add per block (scale ``d_w * d_x``); the row's result is a fixed-order horizontal sum of the
-    eight lanes. Q4_1 runs on a copy repacked at load into groups of eight rows (see ``_q4_1_rows8``): a
-    block's integer sum is exact, and each row does ``acc = fma(float(Σ n a), d_w d_x, acc); acc =
-    fma(m, d_x Σa, acc)`` block after block.
+    Q4_0: the eight int32 lanes are converted to float and accumulated with one fused multiply-add per
+    block (scale ``d_w * d_x``); the row's result is a fixed-order horizontal sum of the eight lanes.
+    Q4_1 and Q8_0 run on copies repacked at load into groups of eight rows (see ``_q4_1_rows8``,
+    ``_q8_0_rows8``): a block's integer sum is exact, and each row does ``acc = fma(float(Σ n a), d_w d_x,
+    acc)`` block after block (Q4_1 then ``acc = fma(m, d_x Σa, acc)``).
 
 Float path (F32, F16, BF16 weights)
     Plain f32 dot products on the unquantized activations, eight lanes at a time, weights widened to f32
@@ -36,12 +36,13 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
     llvmlite: SIMD vector *values* that numba code carries in ordinary local variables. On x86 with AVX2
     they lower to the same instructions as llama.cpp's AVX2 kernels (``vpmaddubsw`` + ``vpmaddwd``,
     ``vcvtph2ps`` for the f16 scales); elsewhere a generic LLVM vector formulation computes the same
-    integer lanes. Q4_0/Q8_0 decode (one token) runs 4 weight rows per pass sharing the activation loads;
+    integer lanes. Q4_0 decode (one token) runs 4 weight rows per pass sharing the activation loads;
     prefill runs one weight row against 8 tokens, unpacking each weight block once per 8 tokens. Q4_1
-    runs eight rows per register for any number of tokens (one pmaddubsw serves eight rows): against the
-    row-by-row kernels (kept in the bench as variants), 8 tokens ~20% faster, 2-4 tokens ~2x, prompts
-    of 64+ tokens ~1.7x; one token 10-20% slower in the matmuls alone (it streams the same bytes), which
-    end to end (tg128) was lost in the noise.
+    and Q8_0 run eight rows per register for any number of tokens (one pmaddubsw serves eight rows).
+    Q4_1 against the row-by-row kernels (kept in the bench as variants): 8 tokens ~20% faster, 2-4
+    tokens ~2x, prompts of 64+ tokens ~1.7x; one token 10-20% slower in the matmuls alone (it streams the
+    same bytes), which end to end (tg128) was lost in the noise. Q8_0 (SmolLM2's 49152x576 output head,
+    caches flushed between calls): 8 tokens 3.6 ms against 4.0 ms, one token the same (1.3 ms).
 """
 
 from __future__ import annotations
@@ -805,8 +806,9 @@ def _row_float(w, kind, o, n, x, xo):
 #
 # Decode streams every weight once from DRAM (SmolLM2's 92 MiB exceed the L3), and four interleaved
 # row streams defeat the hardware prefetcher: without help one thread read only ~7 GB/s on the
-# 49152x576 output head. Each pass therefore prefetches the bytes it will need PREFETCH_ROWS rows ahead
-# (the four rows of a pass are contiguous, consumed at 4 blocks per iteration), which tripled that.
+# 49152x576 output head (measured with the row-by-row Q8_0 kernel, now a bench variant). Each pass
+# therefore prefetches the bytes it will need PREFETCH_ROWS rows ahead (the four rows of a pass are
+# contiguous, consumed at 4 blocks per iteration), which tripled that.
 
 
 @njit(parallel=True, cache=True)
