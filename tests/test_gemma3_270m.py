@@ -71,11 +71,19 @@ def test_greedy_tokens_match_llamacpp_where_not_a_near_tie(model, reference):
     assert compared >= 80
 
 
-def test_greedy_text_is_coherent_and_equals_llamacpp(model, reference):
+def test_greedy_text_is_coherent_and_equals_llamacpp_up_to_a_near_tie(model, reference):
+    """Free-running greedy text equals llama.cpp's token for token until the first step where the two may
+    part: a near-tie (top-2 margin under 0.5 in llama.cpp's run, the threshold of the test above). This
+    prompt's first 16 steps hold several (margins 0.046 at step 4, 0.161 at step 11, 0.003 at step 15);
+    at step 11 the exact model (dequantized weights, float activations) is a coin flip between " largest"
+    (llama.cpp's pick) and " capital", 0.014 apart."""
     case = reference["greedy"][0]
+    expected, margins = case["generated_ids"][:16], case["top1_minus_top2"][:16]
     done = model.complete(case["prompt"], max_tokens=16, temperature=0)
-    assert done.tokens == case["generated_ids"][:16]  # no near-tie in the first 16 steps (min margin 0.0006 later)
-    assert done.text.startswith(" the capital of the country of France. It is the largest city in France.")
+    parted = next((i for i, (a, b) in enumerate(zip(done.tokens, expected, strict=True)) if a != b), None)
+    if parted is not None:
+        assert margins[parted] < 0.5, f"parted from llama.cpp at step {parted}, margin {margins[parted]:.3f}"
+    assert done.text.startswith(" the capital of the country of France.")
 
 
 def test_long_prompt_past_the_sliding_window(model, reference, gemma3_270m_path):
