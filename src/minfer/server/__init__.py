@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -54,6 +55,11 @@ def serve(opts: ServeOptions) -> None:
     runner = ForwardRunner(model.transformer, model.backend, kv, max_plans=MAX_PLANS)
     scheduler = BatchScheduler(runner, model.tokenizer, batch_size=opts.batch_size, max_queue=opts.queue_size)
     scheduler.warm_up()
+    # Everything loaded so far (the tokenizer's tables, plans, the app) lives as long as the server:
+    # frozen, the collector stops walking it. Measured at 8 clients: collections took 95 ms of a 10 s run,
+    # 1.7 ms each, landing inside decode steps; frozen, 16 ms.
+    gc.collect()
+    gc.freeze()
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
     config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key)
     app = create_app(model, scheduler, config, shutdown_timeout=0.0, start_scheduler=False)
