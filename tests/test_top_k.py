@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minfer.backends.cpu.top_k import BLOCK, top_k_positions, top_k_positions_reference
+from minfer.backends.cpu.top_k import BLOCK, prunes_well, top_k_positions, top_k_positions_reference
 from minfer.runtime.sampler import _Candidates
 
 SIZES = [BLOCK * 40, BLOCK * 40 + 1, 49152, 49152 + 37, 151936]
@@ -53,8 +53,10 @@ def test_bad_arguments_are_named():
         top_k_positions(np.zeros(100, np.float32), 0)
 
 
-def test_the_sampler_cut_keeps_its_order_through_the_kernel():
+@pytest.mark.parametrize("k", [40, 384, 385, 2000])  # the kernel up to 384 of 49152, a partition beyond
+def test_the_sampler_cut_keeps_its_order_either_way(k):
+    assert prunes_well(49152, 384) and not prunes_well(49152, 385)
     rng = np.random.default_rng(3)
     x = np.round(rng.standard_normal(49152) * 3, 1).astype(np.float32)
-    best = _Candidates(x).best(40)
-    assert np.array_equal(best, np.lexsort((np.arange(len(x)), -x))[:40])
+    best = _Candidates(x).best(k)
+    assert np.array_equal(best, np.lexsort((np.arange(len(x)), -x))[:k])

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minfer.backends.cpu.top_k import top_k_positions
+from minfer.backends.cpu.top_k import prunes_well, top_k_positions
 from minfer.errors import BadRequestError, ModelError
 
 DEFAULT_SAMPLERS: tuple[str, ...] = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -284,7 +284,7 @@ class _Candidates:
         k = min(k, n)
         if self.sorted:
             return np.arange(k)
-        if self.ids is None and x.dtype == np.float32 and k < n:  # the whole vocabulary: one compiled pass
+        if self.ids is None and x.dtype == np.float32 and prunes_well(n, k):  # the whole vocabulary
             return top_k_positions(x, k)
         if k < n:
             # a partition finds the k-th value without sorting; only the survivors get sorted
