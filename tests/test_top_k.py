@@ -37,6 +37,22 @@ def test_infinities_and_a_single_survivor():
     assert np.array_equal(top_k_positions(x, 40), top_k_positions_reference(x, 40))
 
 
+@pytest.mark.parametrize("finite", [[5], [5, 900, 30000], list(range(100, 190))])
+def test_a_grammar_mask_leaves_fewer_finite_blocks_than_k(finite):
+    """Fewer than k blocks with a finite value: every finite one, then the lowest -inf positions."""
+    rng = np.random.default_rng(len(finite))
+    x = np.full(49152, -np.inf, np.float32)
+    x[finite] = np.round(rng.standard_normal(len(finite)), 1)
+    for k in (1, 3, 40, 100):
+        assert np.array_equal(top_k_positions(x, k), top_k_positions_reference(x, k)), k
+
+
+def test_many_values_tied_at_the_bound():
+    x = np.zeros(49152, np.float32)
+    x[[3, 77, 4000]] = [1.0, 2.0, 3.0]  # every other value ties at the bound: all of them are candidates
+    assert top_k_positions(x, 40).tolist() == [4000, 77, 3, 0, 1, 2, *range(4, 38)]
+
+
 def test_the_winners_all_in_one_block_and_spread_out():
     x = np.zeros(49152, np.float32)
     x[BLOCK * 10 : BLOCK * 10 + 40] = np.arange(40, 0, -1)  # every winner inside one block
