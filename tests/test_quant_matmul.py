@@ -251,6 +251,18 @@ def test_q8_0_row_groups_and_tail_rows_do_the_same_arithmetic():
     np.testing.assert_array_equal(d, blocks[..., 0:2].copy().view(np.float16)[..., 0])
 
 
+@pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_row_groups_past_one_token_pass(t):
+    """More tokens than one pass over a group's weights holds (ROWS8_TOKENS): every row still equals the
+    token alone, bit for bit."""
+    w = make_weight(t, 24, 96, seed=15)
+    n = qm.ROWS8_TOKENS + 6
+    x = make_x(n, 96, seed=16)
+    many = fast(x, w)
+    for i in (0, qm.ROWS8_TOKENS - 1, qm.ROWS8_TOKENS, n - 1):
+        assert fast(x[i : i + 1], w).view(np.uint32).tolist() == many[i : i + 1].view(np.uint32).tolist(), i
+
+
 def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
     """Preparing a Q4_1 weight read from a file mapping drops the mapping's resident pages (its values
     live in the repacked copy); a weight in ordinary memory is left alone."""
