@@ -263,6 +263,18 @@ def test_row_groups_past_one_token_pass(t):
         assert fast(x[i : i + 1], w).view(np.uint32).tolist() == many[i : i + 1].view(np.uint32).tolist(), i
 
 
+@pytest.mark.parametrize("n", [2, 5, 8, 9])
+def test_q4_1_token_quads_and_tail(n):
+    """Up to ROWS8_REGISTER_TOKENS tokens go through a group's blocks ROWS8_QUAD at a time, the last n % 4
+    one at a time; more take the accumulators-in-memory path. Every token, in a quad, in the tail or past
+    the register path, equals that token alone, bit for bit (for rows in groups and the tail rows)."""
+    w = make_weight(GGMLType.Q4_1, 29, 96, seed=17)
+    x = make_x(n, 96, seed=18)
+    many = fast(x, w)
+    for i in range(n):
+        assert fast(x[i : i + 1], w).view(np.uint32).tolist() == many[i : i + 1].view(np.uint32).tolist(), i
+
+
 def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
     """Preparing a Q4_1 weight read from a file mapping drops the mapping's resident pages (its values
     live in the repacked copy); a weight in ordinary memory is left alone."""
