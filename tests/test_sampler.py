@@ -589,3 +589,43 @@ def test_top_p_zero_keeps_only_the_best_token():
     # OpenAI clients may send top_p=0: the nucleus is then the single most likely token
     s = Sampler(SamplingParams(seed=3, top_k=0, top_p=0.0, min_p=0.0, temperature=1.0))
     assert {s.sample(LOGITS) for _ in range(50)} == {1}
+
+
+@pytest.mark.parametrize("bias", [{0: -100.0, 2: -100.0, 4: -100.0}, {7: 50.0, 9: -math.inf}, {3: 0.0}])
+def test_bias_and_top_k_in_one_pass_equal_the_two_steps(bias):
+    """logit_bias then top_k runs as one pass over the vocabulary (no copy of it); the draws, with the
+    rest of the default chain after it, are the same as running the two steps one after the other."""
+    rng = np.random.default_rng(len(bias))
+    kw = dict(temperature=0.8, logit_bias=bias, seed=5)
+    fast, slow = Sampler(SamplingParams(**kw)), Sampler(SamplingParams(**kw))
+    slow._bias_top_k = None
+    assert fast._bias_top_k is not None and fast.describe() == slow.describe()
+    for i in range(60):
+        x = (rng.standard_normal(49152) * 3).astype(np.float32)
+        if i % 3 == 0:
+            x = np.round(x).astype(np.float32)  # ties across the cut
+        if i % 3 == 1:
+            x[rng.integers(0, 49152, 30)] = x.max() + 1  # the biased tokens among many equal best
+        assert fast.sample(x) == slow.sample(x), i
+
+
+@pytest.mark.parametrize("step", ["top_p", "min_p"])
+def test_cuts_of_a_sorted_set_equal_the_general_path(step):
+    """top_p and min_p cut a sorted candidate set as a prefix; the general path (a partition, a mask)
+    keeps the same tokens in the same order."""
+    from minfer.runtime.sampler import _Candidates, _MinP, _TopP
+
+    rng = np.random.default_rng(3)
+    for i in range(200):
+        x = (rng.standard_normal(500) * rng.uniform(0.1, 4)).astype(np.float32)
+        if i % 4 == 0:
+            x = np.round(x).astype(np.float32)
+        p, min_keep = rng.choice([0.0, 0.05, 0.5, 0.9, 0.99, 1.0]), int(rng.choice([0, 1, 3, 60]))
+        cut = (_TopP(p, min_keep) if step == "top_p" else _MinP(max(p, 1e-6), min_keep))
+        fast, slow = _Candidates(x), _Candidates(x)
+        for c in (fast, slow):
+            c.keep(c.best(120), True)
+        slow.sorted = False
+        cut.apply(fast)
+        cut.apply(slow)
+        assert fast.ids.tolist() == slow.ids.tolist() and np.array_equal(fast.logits, slow.logits), (i, p, min_keep)

@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from minfer.backends.cpu.top_k import BLOCK, prunes_well, top_k_positions, top_k_positions_reference
+from minfer.backends.cpu.top_k import (
+    BLOCK,
+    prunes_well,
+    top_k_biased,
+    top_k_biased_reference,
+    top_k_positions,
+    top_k_positions_reference,
+)
 from minfer.runtime.sampler import _Candidates
 
 SIZES = [BLOCK * 40, BLOCK * 40 + 1, 49152, 49152 + 37, 151936]
@@ -76,3 +83,37 @@ def test_the_sampler_cut_keeps_its_order_either_way(k):
     x = np.round(rng.standard_normal(49152) * 3, 1).astype(np.float32)
     best = _Candidates(x).best(k)
     assert np.array_equal(best, np.lexsort((np.arange(len(x)), -x))[:k])
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "masked", "ban_the_best", "boost_from_the_tail", "negative_zero"])
+def test_biased_top_k_equals_biasing_a_copy(case):
+    """top_k_biased never copies the vocabulary; it must rank exactly as top-k of a biased copy, for a
+    bias that pulls a token out of the top, pushes one in from the tail, bans (-inf) or ties."""
+    rng = np.random.default_rng(hash(case) % 2**32)
+    n = 49152
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    tokens = np.array([0, 2, 4], np.int64)
+    values = np.array([-100.0, -100.0, -100.0])
+    if case == "ties":
+        x = np.round(x).astype(np.float32)
+        tokens, values = np.array([11, 9000, 48000], np.int64), np.array([0.5, 1.0, -0.25])
+    elif case == "masked":
+        x[:] = -np.inf
+        x[[5, 700, 30000]] = [1.0, 2.0, 3.0]
+        tokens, values = np.array([700, 1], np.int64), np.array([-np.inf, 2.5])
+    elif case == "ban_the_best":
+        best = top_k_positions_reference(x, 5)
+        tokens, values = best.astype(np.int64), np.full(5, -np.inf)
+    elif case == "boost_from_the_tail":
+        worst = np.argsort(x)[:3]
+        tokens, values = worst.astype(np.int64), np.array([30.0, 25.0, 1e300])  # 1e300 rounds to +inf in float32
+    elif case == "negative_zero":
+        x[:] = -1.0
+        x[100:200] = -0.0
+        x[150] = 0.0
+        tokens, values = np.array([150, 120], np.int64), np.array([0.0, 1.0])
+    for k in (1, 40, 100):
+        pos, val = top_k_biased(x, k, tokens, values)
+        ref_pos, ref_val = top_k_biased_reference(x, k, tokens, values)
+        assert pos.tolist() == ref_pos.tolist(), (case, k)
+        assert val.view(np.uint32).tolist() == ref_val.view(np.uint32).tolist(), (case, k)

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minfer.backends.cpu.top_k import prunes_well, top_k_positions
+from minfer.backends.cpu.top_k import prunes_well, top_k_biased, top_k_positions
 from minfer.errors import BadRequestError, ModelError
 
 DEFAULT_SAMPLERS: tuple[str, ...] = ("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -268,6 +268,16 @@ class _Candidates:
         self.owned = True
         self.sorted = is_sorted
 
+    def keep_prefix(self, m: int) -> None:
+        """Keep the first ``m`` candidates, in their order: ``keep(np.arange(m), self.sorted)`` without the
+        gathers (the cut of a sorted set is a prefix)."""
+        if m >= len(self.logits):
+            return
+        self.ids = np.arange(m) if self.ids is None else self.ids[:m]
+        # a view only of an array this set owns: a caller's float64 logits are never written
+        self.logits = self.logits[:m].astype(np.float64, copy=not self.owned)
+        self.owned = True
+
     def positions_of(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(positions, indices into ``tokens``) of those ``tokens`` that are still candidates."""
         if self.ids is None:
@@ -381,6 +391,23 @@ class _LogitBias(_Step):
         x[pos] += self.values[which]
         cand.sorted = False
         _check_drawable(cand)  # only a ban can leave nothing to sample; say so before any step divides by 0
+
+
+def _bias_then_top_k(cand: _Candidates, bias: _LogitBias, k: int) -> bool:
+    """``bias.apply(cand)`` then ``_TopK(k).apply(cand)`` without copying the vocabulary (see
+    ``top_k_biased``); False (nothing done) where that does not apply: candidates already cut, logits
+    other than float32, or a k the compiled top-k does not prune well."""
+    x, n = cand.logits, len(cand.logits)
+    if cand.ids is not None or x.dtype != np.float32 or k >= n or not prunes_well(n, k + len(bias.tokens)):
+        return False
+    _check_in_vocab(bias.tokens, n, "logit_bias")
+    ids, vals = top_k_biased(x, k, bias.tokens, bias.values)
+    if vals[0] == -np.inf:
+        raise BadRequestError(_NOTHING_DRAWABLE)
+    cand.ids = ids
+    cand.logits = vals.astype(np.float64)
+    cand.owned = cand.sorted = True
+    return True
 
 
 class _Penalties(_Step):
@@ -584,7 +611,14 @@ class _TopP(_Step):
     def apply(self, cand: _Candidates) -> None:
         n = len(cand)
         probs = cand.probs()
-        k = n if cand.sorted else 256
+        if cand.sorted:  # the loop below with k = n: the first prefix whose mass reaches p
+            # probabilities are >= 0, so the running sum never decreases: its first index at or above p
+            # is where the mass is reached, and every later index reaches it too
+            last = max(int(np.searchsorted(np.cumsum(probs), self.p)), self.min_keep - 1)
+            if last < n:
+                cand.keep_prefix(last + 1)
+            return
+        k = 256
         while True:
             k = min(k, n)
             # the kept set is usually small: the mass of the k best (a partition, no sort) tells whether
@@ -614,6 +648,10 @@ class _MinP(_Step):
 
     def apply(self, cand: _Candidates) -> None:
         x = cand.logits
+        if cand.sorted:  # best first: the kept tokens are a prefix
+            kept = int(np.count_nonzero(x >= x[0] + self.log_p))
+            cand.keep_prefix(max(kept, min(self.min_keep, len(x))))
+            return
         # p_i >= p * p_max  <=>  logit_i >= max_logit + log(p): no softmax needed
         keep = np.flatnonzero(x >= x.max() + self.log_p)
         if len(keep) < self.min_keep:
@@ -684,8 +722,11 @@ def _draw(cand: _Candidates, rng: np.random.Generator) -> tuple[int, float]:
 
 
 def _check_drawable(cand: _Candidates) -> None:
-    if cand.logits.max() == -np.inf:
-        raise BadRequestError("no token can be sampled: every candidate is at -inf (banned by logit_bias or masked)")
+    if (cand.logits[0] if cand.sorted else cand.logits.max()) == -np.inf:
+        raise BadRequestError(_NOTHING_DRAWABLE)
+
+
+_NOTHING_DRAWABLE = "no token can be sampled: every candidate is at -inf (banned by logit_bias or masked)"
 
 
 class _Dist(_Step):
@@ -800,6 +841,13 @@ class Sampler:
         self._processors: list[_Step] = []  # logit_bias, penalties, dry: used by the greedy fast path
         self._steps = self._build(token_text)
         self._greedy_fast = self._can_take_argmax()
+        # logit_bias right before top_k: ``sample`` runs the two as one (see _bias_then_top_k)
+        steps = self._steps
+        self._bias_top_k = (
+            (steps[0], steps[1].k)
+            if len(steps) > 2 and isinstance(steps[0], _LogitBias) and isinstance(steps[1], _TopK)
+            else None
+        )
         self.reset()
 
     # -- chain -------------------------------------------------------------------------------------
@@ -917,7 +965,10 @@ class Sampler:
             if cand.logits[best] == -np.inf:
                 _check_drawable(cand)
             return best
-        for step in self._steps:
+        steps = self._steps
+        if self._bias_top_k is not None and _bias_then_top_k(cand, *self._bias_top_k):
+            steps = steps[2:]
+        for step in steps:
             token = step.apply(cand)
             if token is not None:
                 return token
@@ -960,9 +1011,9 @@ def _check_logits(logits: np.ndarray) -> np.ndarray:
         raise BadRequestError(f"logits must be a non-empty 1-D array, got shape {x.shape}")
     if x.dtype != np.float32 and x.dtype != np.float64:
         x = x.astype(np.float32)
-    m = x.max()
-    if np.isnan(m) or m == np.inf:
+    m = float(x.max())
+    if m != m or m == math.inf:  # NaN
         raise ModelError("the logits contain NaN or +inf: the forward pass broke down")
-    if m == -np.inf:  # said here, before a softmax of nothing turns into NaNs
+    if m == -math.inf:  # said here, before a softmax of nothing turns into NaNs
         raise BadRequestError("no token can be sampled: every logit is -inf (everything masked or banned)")
     return x

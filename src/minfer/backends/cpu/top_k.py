@@ -110,11 +110,74 @@ def top_k_positions(x: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _biased_kernel(x, top, tokens, values, k, out_pos, out_val):
+    """Rank ``top`` (positions of x) and ``tokens`` by their values after the bias, keep the best k."""
+    nb = tokens.shape[0]
+    m = top.shape[0]
+    pos = np.empty(m + nb, np.int64)
+    val = np.empty(m + nb, np.float32)
+    c = 0
+    for i in range(m):
+        pos[c] = top[i]
+        val[c] = x[top[i]]
+        c += 1
+    for j in range(nb):
+        i = 0
+        while i < m and pos[i] != tokens[j]:
+            i += 1
+        if i == m:
+            pos[c] = tokens[j]
+            val[c] = x[tokens[j]]
+            i = c
+            c += 1
+        val[i] = np.float32(np.float64(val[i]) + values[j])  # what x[tokens] += values (float64) stores
+    # insertion sort: larger first (-0.0 equal to 0.0), equal values by lower position
+    for i in range(1, c):
+        p, v = pos[i], val[i]
+        key = v + np.float32(0.0)
+        j = i - 1
+        while j >= 0 and (val[j] + np.float32(0.0) < key or (val[j] + np.float32(0.0) == key and pos[j] > p)):
+            pos[j + 1] = pos[j]
+            val[j + 1] = val[j]
+            j -= 1
+        pos[j + 1] = p
+        val[j + 1] = v
+    for r in range(k):
+        out_pos[r] = pos[r]
+        out_val[r] = val[r]
+
+
+def top_k_biased(x: np.ndarray, k: int, tokens: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``top_k_positions`` of ``x`` after ``x[tokens] += values`` (distinct int64 ``tokens`` in range,
+    float64 ``values``; the sums rounded to float32 as numpy stores them), and those biased values, without
+    copying ``x``: the best k after the bias are among the best ``k + len(tokens)`` before it and the
+    biased tokens (a token left alone keeps its value, and at most ``len(tokens)`` tokens ahead of it can
+    have moved). ``k + len(tokens)`` must be in 1..len(x)."""
+    top = top_k_positions(x, k + len(tokens))
+    out_pos = np.empty(k, np.int64)
+    out_val = np.empty(k, np.float32)
+    _biased_kernel(x, top, tokens, values, k, out_pos, out_val)
+    return out_pos, out_val
+
+
+def top_k_biased_reference(
+    x: np.ndarray, k: int, tokens: np.ndarray, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The plain numpy definition of :func:`top_k_biased`."""
+    y = x.copy()
+    with np.errstate(over="ignore"):  # a huge bias rounds to inf in float32, as in the sampler
+        y[tokens] += values
+    pos = top_k_positions_reference(y, k)
+    return pos, y[pos]
+
+
 def top_k_positions_reference(x: np.ndarray, k: int) -> np.ndarray:
     """The plain numpy definition of :func:`top_k_positions`."""
     return np.lexsort((np.arange(x.shape[0]), -(x + np.float32(0.0))))[:k].astype(np.int64)
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) the kernel."""
+    """Compile (or load from numba's cache) the kernels."""
     top_k_positions(np.arange(2 * BLOCK, dtype=np.float32), 2)
+    top_k_biased(np.arange(4 * BLOCK, dtype=np.float32), 1, np.array([0], np.int64), np.array([1.0]))
