@@ -1284,32 +1284,31 @@ def _q8_0_rows8(packed, raw, rb, aq, ds, out):
     nb = rb // 34
     n_in = nb * QK
     n_groups = n_out // 8
-    span = 8 * min(n_tok, ROWS8_TOKENS)
+    span = 0 if n_tok == 1 else 8 * min(n_tok, ROWS8_TOKENS)
     acc = np.empty(n_groups * span, np.float32)  # each group's accumulators (one allocation per call)
+    flat = out.reshape(-1)
     for g in prange(n_groups):
-        h = g * span
+        o = g * nb * 272
         if n_tok == 1:  # decode: the accumulator stays in a register
             a = _vzero8()
             for b in range(nb):
-                w = _q8_rows8_weights(packed, (g * nb + b) * 272)
-                a = _vfma_i(a, _q8_rows8_block(w, aq, b * QK), _vmul8(w[8], _vsplat8(ds[2 * b])))
-            _vstore8(acc, h, a)
-            for r in range(8):
-                out[0, 8 * g + r] = acc[h + r]
+                w = _q8_rows8_weights(packed, o + b * 272)
+                a = _vfma_i(a, _q8_rows8_block(w, aq, b * QK), _vmul8(w[8], _vsplat_at(ds, 2 * b)))
+            _vstore8(flat, 8 * g, a)
             continue
+        h = g * span
         for t0 in range(0, n_tok, ROWS8_TOKENS):
             t1 = min(n_tok, t0 + ROWS8_TOKENS)
             for i in range(h, h + 8 * (t1 - t0)):
                 acc[i] = np.float32(0.0)
             for b in range(nb):
-                w = _q8_rows8_weights(packed, (g * nb + b) * 272)
+                w = _q8_rows8_weights(packed, o + b * 272)
                 for t in range(t0, t1):
                     k = h + 8 * (t - t0)
                     isum = _q8_rows8_block(w, aq, t * n_in + b * QK)
-                    _vstore8(acc, k, _vfma_i(_vload8(acc, k), isum, _vmul8(w[8], _vsplat8(ds[(t * nb + b) * 2]))))
+                    _vstore8(acc, k, _vfma_i(_vload8(acc, k), isum, _vmul8(w[8], _vsplat_at(ds, (t * nb + b) * 2))))
             for t in range(t0, t1):
-                for r in range(8):
-                    out[t, 8 * g + r] = acc[h + 8 * (t - t0) + r]
+                _vstore8(flat, t * n_out + 8 * g, _vload8(acc, h + 8 * (t - t0)))
     for r in range(8 * n_groups, n_out):  # the last 1..7 rows
         for t in range(n_tok):
             out[t, r] = _q8_0_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
