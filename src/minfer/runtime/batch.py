@@ -14,7 +14,7 @@ slot, and evaluates only the rest of its prompt.
 
 Batch shapes: every new (tokens, outputs) shape costs a graph build and its own buffers, and a mixed
 step's token count would otherwise be new almost every time. So a pass evaluates a bucketed number of
-tokens (1..8, then steps of about 1.5x up to the batch size): the spare rows are padding tokens at
+tokens (1..4, 8, then steps of about 1.5x up to the batch size): the spare rows are padding tokens at
 position 0 of one extra scratch sequence that nothing reads (its rows never mix with a real sequence's:
 each token attends to its own sequence only), and spare output rows repeat a real one.
 
@@ -55,16 +55,16 @@ def batch_kv_cache(hparams: HParams, n_ctx: int, n_slots: int, cache_type: str |
 
 
 def batch_buckets(batch_size: int) -> list[int]:
-    """Token counts a forward pass is padded to: 1..8, then about 1.5x apart, and ``batch_size``.
+    """Token counts a forward pass is padded to: 1..4, then 8 and about 1.5x apart, and ``batch_size``.
 
-    Up to 8 tokens (a batch of decodes) every count is its own shape: the Q4_1 matmuls take four tokens
-    at a time and the rest one by one over weights already in cache, so a smaller pass costs less
-    (SmolLM2, one pass: 5 tokens 13.6 ms, 6 16.7 ms, 7 17.5 ms, 8 18.1 ms; when a whole tile of 8 was
-    the kernel's unit, 7 tokens took 44 ms and padded to 8 35 ms)."""
-    tail = [8]
-    while tail[-1] < batch_size:
-        tail.append(tail[-1] * 3 // 2 if len(tail) % 2 else tail[-1] * 4 // 3)
-    return sorted({x for x in [1, 2, 3, 4, 5, 6, 7, *tail] if x < batch_size} | {batch_size})
+    5..7 tokens go to 8: the quantized matmuls work on 8-token tiles, and below a whole tile each token
+    streams the weights on its own (SmolLM2, one pass: 7 tokens 44 ms, padded to 8 35 ms; 4 tokens
+    27 ms, padded 31 ms)."""
+    sizes = [1, 2, 3, 4, 8]
+    while sizes[-1] < batch_size:
+        nxt = sizes[-1] * 3 // 2 if len(sizes) % 2 else sizes[-1] * 4 // 3
+        sizes.append(nxt)
+    return sorted({x for x in sizes if x < batch_size} | {batch_size})
 
 
 class QueueFullError(MinferError):
