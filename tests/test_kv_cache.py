@@ -164,6 +164,29 @@ print(json.dumps(grown))
     assert grown["committed"] > 80, grown
     assert grown["server"] > 60, grown
 
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "q8_0"])
+def test_committed_regions_share_one_mapping_without_overlap(cache_type):
+    """A committed cache's regions are views into one mapping (asked for huge pages): each has the lazy
+    cache's shape and type, starts zeroed and on a cache line, and a write to one leaves every other as
+    it was; the logits of a forward pass are the lazy cache's, bit for bit."""
+    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.kv_cache import KVCache
+
+    model = minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=64)
+    lazy, committed = (KVCache(model.hparams, 96, cache_type, n_seq=3, commit=c) for c in (False, True))
+    regions = [r for layer in committed.layers for r in (layer.k, layer.v)]
+    for a, b in zip(regions, [r for layer in lazy.layers for r in (layer.k, layer.v)], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.flags.c_contiguous and a.ctypes.data % 64 == 0
+        assert not a.any()
+    regions[1][...] = 1
+    assert regions[1].all() and not any(r.any() for i, r in enumerate(regions) if i != 1)
+    regions[1][...] = 0
+    seq = fixture_sequences("llama")[2][:12]
+    got = [ForwardRunner(model.transformer, model.backend, kv).forward(seq, range(12), seq_ids=1)
+           for kv in (lazy, committed)]
+    assert got[0].view(np.uint32).tolist() == got[1].view(np.uint32).tolist()
+
+
 def test_position_beyond_a_sequence_is_refused_before_writing():
     from minfer.runtime.forward import ForwardRunner
     from minfer.runtime.kv_cache import KVCache
