@@ -152,31 +152,18 @@ class KVCache:
         if self.cache_type != "f32":
             scratch = (np.zeros((self.capacity, hparams.k_width), np.float32),
                        np.zeros((self.capacity, hparams.v_width), np.float32))
-        region = _committed_regions(self._region_specs(rows, hparams)) if commit else None
-        self.layers = [
-            KVLayer(
-                self.cache_type,
-                next(region) if region else self._region(rows, hparams.k_width),
-                next(region) if region else self._region(rows, hparams.v_width),
-                *scratch,
-            )
-            for _ in range(hparams.n_layer)
-        ]
+        specs = [self._region_spec(rows, w) for _ in range(hparams.n_layer) for w in (hparams.k_width, hparams.v_width)]
+        regions = _committed_regions(specs) if commit else (np.zeros(shape, dtype) for shape, dtype in specs)
+        self.layers = [KVLayer(self.cache_type, next(regions), next(regions), *scratch) for _ in range(hparams.n_layer)]
         self._tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
-    def _region_specs(self, rows: int, hparams: HParams) -> list[tuple[tuple[int, int], np.dtype]]:
-        """(shape, dtype) of every region, layer by layer, K then V (what ``_region`` allocates)."""
-        dtype = np.dtype({"f32": np.float32, "f16": np.float16}.get(self.cache_type, np.uint8))
-        def width(w: int) -> int:
-            return cell_bytes("q8_0", w) if self.cache_type == "q8_0" else w
-        return [((rows, width(w)), dtype) for _ in range(hparams.n_layer) for w in (hparams.k_width, hparams.v_width)]
-
-    def _region(self, rows: int, width: int) -> np.ndarray:
+    def _region_spec(self, rows: int, width: int) -> tuple[tuple[int, int], np.dtype]:
+        """(shape, dtype) of a region of ``rows`` cells of ``width`` values."""
         if self.cache_type == "f32":
-            return np.zeros((rows, width), np.float32)
+            return (rows, width), np.dtype(np.float32)
         if self.cache_type == "f16":
-            return np.zeros((rows, width), np.float16)
-        return np.zeros((rows, cell_bytes("q8_0", width)), np.uint8)
+            return (rows, width), np.dtype(np.float16)
+        return (rows, cell_bytes("q8_0", width)), np.dtype(np.uint8)
 
     # -- sizes -------------------------------------------------------------------------------------
 

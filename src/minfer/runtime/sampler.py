@@ -721,12 +721,12 @@ def _draw(cand: _Candidates, rng: np.random.Generator) -> tuple[int, float]:
     return i, float(probs[i])
 
 
+_NOTHING_DRAWABLE = "no token can be sampled: every candidate is at -inf (banned by logit_bias or masked)"
+
+
 def _check_drawable(cand: _Candidates) -> None:
     if (cand.logits[0] if cand.sorted else cand.logits.max()) == -np.inf:
         raise BadRequestError(_NOTHING_DRAWABLE)
-
-
-_NOTHING_DRAWABLE = "no token can be sampled: every candidate is at -inf (banned by logit_bias or masked)"
 
 
 class _Dist(_Step):

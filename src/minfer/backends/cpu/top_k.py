@@ -11,6 +11,10 @@ sort. (Behind a grammar mask fewer than k blocks may hold a finite value: then e
 ranked, and the lowest positions holding -inf complete the k.) On a 49152-token vocabulary with k = 40
 this takes 16-26 µs here, against 67-86 µs for the partition path; a sampler step with the default
 chain went from ~250 to ~150 µs.
+
+``top_k_biased(x, k, tokens, values)`` is the same cut after a logit bias, without copying ``x`` (the
+sampler's ``logit_bias -> top_k``): a sampler step with the default chain and a bias on the
+end-of-generation tokens 116 -> 98 µs, paired.
 """
 
 from __future__ import annotations
