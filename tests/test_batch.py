@@ -65,7 +65,7 @@ def model():
 
 
 def make_scheduler(model, n_seq: int, n_ctx: int | None = None, batch_size: int = 512, max_queue: int = 16):
-    kv = batch_kv_cache(model.hparams, n_ctx or 64 * n_seq, n_seq)
+    kv = batch_kv_cache(model.hparams, n_ctx or 64 * n_seq, n_seq, cache_type=model.cache_type)
     sched = BatchScheduler(ForwardRunner(model.transformer, model.backend, kv, max_plans=32), model.tokenizer,
                            batch_size=batch_size, max_queue=max_queue)
     sched.start()
@@ -109,6 +109,21 @@ def test_eight_sequences_in_one_batch_equal_each_alone(model, batch_size):
         assert greedy.tokens(i) == alone(model, p)
         assert seeded.tokens(i) == alone(model, p, temperature=0.9, seed=7)
         assert isinstance(greedy.final(i), Finished) and greedy.final(i).stats.finish_reason == "length"
+
+
+def test_f16_cells_in_one_batch_equal_each_alone():
+    """An f16 cache: the batch's attention reads the half-precision cells themselves (one call for every
+    sequence), a sequence alone reads them one window at a time; both give the same tokens."""
+    f16 = minfer.load(fixture_dir(ARCH) / "model-f32.gguf", n_ctx=64, threads=2, cache_type="f16")
+    prompts = prompts_of(6)
+    sched = make_scheduler(f16, n_seq=6, batch_size=7)
+    try:
+        assert sched.kv.layers[0].k.dtype == np.float16
+        greedy = run_all(sched, f16, prompts)
+    finally:
+        sched.stop()
+    for i, p in enumerate(prompts):
+        assert greedy.tokens(i) == alone(f16, p)
 
 
 def test_more_requests_than_slots_wait_their_turn(model):

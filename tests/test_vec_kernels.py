@@ -517,6 +517,35 @@ def test_attention_rows_mixing_sequences_equals_each_sequence_alone(rng, window)
     np.testing.assert_array_equal(split, got)
 
 
+@pytest.mark.parametrize(
+    ("n_head", "n_head_kv", "hd", "positions"),
+    [
+        (9, 3, 64, [700]),  # a decode step split by keys
+        (4, 2, 20, list(range(0, 33))),  # head dim not a multiple of 8: the scalar tails read halves too
+        (6, 3, 64, list(range(50, 90))),  # prefill continuing a sequence
+    ],
+)
+def test_attention_on_f16_cells_equals_their_float32_copy(rng, n_head, n_head_kv, hd, positions):
+    """float16 K/V regions (an f16 cache) are widened as the kernels load them: the result is bit for bit
+    the one on a float32 copy of the same cells, for one sequence and for a batch mixing sequences."""
+    q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, positions, n_ctx=max(positions) + 9)
+    k16, v16 = k_reg.astype(np.float16), v_reg.astype(np.float16)
+    geometry = (n_head, n_head_kv, hd, hd, 1 / math.sqrt(hd))
+    np.testing.assert_array_equal(_vk_attention(q, k16, v16, pos, *geometry),
+                                  _vk_attention(q, k16.astype(F32), v16.astype(F32), pos, *geometry))
+    # two sequences side by side in one region pair
+    cap = k16.shape[0]
+    k2, v2 = np.concatenate([k16, k16[::-1]]), np.concatenate([v16, v16[::-1]])
+    rows = np.concatenate([pos, pos + cap]).astype(np.int32)
+    q2, pos2 = np.concatenate([q, q[::-1]]), np.concatenate([pos, pos]).astype(np.int32)
+    got16, got32 = np.empty((len(rows), n_head * hd), F32), np.empty((len(rows), n_head * hd), F32)
+    vk.attention_rows(q2, k2, v2, pos2, rows, *geometry, got16)
+    vk.attention_rows(q2, k2.astype(F32), v2.astype(F32), pos2, rows, *geometry, got32)
+    np.testing.assert_array_equal(got16, got32)
+    with pytest.raises(ValueError, match="both be float32 or both float16, got float16 and float32"):
+        vk.attention(q, k16, v_reg, pos, *geometry, np.empty_like(got16[: len(pos)]))
+
+
 def test_attention_rows_errors(rng):
     q, k_reg, v_reg, pos = _attn_case(rng, 4, 2, 8, 8, [0, 1], n_ctx=8)
     out = np.empty((2, 32), F32)

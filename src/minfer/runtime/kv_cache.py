@@ -91,6 +91,13 @@ class KVLayer:
         else:
             self.k[dst : dst + n] = k
 
+    def cells(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``start..stop-1`` of K and V as the fast attention reads them: views of f32 and f16 cells
+        (its kernels widen float16 as they load), q8_0 ones dequantized."""
+        if self.cache_type == "q8_0":
+            return self.window(start, stop)
+        return self.k[start:stop], self.v[start:stop]
+
     def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``start..stop-1`` of K and V as float32 (views for f32 cells, dequantized otherwise)."""
         if self.cache_type == "f32":

@@ -60,28 +60,32 @@ def _first_window_row(min_pos: int, window: int) -> int:
     return lo - lo % WINDOW_ROW_ALIGN
 
 
-def attend_by_sequence(q, kv, positions, rows, out, attend: Callable[..., None], window: int = 0) -> None:
+def attend_by_sequence(
+    q, kv, positions, rows, out, attend: Callable[..., None], window: int = 0, cells: bool = False
+) -> None:
     """Run ``attend(q, K, V, positions, out)`` once per sequence in the batch, with K/V the float32 window
-    of that sequence's rows 0..max(pos) (a view for f32 cells, dequantized for f16 / q8_0 ones). In a
-    sliding-window layer (``window`` > 0) rows before the oldest one still visible are left out (up to
-    ``WINDOW_ROW_ALIGN``), and the positions handed to ``attend`` count from the first row read."""
+    of that sequence's rows 0..max(pos) (a view for f32 cells, dequantized for f16 / q8_0 ones; with
+    ``cells``, f16 cells are handed over as they are). In a sliding-window layer (``window`` > 0) rows
+    before the oldest one still visible are left out (up to ``WINDOW_ROW_ALIGN``), and the positions
+    handed to ``attend`` count from the first row read."""
+    read = kv.cells if cells else kv.window
     n = positions.shape[0]
     start = int(rows[0]) - int(positions[0])
     if n == 1:  # decode: one token, one window
         lo = _first_window_row(int(positions[0]), window)
-        k, v = kv.window(start + lo, start + int(positions[0]) + 1)
+        k, v = read(start + lo, start + int(positions[0]) + 1)
         attend(q, k, v, positions - lo if lo else positions, out)
         return
     starts = rows - positions
     if (starts == start).all():
         lo = _first_window_row(int(positions.min()), window)
-        k, v = kv.window(start + lo, start + int(positions.max()) + 1)
+        k, v = read(start + lo, start + int(positions.max()) + 1)
         attend(q, k, v, positions - lo if lo else positions, out)
         return
     for s in dict.fromkeys(starts.tolist()):  # each sequence once, in batch order
         idx = np.flatnonzero(starts == s)
         lo = _first_window_row(int(positions[idx].min()), window)
-        k, v = kv.window(s + lo, s + int(positions[idx].max()) + 1)
+        k, v = read(s + lo, s + int(positions[idx].max()) + 1)
         if idx[-1] - idx[0] + 1 == len(idx):  # contiguous tokens: views, no copies
             sl = slice(int(idx[0]), int(idx[-1]) + 1)
             attend(q[sl], k, v, positions[sl] - lo if lo else positions[sl], out[sl])
@@ -269,14 +273,15 @@ class CPUBackend:
             window = m.window
 
             def attn(node: Node, out, q, kv, positions, rows) -> None:
-                if kv.cache_type == "f32" and positions.shape[0] > 1:
-                    # every sequence of the batch in one parallel call, on the regions themselves
+                if kv.cache_type != "q8_0" and positions.shape[0] > 1:
+                    # every sequence of the batch in one parallel call, on the regions themselves (f16 cells
+                    # are widened as the kernel loads them)
                     vk.attention_rows(
                         q, kv.k, kv.v, positions, rows, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v,
                         m.scale, out, window,
                     )
-                else:  # a decode step may split its keys over threads; f16 / q8_0 cells are dequantized
-                    attend_by_sequence(q, kv, positions, rows, out, attend, window)
+                else:  # a decode step may split its keys over threads; q8_0 cells are dequantized
+                    attend_by_sequence(q, kv, positions, rows, out, attend, window, cells=True)
 
             return attn
         return REFERENCE_KERNELS[op]

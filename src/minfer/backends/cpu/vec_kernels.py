@@ -65,6 +65,7 @@ from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic, models, register_model
 
+from minfer.backends.cpu.quant_matmul import _half_to_float
 from minfer.errors import ContextOverflowError
 
 F32 = np.float32
@@ -135,25 +136,38 @@ def _vzero8(typingctx):
     return _f32x8(), lambda context, builder, sig, args: ir.Constant(_V8F, [0.0] * 8)
 
 
-def _row_ptr(context, builder, sig, args):
-    """Address of ``arr[row, col]`` (args 0..2) as ``<8 x float>*``, from the row stride in bytes."""
+def _row_ptr(context, builder, sig, args, vty=_V8F, itemsize=4):
+    """Address of ``arr[row, col]`` (args 0..2) as ``vty*``, from the row stride in bytes."""
     a = context.make_array(sig.args[0])(context, builder, args[0])
     r = context.cast(builder, args[1], sig.args[1], types.intp)
     c = context.cast(builder, args[2], sig.args[2], types.intp)
     stride0 = builder.extract_value(a.strides, 0)
-    byte_off = builder.add(builder.mul(r, stride0), builder.mul(c, ir.Constant(r.type, 4)))
+    byte_off = builder.add(builder.mul(r, stride0), builder.mul(c, ir.Constant(r.type, itemsize)))
     p = builder.gep(builder.bitcast(a.data, ir.IntType(8).as_pointer()), [byte_off])
-    return builder.bitcast(p, _V8F.as_pointer())
+    return builder.bitcast(p, vty.as_pointer())
 
 
 def _is_f32_2d(arr) -> bool:
     return isinstance(arr, types.Array) and arr.ndim == 2 and arr.dtype == types.float32
 
 
+def _is_f16_bits_2d(arr) -> bool:
+    """A 2-D uint16 array: float16 K/V cells seen as their bit patterns (numba has no float16 arrays)."""
+    return isinstance(arr, types.Array) and arr.ndim == 2 and arr.dtype == types.uint16
+
+
 @intrinsic
 def _vload8(typingctx, arr, row, col):
     """``arr[row, col:col+8]`` of a 2-D float32 array whose rows are contiguous (inner stride 4 bytes,
-    which callers check): one unaligned vector load, no bounds check (callers own the bounds)."""
+    which callers check): one unaligned vector load, no bounds check (callers own the bounds). A uint16
+    array holds float16 bit patterns (K/V cells of an f16 cache): its eight values are widened to float32,
+    exactly, so a kernel reading them computes what it computes on their float32 copy."""
+    if _is_f16_bits_2d(arr):
+        def codegen16(context, builder, sig, args):
+            h = builder.load(_row_ptr(context, builder, sig, args, ir.VectorType(ir.IntType(16), 8), 2), align=2)
+            return _half_to_float(builder, h)
+
+        return _f32x8(arr, row, col), codegen16
     if not _is_f32_2d(arr):
         return None
 
@@ -161,6 +175,24 @@ def _vload8(typingctx, arr, row, col):
         return builder.load(_row_ptr(context, builder, sig, args), align=4)
 
     return _f32x8(arr, row, col), codegen
+
+
+@intrinsic
+def _at32(typingctx, arr, row, col):
+    """``arr[row, col]`` as float32, for the float32 and float16-bits arrays ``_vload8`` reads (no bounds
+    check: the vector loops' scalar tails)."""
+    if _is_f16_bits_2d(arr):
+        def codegen16(context, builder, sig, args):
+            return _half_to_float(builder, builder.load(_row_ptr(context, builder, sig, args, ir.IntType(16), 2)))
+
+        return types.float32(arr, row, col), codegen16
+    if not _is_f32_2d(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_row_ptr(context, builder, sig, args, ir.FloatType()))
+
+    return types.float32(arr, row, col), codegen
 
 
 @intrinsic
@@ -361,7 +393,7 @@ def _dot(a, ar, a0, b, br, b0, n):
         i += 8
     s = _hsum8(acc)
     while i < n:
-        s += a[ar, a0 + i] * b[br, b0 + i]
+        s += a[ar, a0 + i] * _at32(b, br, b0 + i)
         i += 1
     return s
 
@@ -1043,7 +1075,7 @@ def _attn_pv(sc, row, vr, vo, j0, j1, hdv, out, t, oo):
     while d < hdv:
         acc = out[t, oo + d]
         for j in range(j0, j1):
-            acc += sc[row, j] * vr[j, vo + d]
+            acc += sc[row, j] * _at32(vr, j, vo + d)
         out[t, oo + d] = acc
         d += 1
 
@@ -1193,8 +1225,9 @@ def _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv
         or v_region.shape[0] != k_region.shape[0]
     ):
         return -2
-    if q.strides[1] != 4 or k_region.strides[1] != 4 or v_region.strides[1] != 4 or out.strides[1] != 4:
-        return -3  # the vector loads/stores move 8 consecutive floats of a row
+    if q.strides[1] != 4 or out.strides[1] != 4 or k_region.strides[1] != k_region.itemsize or \
+            v_region.strides[1] != v_region.itemsize:
+        return -3  # the vector loads/stores move 8 consecutive values of a row
     if out.ctypes.data == q.ctypes.data:
         return -4  # out rows are accumulated in place while other workers still read q
     return -1
@@ -1391,6 +1424,7 @@ def attention(
     by keys (scores, softmax, chunk sums): one token has too few heads to keep the threads busy on whole
     heads. Its result is bit-identical to the single-step path's.
     """
+    k_region, v_region = _kv_cells(k_region, v_region)
     n_threads = get_num_threads()
     code = -5
     if q.shape[0] == 1 and n_threads > 1 and (window == 0 or int(positions[0]) < window):
@@ -1439,6 +1473,7 @@ def attention_rows(
     sequence; each token's result is bit-identical to :func:`attention` on its sequence's rows alone."""
     if rows.shape != positions.shape:
         raise ValueError(f"attention: {rows.shape[0]} rows for {positions.shape[0]} positions")
+    k_region, v_region = _kv_cells(k_region, v_region)
     code = _attn_rows_kernel(
         q, k_region, v_region, positions, rows, n_head, n_head_kv, head_dim_k, head_dim_v, scale, get_num_threads(),
         window, out,
@@ -1451,11 +1486,22 @@ def attention_rows(
     _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
 
 
+def _kv_cells(k_region: np.ndarray, v_region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The K/V regions as the kernels take them: float32, or float16 as uint16 bit patterns (read and
+    widened in the kernels, so an f16 cache needs no float32 copy of its window)."""
+    if k_region.dtype != v_region.dtype or k_region.dtype not in (np.float32, np.float16):
+        raise ValueError(f"attention: K/V regions must both be float32 or both float16, got {k_region.dtype} "
+                         f"and {v_region.dtype}")
+    if k_region.dtype == np.float16:
+        return k_region.view(np.uint16), v_region.view(np.uint16)
+    return k_region, v_region
+
+
 def _raise_attention_error(
     code: int, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out
 ) -> None:
     if code == -3:
-        raise ValueError("attention: q, the K/V regions and out must have contiguous rows (inner stride 4 bytes)")
+        raise ValueError("attention: q, the K/V regions and out must have contiguous rows")
     if code == -4:
         raise ValueError("attention: out must not be q (it is written while q is read)")
     if code == -2:
