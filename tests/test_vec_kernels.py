@@ -325,6 +325,29 @@ def test_kv_store_matches_reference_and_refuses_overflow(rng):
         vk.kv_store(np.ones((1, kw + 1), F32), np.ones((1, vw), F32), np.array([0], np.int32), k_reg, v_reg)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_kv_store_into_f16_cells_rounds_as_numpy(rng):
+    """float16 regions: the kernel rounds each value to the bits numpy's astype gives (ties to even,
+    overflow to inf, subnormals, signed zeros), and so does the numpy path of CPUs without F16C."""
+    n_ctx, kw, vw = 64, 2 * 36, 2 * 20
+    k = (rng.standard_normal((40, kw)) * np.exp(rng.uniform(-20, 12, (40, kw)))).astype(F32)
+    k[0, :8] = [np.inf, -np.inf, 0.0, -0.0, 65520.0, 65519.0, 6e-8, 2.0 ** -25]  # edges and a tie to 0
+    v = rng.standard_normal((40, vw)).astype(F32)
+    pos = rng.permutation(n_ctx)[:40].astype(np.int32)
+    k16, v16 = np.zeros((n_ctx, kw), np.float16), np.zeros((n_ctx, vw), np.float16)
+    vk.kv_store(k, v, pos, k16, v16)
+    np.testing.assert_array_equal(k16[pos].view(np.uint16), k.astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(v16[pos].view(np.uint16), v.astype(np.float16).view(np.uint16))
+    k_np, v_np = np.zeros_like(k16), np.zeros_like(v16)
+    assert vk._kv_store_numpy(k, v, pos, k_np, v_np) == -1
+    np.testing.assert_array_equal(k_np.view(np.uint16), k16.view(np.uint16))
+    with pytest.raises(ContextOverflowError, match="position 64 \\(token 1\\)"):
+        vk.kv_store(k[:2], v[:2], np.array([0, 64], np.int32), k16, v16)
+    assert vk._kv_store_numpy(k[:2], v[:2], np.array([0, 64], np.int32), k_np, v_np) == 1
+    with pytest.raises(ValueError, match="both be float32 or both float16, got float16 and float32"):
+        vk.kv_store(k, v, pos, k16, v16.astype(F32))
+
+
 # -------------------------------------------------------------------------------------------- attention
 
 

@@ -256,7 +256,7 @@ class CPUBackend:
             layer = meta.layer
 
             def kv_store(node: Node, kv, k, v, rows) -> None:
-                if kv.cache_type == "f32":
+                if kv.cache_type != "q8_0":
                     vk.kv_store(k, v, rows, kv.k, kv.v, layer)
                 else:
                     kv.store(k, v, rows)

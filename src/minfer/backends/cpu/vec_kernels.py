@@ -65,7 +65,7 @@ from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
 from numba.extending import intrinsic, models, register_model
 
-from minfer.backends.cpu.quant_matmul import _half_to_float
+from minfer.backends.cpu.quant_matmul import _F16C, _half_to_float
 from minfer.errors import ContextOverflowError
 
 F32 = np.float32
@@ -877,6 +877,20 @@ def rope(
 # KV store
 
 
+@intrinsic
+def _as_cell(typingctx, region, x):
+    """float32 ``x`` as a cell of ``region``: itself in a float32 region, its float16 bit pattern (rounded
+    to nearest even, as numpy's astype rounds) in a uint16 one."""
+    if _is_f16_bits_2d(region) and x == types.float32:
+        def codegen16(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[1], ir.HalfType()), ir.IntType(16))
+
+        return types.uint16(region, x), codegen16
+    if _is_f32_2d(region) and x == types.float32:
+        return types.float32(region, x), lambda context, builder, sig, args: args[1]
+    return None
+
+
 @njit(cache=True, error_model="numpy", nogil=True)
 def _kv_store_kernel(k, v, positions, k_region, v_region):
     """Returns -1 when stored, -2 on a shape mismatch, else the first token whose position is outside the
@@ -897,9 +911,23 @@ def _kv_store_kernel(k, v, positions, k_region, v_region):
     for t in range(nt):
         p = positions[t]
         for i in range(k.shape[1]):
-            k_region[p, i] = k[t, i]
+            k_region[p, i] = _as_cell(k_region, k[t, i])
         for i in range(v.shape[1]):
-            v_region[p, i] = v[t, i]
+            v_region[p, i] = _as_cell(v_region, v[t, i])
+    return -1
+
+
+def _kv_store_numpy(k, v, positions, k_region, v_region) -> int:
+    """``_kv_store_kernel`` in numpy, for float16 regions on a CPU without F16C."""
+    n_ctx, nt = k_region.shape[0], k.shape[0]
+    if v.shape[0] != nt or positions.shape[0] != nt or k.shape[1:] != k_region.shape[1:] or \
+            v.shape[1:] != v_region.shape[1:] or v_region.shape[0] != n_ctx:
+        return -2
+    bad = np.flatnonzero((positions < 0) | (positions >= n_ctx))
+    if bad.size:
+        return int(bad[0])
+    k_region[positions] = k
+    v_region[positions] = v
     return -1
 
 
@@ -911,8 +939,17 @@ def kv_store(
     v_region: np.ndarray,
     layer: int | None = None,
 ) -> None:
-    """Write token t's K/V rows at row ``positions[t]`` of the layer's regions (positions are data)."""
-    code = _kv_store_kernel(k, v, positions, k_region, v_region)
+    """Write token t's K/V rows at row ``positions[t]`` of the layer's regions (positions are data).
+    float16 regions (an f16 cache) get the rows rounded to nearest even, as numpy's astype rounds them."""
+    if k_region.dtype != v_region.dtype or k_region.dtype not in (np.float32, np.float16):
+        raise ValueError(f"kv_store: the regions must both be float32 or both float16, got {k_region.dtype} and "
+                         f"{v_region.dtype}")
+    if k_region.dtype == np.float32:
+        code = _kv_store_kernel(k, v, positions, k_region, v_region)
+    elif _F16C:
+        code = _kv_store_kernel(k, v, positions, k_region.view(np.uint16), v_region.view(np.uint16))
+    else:  # no hardware conversion: LLVM would call a runtime helper that numba does not link
+        code = _kv_store_numpy(k, v, positions, k_region, v_region)
     if code == -1:
         return
     where = "" if layer is None else f"layer {layer}: "
