@@ -5,9 +5,10 @@ Sequences: the cache holds ``n_seq`` independent sequences; sequence ``s`` owns 
 lives in row ``s * capacity + p``. The forward pass gets those rows as an input: the KV store writes at
 them and each token's attention reads its own sequence's rows ``0..pos`` (the window is still the mask).
 
-Cell types (``cache_type``): ``f32`` (default), ``f16`` (half the bytes), ``q8_0`` (packed Q8_0 blocks,
-34 bytes per 32 values, ~3.76x smaller than f32): quantized on store, dequantized for the window a
-layer's attention is about to read. Regions are allocated zeroed (``np.zeros`` maps untouched pages
+Cell types (``cache_type``): ``f32`` (default), ``f16`` (half the bytes; the fast kernels store and read
+the halves themselves, the reference ones read a float32 copy of the window), ``q8_0`` (packed Q8_0
+blocks, 34 bytes per 32 values, ~3.76x smaller than f32): quantized on store, dequantized for the window
+a layer's attention is about to read. Regions are allocated zeroed (``np.zeros`` maps untouched pages
 lazily), so a large context costs memory only as positions are written; ``commit=True`` writes every page
 at creation instead (a server: its memory is all taken at start and stays flat under load, and no
 request pays the page faults of cells touched for the first time), all regions in one mapping that asks
