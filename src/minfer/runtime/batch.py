@@ -40,7 +40,7 @@ from minfer.models.hparams import HParams
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, SequenceDecoder, TokenStep
 from minfer.runtime.kv_cache import KVCache, common_prefix
-from minfer.runtime.sampler import Sampler
+from minfer.runtime.sampler import Sampler, sample_rows
 
 
 def batch_kv_cache(hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None) -> KVCache:
@@ -414,8 +414,15 @@ class BatchScheduler:
         self._step += 1
         if self.metrics.on_step:
             self.metrics.on_step(n_real, len(sampled), t1 - t0)
-        for run, row in zip(sampled, logits, strict=True):
-            self._advance(run, row)
+        # the sequences whose sampler alone picks the token draw together: one compiled call for all rows
+        alone = [i for i, run in enumerate(sampled) if run.decoder.samples_alone]
+        picks: list[int | None] = [None] * len(sampled)
+        if len(alone) > 1:
+            rows = np.ascontiguousarray(logits[alone]) if len(alone) < len(sampled) else logits
+            for i, token in zip(alone, sample_rows([sampled[i].decoder.sampler for i in alone], rows), strict=True):
+                picks[i] = token
+        for run, row, token in zip(sampled, logits, picks, strict=True):
+            self._advance(run, row, token)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self._buckets if b >= n)
@@ -444,9 +451,9 @@ class BatchScheduler:
             b = self._bucket(n)
             self.runner.plan(b, b)
 
-    def _advance(self, run: _Running, logits: np.ndarray) -> None:
+    def _advance(self, run: _Running, logits: np.ndarray, token: int | None = None) -> None:
         try:
-            step = run.decoder.step(logits)
+            step = run.decoder.step(logits, token)
         except Exception as e:  # noqa: BLE001 - e.g. a constraint with no allowed token: this request only
             run.request.emit(Failed(e))
             self._release(run)

@@ -93,14 +93,25 @@ class SequenceDecoder:
         self.stats.prompt_tokens = len(prompt_ids)
         self.sampler.reset(prompt_ids)
 
-    def step(self, logits: np.ndarray) -> TokenStep | None:
+    @property
+    def samples_alone(self) -> bool:
+        """Whether the token comes from the sampler alone (no constraint masks the logits, no logprobs):
+        then a batch may sample it with the other sequences' (``sampler.sample_rows``) and pass it to
+        ``step``."""
+        return self.constraint is None and self.logprobs is None
+
+    def step(self, logits: np.ndarray, token: int | None = None) -> TokenStep | None:
         """Pick the next token from ``logits``; its step, or None for an end-of-generation token.
-        Afterwards ``done`` says whether the sequence has finished (``stats.finish_reason`` says why)."""
+        Afterwards ``done`` says whether the sequence has finished (``stats.finish_reason`` says why).
+        ``token``: what this sequence's sampler already drew from these logits (see ``samples_alone``)."""
         stats = self.stats
         if self.constraint is not None:
             self.constraint.mask_logits(logits)
         lp = None
-        if self.logprobs is None:
+        if token is not None:
+            if not self.samples_alone:
+                raise ValueError("a token drawn outside the decoder needs a decoder without constraint or logprobs")
+        elif self.logprobs is None:
             token = self.sampler.sample(logits)
         else:
             token, lp = self.sampler.sample_with_logprobs(logits, self.logprobs)

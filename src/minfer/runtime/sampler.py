@@ -69,6 +69,14 @@ one compiled pass (:mod:`minfer.backends.cpu.top_k`: block maxima bound the k-th
 values above the bound are sorted), a cut of fewer candidates a partition; ``top_p`` without ``top_k``
 probes the mass of the best 256, 2048, ... tokens before sorting any. At a 49152-token vocabulary the
 default chain takes about 0.1 ms a token, greedy about 0.02 ms.
+
+The default chain's shape, ``[logit_bias ->] top_k -> [top_p ->] [min_p ->] temperature -> dist`` (in
+this order, temperature > 0), also runs compiled (:mod:`minfer.backends.cpu.sample_chain`): the same
+candidates, probabilities and draws as the steps, bit for bit where numpy's float64 exp is the C
+library's (on AVX-512 CPUs numpy has its own, which may differ in the last bit). :func:`sample_rows`
+samples many sequences (a server's batch) in one parallel call: 8 rows in 0.2-0.45 ms against ~1.2 ms
+one after the other; in a server step at 8 clients, sampling and the tokens' bookkeeping went from
+6.5% of the time to 2.9%.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minfer.backends.cpu import sample_chain
 from minfer.backends.cpu.top_k import prunes_well, top_k_biased, top_k_positions
 from minfer.errors import BadRequestError, ModelError
 
@@ -848,6 +857,7 @@ class Sampler:
             if len(steps) > 2 and isinstance(steps[0], _LogitBias) and isinstance(steps[1], _TopK)
             else None
         )
+        self._chain = _CompiledChain.of(steps)
         self.reset()
 
     # -- chain -------------------------------------------------------------------------------------
@@ -957,6 +967,10 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token from ``logits`` ([n_vocab]); does not add it to the history (see ``accept``)."""
+        if self._chain is not None and isinstance(logits, np.ndarray) and logits.ndim == 1:
+            token = sample_rows([self], logits[None, :])[0]
+            if token is not None:
+                return token
         cand = _Candidates(_check_logits(logits))
         if self._greedy_fast:
             for step in self._processors:
@@ -997,6 +1011,97 @@ class Sampler:
             raise BadRequestError(f"n_top must be an integer in [0, {len(x)}] (the vocabulary size), got {n_top!r}")
         token = self.sample(x)
         return token, token_logprobs(x, token, n_top)
+
+
+class _CompiledChain:
+    """A chain ``[logit_bias ->] top_k -> [top_p ->] [min_p ->] temperature -> dist`` (llama.cpp's default
+    order, temperature > 0), which ``sample_chain.truncate_rows`` runs compiled: the same candidates and
+    probabilities as the steps, for many sequences in one call."""
+
+    __slots__ = ("k", "bias_tokens", "bias_values", "top_p", "min_p", "log_min_p", "min_keep", "temperature",
+                 "checked_vocab", "alone")
+
+    @classmethod
+    def of(cls, steps: list[_Step]) -> _CompiledChain | None:
+        rest = list(steps)
+        bias = rest.pop(0) if rest and isinstance(rest[0], _LogitBias) else None
+        kinds = [type(step) for step in rest]
+        if kinds not in ([_TopK, _Temperature, _Dist], [_TopK, _TopP, _Temperature, _Dist],
+                         [_TopK, _MinP, _Temperature, _Dist], [_TopK, _TopP, _MinP, _Temperature, _Dist]):
+            return None
+        temperature = rest[-2]
+        assert isinstance(temperature, _Temperature)
+        if not temperature.t > 0:
+            return None
+        chain = cls()
+        top_k = rest[0]
+        assert isinstance(top_k, _TopK)
+        chain.k = top_k.k
+        chain.bias_tokens = bias.tokens if bias is not None else np.zeros(0, np.int64)
+        chain.bias_values = bias.values if bias is not None else np.zeros(0, np.float64)
+        top_p = next((step for step in rest if isinstance(step, _TopP)), None)
+        min_p = next((step for step in rest if isinstance(step, _MinP)), None)
+        chain.top_p = top_p.p if top_p is not None else 1.0
+        chain.min_p = min_p is not None
+        chain.log_min_p = min_p.log_p if min_p is not None else 0.0
+        min_keeps = {step.min_keep for step in (top_p, min_p) if step is not None}
+        chain.min_keep = min_keeps.pop() if min_keeps else 0
+        chain.temperature = temperature.t
+        chain.checked_vocab = 0  # the vocabulary size the bias tokens were checked against
+        chain.alone = chain.arguments([chain])  # a sequence sampled alone: built once, not per token
+        return chain
+
+    @staticmethod
+    def arguments(chains: Sequence[_CompiledChain]) -> tuple[np.ndarray, ...]:
+        """``truncate_rows``' arguments after the rows, one entry per chain."""
+        return (
+            np.array([c.k for c in chains], np.int64),
+            np.cumsum([0] + [len(c.bias_tokens) for c in chains]),
+            np.concatenate([c.bias_tokens for c in chains]).astype(np.int64, copy=False),
+            np.concatenate([c.bias_values for c in chains]).astype(np.float64, copy=False),
+            np.array([c.top_p for c in chains], np.float64),
+            np.array([c.min_p for c in chains], np.bool_),
+            np.array([c.log_min_p for c in chains], np.float64),
+            np.array([c.min_keep for c in chains], np.int64),
+            np.array([c.temperature for c in chains], np.float64),
+        )
+
+    def fits(self, n_vocab: int) -> bool:
+        if self.checked_vocab != n_vocab:
+            if len(self.bias_tokens) and int(self.bias_tokens.max()) >= n_vocab:
+                return False  # the steps say so (a bias outside the vocabulary)
+            if not sample_chain.compiles(n_vocab, self.k, len(self.bias_tokens)):
+                return False
+            self.checked_vocab = n_vocab
+        return True
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> list[int | None]:
+    """``samplers[i].sample(logits[i])`` for every row at once, where the sampler's chain compiles (see
+    ``_CompiledChain``): one parallel call for those rows, then each sampler's draw from its own random
+    stream. None for a row it leaves to ``sample``: another chain, or logits that fail a check (``sample``
+    then raises the error)."""
+    out: list[int | None] = [None] * len(samplers)
+    if logits.ndim != 2 or logits.dtype != np.float32 or not logits.flags.c_contiguous:
+        return out
+    n_vocab = logits.shape[1]
+    rows = [i for i, s in enumerate(samplers) if s._chain is not None and s._chain.fits(n_vocab)]
+    if not rows:
+        return out
+    chains = [samplers[i]._chain for i in rows]
+    args = chains[0].alone if len(chains) == 1 else _CompiledChain.arguments(chains)
+    codes, counts, ids, cum = sample_chain.truncate_rows(logits, np.array(rows, np.int64), *args)
+    for j, i in enumerate(rows):
+        if codes[j]:
+            continue
+        n = int(counts[j])
+        if n == 1:  # no number drawn for a single candidate, as _draw
+            out[i] = int(ids[j, 0])
+            continue
+        c = cum[j, :n]
+        r = samplers[i]._state.rng.random()
+        out[i] = int(ids[j, min(int(np.searchsorted(c, r * c[-1], side="right")), n - 1)])
+    return out
 
 
 def _check_token(token: object) -> int:

@@ -136,14 +136,15 @@ class CPUBackend:
         self._rope_tables: dict[tuple, Any] = {}
         self._prepared: dict[int, tuple[GGUFTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
         if kernels == "fast":
-            from minfer.backends.cpu import kquant_matmul, quant_matmul, top_k, vec_kernels
+            from minfer.backends.cpu import kquant_matmul, quant_matmul, sample_chain, top_k, vec_kernels
 
             self._qm = quant_matmul
             self._kq = kquant_matmul
             self._vk = vec_kernels
             vec_kernels.warmup()
             quant_matmul.warmup()
-            top_k.warmup()  # the sampler's (it runs on the logits whatever the kernel set)
+            top_k.warmup()  # the sampler's (they run on the logits whatever the kernel set)
+            sample_chain.warmup()
         elif threads > 1:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer")
 

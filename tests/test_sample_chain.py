@@ -1,0 +1,121 @@
+"""The compiled default chain (backends/cpu/sample_chain) against the sampler's steps in numpy: the same
+tokens, the same random stream, the same probabilities; many rows in one call equal each row alone."""
+
+import math
+
+import numpy as np
+import pytest
+
+from minfer.backends.cpu import sample_chain
+from minfer.errors import BadRequestError, ModelError
+from minfer.runtime.sampler import Sampler, SamplingParams, _Candidates, sample_rows
+
+N_VOCAB = 49152
+CHAINS = [
+    {},  # the defaults: top_k 40, top_p 0.95, min_p 0.05, temperature 0.8
+    {"logit_bias": {0: -100.0, 2: -100.0, 7: 5.0}},
+    {"top_p": 1.0},
+    {"min_p": 0.0},
+    {"top_p": 1.0, "min_p": 0.0, "temperature": 0.3},
+    {"top_p": 0.5, "min_p": 0.2, "temperature": 1.3, "min_keep": 3},
+    {"top_k": 300, "top_p": 0.999, "min_p": 0.0001, "temperature": 3.0},  # sums past 128 terms
+]
+
+
+def sampler(seed: int = 5, numpy_steps: bool = False, **params) -> Sampler:
+    s = Sampler(SamplingParams(seed=seed, **params))
+    assert s._chain is not None, params
+    if numpy_steps:
+        s._chain = None  # the steps of the chain, one after the other
+    return s
+
+
+@pytest.mark.parametrize("params", CHAINS)
+@pytest.mark.parametrize("scale", [1.0, 10.0, 40.0])  # flat to peaked: many candidates down to one
+def test_compiled_chain_equals_the_steps(params, scale):
+    rng = np.random.default_rng(int(scale))
+    logits = (rng.standard_normal((60, N_VOCAB)) * scale).astype(np.float32)
+    compiled, steps = sampler(**params), sampler(numpy_steps=True, **params)
+    assert [compiled.sample(row) for row in logits] == [steps.sample(row) for row in logits]
+    # a single candidate draws no number, as llama.cpp's dist: the streams are still in step
+    assert compiled._state.rng.random() == steps._state.rng.random()
+
+
+def _cumulative(logits: np.ndarray) -> np.ndarray:
+    """The draw's ``cumsum(softmax(logits))`` with the C library's exp (numpy's on CPUs without AVX-512;
+    with it numpy has its own, which may differ in the last bit)."""
+    e = np.array([math.exp(v - logits.max()) for v in logits])
+    return np.cumsum(e / e.sum())
+
+
+@pytest.mark.parametrize("params", CHAINS)
+def test_cumulative_probabilities_are_the_steps_bits(params):
+    """The kernel keeps the candidates the steps keep, and its ``cum`` holds the floats the steps' draw
+    searches (its softmax of the candidates after the temperature, then the running sum)."""
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((20, N_VOCAB)) * 4).astype(np.float32)
+    s = sampler(**params)
+    c = s._chain
+    codes, counts, ids, cum = sample_chain.truncate_rows(logits, np.arange(20), *c.arguments([c] * 20))
+    assert not codes.any()
+    for row, n, row_ids, row_cum in zip(logits, counts, ids, cum, strict=True):
+        cand = _Candidates(row)
+        for step in s._steps[:-1]:  # every step but the draw
+            step.apply(cand)
+        assert n == len(cand) and np.array_equal(row_ids[:n], cand.ids)
+        if n > 1:
+            assert np.array_equal(row_cum[:n], _cumulative(cand.logits))
+            np.testing.assert_allclose(row_cum[:n], np.cumsum(cand.probs()), rtol=1e-15, atol=0)
+
+
+def test_many_rows_in_one_call_equal_each_row_alone():
+    rng = np.random.default_rng(0)
+    params = [CHAINS[i % len(CHAINS)] for i in range(9)]
+    together = [sampler(seed=i, **p) for i, p in enumerate(params)]
+    alone = [sampler(seed=i, **p) for i, p in enumerate(params)]
+    for _ in range(15):
+        logits = (rng.standard_normal((9, N_VOCAB)) * 6).astype(np.float32)
+        assert sample_rows(together, logits) == [s.sample(row) for s, row in zip(alone, logits, strict=True)]
+
+
+def test_other_chains_are_left_to_the_steps():
+    for params in ({"temperature": 0.0}, {"typical_p": 0.9}, {"repeat_penalty": 1.1}, {"mirostat": 2},
+                   {"samplers": "top_k;temperature;top_p"}, {"top_k": 0}, {"xtc_probability": 0.5}):
+        assert Sampler(SamplingParams(**params))._chain is None, params
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((3, N_VOCAB)) * 3).astype(np.float32)
+    mixed = [sampler(), Sampler(SamplingParams(temperature=0.0)), sampler(top_k=500)]  # k too large to prune
+    got = sample_rows(mixed, logits)
+    assert got[1] is None and got[2] is None
+    assert got[0] == sampler().sample(logits[0])
+
+
+def test_bad_rows_are_left_to_the_steps_which_say_why():
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((4, N_VOCAB)) * 3).astype(np.float32)
+    logits[0, 123] = np.nan
+    logits[1, 7] = np.inf
+    logits[2] = -np.inf
+    logits[3, 10:] = -np.inf  # ten drawable tokens, all banned by the bias below
+    banned = {t: -np.inf for t in range(10)}
+    samplers = [sampler(), sampler(), sampler(), sampler(logit_bias=banned)]
+    assert sample_rows(samplers, logits) == [None] * 4
+    assert samplers[0]._state.rng.random() == sampler()._state.rng.random()  # nothing drawn
+    with pytest.raises(ModelError, match="NaN or \\+inf"):
+        samplers[0].sample(logits[0])
+    with pytest.raises(ModelError, match="NaN or \\+inf"):
+        samplers[1].sample(logits[1])
+    with pytest.raises(BadRequestError, match="every logit is -inf"):
+        samplers[2].sample(logits[2])
+    with pytest.raises(BadRequestError, match="no token can be sampled"):
+        samplers[3].sample(logits[3])
+    # -inf logits that leave something drawable: the slow check passes them
+    logits[3, :10] = 0.0
+    assert sample_rows([sampler()], logits[3:4])[0] in range(10)
+
+
+def test_pairwise_sum_is_numpys():
+    rng = np.random.default_rng(0)
+    for n in [*range(1, 140), 255, 256, 257, 384]:
+        a = np.exp(rng.standard_normal(n) * 5)
+        assert sample_chain._pairwise_sum(a, n) == a.sum(), n
