@@ -1044,8 +1044,8 @@ class _CompiledChain:
         chain.top_p = top_p.p if top_p is not None else 1.0
         chain.min_p = min_p is not None
         chain.log_min_p = min_p.log_p if min_p is not None else 0.0
-        min_keeps = {step.min_keep for step in (top_p, min_p) if step is not None}
-        chain.min_keep = min_keeps.pop() if min_keeps else 0
+        cut = top_p or min_p  # both take SamplingParams.min_keep
+        chain.min_keep = cut.min_keep if cut is not None else 0
         chain.temperature = temperature.t
         chain.checked_vocab = 0  # the vocabulary size the bias tokens were checked against
         chain.alone = chain.arguments([chain])  # a sequence sampled alone: built once, not per token
