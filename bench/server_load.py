@@ -184,7 +184,8 @@ def main() -> None:
             if "speedup_vs_1_client" in r:
                 rounds_txt = "" if r["rounds"] == 1 else (
                     f" (median of {r['rounds']} rounds: {r['tokens_per_s']:.1f} tok/s; each round's ratio: "
-                    + ", ".join(f"{x:.2f}" for x in r["speedup_by_round"]) + ")")
+                    + ", ".join(f"{x:.2f}" for x in r["speedup_by_round"])
+                    + f", their median {statistics.median(r['speedup_by_round']):.2f})")
                 print(f"aggregate tokens/s at {r['clients']} clients: {r['speedup_vs_1_client']:.2f}x one client"
                       f"{rounds_txt}; failed {r['failed_all_rounds']}")
         pr = report["prefix_reuse"]
