@@ -13,7 +13,7 @@ warm (the system prompt's cells reused).
 ``--repeat K`` runs the whole list of concurrencies K times, interleaved, and reports for each concurrency
 the run with the median token rate (a shared 2-core machine drifts by ±30% from one minute to the next,
 so single runs of 1 and 8 clients taken minutes apart give a ratio that is mostly drift), and the ratio
-of each round's 8-client rate to the same round's 1-client rate.
+of each round's 8-client rate to the same round's 1-client rate, and the median of those ratios.
 """
 
 from __future__ import annotations
