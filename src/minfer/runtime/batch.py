@@ -418,7 +418,7 @@ class BatchScheduler:
         alone = [i for i, run in enumerate(sampled) if run.decoder.samples_alone]
         picks: list[int | None] = [None] * len(sampled)
         if len(alone) > 1:
-            rows = np.ascontiguousarray(logits[alone]) if len(alone) < len(sampled) else logits
+            rows = logits[alone] if len(alone) < len(sampled) else logits  # a gather is a contiguous copy
             for i, token in zip(alone, sample_rows([sampled[i].decoder.sampler for i in alone], rows), strict=True):
                 picks[i] = token
         for run, row, token in zip(sampled, logits, picks, strict=True):

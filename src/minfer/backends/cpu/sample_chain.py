@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from minfer.backends.cpu.top_k import BLOCK, _biased_kernel, _top_k_kernel
+from minfer.backends.cpu.top_k import BLOCK, _biased_kernel, _top_k_kernel, prunes_well
 
 # codes truncate_rows reports per row (0 = sampled)
 LOGITS_BROKEN = 1  # a NaN or +inf logit
@@ -152,7 +152,7 @@ def _truncate_rows(logits, rows, ks, bias_start, bias_tokens, bias_values, top_p
 def compiles(n_vocab: int, k: int, n_bias: int) -> bool:
     """Whether :func:`truncate_rows` takes a top-k of ``k`` after ``n_bias`` biased tokens over ``n_vocab``
     logits: the compiled top-k's bound must prune (see ``top_k.prunes_well``)."""
-    return 1 <= k < n_vocab and 2 * (k + n_bias) * BLOCK <= n_vocab
+    return 1 <= k < n_vocab and prunes_well(n_vocab, k + n_bias)
 
 
 def truncate_rows(

@@ -941,15 +941,11 @@ def kv_store(
 ) -> None:
     """Write token t's K/V rows at row ``positions[t]`` of the layer's regions (positions are data).
     float16 regions (an f16 cache) get the rows rounded to nearest even, as numpy's astype rounds them."""
-    if k_region.dtype != v_region.dtype or k_region.dtype not in (np.float32, np.float16):
-        raise ValueError(f"kv_store: the regions must both be float32 or both float16, got {k_region.dtype} and "
-                         f"{v_region.dtype}")
-    if k_region.dtype == np.float32:
-        code = _kv_store_kernel(k, v, positions, k_region, v_region)
-    elif _F16C:
-        code = _kv_store_kernel(k, v, positions, k_region.view(np.uint16), v_region.view(np.uint16))
-    else:  # no hardware conversion: LLVM would call a runtime helper that numba does not link
+    k_cells, v_cells = _kv_cells(k_region, v_region, "kv_store")
+    if k_cells.dtype == np.uint16 and not _F16C:  # LLVM would call a runtime helper that numba does not link
         code = _kv_store_numpy(k, v, positions, k_region, v_region)
+    else:
+        code = _kv_store_kernel(k, v, positions, k_cells, v_cells)
     if code == -1:
         return
     where = "" if layer is None else f"layer {layer}: "
@@ -1523,11 +1519,12 @@ def attention_rows(
     _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
 
 
-def _kv_cells(k_region: np.ndarray, v_region: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The K/V regions as the kernels take them: float32, or float16 as uint16 bit patterns (read and
-    widened in the kernels, so an f16 cache needs no float32 copy of its window)."""
+def _kv_cells(k_region: np.ndarray, v_region: np.ndarray, what: str = "attention") -> tuple[np.ndarray, np.ndarray]:
+    """The K/V regions as the kernels take them: float32, or float16 as uint16 bit patterns (converted in
+    the kernels, so an f16 cache needs no float32 copy of its window); ``what`` names the caller in the
+    error."""
     if k_region.dtype != v_region.dtype or k_region.dtype not in (np.float32, np.float16):
-        raise ValueError(f"attention: K/V regions must both be float32 or both float16, got {k_region.dtype} "
+        raise ValueError(f"{what}: the K/V regions must both be float32 or both float16, got {k_region.dtype} "
                          f"and {v_region.dtype}")
     if k_region.dtype == np.float16:
         return k_region.view(np.uint16), v_region.view(np.uint16)
