@@ -8,12 +8,13 @@ measures prefix reuse: the time to first token of a request with a long system p
 warm (the system prompt's cells reused).
 
     python bench/server_load.py [MODEL] [--clients 1,4,8] [--requests 8] [--max-tokens 64] [--parallel 8]
-        [--repeat 1] [--long-run 200] [--json]
+        [--repeat 5] [--long-run 200] [--json]
 
-``--repeat K`` runs the whole list of concurrencies K times, interleaved, and reports for each concurrency
-the run with the median token rate (a shared 2-core machine drifts by ±30% from one minute to the next,
-so single runs of 1 and 8 clients taken minutes apart give a ratio that is mostly drift), and the ratio
-of each round's 8-client rate to the same round's 1-client rate, and the median of those ratios.
+``--repeat K`` (default 5, about five minutes in all) runs the whole list of concurrencies K times,
+interleaved, and reports for each concurrency the run with the median token rate (a shared 2-core machine
+drifts by ±30% from one minute to the next, so single runs of 1 and 8 clients taken minutes apart give a
+ratio that is mostly drift), and the ratio of each round's 8-client rate to the same round's 1-client
+rate, and the median of those ratios. ``--repeat 1`` is the quick look.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeat", type=int, default=1, help="rounds over the concurrencies, interleaved")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds over the concurrencies, interleaved")
     ap.add_argument("--long-run", type=int, default=200, help="requests of the memory run (8 clients), 0 = skip")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
