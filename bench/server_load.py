@@ -8,13 +8,20 @@ measures prefix reuse: the time to first token of a request with a long system p
 warm (the system prompt's cells reused).
 
     python bench/server_load.py [MODEL] [--clients 1,4,8] [--requests 8] [--max-tokens 64] [--parallel 8]
-        [--repeat 5] [--long-run 200] [--json]
+        [--repeat 5] [--long-run 200] [--peer-url URL] [--json]
 
 ``--repeat K`` (default 5, about five minutes in all) runs the whole list of concurrencies K times,
 interleaved, and reports for each concurrency the run with the median token rate (a shared 2-core machine
 drifts by ±30% from one minute to the next, so single runs of 1 and 8 clients taken minutes apart give a
 ratio that is mostly drift), and the ratio of each round's 8-client rate to the same round's 1-client
 rate, and the median of those ratios. ``--repeat 1`` is the quick look.
+
+``--peer-url`` names another OpenAI-compatible server with the same model file, already running on this
+machine (llama-cpp-python's: ``python -m llama_cpp.server --model M --port 8001 --interrupt_requests False``;
+by default that server cuts a running stream short when the next request arrives): each concurrency then
+runs against it right after minfer, in every round, and the report gives minfer's token rate over the
+peer's per round. A peer that streams no usage chunk has its tokens counted as content chunks; requests
+that got fewer than ``--max-tokens`` tokens are reported as short.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int,
-                      bias: dict[str, float]) -> dict:
+                      bias: dict[str, float], need_usage: bool = True) -> dict:
+    """One streamed chat request. ``need_usage``: a stream without a usage chunk counts as failed (minfer
+    must send one); otherwise (a peer that does not) the tokens are counted as content chunks."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.8, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": bias}
     t0 = time.perf_counter()
@@ -74,19 +83,22 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
                     first = first or now
                     stamps.append(now)
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return {"ok": ok and usage is not None, "ttft": (first or time.perf_counter()) - t0,
-            "tokens": usage["completion_tokens"] if usage else 0,
-            "cached": usage["prompt_tokens_details"]["cached_tokens"] if usage else 0, "gaps": gaps,
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {"ok": ok and (usage is not None or not need_usage), "ttft": (first or time.perf_counter()) - t0,
+            "tokens": usage["completion_tokens"] if usage else len(stamps),
+            "cached": details.get("cached_tokens", 0), "gaps": gaps,
             "seconds": time.perf_counter() - t0}
 
 
-async def load_run(url: str, clients: int, requests: int, max_tokens: int, bias: dict[str, float]) -> dict:
+async def load_run(url: str, clients: int, requests: int, max_tokens: int, bias: dict[str, float],
+                   need_usage: bool = True) -> dict:
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
         async def worker(w: int) -> list[dict]:
             out = []
             for i in range(requests):
                 q = QUESTIONS[(w * requests + i) % len(QUESTIONS)] + f" (request {w}.{i})"
-                out.append(await one_request(client, url, [{"role": "user", "content": q}], max_tokens, bias))
+                out.append(await one_request(client, url, [{"role": "user", "content": q}], max_tokens, bias,
+                                             need_usage))
             return out
 
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -94,9 +106,11 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int, bias:
         wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     good = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in good)
+    short = sum(r["tokens"] < max_tokens for r in good)
     ttft = [r["ttft"] for r in good]
     gaps = [g for r in good for g in r["gaps"]]
-    return {"clients": clients, "requests": len(results), "failed": len(results) - len(good), "seconds": wall,
+    return {"clients": clients, "requests": len(results), "failed": len(results) - len(good), "short": short,
+            "seconds": wall,
             "requests_per_s": len(good) / wall, "tokens_per_s": tokens / wall,
             "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p95_ms": 1e3 * percentile(ttft, 0.95),
             "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p95_ms": 1e3 * percentile(gaps, 0.95),
@@ -129,6 +143,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=5, help="rounds over the concurrencies, interleaved")
     ap.add_argument("--long-run", type=int, default=200, help="requests of the memory run (8 clients), 0 = skip")
+    ap.add_argument("--peer-url", help="an OpenAI-compatible server already running on this machine with the "
+                    "same model file (e.g. python -m llama_cpp.server --model M --port 8001): every round runs each "
+                    "concurrency against it too, right after minfer's, and the report gives minfer's rate over it")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -142,9 +159,13 @@ def main() -> None:
     with ServerProcess(path, server_args) as server:
         asyncio.run(load_run(server.url, 2, 1, 8, bias))  # warm-up: plans for the common batch shapes
         concurrencies = [int(x) for x in args.clients.split(",")]
+        if args.peer_url:
+            asyncio.run(load_run(args.peer_url, 2, 1, 8, bias, need_usage=False))
         rounds: list[dict[int, dict]] = []
+        peer_rounds: list[dict[int, dict]] = []
         for k in range(args.repeat):
             rounds.append({})
+            peer_rounds.append({})
             for c in concurrencies:
                 before = rss_mib(server)
                 run = asyncio.run(load_run(server.url, c, args.requests, args.max_tokens, bias))
@@ -158,6 +179,15 @@ def main() -> None:
                           f"p95 {run['itl_p95_ms']:.1f} ms, "
                           f"failed {run['failed']}, RSS {before:.0f} -> {run['rss_after_mib']:.0f} MiB, "
                           f"client CPU {100 * run['client_cpu_share']:.0f}% of a core", flush=True)
+                if args.peer_url:
+                    peer = asyncio.run(load_run(args.peer_url, c, args.requests, args.max_tokens, bias,
+                                                need_usage=False))
+                    peer_rounds[-1][c] = peer
+                    if not args.json:
+                        print(f"{'' if args.repeat == 1 else f'round {k + 1}: '}{c:2d} clients x {args.requests}, "
+                              f"peer: {peer['tokens_per_s']:.1f} tok/s, TTFT p50 {peer['ttft_p50_ms']:.0f} ms, "
+                              f"ITL p50 {peer['itl_p50_ms']:.1f} ms, failed {peer['failed']}, "
+                              f"short {peer['short']}", flush=True)
         for c in concurrencies:  # the median round of each concurrency
             runs = sorted((r[c] for r in rounds), key=lambda r: r["tokens_per_s"])
             report["runs"].append({**runs[len(runs) // 2], "rounds": len(runs),
@@ -167,6 +197,15 @@ def main() -> None:
             for r in report["runs"]:
                 r["speedup_vs_1_client"] = r["tokens_per_s"] / single
                 r["speedup_by_round"] = [x[r["clients"]]["tokens_per_s"] / x[1]["tokens_per_s"] for x in rounds]
+        if args.peer_url:
+            report["peer"] = {"url": args.peer_url, "runs": []}
+            for c in concurrencies:
+                runs = sorted((r[c] for r in peer_rounds), key=lambda r: r["tokens_per_s"])
+                ratios = [x[c]["tokens_per_s"] / p[c]["tokens_per_s"] if p[c]["tokens_per_s"] else float("inf")
+                          for x, p in zip(rounds, peer_rounds, strict=True)]
+                report["peer"]["runs"].append({**runs[len(runs) // 2], "minfer_over_peer_by_round": ratios,
+                                               "failed_all_rounds": sum(r["failed"] for r in runs),
+                                               "short_all_rounds": sum(r["short"] for r in runs)})
         if args.long_run:
             samples = [rss_mib(server)]
             per_client = max(1, args.long_run // 8)
@@ -189,6 +228,11 @@ def main() -> None:
                     + f", their median {statistics.median(r['speedup_by_round']):.2f})")
                 print(f"aggregate tokens/s at {r['clients']} clients: {r['speedup_vs_1_client']:.2f}x one client"
                       f"{rounds_txt}; failed {r['failed_all_rounds']}")
+        for r in report.get("peer", {}).get("runs", []):
+            ratios = r["minfer_over_peer_by_round"]
+            print(f"minfer over the peer at {r['clients']} clients: median {statistics.median(ratios):.2f}x "
+                  f"(peer median {r['tokens_per_s']:.1f} tok/s; each round: " + ", ".join(f"{x:.2f}" for x in ratios)
+                  + f"); peer failed {r['failed_all_rounds']}, short {r['short_all_rounds']}")
         pr = report["prefix_reuse"]
         print(f"prefix reuse: TTFT cold {pr['cold']['ttft_ms']:.0f} ms ({pr['cold']['cached_tokens']} cached), "
               f"warm {pr['warm']['ttft_ms']:.0f} ms ({pr['warm']['cached_tokens']} cached)")
