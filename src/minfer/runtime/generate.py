@@ -105,15 +105,14 @@ class SequenceDecoder:
         Afterwards ``done`` says whether the sequence has finished (``stats.finish_reason`` says why).
         ``token``: what this sequence's sampler already drew from these logits (see ``samples_alone``)."""
         stats = self.stats
+        if token is not None and not self.samples_alone:
+            raise ValueError("a token drawn outside the decoder needs a decoder without constraint or logprobs")
         if self.constraint is not None:
             self.constraint.mask_logits(logits)
         lp = None
-        if token is not None:
-            if not self.samples_alone:
-                raise ValueError("a token drawn outside the decoder needs a decoder without constraint or logprobs")
-        elif self.logprobs is None:
+        if token is None and self.logprobs is None:
             token = self.sampler.sample(logits)
-        else:
+        elif token is None:
             token, lp = self.sampler.sample_with_logprobs(logits, self.logprobs)
         self.sampler.accept(token)
         stats.tokens.append(token)

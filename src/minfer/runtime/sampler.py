@@ -723,11 +723,15 @@ def _draw(cand: _Candidates, rng: np.random.Generator) -> tuple[int, float]:
     if n == 1:
         return 0, 1.0  # llama.cpp draws no number for a single candidate
     probs = cand.probs()
-    cum = np.cumsum(probs)
-    # side="right": the first position whose cumulative mass exceeds the target; a zero-probability
-    # (banned) token can never be picked, even for a draw of exactly 0
-    i = min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), n - 1)
+    i = _search(np.cumsum(probs), rng)
     return i, float(probs[i])
+
+
+def _search(cum: np.ndarray, rng: np.random.Generator) -> int:
+    """The position a draw picks from the cumulative masses ``cum`` of two or more candidates: side="right",
+    the first position whose cumulative mass exceeds the target, so a zero-probability (banned) token can
+    never be picked, even for a draw of exactly 0."""
+    return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), len(cum) - 1)
 
 
 _NOTHING_DRAWABLE = "no token can be sampled: every candidate is at -inf (banned by logit_bias or masked)"
@@ -1094,13 +1098,8 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> list[int | N
     for j, i in enumerate(rows):
         if codes[j]:
             continue
-        n = int(counts[j])
-        if n == 1:  # no number drawn for a single candidate, as _draw
-            out[i] = int(ids[j, 0])
-            continue
-        c = cum[j, :n]
-        r = samplers[i]._state.rng.random()
-        out[i] = int(ids[j, min(int(np.searchsorted(c, r * c[-1], side="right")), n - 1)])
+        n = int(counts[j])  # no number drawn for a single candidate, as _draw
+        out[i] = int(ids[j, 0 if n == 1 else _search(cum[j, :n], samplers[i]._state.rng)])
     return out
 
 
