@@ -28,13 +28,14 @@ def test_max_tokens_and_stats(model):
 
 
 def test_generation_past_the_context_is_a_clear_error(model):
-    from minfer.runtime.generate import GenerationStats, generate
+    from minfer.runtime.engine import GenerationRequest
     from minfer.runtime.sampler import Sampler, SamplingParams
+    from minfer.runtime.sequence import GenerationStats
 
     prompt = fixture_sequences("qwen3")[2]  # 33 of 48 positions
     stats = GenerationStats()
-    steps = generate(model.runner, model.tokenizer, prompt, Sampler(SamplingParams(temperature=0)),
-                     max_tokens=100, stats=stats, stop_ids=frozenset())
+    steps = model.engine.run(GenerationRequest(prompt, Sampler(SamplingParams(temperature=0)),
+                     max_tokens=100, stats=stats, stop_ids=frozenset()))
     got = []
     with pytest.raises(ContextOverflowError, match="position 48, n_ctx is 48"):
         for s in steps:
@@ -96,12 +97,12 @@ def test_eos_stops_generation(model):
     """Force the end-of-generation token: a logit bias-like check through the sampler."""
     eos = model.tokenizer.eos_id
     assert eos in model.tokenizer.eog_ids
-    from minfer.runtime.generate import generate
+    from minfer.runtime.engine import GenerationRequest
     from minfer.runtime.sampler import Sampler, SamplingParams
 
     class AlwaysEOS(Sampler):
         def sample(self, logits):
             return eos
 
-    steps = list(generate(model.runner, model.tokenizer, [0, 5], AlwaysEOS(SamplingParams(temperature=0)), 10))
+    steps = list(model.engine.run(GenerationRequest([0, 5], AlwaysEOS(SamplingParams(temperature=0)), 10)))
     assert steps == []

@@ -1,5 +1,6 @@
-"""Continuous batching (minfer.runtime.batch) on the tiny fixtures: what one batch gives equals what each
-sequence gives alone, prefix reuse, chunked prefill, cancellation, the bounded queue."""
+"""Continuous batching (minfer.runtime.engine driven by minfer.runtime.scheduler) on the tiny fixtures:
+what one batch gives equals what each sequence gives alone, prefix reuse, chunked prefill, cancellation,
+the bounded queue."""
 
 from __future__ import annotations
 
@@ -11,20 +12,20 @@ from conftest import fixture_dir, fixture_sequences
 
 import minfer
 from minfer.errors import ContextOverflowError
-from minfer.runtime.batch import (
-    BatchMetrics,
-    BatchRequest,
-    BatchScheduler,
+from minfer.runtime.engine import (
+    EngineConfig,
+    EngineHooks,
     Failed,
     Finished,
-    QueueFullError,
-    ShuttingDownError,
+    GenerationRequest,
     Started,
     Token,
     batch_buckets,
-    batch_kv_cache,
+    build_engine,
 )
 from minfer.runtime.forward import ForwardRunner
+from minfer.runtime.scheduler import BatchScheduler, QueueFullError, ShuttingDownError
+from minfer.runtime.slots import slots_kv_cache
 
 ARCH = "qwen2"
 
@@ -65,9 +66,10 @@ def model():
 
 
 def make_scheduler(model, n_seq: int, n_ctx: int | None = None, batch_size: int = 512, max_queue: int = 16):
-    kv = batch_kv_cache(model.hparams, n_ctx or 64 * n_seq, n_seq, cache_type=model.cache_type)
-    sched = BatchScheduler(ForwardRunner(model.transformer, model.backend, kv, max_plans=32), model.tokenizer,
-                           batch_size=batch_size, max_queue=max_queue)
+    config = EngineConfig(n_slots=n_seq, batch_size=batch_size, end_of_context="length", max_plans=32)
+    engine = build_engine(model.transformer, model.backend, model.tokenizer, n_ctx or 64 * n_seq, model.cache_type,
+                          config)
+    sched = BatchScheduler(engine, max_queue=max_queue)
     sched.start()
     return sched
 
@@ -75,7 +77,7 @@ def make_scheduler(model, n_seq: int, n_ctx: int | None = None, batch_size: int 
 def run_all(sched, model, prompts, max_tokens=12, **sampling) -> Collector:
     c = Collector(len(prompts))
     sampling = {"temperature": 0.0, **sampling}
-    reqs = [BatchRequest(p, model.sampler(**sampling), max_tokens, c.emit(i)) for i, p in enumerate(prompts)]
+    reqs = [GenerationRequest(p, model.sampler(**sampling), max_tokens, c.emit(i)) for i, p in enumerate(prompts)]
     sched.submit(reqs)
     c.wait()
     return c
@@ -181,8 +183,8 @@ def test_cancel_frees_the_slot_and_others_go_on(model):
         if isinstance(ev, Token):
             first_token.set()
 
-    slow = BatchRequest(prompts[0], model.sampler(temperature=0), 200, cancel_after_first)
-    other = BatchRequest(prompts[1], model.sampler(temperature=0), 12, c.emit(1))
+    slow = GenerationRequest(prompts[0], model.sampler(temperature=0), 200, cancel_after_first)
+    other = GenerationRequest(prompts[1], model.sampler(temperature=0), 12, c.emit(1))
     try:
         sched.submit([slow, other])
         assert first_token.wait(30)
@@ -200,7 +202,7 @@ def test_cancel_frees_the_slot_and_others_go_on(model):
 def test_queue_limit_refuses_with_queue_full(model):
     sched = make_scheduler(model, n_seq=1, max_queue=1)
     c = Collector(3)
-    reqs = [BatchRequest(p, model.sampler(temperature=0), 40, c.emit(i)) for i, p in enumerate(prompts_of(3))]
+    reqs = [GenerationRequest(p, model.sampler(temperature=0), 40, c.emit(i)) for i, p in enumerate(prompts_of(3))]
     try:
         sched.submit(reqs[:2])  # one runs (or is about to), one waits
         with pytest.raises(QueueFullError, match="queue limit 1"):
@@ -214,7 +216,7 @@ def test_prompt_longer_than_a_slot_is_refused(model):
     sched = make_scheduler(model, n_seq=4, n_ctx=64)  # 16 positions per sequence
     try:
         with pytest.raises(ContextOverflowError, match="17 tokens, more than the context of 16"):
-            sched.submit([BatchRequest(list(range(3, 20)), model.sampler(), 4, lambda ev: None)])
+            sched.submit([GenerationRequest(list(range(3, 20)), model.sampler(), 4, lambda ev: None)])
     finally:
         sched.stop()
 
@@ -236,7 +238,7 @@ def test_stopped_scheduler_refuses_new_requests(model):
     sched = make_scheduler(model, n_seq=1)
     sched.stop()
     with pytest.raises(ShuttingDownError):
-        sched.submit([BatchRequest([3, 4], model.sampler(), 2, lambda ev: None)])
+        sched.submit([GenerationRequest([3, 4], model.sampler(), 2, lambda ev: None)])
 
 
 def test_a_failing_request_fails_alone(model):
@@ -250,8 +252,8 @@ def test_a_failing_request_fails_alone(model):
     sched = make_scheduler(model, n_seq=2)
     c = Collector(2)
     try:
-        sched.submit([BatchRequest(prompts[0], model.sampler(temperature=0), 8, c.emit(0), constraint=Broken()),
-                      BatchRequest(prompts[1], model.sampler(temperature=0), 8, c.emit(1))])
+        sched.submit([GenerationRequest(prompts[0], model.sampler(temperature=0), 8, c.emit(0), constraint=Broken()),
+                      GenerationRequest(prompts[1], model.sampler(temperature=0), 8, c.emit(1))])
         c.wait()
     finally:
         sched.stop()
@@ -295,8 +297,8 @@ def test_after_events_follows_each_steps_events(model):
     sched.metrics = replace(sched.metrics, after_events=lambda: log.append("flush"))
     try:
         seq = fixture_sequences(ARCH)[1]
-        sched.submit([BatchRequest(seq[:7], model.sampler(temperature=0.0), 4, emit(0)),
-                      BatchRequest(seq[:9], model.sampler(temperature=0.0), 4, emit(1))])
+        sched.submit([GenerationRequest(seq[:7], model.sampler(temperature=0.0), 4, emit(0)),
+                      GenerationRequest(seq[:9], model.sampler(temperature=0.0), 4, emit(1))])
         c.wait()
     finally:
         sched.stop()  # returns once the loop has ended: the iteration that emitted Finished flushed
@@ -308,7 +310,7 @@ def test_after_events_follows_each_steps_events(model):
 def test_as_many_chosen_output_rows_as_tokens_are_honoured(model):
     """A forward call whose output_rows select n of n rows in another order (or repeated) gets those rows."""
     seq = fixture_sequences(ARCH)[2][:6]
-    kv = batch_kv_cache(model.hparams, 128, 2)
+    kv = slots_kv_cache(model.hparams, 128, 2, scratch=True)
     runner = ForwardRunner(model.transformer, model.backend, kv)
     full = runner.forward(seq, range(6))
     picked = runner.forward(seq, range(6), output_rows=[5, 5, 0, 1, 2, 3])
@@ -323,7 +325,7 @@ def test_prompt_chunks_end_a_pass_on_a_bucket_rather_than_pad_it(model):
     prompts = [seq[i : i + 17] for i in range(8)]  # 8 x 17 = 136 tokens
     sched = make_scheduler(model, n_seq=8, n_ctx=8 * 64)
     steps: list[int] = []
-    sched.metrics = BatchMetrics(on_step=lambda n_tokens, n_seq, seconds: steps.append(n_tokens))
+    sched.metrics = EngineHooks(on_step=lambda n_tokens, n_seq, seconds: steps.append(n_tokens))
     try:
         c = run_all(sched, model, prompts, max_tokens=4)
     finally:

@@ -95,12 +95,12 @@ def test_q8_0_fast_kernels_keep_clear_greedy_choices(arch):
 def test_greedy_continuation_matches(arch, variant, ref_dir, kernels):
     ref = load_json(fixture_dir(arch) / f"{ref_dir}greedy.json")
     model = minfer.load(fixture_dir(arch) / variant, n_ctx=64, kernels=kernels)
-    from minfer.runtime.generate import generate
+    from minfer.runtime.engine import GenerationRequest
     from minfer.runtime.sampler import Sampler, SamplingParams
 
     # EOS does not stop, as in the reference
-    steps = generate(model.runner, model.tokenizer, ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),
-                     max_tokens=len(ref["generated_ids"]), stop_ids=frozenset())
+    steps = model.engine.run(GenerationRequest(ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),
+                     max_tokens=len(ref["generated_ids"]), stop_ids=frozenset()))
     assert [s.token for s in steps if s.token is not None] == ref["generated_ids"]
 
 

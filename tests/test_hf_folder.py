@@ -102,13 +102,13 @@ def test_hf_tokenizer_matches_transformers(arch):
 
 
 def test_hf_greedy_continuation_matches_transformers(arch):
-    from minfer.runtime.generate import generate
+    from minfer.runtime.engine import GenerationRequest
     from minfer.runtime.sampler import Sampler, SamplingParams
 
     ref = load_json(fixture_dir(arch) / "greedy.json")
     model = minfer.load(fixture_dir(arch) / "hf", n_ctx=64)
-    steps = generate(model.runner, model.tokenizer, ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),
-                     max_tokens=len(ref["generated_ids"]), stop_ids=frozenset())
+    steps = model.engine.run(GenerationRequest(ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),
+                     max_tokens=len(ref["generated_ids"]), stop_ids=frozenset()))
     assert [s.token for s in steps if s.token is not None] == ref["generated_ids"]
 
 

@@ -10,13 +10,13 @@ from conftest import ARCHS, fixture_dir, fixture_logits, fixture_sequences, load
 
 import minfer
 from minfer.errors import BadRequestError, ContextOverflowError
-from minfer.runtime.generate import generate
+from minfer.runtime.engine import GenerationRequest
 from minfer.runtime.sampler import Sampler, SamplingParams
 
 
 def _greedy(model, ref):
-    steps = generate(model.runner, model.tokenizer, ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),
-                     max_tokens=len(ref["generated_ids"]), stop_ids=frozenset())
+    steps = model.engine.run(GenerationRequest(ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),
+                     max_tokens=len(ref["generated_ids"]), stop_ids=frozenset()))
     return [s.token for s in steps if s.token is not None]
 
 
@@ -139,7 +139,7 @@ def test_commit_takes_the_memory_at_creation():
 import json
 from dataclasses import replace
 import minfer
-from minfer.runtime.batch import batch_kv_cache
+from minfer.runtime.slots import slots_kv_cache
 from minfer.runtime.kv_cache import KVCache
 
 def resident_mib():
@@ -150,7 +150,7 @@ hp = replace(minfer.load({str(fixture_dir("llama") / "model-f32.gguf")!r}, n_ctx
 n_ctx = 96 * 2**20 // (4 * 2 * hp.n_layer * max(hp.k_width, hp.v_width))  # regions of ~96 MiB in all
 grown = {{}}
 for name, make in (("lazy", lambda: KVCache(hp, n_ctx)), ("committed", lambda: KVCache(hp, n_ctx, commit=True)),
-                   ("server", lambda: batch_kv_cache(hp, n_ctx // 2, 2))):  # 2 slots + scratch: ~72 MiB
+                   ("server", lambda: slots_kv_cache(hp, n_ctx // 2, 2, scratch=True))):  # 2 slots + scratch: ~72 MiB
     before = resident_mib()
     cache = make()
     grown[name] = resident_mib() - before
@@ -204,8 +204,8 @@ def test_position_beyond_a_sequence_is_refused_before_writing():
 def test_context_shift_keeps_generating(arch, cache_type):
     model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=32, cache_type=cache_type)
     prompt = fixture_sequences(arch)[1]
-    steps = generate(model.runner, model.tokenizer, prompt, Sampler(SamplingParams(temperature=0)),
-                     max_tokens=96, stop_ids=frozenset(), context_shift=True, n_keep=4)
+    steps = model.engine.run(GenerationRequest(prompt, Sampler(SamplingParams(temperature=0)),
+                     max_tokens=96, stop_ids=frozenset(), context_shift=True, n_keep=4))
     assert len([s for s in steps if s.token is not None]) == 96  # 3 x n_ctx, no error
     assert model.kv.tokens(0)[:4] == prompt[:4]  # the kept prefix survives every shift
 

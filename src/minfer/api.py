@@ -24,10 +24,9 @@ from minfer.perplexity import PerplexityResult, perplexity
 from minfer.pull import resolve_model
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
-from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.generate import GenerationStats, TokenStep, generate
-from minfer.runtime.kv_cache import KVCache, common_prefix
+from minfer.runtime.engine import EngineConfig, GenerationRequest, build_engine
 from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
+from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.trace.dump import Dumper
 from minfer.trace.tracer import Tracer
 
@@ -67,6 +66,7 @@ class Model:
         dump_dir: str | os.PathLike[str] | None = None,
         dump_filter: str | None = None,
         quantize: str | None = None,
+        engine_config: EngineConfig | None = None,
     ) -> None:
         if n_ctx is not None and (not isinstance(n_ctx, int) or n_ctx < 1):
             raise BadRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
@@ -86,14 +86,16 @@ class Model:
         # sampling defaults the checkpoint ships (HF generation_config.json); explicit arguments win
         self.generation_defaults: dict[str, Any] = self.transformer.generation_defaults()
         self.backend = CPUBackend(threads=threads, kernels=kernels)
-        self.kv = KVCache(hp, n_ctx, cache_type=cache_type)
         trace = trace or os.environ.get("MINFER_TRACE") or None
         dump_dir = dump_dir or os.environ.get("MINFER_DUMP_DIR") or None
         self.tracer = Tracer(trace, self.tokenizer) if trace else None
         dump_filter = dump_filter or os.environ.get("MINFER_DUMP_FILTER")
         self.dumper = Dumper(dump_dir, dump_filter) if dump_dir else None
         observers = [o for o in (self.tracer, self.dumper) if o is not None]
-        self.runner = ForwardRunner(self.transformer, self.backend, self.kv, observers)
+        self.engine = build_engine(self.transformer, self.backend, self.tokenizer, n_ctx, cache_type,
+                                   engine_config or EngineConfig(), observers)
+        self.runner = self.engine.runner
+        self.kv = self.engine.kv
         self.last_stats: GenerationStats | None = None
 
     @property
@@ -142,15 +144,6 @@ class Model:
         params = SamplingParams(**{**self.generation_defaults, **sampling})
         return Sampler(params, token_text=self.tokenizer.token_bytes)
 
-    def _prompt_ids(self, prompt: str | Sequence[int], add_special: bool) -> list[int]:
-        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
-        # checked here, not at the first step of a lazy stream, so a bad call fails where it is made
-        if not ids:
-            raise BadRequestError("the prompt is empty (no tokens to start from)")
-        if len(ids) > self.n_ctx:
-            raise ContextOverflowError(f"the prompt has {len(ids)} tokens, more than the context of {self.n_ctx}")
-        return ids
-
     def stream(
         self,
         prompt: str | Sequence[int],
@@ -172,17 +165,17 @@ class Model:
         text) the output must validate against, or ``True`` for any JSON object. ``context_shift``: when
         the context fills up, drop the oldest half after the first ``n_keep`` tokens instead of failing.
         """
-        ids = self._prompt_ids(prompt, add_special)
+        ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-        sampler = self.sampler(**sampling)
-        constraint = self.constraint(grammar, json_schema)
-        stats = GenerationStats()
-        self.last_stats = stats
-        # positions are data: a prompt that starts with what the cache already holds reuses those rows
-        n_cached = common_prefix(self.kv.tokens(0), ids, limit=len(ids) - 1)
-        return generate(self.runner, self.tokenizer, ids, sampler, max_tokens, stats, stop=stop, logprobs=logprobs,
-                        constraint=constraint, n_cached=n_cached, context_shift=context_shift, n_keep=n_keep)
+        request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, logprobs=logprobs,
+                                    constraint=self.constraint(grammar, json_schema), context_shift=context_shift,
+                                    n_keep=n_keep)
+        self.last_stats = request.stats
+        # one caller at a time: a stream left unfinished ends here. The prompt is placed now (a bad one
+        # fails where the call is made), reusing the prefix the cache already holds.
+        self.engine.cancel_all()
+        return self.engine.run(request)
 
     def constraint(
         self, grammar: str | None = None, json_schema: str | Mapping[str, Any] | bool | None = None
@@ -248,6 +241,8 @@ class Model:
 
     def conversation(self, system: str | None = None, seed: int | None = None, **sampling: Any) -> Conversation:
         """A multi-turn chat that keeps its KV cache between turns (see :class:`Conversation`)."""
+        if self.engine.slots.n_slots != 1:
+            raise BadRequestError("a conversation needs a model loaded with one slot (the default engine)")
         return Conversation(self, system, seed=seed, **sampling)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -293,6 +288,7 @@ def load(
     dump_dir: str | os.PathLike[str] | None = None,
     dump_filter: str | None = None,
     quantize: str | None = None,
+    engine_config: EngineConfig | None = None,
 ) -> Model:
     """Load a model: a GGUF file, a Hugging Face model folder (config.json, safetensors, tokenizer.json), or
     a known model name such as ``"smollm2"`` (pulled on first use).
@@ -306,7 +302,9 @@ def load(
     executed node's time and output statistics (``MINFER_TRACE`` sets it too; see :mod:`minfer.trace`).
     ``dump_dir``: a folder that gets the output tensors of the nodes whose names match ``dump_filter``
     (comma-separated shell patterns; ``MINFER_DUMP_DIR`` / ``MINFER_DUMP_FILTER`` set them too; see
-    :mod:`minfer.trace.dump`).
+    :mod:`minfer.trace.dump`). ``engine_config``: the engine's slots and batches (one sequence by
+    default; ``minfer serve`` asks for several, see :class:`~minfer.runtime.engine.EngineConfig`).
     """
     return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
-                 trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize)
+                 trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize,
+                 engine_config=engine_config)

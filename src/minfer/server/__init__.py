@@ -14,7 +14,6 @@ from pathlib import Path
 from minfer.errors import BadRequestError
 
 DEFAULT_PARALLEL = 4
-DEFAULT_CTX_SIZE = 4096
 MAX_PLANS = 48  # batch shapes whose prepared plans the server keeps
 
 
@@ -42,19 +41,20 @@ def serve(opts: ServeOptions) -> None:
     import uvicorn
 
     from minfer.api import load
-    from minfer.runtime.batch import BatchScheduler, batch_kv_cache
-    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.engine import EngineConfig
+    from minfer.runtime.scheduler import BatchScheduler
     from minfer.server.app import ServerConfig, create_app
 
     if opts.parallel < 1:
         raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
+    if opts.batch_size < 1:
+        raise BadRequestError(f"--batch-size must be >= 1, got {opts.batch_size}")
+    engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",
+                                 max_plans=MAX_PLANS)
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
-                 cache_type=opts.cache_type, quantize=opts.quantize)
-    n_ctx = opts.ctx_size or min(model.hparams.n_ctx_train, DEFAULT_CTX_SIZE)
-    kv = batch_kv_cache(model.hparams, n_ctx, opts.parallel, cache_type=opts.cache_type)
-    runner = ForwardRunner(model.transformer, model.backend, kv, max_plans=MAX_PLANS)
-    scheduler = BatchScheduler(runner, model.tokenizer, batch_size=opts.batch_size, max_queue=opts.queue_size)
-    scheduler.warm_up()
+                 cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config)
+    scheduler = BatchScheduler(model.engine, max_queue=opts.queue_size)
+    model.engine.warm_up()
     # Everything loaded so far (the model, the tokenizer's tables, the plans) lives as long as the server:
     # frozen, the collector stops walking it. Measured at 8 clients: collections took 95 ms of a 10 s run,
     # 1.7 ms each, landing inside decode steps; frozen, 16 ms.
@@ -94,7 +94,7 @@ def serve(opts: ServeOptions) -> None:
     try:
         http.start()
         print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences of "
-              f"{kv.capacity} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
+              f"{scheduler.slot_context} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
               file=sys.stderr, flush=True)
         scheduler.run()  # returns once the app's lifespan has stopped the scheduler
         http.join()

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over a :class:`~minfer.runtime.batch.BatchScheduler`.
+"""The OpenAI-compatible HTTP API over a :class:`~minfer.runtime.scheduler.BatchScheduler`.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as server-sent events
 with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every error is
@@ -30,19 +30,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minfer.api import Model
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
-from minfer.runtime.batch import (
-    BatchRequest,
-    BatchScheduler,
-    Event,
-    Failed,
-    Finished,
-    QueueFullError,
-    ShuttingDownError,
-    Started,
-    Token,
-)
-from minfer.runtime.generate import GenerationStats
+from minfer.runtime.engine import Event, Failed, Finished, GenerationRequest, Started, Token
 from minfer.runtime.sampler import TokenLogprob
+from minfer.runtime.scheduler import BatchScheduler, QueueFullError, ShuttingDownError
+from minfer.runtime.sequence import GenerationStats
 from minfer.server.metrics import ServerMetrics
 from minfer.server.protocol import ApiError, GenerationParams, parse_chat, parse_completion
 
@@ -122,7 +113,7 @@ class _Job:
     def __init__(self, pump: _EventPump) -> None:
         self.pump = pump
         self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.requests: list[BatchRequest] = []
+        self.requests: list[GenerationRequest] = []
         self.choices: list[_Choice] = []
 
     def emitter(self, index: int) -> Callable[[Event], None]:
@@ -298,9 +289,9 @@ def create_app(
                     sampler = model.sampler(**params.sampling, seed=seed)
                     constraint = model.constraint(params.grammar, params.json_schema)
                     job.choices.append(_Choice(index, p))
-                    job.requests.append(BatchRequest(ids, sampler, params.max_tokens, job.emitter(index),
-                                                     stop=params.stop, logprobs=params.logprobs,
-                                                     constraint=constraint))
+                    job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
+                                                          stop=params.stop, logprobs=params.logprobs,
+                                                          constraint=constraint))
             scheduler.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",

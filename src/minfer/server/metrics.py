@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from minfer.runtime.batch import BatchMetrics
-from minfer.runtime.generate import GenerationStats
+from minfer.runtime.engine import EngineHooks
+from minfer.runtime.sequence import GenerationStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
@@ -46,8 +46,8 @@ class ServerMetrics:
                                       buckets=BATCH_BUCKETS, registry=reg)
         self.forward_seconds = Counter("minfer_forward_seconds", "time spent in forward passes", registry=reg)
 
-    def batch_hooks(self) -> BatchMetrics:
-        return BatchMetrics(
+    def batch_hooks(self) -> EngineHooks:
+        return EngineHooks(
             on_first_token=self.ttft.observe,
             on_token_gap=self.itl.observe,
             on_finished=self._finished,

@@ -1,24 +1,19 @@
-"""The decode loop: prefill the prompt, then one token per step until a stop condition.
+"""One sequence's output: the token each step picks, the text it releases, and when the sequence stops.
 
-Each step's positions are data: the prompt occupies positions 0..n-1, the k-th generated token is
-evaluated at position n+k-1 and its K/V row lands there. A step: logits -> (constraint mask) -> sampler
-chain -> token; the token's text goes through the UTF-8-safe detokenizer and the stop-string matcher.
 Stops: an end-of-generation token (not part of the text), a stop string (not part of the text either),
-a finished grammar, or ``max_tokens``. Running past the context is an error (ContextOverflowError naming
-n_ctx and the position), never a silent stop.
+a finished grammar, or ``max_tokens``. The text goes through the UTF-8-safe detokenizer (a character split
+over tokens comes out whole) and the stop-string matcher (text that may begin a stop string is held back).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from minfer.errors import BadRequestError, ContextOverflowError
-from minfer.runtime.forward import ForwardRunner
+from minfer.errors import BadRequestError
 from minfer.runtime.sampler import Sampler, TokenLogprob
 from minfer.runtime.stop import StopMatcher
 
@@ -54,11 +49,11 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-class SequenceDecoder:
-    """One sequence's side of a decode step: logits -> (constraint mask) -> sampler -> token, then the
+class Continuation:
+    """One sequence's side of an engine step: logits -> (constraint mask) -> sampler -> token, then the
     token's text through the UTF-8-safe detokenizer and the stop-string matcher, and the stop checks.
 
-    The decode loop below drives one of these; the batch scheduler drives one per running sequence.
+    The engine (:mod:`minfer.runtime.engine`) keeps one per running sequence.
     """
 
     def __init__(
@@ -106,7 +101,7 @@ class SequenceDecoder:
         ``token``: what this sequence's sampler already drew from these logits (see ``samples_alone``)."""
         stats = self.stats
         if token is not None and not self.samples_alone:
-            raise ValueError("a token drawn outside the decoder needs a decoder without constraint or logprobs")
+            raise ValueError("a token drawn outside the continuation needs one without constraint or logprobs")
         if self.constraint is not None:
             self.constraint.mask_logits(logits)
         lp = None
@@ -150,71 +145,3 @@ class SequenceDecoder:
             else:
                 tail += self.matcher.flush()
         return TokenStep(None, tail) if tail else None
-
-
-def generate(
-    runner: ForwardRunner,
-    tokenizer: Any,
-    prompt_ids: Sequence[int],
-    sampler: Sampler,
-    max_tokens: int,
-    stats: GenerationStats | None = None,
-    stop_ids: frozenset[int] | None = None,
-    stop: str | Sequence[str] = (),
-    logprobs: int | None = None,
-    constraint: Any = None,
-    n_cached: int = 0,
-    context_shift: bool = False,
-    n_keep: int = 0,
-) -> Iterator[TokenStep]:
-    """Yield generated tokens with the text they release; fills ``stats`` as it goes.
-
-    ``logprobs``: with a number N, each step carries the chosen token's log-probability and the N most
-    likely alternatives. ``constraint``: an object with ``mask_logits``, ``accept`` and ``is_finished``
-    (a grammar or JSON schema, :mod:`minfer.runtime.constraints`). ``n_cached``: the first ``n_cached``
-    prompt tokens are already in the cache at their positions (a reused prefix): only the rest is evaluated.
-    ``context_shift``: when the context is full, drop the oldest half after the first ``n_keep`` positions
-    (a system prompt) and go on, instead of raising ContextOverflowError.
-    """
-    stats = stats if stats is not None else GenerationStats()
-    n_ctx = runner.kv.capacity
-    n = len(prompt_ids)
-    if n == 0:
-        raise BadRequestError("the prompt is empty (no tokens to start from)")
-    if n > n_ctx:
-        raise ContextOverflowError(f"the prompt has {n} tokens, more than the context of {n_ctx}")
-    if not 0 <= n_cached < n:
-        raise BadRequestError(f"n_cached must be in 0..{n - 1} (a prompt token must be evaluated), got {n_cached}")
-    decoder = SequenceDecoder(tokenizer, sampler, max_tokens, stats, stop_ids, stop, logprobs, constraint)
-    decoder.start(prompt_ids)
-    if decoder.done:
-        return
-
-    t0 = time.perf_counter()
-    logits = runner.forward(prompt_ids[n_cached:], range(n_cached, n), output_rows=[n - 1 - n_cached])[0]
-    stats.prefill_seconds = time.perf_counter() - t0
-    pos = n
-    t0 = time.perf_counter()
-    while True:
-        step = decoder.step(logits)
-        if step is not None:
-            yield step
-        if decoder.done:
-            break
-        if pos >= n_ctx and context_shift:
-            n_discard = (pos - n_keep) // 2
-            if n_discard < 1:
-                raise ContextOverflowError(f"context shift: n_keep {n_keep} leaves nothing to drop in {n_ctx}")
-            runner.shift_context(0, n_keep, n_discard)
-            pos -= n_discard
-        if pos >= n_ctx:
-            raise ContextOverflowError(
-                f"generation reached the end of the context: the next token would be at position {pos}, "
-                f"n_ctx is {n_ctx} (use a larger context)"
-            )
-        logits = runner.forward([step.token], [pos])[0]
-        pos += 1
-        stats.decode_seconds = time.perf_counter() - t0
-    tail = decoder.finish()
-    if tail is not None:
-        yield tail

@@ -1,0 +1,470 @@
+"""The engine: one step that every path drives (the Python API, the CLI, conversations and the server).
+
+A step assembles one batch out of every running sequence (its next token, or a chunk of its prompt),
+runs one forward pass, samples every sequence that got an output row (in one compiled call where the
+sampler alone picks the token), then advances each sequence: its token, the text it releases, a stop, a
+context shift, or the end of its slot. Positions and cache rows are data: token i of the batch belongs
+to sequence ``seq_ids[i]`` at position ``positions[i]``, so prefill, decode and many sequences share one
+graph, and one attention call per layer serves them all (each token reads its own sequence's rows).
+
+Requests join with :meth:`Engine.add` (a free slot, see :mod:`minfer.runtime.slots`) and leave between
+steps (finished, cancelled). :meth:`Engine.run` drives the steps on the caller's thread until one
+request ends (the API); :class:`minfer.runtime.scheduler.BatchScheduler` drives them from a queue on a
+thread of its own (the server).
+
+Batch shapes of a padded engine (the server's): every new (tokens, outputs) shape costs a graph build
+and its own buffers, and a mixed step's token count would otherwise be new almost every time. So a pass
+evaluates a bucketed number of tokens (1..4, 8, then steps of about 1.5x up to the batch size): the spare
+rows are padding tokens at position 0 of the cache's scratch sequence, which nothing reads, and spare
+output rows repeat a real one. An unpadded engine (the API's) evaluates exactly what it has: a whole
+prompt in one pass, then one token per step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from minfer.errors import BadRequestError, ContextOverflowError, MinferError
+from minfer.models.model import TransformerModel
+from minfer.runtime.forward import MAX_PLANS, ForwardRunner
+from minfer.runtime.sampler import Sampler, sample_rows
+from minfer.runtime.sequence import Continuation, GenerationStats, TokenStep
+from minfer.runtime.slots import Slots, slots_kv_cache
+
+EndOfContext = Literal["error", "length"]
+
+
+def batch_buckets(batch_size: int) -> list[int]:
+    """Token counts a padded pass is padded to: 1..4, then 8 and about 1.5x apart, and ``batch_size``.
+
+    5..7 tokens go to 8. A pass of 7 costs a little less than one of 8 (SmolLM2: 17.5 against 18.1 ms; 5
+    tokens 13.6 ms), but exact buckets there multiply the (tokens, outputs) shapes of mixed passes, each
+    a plan built while serving (17-40 ms), and a paired server run with them showed no gain."""
+    sizes = [1, 2, 3, 4, 8]
+    while sizes[-1] < batch_size:
+        nxt = sizes[-1] * 3 // 2 if len(sizes) % 2 else sizes[-1] * 4 // 3
+        sizes.append(nxt)
+    return sorted({x for x in sizes if x < batch_size} | {batch_size})
+
+
+@dataclass
+class Started:
+    """The request got a slot; ``cached_tokens`` prompt tokens were reused from the cache."""
+
+    cached_tokens: int
+
+
+@dataclass
+class Token:
+    step: TokenStep
+
+
+@dataclass
+class Finished:
+    """The last event of a request that ran to its end (``stats.finish_reason`` says why)."""
+
+    stats: GenerationStats
+    cached_tokens: int
+
+
+@dataclass
+class Failed:
+    """The last event of a request that could not be served; the others go on."""
+
+    error: Exception
+
+
+Event = Started | Token | Finished | Failed
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One sequence to generate. ``emit`` receives its events on the thread that drives the engine."""
+
+    prompt_ids: Seq[int]
+    sampler: Sampler
+    max_tokens: int | None  # None: until the slot's context is full
+    emit: Callable[[Event], None] = lambda event: None
+    stop: Seq[str] = ()
+    logprobs: int | None = None
+    constraint: Any = None
+    stop_ids: frozenset[int] | None = None  # None: the tokenizer's end-of-generation tokens
+    context_shift: bool = False  # at the end of the slot, drop the oldest half after n_keep positions
+    n_keep: int = 0
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Stop generating (thread-safe); the slot is freed before the next forward pass."""
+        self.cancelled.set()
+
+
+@dataclass
+class EngineHooks:
+    """Callbacks a server's metrics hang on the engine (each called on the engine's thread)."""
+
+    on_first_token: Callable[[float], None] | None = None  # seconds from submission to the first token
+    on_token_gap: Callable[[float], None] | None = None  # seconds between two tokens of one sequence
+    on_finished: Callable[[GenerationStats, int], None] | None = None  # stats, cached prompt tokens
+    on_step: Callable[[int, int, float], None] | None = None  # tokens evaluated, sequences sampled, seconds
+    # end of each scheduler iteration, once its events were emitted: a consumer that buffers events (the
+    # server's event pump) hands them over then, one wake-up for the whole step
+    after_events: Callable[[], None] | None = None
+
+
+@dataclass
+class _Batch:
+    """One forward pass's inputs: token i of sequence ``seqs[i]`` at ``positions[i]``; the rows of
+    ``outputs`` are sampled for ``sampled`` (in order); the first ``n_real`` tokens are not padding."""
+
+    tokens: list[int]
+    positions: list[int]
+    seqs: list[int] | int
+    outputs: list[int]
+    sampled: list[_Running]
+    n_real: int
+
+
+@dataclass(eq=False)
+class _Running:
+    request: GenerationRequest
+    slot: int
+    out: Continuation
+    cached: int  # prompt tokens reused from the cache
+    n_done: int  # prompt tokens in the cache so far
+    next_token: int | None = None  # sampled, to be evaluated at ``pos`` in the next pass
+    pos: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class Engine:
+    """Sequences in the slots of ``runner.kv``, advanced together one :meth:`step` at a time.
+
+    ``batch_size``: None for an unpadded engine (every sequence of the cache is a slot, a prompt goes in
+    one pass); a number for a padded one (at most that many tokens a pass, decodes first, then prompt
+    chunks; the cache's last sequence is the padding scratch, see :func:`~minfer.runtime.slots.slots_kv_cache`).
+    ``end_of_context``: what a sequence that fills its slot gets: ``"error"`` (a ContextOverflowError
+    naming the position, the API's rule) or ``"length"`` (its ``max_tokens`` is capped by the room left
+    and it finishes with reason "length", the server's rule). A request with ``context_shift`` shifts
+    instead.
+    """
+
+    def __init__(
+        self,
+        runner: ForwardRunner,
+        tokenizer: Any,
+        batch_size: int | None = None,
+        end_of_context: EndOfContext = "error",
+        hooks: EngineHooks | None = None,
+    ) -> None:
+        if batch_size is not None and batch_size < 1:
+            raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
+        self.runner = runner
+        self.kv = runner.kv
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.end_of_context = end_of_context
+        self.hooks = hooks or EngineHooks()
+        if batch_size is None:
+            self.slots = Slots(runner, self.kv.n_seq)
+            self._pad_seq: int | None = None
+            self._buckets: list[int] = []
+        else:
+            if self.kv.n_seq < 2:
+                raise BadRequestError("a padded engine needs a cache with a scratch sequence (slots_kv_cache)")
+            self.slots = Slots(runner, self.kv.n_seq - 1)
+            self._pad_seq = self.kv.n_seq - 1
+            self._buckets = batch_buckets(batch_size)
+        # replaced, never mutated: another thread may read a consistent list at any time (metrics)
+        self.running: list[_Running] = []
+        self._steps = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        """Refuse a request this engine can never serve (thread-safe: reads only sizes). A bad id is
+        refused here: inside a shared forward pass it would fail every sequence of the pass."""
+        prompt = request.prompt_ids
+        if len(prompt) == 0:
+            raise BadRequestError("the prompt is empty (no tokens to start from)")
+        n_vocab = self.runner.model.hparams.n_vocab
+        for i, t in enumerate(prompt):
+            if not 0 <= t < n_vocab:
+                raise BadRequestError(f"token id {t} at index {i} is outside the vocabulary (0..{n_vocab - 1})")
+        if len(prompt) > self.slots.capacity:
+            per_sequence = " tokens per sequence" if self.slots.n_slots > 1 else ""
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}"
+            )
+
+    def add(self, request: GenerationRequest) -> None:
+        """Give ``request`` a free slot (reusing the cached prefix it shares) and emit ``Started``."""
+        self.check(request)
+        prompt = list(request.prompt_ids)
+        room = self.slots.capacity - len(prompt) + 1  # the first token comes from the prompt's last logits
+        max_tokens = request.max_tokens
+        if max_tokens is None or (self.end_of_context == "length" and max_tokens > room):
+            max_tokens = room
+        out = Continuation(self.tokenizer, request.sampler, max_tokens, request.stats, request.stop_ids,
+                           request.stop, request.logprobs, request.constraint)
+        slot, cached = self.slots.take(prompt)
+        out.start(prompt)
+        self.running = [*self.running, _Running(request, slot, out, cached=cached, n_done=cached)]
+        request.emit(Started(cached))
+
+    def cancel_all(self) -> None:
+        """End every running sequence now (reason "cancelled")."""
+        for run in self.running:
+            self._finish(run, "cancelled")
+
+    def fail_all(self, error: Exception) -> None:
+        """A pass failed: its sequences fail with ``error`` (logged unless it is the user's mistake)."""
+        if not isinstance(error, MinferError):
+            traceback.print_exception(error)
+        for run in self.running:
+            run.request.emit(Failed(error))
+            self._release(run)
+
+    @property
+    def n_free(self) -> int:
+        """Slots a new request can take now."""
+        return self.slots.n_free
+
+    def cells_in_use(self) -> int:
+        """KV cache positions held by running sequences."""
+        return sum(r.n_done if r.next_token is None else r.pos for r in self.running)
+
+    def run(self, request: GenerationRequest) -> Iterator[TokenStep]:
+        """Add ``request`` now, then (as the result is iterated) step the engine on the calling thread
+        until it ends: its tokens as they come (other running sequences advance in the same passes).
+        Raises what failed it; a caller that stops iterating early cancels it."""
+        events: list[Event] = []
+        request.emit = events.append
+        self.add(request)
+        return self._drive(request, events)
+
+    def _drive(self, request: GenerationRequest, events: list[Event]) -> Iterator[TokenStep]:
+        ended = False
+        try:
+            while True:
+                if not events and not self.step():
+                    raise RuntimeError("the engine has nothing to run for a request that has not ended")
+                for event in events:
+                    if isinstance(event, Token):
+                        yield event.step
+                    elif isinstance(event, Failed):
+                        ended = True
+                        raise event.error
+                    elif isinstance(event, Finished):
+                        ended = True
+                        return
+                events.clear()
+        finally:
+            if not ended:
+                request.cancel()
+                self._drop_cancelled()
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Assemble one batch, run one forward pass, sample, advance. False when there was nothing to run."""
+        self._drop_cancelled()
+        for run in [r for r in self.running if r.out.done]:  # max_tokens 0
+            self._finish(run)
+        batch = self._assemble()
+        if batch is None:
+            return False
+        sampled = batch.sampled
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch.tokens, batch.positions, output_rows=batch.outputs,
+                                     seq_ids=batch.seqs)[: len(sampled)]
+        t1 = time.perf_counter()
+        for run in sampled:
+            if run.next_token is None:
+                run.request.stats.prefill_seconds = t1 - run.started_at
+        self._steps += 1
+        if self.hooks.on_step:
+            self.hooks.on_step(batch.n_real, len(sampled), t1 - t0)
+        for run, row, token in zip(sampled, logits, self._sample(sampled, logits), strict=True):
+            self._advance(run, row, token)
+        return True
+
+    def _assemble(self) -> _Batch | None:
+        """Every running sequence's next token, then as much waiting prompt as the budget allows."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        outputs: list[int] = []
+        sampled: list[_Running] = []
+        for run in self.running:
+            if run.next_token is not None:
+                outputs.append(len(tokens))
+                sampled.append(run)
+                tokens.append(run.next_token)
+                positions.append(run.pos)
+                seqs.append(run.slot)
+        budget = self._prompt_budget(len(tokens))
+        for run in self.running:
+            if run.next_token is not None or budget <= 0:
+                continue
+            prompt = run.request.prompt_ids
+            chunk = min(len(prompt) - run.n_done, budget)
+            tokens.extend(prompt[run.n_done : run.n_done + chunk])
+            positions.extend(range(run.n_done, run.n_done + chunk))
+            seqs.extend([run.slot] * chunk)
+            run.n_done += chunk
+            budget -= chunk
+            if run.n_done == len(prompt):
+                outputs.append(len(tokens) - 1)
+                sampled.append(run)
+        if not tokens:
+            return None
+        n_real, n_out = len(tokens), len(outputs)
+        if self._pad_seq is None:
+            one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
+            return _Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, n_real)
+        pad = self._bucket(n_real) - n_real
+        tokens += [0] * pad
+        positions += [0] * pad
+        seqs += [self._pad_seq] * pad
+        spare = outputs[-1] if outputs else 0  # a pass of prompt chunks only still gets one (unused) output row
+        outputs += [spare] * (self._bucket(max(n_out, 1)) - n_out)
+        return _Batch(tokens, positions, seqs, outputs, sampled, n_real)
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self._buckets if b >= n)
+
+    def _prompt_budget(self, n_decode: int) -> int:
+        """Prompt tokens this pass takes beside its ``n_decode`` decodes: as many as wait (up to the batch
+        size), or fewer when that ends the pass exactly on a bucket instead of padding it to the next one.
+        The tokens left out go first in the next pass, so nothing is computed twice; a cut of more than a
+        quarter of the prompt tokens is not worth the delay (it would also starve a small pass)."""
+        waiting = sum(len(r.request.prompt_ids) - r.n_done for r in self.running if r.next_token is None)
+        if self.batch_size is None:
+            return waiting
+        take = min(waiting, self.batch_size - n_decode)
+        n = n_decode + take
+        if take == 0 or self._bucket(n) == n:
+            return take
+        fit = max(b for b in self._buckets if b <= n)
+        return fit - n_decode if 4 * (fit - n_decode) >= 3 * take else take
+
+    def _sample(self, sampled: list[_Running], logits: np.ndarray) -> list[int | None]:
+        """The sequences whose sampler alone picks the token draw together: one compiled call for all rows.
+        The others (a constraint, logprobs) pick in their own step."""
+        alone = [i for i, run in enumerate(sampled) if run.out.samples_alone]
+        picks: list[int | None] = [None] * len(sampled)
+        if len(alone) > 1:
+            rows = logits[alone] if len(alone) < len(sampled) else logits  # a gather is a contiguous copy
+            for i, token in zip(alone, sample_rows([sampled[i].out.sampler for i in alone], rows), strict=True):
+                picks[i] = token
+        return picks
+
+    def warm_up(self) -> None:
+        """Before the first requests of a padded engine: size the runner's buffer arena for the largest
+        pass it makes (a full batch with an output per slot) and write its pages, then prepare the plans
+        of the decode shapes (1..n_slots sequences). Memory is then taken up front, and no later batch
+        shape grows it."""
+        if self.batch_size is None:
+            return
+        n_slots = self.slots.n_slots
+        self.runner.plan(self.batch_size, self._bucket(min(n_slots, self.batch_size)))
+        self.runner.arena.commit()
+        for n in range(1, n_slots + 1):
+            b = self._bucket(n)
+            self.runner.plan(b, b)
+
+    def _advance(self, run: _Running, logits: np.ndarray, token: int | None) -> None:
+        try:
+            step = run.out.step(logits, token)
+        except Exception as e:  # noqa: BLE001 - e.g. a constraint with no allowed token: this request only
+            run.request.emit(Failed(e))
+            self._release(run)
+            return
+        now = time.perf_counter()
+        hooks = self.hooks
+        if run.first_token_at is None:
+            run.first_token_at = now
+            if hooks.on_first_token:
+                hooks.on_first_token(now - run.request.submitted_at)
+        elif hooks.on_token_gap and run.last_token_at is not None:
+            hooks.on_token_gap(now - run.last_token_at)
+        run.last_token_at = now
+        run.request.stats.decode_seconds = now - run.first_token_at
+        if step is not None:
+            run.request.emit(Token(step))
+        if run.out.done:
+            self._finish(run)
+            return
+        assert step is not None and step.token is not None
+        # the token just sampled is evaluated next, right after the prompt or the token before it
+        next_pos = len(run.request.prompt_ids) if run.next_token is None else run.pos + 1
+        if next_pos >= self.slots.capacity:
+            if run.request.context_shift:
+                next_pos = self.slots.shift(run.slot, run.request.n_keep, next_pos)
+            elif self.end_of_context == "length":  # not reached: max_tokens is capped by the room left
+                self._finish(run, "length")
+                return
+            else:
+                run.request.emit(Failed(ContextOverflowError(
+                    f"generation reached the end of the context: the next token would be at position {next_pos}, "
+                    f"n_ctx is {self.slots.capacity} (use a larger context)"
+                )))
+                self._release(run)
+                return
+        run.next_token, run.pos = step.token, next_pos
+
+    def _drop_cancelled(self) -> None:
+        for run in [r for r in self.running if r.request.cancelled.is_set()]:
+            self._finish(run, "cancelled")
+
+    def _finish(self, run: _Running, reason: str | None = None) -> None:
+        tail = run.out.finish(reason)
+        if tail is not None:
+            run.request.emit(Token(tail))
+        if self.hooks.on_finished:
+            self.hooks.on_finished(run.request.stats, run.cached)
+        run.request.emit(Finished(run.request.stats, run.cached))
+        self._release(run)
+
+    def _release(self, run: _Running) -> None:
+        self.running = [r for r in self.running if r is not run]
+        self.slots.release(run.slot, self._steps)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine is laid out: the API's default (one unpadded slot, an error at the end of the
+    context) or a server's (``n_slots`` padded slots sharing the context, ``batch_size`` tokens a pass)."""
+
+    n_slots: int = 1
+    batch_size: int | None = None
+    end_of_context: EndOfContext = "error"
+    max_plans: int = MAX_PLANS  # batch shapes whose prepared plans the runner keeps
+
+
+def build_engine(
+    model: TransformerModel,
+    backend: Any,
+    tokenizer: Any,
+    n_ctx: int,
+    cache_type: str | None = None,
+    config: EngineConfig = EngineConfig(),
+    observers: Seq[Any] = (),
+) -> Engine:
+    """The KV cache, the forward runner and the engine over them: the one construction that
+    ``minfer.load`` and ``minfer serve`` share."""
+    kv = slots_kv_cache(model.hparams, n_ctx, config.n_slots, cache_type, scratch=config.batch_size is not None)
+    runner = ForwardRunner(model, backend, kv, observers, max_plans=config.max_plans)
+    return Engine(runner, tokenizer, config.batch_size, config.end_of_context)

@@ -1,0 +1,100 @@
+"""Slots: the sequences of a KV cache that running requests hold, where a new one goes, and context shift.
+
+Each running request holds a *slot*, one sequence of the cache (``capacity`` positions of its own). A
+finished request leaves its tokens in its slot, so a new request takes the free slot whose cached tokens
+share the longest prefix with its prompt, or copies the longest shared prefix from any slot, and
+evaluates only the rest of its prompt (positions are data: the reused rows stay where they are).
+
+An engine that pads its batches to a few shapes keeps one more sequence than it has slots: the scratch
+sequence its padding tokens write to, which nothing reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from minfer.errors import BadRequestError, ContextOverflowError
+from minfer.models.hparams import HParams
+from minfer.runtime.forward import ForwardRunner
+from minfer.runtime.kv_cache import KVCache, common_prefix
+
+
+def slots_kv_cache(
+    hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None, scratch: bool = False
+) -> KVCache:
+    """A cache for ``n_slots`` sequences of ``n_ctx // n_slots`` positions each, plus the scratch sequence
+    of a padded engine. A padded (server) cache commits its memory at creation: resident memory does not
+    grow as slots fill, and no pass waits on page faults (measured with 8 slots: copying a 40-token prefix
+    into fresh pages took 183-221 ms on this sandbox, into committed ones 0.2-0.3 ms)."""
+    if n_slots < 1 or n_ctx < n_slots:
+        raise BadRequestError(f"a context of {n_ctx} cannot hold {n_slots} sequences")
+    if not scratch:
+        return KVCache(hparams, n_ctx, cache_type, n_seq=n_slots)
+    capacity = n_ctx // n_slots
+    return KVCache(hparams, capacity * (n_slots + 1), cache_type, n_seq=n_slots + 1, commit=True)
+
+
+class Slots:
+    """Which of the first ``n_slots`` sequences of ``runner.kv`` are taken, and by what they were left."""
+
+    def __init__(self, runner: ForwardRunner, n_slots: int) -> None:
+        if not 1 <= n_slots <= runner.kv.n_seq:
+            raise BadRequestError(f"{n_slots} slots do not fit in a cache of {runner.kv.n_seq} sequences")
+        self.runner = runner
+        self.kv: KVCache = runner.kv
+        self.n_slots = n_slots
+        self._busy: set[int] = set()
+        self._free_since = dict.fromkeys(range(n_slots), 0)  # slot -> engine step it was freed at
+
+    @property
+    def capacity(self) -> int:
+        """Positions each slot holds (prompt + generated)."""
+        return self.kv.capacity
+
+    @property
+    def n_free(self) -> int:
+        return self.n_slots - len(self._busy)
+
+    def take(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """A free slot for ``prompt`` and how many of its first tokens that slot now holds (reused from this
+        slot or copied from another). The last prompt token is always left to evaluate: its logits are
+        needed."""
+        if len(prompt) > self.capacity:
+            raise ContextOverflowError(f"the prompt has {len(prompt)} tokens, more than the context of "
+                                       f"{self.capacity}" + (" tokens per sequence" if self.n_slots > 1 else ""))
+        free = [s for s in range(self.n_slots) if s not in self._busy]
+        if not free:
+            raise BadRequestError(f"all {self.n_slots} slots are taken")
+        limit = len(prompt) - 1
+        best_src, best_n = -1, 0
+        for s in range(self.n_slots):
+            n = common_prefix(self.kv.tokens(s), prompt, limit)
+            if n > best_n or (n == best_n and n > 0 and s in free and best_src not in free):
+                best_src, best_n = s, n
+
+        def lost(s: int) -> tuple[int, int, int]:
+            """Cached tokens that taking slot ``s`` throws away (then: prefer no copy, the longest unused)."""
+            held = len(self.kv.tokens(s))
+            return (held - best_n if s == best_src else held, s != best_src, self._free_since[s])
+
+        slot = min(free, key=lost)
+        if best_n and slot != best_src:
+            self.kv.copy_prefix(best_src, slot, best_n)
+        self.kv.truncate(slot, best_n)
+        self._busy.add(slot)
+        return slot, best_n
+
+    def release(self, slot: int, step: int) -> None:
+        """The slot is free again (since engine step ``step``); its tokens stay for a later prompt that
+        shares them."""
+        self._busy.discard(slot)
+        self._free_since[slot] = step
+
+    def shift(self, slot: int, n_keep: int, pos: int) -> int:
+        """Context shift of a full slot: drop the oldest half after the first ``n_keep`` positions (a system
+        prompt); the position the next token goes to."""
+        n_discard = (pos - n_keep) // 2
+        if n_discard < 1:
+            raise ContextOverflowError(f"context shift: n_keep {n_keep} leaves nothing to drop in {self.capacity}")
+        self.runner.shift_context(slot, n_keep, n_discard)
+        return pos - n_discard
