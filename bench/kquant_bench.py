@@ -28,9 +28,10 @@ from gguf import quants as gq
 
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
+from minfer.formats.block_types import GGMLType, block_size, type_size
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS
-from minfer.formats.quants import DEQUANTIZERS, GGMLType, block_size, type_size
+from minfer.formats.quants import DEQUANTIZERS
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (2048, 2048)]
 TYPES = ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]

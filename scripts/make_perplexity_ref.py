@@ -1,6 +1,6 @@
 """Reference perplexity of SmolLM2-135M-Instruct Q4_1 with HF transformers (fp32, dequantized weights).
 
-Same method as ``minfer.perplexity`` and llama-perplexity: tokens of the whole text (SmolLM2 adds no
+Same method as ``minfer.runtime.perplexity`` and llama-perplexity: tokens of the whole text (SmolLM2 adds no
 BOS), chunks of ``n_ctx`` tokens, each chunk evaluated from position 0, the second half scored
 (positions n_ctx/2 .. n_ctx-2 predicting the next token), PPL = exp(mean NLL) with llama.cpp's error.
 

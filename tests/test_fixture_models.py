@@ -127,7 +127,7 @@ def test_gemma3_hparams_from_metadata():
     assert hp.layer_rope(0) == (10000.0, 1.0) and hp.layer_rope(5) == (1e6, 1 / 8)  # linear x8 on global layers
     assert hp.attn_scale == pytest.approx(16**-0.5)  # 1/sqrt(head_dim), not 1/sqrt(n_embd / n_head)
     assert hp.embd_scale == np.float32(np.sqrt(32))
-    from minfer.model_summary import summarize
+    from minfer.tools.model_summary import summarize
 
     features = summarize(minfer.load(fixture_dir("gemma3") / "model-f32.gguf", n_ctx=16).transformer)["features"]
     assert "sliding window 6 on 6 of 7 layers (global: 5; local RoPE base 10000, unscaled)" in features

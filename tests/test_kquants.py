@@ -35,9 +35,9 @@ from gguf import quants as gq
 
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.errors import ModelError
+from minfer.formats.block_types import GGMLType, block_size, row_nbytes, type_size
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS
-from minfer.formats.quants import GGMLType, block_size, row_nbytes, type_size
 
 U = 2.0**-24
 K_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]

@@ -13,7 +13,7 @@ from conftest import FIXTURES, fixture_dir
 
 import minfer
 from minfer.errors import BadRequestError
-from minfer.perplexity import perplexity, token_nll
+from minfer.runtime.perplexity import perplexity, token_nll
 
 DATA = FIXTURES.parent / "data"
 

@@ -20,11 +20,11 @@ from minfer.formats.chat_template import ChatTemplate
 from minfer.formats.tokenizer import Tokenizer
 from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
-from minfer.perplexity import PerplexityResult, perplexity
 from minfer.pull import resolve_model
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
 from minfer.runtime.engine import EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.perplexity import PerplexityResult, perplexity
 from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.trace.dump import Dumper
@@ -256,7 +256,7 @@ class Model:
     def perplexity(
         self, text: str, n_ctx: int = 256, n_batch: int | None = None, progress: bool = False
     ) -> PerplexityResult:
-        """Perplexity of ``text`` by the llama-perplexity method (see :mod:`minfer.perplexity`)."""
+        """Perplexity of ``text`` by the llama-perplexity method (see :mod:`minfer.runtime.perplexity`)."""
         tokens = self.tokenize(text, add_special=True)
         bos = self.tokenizer.bos_id if self.tokenizer.add_bos else None
         bar = None

@@ -350,9 +350,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from minfer.graph import printing
     from minfer.graph.fusion import fuse
-    from minfer.model_summary import format_bytes, format_summary, summarize
     from minfer.models.model import TransformerModel
     from minfer.pull import resolve_model
+    from minfer.tools.model_summary import format_bytes, format_summary, summarize
 
     path = resolve_model(args.model)
     if args.kv:
@@ -468,8 +468,8 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from minfer.api import default_threads
-    from minfer.bench import bench, markdown
     from minfer.pull import resolve_model
+    from minfer.tools.bench import bench, markdown
 
     peers = {}
     for item in args.peer_python:

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from minfer.errors import FormatError, MinferError
-from minfer.formats.quants import GGMLType, row_nbytes
+from minfer.formats.block_types import GGMLType, row_nbytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

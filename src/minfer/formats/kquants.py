@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minfer.formats.quants import GGMLType, type_size
+from minfer.formats.block_types import GGMLType, type_size
 
 QK_K = 256  # values per K-quant super-block
 

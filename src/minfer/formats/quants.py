@@ -22,29 +22,11 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit
 
 from minfer.errors import ContextOverflowError, ModelError
-
-GGMLType = GGMLQuantizationType
-
-
-def block_size(t: GGMLType) -> int:
-    return GGML_QUANT_SIZES[t][0]
-
-
-def type_size(t: GGMLType) -> int:
-    """Bytes per block."""
-    return GGML_QUANT_SIZES[t][1]
-
-
-def row_nbytes(t: GGMLType, n: int) -> int:
-    """Bytes taken by a row of ``n`` values of type ``t``; n must be a whole number of blocks."""
-    bs = block_size(t)
-    if n % bs != 0:
-        raise ModelError(f"a row of {n} values is not a whole number of {t.name} blocks of {bs}")
-    return n // bs * type_size(t)
+from minfer.formats.block_types import GGMLType, row_nbytes, type_size
+from minfer.formats.kquants import KQUANT_DEQUANTIZERS
 
 
 def _f32(raw: np.ndarray, n: int) -> np.ndarray:
@@ -98,6 +80,7 @@ DEQUANTIZERS: dict[GGMLType, Callable[[np.ndarray, int], np.ndarray]] = {
     GGMLType.Q8_0: _q8_0,
     GGMLType.Q4_0: _q4_0,
     GGMLType.Q4_1: _q4_1,
+    **KQUANT_DEQUANTIZERS,  # the K-quants and Q5 types
 }
 
 SUPPORTED_TYPES = tuple(DEQUANTIZERS)
@@ -362,11 +345,3 @@ def dequantize_q8_0_rows_into(region: np.ndarray, start: int, stop: int, out_f32
         f"dequantize_q8_0_rows_into: rows {start}:{stop} are not within the region's {region.shape[0]} rows "
         f"or do not fit in out_f32's {out_f32.shape[0]}"
     )
-
-
-# The K-quant and Q5 block types live in their own module, which builds on the helpers above; imported
-# last so that module can import this one.
-from minfer.formats.kquants import KQUANT_DEQUANTIZERS  # noqa: E402
-
-DEQUANTIZERS.update(KQUANT_DEQUANTIZERS)
-SUPPORTED_TYPES = tuple(DEQUANTIZERS)

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import FormatError
+from minfer.formats.block_types import GGMLType
 from minfer.formats.gguf_file import GGUFTensor
-from minfer.formats.quants import GGMLType
 
 # safetensors dtype -> the engine's type; other dtypes are listed, and refused when a model needs them
 SAFETENSORS_TYPES: dict[str, GGMLType] = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}

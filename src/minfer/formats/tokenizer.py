@@ -28,7 +28,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from minfer.errors import BadRequestError, FormatError
 from minfer.formats.sentencepiece import spm_backend, spm_merges, spm_piece_bytes, spm_vocabulary
 
-__all__ = ["IncrementalDecoder", "Tokenizer", "SUPPORTED_MODELS", "SUPPORTED_PRE_TYPES"]
+__all__ = ["StreamingDetokenizer", "Tokenizer", "SUPPORTED_MODELS", "SUPPORTED_PRE_TYPES"]
 
 # llama.cpp's token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -554,9 +554,9 @@ class Tokenizer:
         """Whether generating this token ends the generation."""
         return id in self.eog_ids
 
-    def detokenizer(self, skip_special: bool = False) -> IncrementalDecoder:
-        """A streaming decoder: push ids one at a time, get back the text they complete."""
-        return IncrementalDecoder(self, skip_special=skip_special)
+    def detokenizer(self, skip_special: bool = False) -> StreamingDetokenizer:
+        """A streaming detokenizer: push ids one at a time, get back the text they complete."""
+        return StreamingDetokenizer(self, skip_special=skip_special)
 
     @property
     def backend(self) -> HFTokenizer:
@@ -575,7 +575,7 @@ class Tokenizer:
         )
 
 
-class IncrementalDecoder:
+class StreamingDetokenizer:
     """Turns a stream of token ids into text, one piece per id.
 
     Byte-level tokens (and SentencePiece byte-fallback tokens ``<0xNN>``) can end in the middle of a

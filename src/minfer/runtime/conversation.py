@@ -12,19 +12,38 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from minfer.errors import BadRequestError
+from minfer.models.model import TransformerModel
+from minfer.runtime.kv_cache import KVCache
+from minfer.runtime.sampler import Sampler
+from minfer.runtime.sequence import TokenStep
 from minfer.runtime.session_file import SessionData, load_session, save_session
 
-if TYPE_CHECKING:
-    from minfer.api import Model
+
+class ChatModel(Protocol):
+    """What a conversation needs of a model (``minfer.api.Model`` is one)."""
+
+    transformer: TransformerModel
+    kv: KVCache
+
+    @property
+    def cache_type(self) -> str: ...
+
+    def sampler(self, **sampling: Any) -> Sampler: ...
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs: Any) -> Iterator[TokenStep]: ...
 
 
-def model_fingerprint(model: Model) -> str:
+def model_fingerprint(model: ChatModel) -> str:
     """Identity of the weights a cache was computed with: architecture, shapes and types of every tensor."""
     t = model.transformer
     h = hashlib.sha256()
@@ -37,7 +56,7 @@ def model_fingerprint(model: Model) -> str:
 class Conversation:
     """A chat with one model: ``send`` a user message, get the assistant's reply."""
 
-    def __init__(self, model: Model, system: str | None = None, seed: int | None = None, **sampling: Any) -> None:
+    def __init__(self, model: ChatModel, system: str | None = None, seed: int | None = None, **sampling: Any) -> None:
         self.model = model
         self.system = system
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -105,7 +124,7 @@ class Conversation:
         ))
 
     @classmethod
-    def load(cls, model: Model, path: str | os.PathLike[str]) -> Conversation:
+    def load(cls, model: ChatModel, path: str | os.PathLike[str]) -> Conversation:
         data = load_session(path, expect_fingerprint=model_fingerprint(model), expect_cache_type=model.cache_type)
         kv = model.kv
         n = len(data.tokens)

@@ -1,0 +1,1 @@
+"""Tools over the engine: benchmarks against peers, the model summary of ``minfer inspect``."""
