@@ -24,8 +24,10 @@ from typing import Any
 from tokenizers import Tokenizer as TokenizersTokenizer
 
 from minfer.errors import FormatError
+from minfer.formats.byte_level import token_bytes
 from minfer.formats.chat_template import ChatTemplate
-from minfer.formats.tokenizer import _EOG_TEXTS, Tokenizer, _token_bytes
+from minfer.formats.gguf_vocab import EOG_TEXTS
+from minfer.formats.tokenizer import Tokenizer
 
 SPM_SPACE = "\u2581"  # "▁", SentencePiece's space marker
 
@@ -75,7 +77,7 @@ class HFTokenizer(Tokenizer):
         if cached is None:
             text = self._hf.id_to_token(self._check_id(id)) or ""
             if self.decoder_kind == "byte-level":
-                cached = _token_bytes(text)
+                cached = token_bytes(text)
             elif self.decoder_kind == "sentencepiece" and len(text) == 6 and text.startswith("<0x") and text[-1] == ">":
                 cached = bytes([int(text[3:5], 16)])
             else:
@@ -159,7 +161,7 @@ def load_hf_tokenizer(directory: Path, config: Mapping[str, Any], tokenizer_conf
                             f"{directory / 'generation_config.json'}: eos_token_id", n_vocab))
     if eos_id is not None:
         eog.add(eos_id)
-    eog |= {i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content in _EOG_TEXTS}
+    eog |= {i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content in EOG_TEXTS}
     return HFTokenizer(backend, tokens, _decoder_kind(spec.get("decoder")), n_model_vocab, model="hf",
                        pre="tokenizer.json", bos_id=bos_id, eos_id=eos_id, eog_ids=frozenset(eog), add_bos=add_bos,
                        add_eos=add_eos)
