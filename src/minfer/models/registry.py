@@ -14,17 +14,16 @@ import pkgutil
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from minfer import models
 from minfer.errors import ModelError
 from minfer.models.architecture import Architecture
 
 
 def architectures() -> Mapping[str, Architecture]:
     """Every architecture, by GGUF name."""
-    import minfer.models as package
-
     found: dict[str, Architecture] = {}
-    for info in pkgutil.iter_modules(package.__path__):
-        arch = getattr(importlib.import_module(f"{package.__name__}.{info.name}"), "ARCH", None)
+    for info in pkgutil.iter_modules(models.__path__):
+        arch = getattr(importlib.import_module(f"{models.__name__}.{info.name}"), "ARCH", None)
         if isinstance(arch, Architecture):
             if arch.name in found or any(a.hf.model_type == arch.hf.model_type for a in found.values()):
                 raise RuntimeError(f"{info.name}: architecture {arch.name!r} / {arch.hf.model_type!r} declared twice")
