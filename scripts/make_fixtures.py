@@ -1,4 +1,4 @@
-"""Regenerate the tiny-model reference fixtures in ``tests/fixtures/{llama,qwen2,qwen3}``.
+"""Regenerate the tiny-model reference fixtures in ``tests/fixtures/{llama,qwen2,qwen3,olmo2}``.
 
 This is a test-data tool, not part of the engine: it needs a separate Python environment with
 torch 2.13.0 (CPU), transformers 5.24.0, gguf 0.19.0, tokenizers, safetensors and numpy. The tests
@@ -6,7 +6,7 @@ themselves only read the committed files.
 
 Usage::
 
-    /opt/refenv/bin/python scripts/make_fixtures.py --out DIR [--only llama,qwen2,qwen3]
+    /opt/refenv/bin/python scripts/make_fixtures.py --out DIR [--only llama,qwen2,qwen3,olmo2]
         [--tokenizers tests/fixtures] [--compare tests/fixtures] [--variants-only]
 
 Besides the base fixtures it writes their variants (``<name>/variants/<variant>/``: transformers'
@@ -21,14 +21,17 @@ Recipe (per fixture):
 
 1. Config: the constants in ``SPECS`` below (the ``config`` section of each ``meta.json``): hidden 64,
    3 layers, 4 query heads, 2 kv heads, ffn 192; llama head dim 16 / rope 1e4 / untied; qwen2 q/k/v
-   biases / rope 1e6 / tied embeddings; qwen3 per-head q/k RMSNorm / head dim 32 / rope 1e6 / untied.
+   biases / rope 1e6 / tied embeddings; qwen3 per-head q/k RMSNorm / head dim 32 / rope 1e6 / untied;
+   olmo2 (``Olmo2ForCausalLM``) 2 layers / ffn 64 / head dim 16 / no pre-norms / whole-width q/k RMSNorm /
+   post norms / rope 5e5 / untied.
 2. Weights: ``torch.manual_seed(seed)``, then for each tensor of ``model.named_parameters()`` in
    order ``torch.randn(shape) * std + mean`` with (mean, std) = (0, weight_std) for matrices,
    (1, norm_std) for norm gains and (0, bias_std) for biases (weight_std 0.15, norm_std 0.2,
    bias_std 0.3). This reproduces the committed weights bit for bit.
 3. Tokenizer: the committed byte-level BPE ``tests/fixtures/<name>/hf/tokenizer.json`` is reused as
    input (it was trained once with ``tokenizers``; its vocabulary sizes are 512, 768 and 1000 and the
-   special tokens ``<|bos|>``, ``<|eos|>``, ``<|pad|>`` are ids 0, 1, 2; a BOS is prepended).
+   special tokens ``<|bos|>``, ``<|eos|>``, ``<|pad|>`` are ids 0, 1, 2; a BOS is prepended); olmo2
+   reuses llama's (``FixtureSpec.tokenizer_from``).
    Point ``--tokenizers`` at another folder of the same layout to use other tokenizers.
 4. ``hf/``: ``save_pretrained`` of model (fp32 safetensors) and tokenizer; everything below is taken
    after reloading that folder with ``attn_implementation="eager"`` in float32.
@@ -48,7 +51,8 @@ Recipe (per fixture):
 Self-check (always run): the float64 numpy forward in this file, applied to the F32 GGUF's weights and
 to the safetensors weights, must reproduce transformers' logits within ``TOL`` and each plausible
 engine bug (wrong RoPE pairing, missing q/k permutation, skipped QK-norm, wrong GQA mapping, dropped
-biases) must move the logits by more than ``MIN_BUG_EFFECT``; otherwise the script exits non-zero.
+biases; for olmo2 also a per-head instead of whole-width q/k norm, skipped post norms, an added unit-gain
+pre-norm) must move the logits by more than ``MIN_BUG_EFFECT``; otherwise the script exits non-zero.
 
 Reproducibility (checked with ``--compare tests/fixtures`` on an AVX2 CPU): ``hf/*``, both GGUF files,
 ``tokens.json``, ``embeddings.npy``, ``logits_0.npy``, ``logits_1.npy`` and ``q8_0_ref/logits_*.npy``
@@ -114,6 +118,7 @@ class FixtureSpec:
     qk_permuted: bool = False  # llama: q/k rows permuted in the GGUF, RoPE pairs (2i, 2i+1)
     gguf_head_dims: bool = False  # write {arch}.attention.key_length / value_length
     gguf_llama_extras: bool = False  # write {arch}.vocab_size / rope.dimension_count
+    tokenizer_from: str = ""  # the fixture whose tokenizer.json this one reuses (default: its own)
 
 
 _COMMON: dict[str, Any] = {
@@ -175,6 +180,24 @@ SPECS: dict[str, FixtureSpec] = {
         seed=1013,
         gguf_head_dims=True,
     ),
+    "olmo2": FixtureSpec(
+        name="olmo2",
+        hf_class="Olmo2ForCausalLM",
+        arch="olmo2",
+        config={
+            **_COMMON,
+            # smaller than the others (2 layers, ffn 64); hidden 64 because llama.cpp's olmo2 tensors assume
+            # n_head x head_dim = hidden and q8_0 KV cells need 2 kv heads x head_dim >= 32
+            "num_hidden_layers": 2,
+            "intermediate_size": 64,
+            "vocab_size": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": False,
+        },
+        seed=1021,
+        tokenizer_from="llama",
+    ),
 }
 
 
@@ -230,30 +253,54 @@ def numpy_forward(
     skip_qk_norm: bool = False,
     drop_biases: bool = False,
     gqa_tiled: bool = False,
+    qk_norm_per_head: bool = False,
+    skip_post_norms: bool = False,
+    unit_pre_norms: bool = False,
 ) -> np.ndarray:
-    """Logits ``[tokens, vocab]`` (float64) of a llama/qwen2/qwen3 decoder, causal, no cache.
+    """Logits ``[tokens, vocab]`` (float64) of a llama/qwen2/qwen3/olmo2 decoder, causal, no cache.
 
-    ``w`` maps GGUF tensor names to float64 arrays in GGUF row order (``[out, in]`` for matrices).
-    The keyword flags simulate engine bugs for the self-check.
+    ``w`` maps GGUF tensor names to float64 arrays in GGUF row order (``[out, in]`` for matrices). The
+    tensors decide the layout: pre-norms where ``attn_norm``/``ffn_norm`` exist (olmo2 has none), a q/k
+    RMSNorm per head where its gain is head_dim wide and over the whole q / k width where it is that wide
+    (olmo2), post norms of the attention and FFN outputs where ``post_attention_norm``/``post_ffw_norm``
+    exist (olmo2). The keyword flags simulate engine bugs for the self-check.
     """
     x = w["token_embd.weight"][np.asarray(ids)]
     n_tok = len(ids)
     rep = hp.n_head // hp.n_head_kv
     kv_of_head = [(h % hp.n_head_kv) if gqa_tiled else (h // rep) for h in range(hp.n_head)]
     mask = np.triu(np.full((n_tok, n_tok), -np.inf), k=1)
+    def pre_norm(x: np.ndarray, name: str) -> np.ndarray:
+        if name in w:
+            return _rms_norm(x, w[name], hp.eps)
+        return _rms_norm(x, 1.0, hp.eps) if unit_pre_norms else x
+
+    def post_norm(x: np.ndarray, name: str) -> np.ndarray:
+        return x if skip_post_norms or name not in w else _rms_norm(x, w[name], hp.eps)
+
+    def qk_norm(y: np.ndarray, name: str) -> np.ndarray:
+        """``y`` [tokens, width] normalized as the gain's width says, then split into heads."""
+        if skip_qk_norm or name not in w:
+            return y.reshape(n_tok, -1, hp.head_dim)
+        gain = w[name]
+        if gain.shape[0] == hp.head_dim:
+            return _rms_norm(y.reshape(n_tok, -1, hp.head_dim), gain, hp.eps)
+        if qk_norm_per_head:
+            return _rms_norm(y.reshape(n_tok, -1, hp.head_dim), gain.reshape(-1, hp.head_dim), hp.eps)
+        return _rms_norm(y, gain, hp.eps).reshape(n_tok, -1, hp.head_dim)
+
     for i in range(hp.n_layer):
         p = f"blk.{i}."
-        h = _rms_norm(x, w[p + "attn_norm.weight"], hp.eps)
+        h = pre_norm(x, p + "attn_norm.weight")
         qkv = []
         for t in ("q", "k", "v"):
             y = h @ w[p + f"attn_{t}.weight"].T
             if not drop_biases and p + f"attn_{t}.bias" in w:
                 y = y + w[p + f"attn_{t}.bias"]
-            qkv.append(y.reshape(n_tok, -1, hp.head_dim))
-        q, k, v = qkv
-        if not skip_qk_norm and p + "attn_q_norm.weight" in w:
-            q = _rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
-            k = _rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
+            qkv.append(y)
+        q = qk_norm(qkv[0], p + "attn_q_norm.weight")
+        k = qk_norm(qkv[1], p + "attn_k_norm.weight")
+        v = qkv[2].reshape(n_tok, -1, hp.head_dim)
         q = _rope(q, hp.rope_base, hp.rope_interleaved, hp.inv_freq, hp.rope_mscale)
         k = _rope(k, hp.rope_base, hp.rope_interleaved, hp.inv_freq, hp.rope_mscale)
         heads = []
@@ -262,11 +309,13 @@ def numpy_forward(
             s = q[:, hd] @ kh.T / math.sqrt(hp.head_dim) + mask
             s = np.exp(s - s.max(axis=-1, keepdims=True))
             heads.append((s / s.sum(axis=-1, keepdims=True)) @ vh)
-        x = x + np.concatenate(heads, axis=-1) @ w[p + "attn_output.weight"].T
-        h = _rms_norm(x, w[p + "ffn_norm.weight"], hp.eps)
+        attn = np.concatenate(heads, axis=-1) @ w[p + "attn_output.weight"].T
+        x = x + post_norm(attn, p + "post_attention_norm.weight")
+        h = pre_norm(x, p + "ffn_norm.weight")
         g = h @ w[p + "ffn_gate.weight"].T
         silu = g * (1.0 / (1.0 + np.exp(-g)))
-        x = x + (silu * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        ffn = (silu * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        x = x + post_norm(ffn, p + "post_ffw_norm.weight")
     x = _rms_norm(x, w["output_norm.weight"], hp.eps)
     return x @ w.get("output.weight", w["token_embd.weight"]).T
 
@@ -611,6 +660,12 @@ def _bug_checks(
         runs["missing_qk_permutation"] = lambda: numpy_forward(w_hf, hp, ids)
     if any(k.endswith("attn_q_norm.weight") for k in w):
         runs["skipped_qk_norm"] = lambda: numpy_forward(w, hp, ids, skip_qk_norm=True)
+    if w.get("blk.0.attn_q_norm.weight", np.zeros(hp.head_dim)).shape[0] != hp.head_dim:
+        runs["qk_norm_per_head"] = lambda: numpy_forward(w, hp, ids, qk_norm_per_head=True)
+    if "blk.0.post_attention_norm.weight" in w:
+        runs["skipped_post_norms"] = lambda: numpy_forward(w, hp, ids, skip_post_norms=True)
+    if "blk.0.attn_norm.weight" not in w:
+        runs["unit_pre_norms"] = lambda: numpy_forward(w, hp, ids, unit_pre_norms=True)
     if any(k.endswith(".bias") for k in w):
         runs["dropped_biases"] = lambda: numpy_forward(w, hp, ids, drop_biases=True)
     return {k: float(np.abs(f() - base).max()) for k, f in runs.items()}
@@ -865,7 +920,7 @@ ROPE_VARIANTS = (
                                   "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 1.0}),
 )
 # variant -> (torch dtype, fixtures): bf16 for every architecture, f16 (the same code path) for one
-DTYPE_VARIANTS = {"bf16": ("bfloat16", ("llama", "qwen2", "qwen3")), "f16": ("float16", ("llama",))}
+DTYPE_VARIANTS = {"bf16": ("bfloat16", ("llama", "qwen2", "qwen3", "olmo2")), "f16": ("float16", ("llama",))}
 
 
 def llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> list[float]:
@@ -1093,7 +1148,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown fixture(s) {unknown}; choose from {list(SPECS)}")
     ok = True
     for name in [] if args.variants_only else names:
-        tokenizer_json = args.tokenizers / name / "hf" / "tokenizer.json"
+        tokenizer_json = args.tokenizers / (SPECS[name].tokenizer_from or name) / "hf" / "tokenizer.json"
         print(f"[{name}] building into {args.out / name} (tokenizer {tokenizer_json})")
         check = make_fixture(SPECS[name], args.out / name, tokenizer_json)
         bugs = check.pop("bugs")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "olmo2"]
 
 
 def fixture_dir(arch: str) -> Path:

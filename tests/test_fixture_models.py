@@ -1,4 +1,4 @@
-"""Tiny random-weight llama / qwen2 / qwen3 / gemma3 models against HF transformers' fp32 references.
+"""Tiny random-weight llama / qwen2 / qwen3 / gemma3 / olmo2 models against HF transformers' fp32 references.
 
 DESIGN.md's contract: max |logit - reference| <= 1e-4 at every position, from GGUF F32, with the f32
 KV cache, at 1 and 2 threads; the same greedy continuation. The Q8_0 GGUF is held to the float64
@@ -180,6 +180,33 @@ def test_gemma3_needs_its_sliding_window_key(tmp_path):
         minfer.load(_gemma3_with(tmp_path, **{"gemma3.attention.sliding_window": None}), n_ctx=16)
     with pytest.raises(FormatError, match="sliding window must be a positive number"):
         minfer.load(_gemma3_with(tmp_path, **{"gemma3.attention.sliding_window": 0}), n_ctx=16)
+
+
+def test_olmo2_recipe(tmp_path):
+    """OLMo 2: no pre-norms, q and k each normalized over their whole width (gains of n_head x head_dim and
+    n_head_kv x head_dim values) before RoPE, post norms; a per-head-wide gain is refused, naming the tensor."""
+    from conftest import derive_gguf
+
+    from minfer.errors import ModelError
+    from minfer.graph.ir import Op
+    from minfer.model_summary import summarize
+
+    model = minfer.load(fixture_dir("olmo2") / "model-f32.gguf", n_ctx=16).transformer
+    hp = model.hparams
+    assert (hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.n_layer) == (64, 4, 2, 16, 2)
+    nodes = {n.name: n for n in model.build_graph(3, 3, 16).nodes}
+    assert "blk.0.attn_norm" not in nodes and "blk.0.ffn_norm" not in nodes
+    assert nodes["blk.0.q_norm"].op is Op.RMS_NORM and nodes["blk.0.q_norm"].meta.width == hp.q_width == 64
+    assert nodes["blk.0.k_norm"].meta.width == hp.k_width == 32
+    features = summarize(model)["features"]
+    assert {"QK-norm (whole width)", "no pre-norms", "post-attention and post-FFN norms"} <= set(features)
+
+    def per_head_gain(name, arr):
+        return (arr[: hp.head_dim_k] if name == "blk.1.attn_q_norm.weight" else arr), None
+
+    bad = derive_gguf(fixture_dir("olmo2") / "model-f32.gguf", tmp_path / "per-head.gguf", transform=per_head_gain)
+    with pytest.raises(ModelError, match=r"tensor 'blk.1.attn_q_norm.weight' has shape \(16,\), expected \(64,\)"):
+        minfer.load(bad, n_ctx=16)
 
 
 def test_hparams_from_metadata():

@@ -71,7 +71,7 @@ def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
     folder = _folder(tmp_path)
     _edit_config(folder, model_type="mamba")
     _raises(folder, ModelError, r"config\.json: unsupported model_type 'mamba' "
-                                r"\(supported: gemma3_text, llama, qwen2, qwen3\)")
+                                r"\(supported: gemma3_text, llama, olmo2, qwen2, qwen3\)")
 
 
 def test_unsupported_head_class(tmp_path):

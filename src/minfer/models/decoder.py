@@ -1,13 +1,16 @@
-"""The pre-norm decoder layer recipe shared by llama, qwen2, qwen3 and gemma3, emitted as a compute graph.
+"""The decoder layer recipe of every architecture here, emitted as a compute graph; what differs between
+families are the flags their modules declare (:class:`~minfer.models.architecture.Architecture`).
 
-    x = embed(tokens)                                          (gemma3: * sqrt(n_embd))
-    per layer:  h = x + W_o · attn(rope(norm_qk(W_q·n(x))), rope(norm_qk(W_k·n(x))), W_v·n(x))
-                x = h + W_down · (silu(W_gate·n(h)) * W_up·n(h))
+    x = embed(tokens)                                          (scaled_embeddings: * sqrt(n_embd))
+    per layer:  h = x + post_n(W_o · attn(rope(norm_qk(W_q·n(x))), rope(norm_qk(W_k·n(x))), W_v·n(x)))
+                x = h + post_n(W_down · (act(W_gate·n(h)) * W_up·n(h)))
     logits = W_out · n(x[output rows])
 
-Gemma 3 (``arch.post_norms``, ``arch.ffn_act == "gelu"``) normalizes the attention output and the FFN
-output before each residual add and gates with GELU; its sliding-window layers attend to the last
-``hp.sliding_window`` positions with their own RoPE base (``hp.layer_window(il)``, ``hp.layer_rope(il)``).
+``n`` is the pre-norm (``pre_norms``; OLMo 2 has none: n(x) = x), ``norm_qk`` the RMSNorm of q and of k
+(``qk_norm``: per head, or over the whole q and k width), ``post_n`` the norm of the attention output and
+of the FFN output before each residual add (``post_norms``), ``act`` SiLU or tanh GELU (``ffn_act``).
+Sliding-window layers attend to the last ``hp.sliding_window`` positions with their own RoPE base
+(``hp.layer_window(il)``, ``hp.layer_rope(il)``).
 
 Positions are an input, and so are the KV cache rows the tokens' K/V land in: the same graph serves
 prefill, decode, continuation and several sequences in one batch. Only the rows named by
@@ -16,17 +19,37 @@ the ``output_rows`` input reach the output matmul (the last layer's FFN runs on 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from minfer.formats.gguf_file import GGUFTensor
 from minfer.graph.builder import GraphBuilder
-from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, RopeStyle
+from minfer.models.architecture import Architecture
+from minfer.models.hparams import HParams
 from minfer.models.rope_scaling import layer_rope_meta
 
-if TYPE_CHECKING:
-    from minfer.models.model import TransformerModel
+
+class DecoderWeights(Protocol):
+    """What the recipe reads of a loaded model (a :class:`minfer.models.model.TransformerModel`)."""
+
+    @property
+    def arch(self) -> Architecture: ...
+
+    @property
+    def hparams(self) -> HParams: ...
+
+    @property
+    def rope_style(self) -> RopeStyle: ...
+
+    @property
+    def output_tensor_name(self) -> str: ...
+
+    def tensor(self, name: str) -> GGUFTensor: ...
+
+    def has_tensor(self, name: str) -> bool: ...
 
 
-def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, n_ctx: int) -> Graph:
+def build_decoder_graph(model: DecoderWeights, n_tokens: int, n_outputs: int, n_ctx: int) -> Graph:
     hp, arch = model.hparams, model.arch
     b = GraphBuilder()
     w = lambda name: b.weight(model.tensor(name))  # noqa: E731
@@ -51,13 +74,13 @@ def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, 
         x = b.scale(x, hp.embd_scale, name="embd.scale")
     for il in range(hp.n_layer):
         p = f"blk.{il}."
-        h = norm(x, p + "attn_norm.weight", p + "attn_norm", il)
+        h = norm(x, p + "attn_norm.weight", p + "attn_norm", il) if arch.pre_norms else x
         q = projection(h, p, "q", il)
         k = projection(h, p, "k", il)
         v = projection(h, p, "v", il)
-        if arch.qk_norm:
-            q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=hp.head_dim_k)
-            k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=hp.head_dim_k)
+        if arch.qk_norm is not None:
+            q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=arch.qk_norm_width(hp))
+            k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=arch.qk_norm_width(hp))
         q = b.rope(q, positions, layer_rope_meta(hp, model.rope_style, hp.n_head, il), name=p + "q_rope", layer=il)
         k = b.rope(k, positions, layer_rope_meta(hp, model.rope_style, hp.n_head_kv, il), name=p + "k_rope", layer=il)
         store = b.kv_store(k, v, rows, KVMeta(il, hp.k_width, hp.v_width), n_ctx, name=p + "kv_store")
@@ -74,7 +97,7 @@ def build_decoder_graph(model: TransformerModel, n_tokens: int, n_outputs: int, 
         if arch.post_norms:
             o = norm(o, p + "post_attention_norm.weight", p + "post_attn_norm", il)
         x = b.add(x, o, name=p + "attn_residual", layer=il)
-        h = norm(x, p + "ffn_norm.weight", p + "ffn_norm", il)
+        h = norm(x, p + "ffn_norm.weight", p + "ffn_norm", il) if arch.pre_norms else x
         gate = b.matmul(h, w(p + "ffn_gate.weight"), name=p + "ffn_gate", layer=il)
         up = b.matmul(h, w(p + "ffn_up.weight"), name=p + "ffn_up", layer=il)
         if arch.ffn_act == "gelu":

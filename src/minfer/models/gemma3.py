@@ -26,13 +26,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from minfer.errors import FormatError, ModelError
 from minfer.formats.gguf_file import GGUFFile
 from minfer.graph.ir import RopeStyle
-from minfer.models.architecture import Architecture
+from minfer.models.architecture import HF_ATTENTION, HF_FFN, HF_QK_NORM, Architecture, HFArchitecture, QKNorm
 from minfer.models.hparams import HParams
+from minfer.models.rope_scaling import hf_rope_parameters
 
 SWA_PATTERN = 6  # of every 6 layers the first 5 are sliding-window layers
 ROPE_BASE_LOCAL = 10000.0
@@ -48,7 +47,7 @@ def gemma3_layout(
     attn_scale: float | None = None,
     rope_base_local: float = ROPE_BASE_LOCAL,
 ) -> HParams:
-    """``hp`` completed with Gemma 3's sliding-window layout, local RoPE, attention and embedding scales.
+    """``hp`` completed with Gemma 3's sliding-window layout, local RoPE and attention scale.
 
     Shared by the GGUF reader (llama.cpp's rules: layers il % 6 < 5 local, the attention scale by layer
     count) and the HF folder reader (``config.json``'s ``layer_types``, ``query_pre_attn_scalar`` and the
@@ -68,7 +67,6 @@ def gemma3_layout(
         swa_layers=swa_layers,
         rope_freq_base_swa=rope_base_local,
         rope_freq_scale_swa=1.0,
-        embd_scale=float(np.float32(math.sqrt(hp.n_embd))),
     )
 
 
@@ -81,8 +79,6 @@ def gemma3_hf_hparams(cfg: Mapping[str, Any], hp: HParams, where: Path) -> HPara
     """``hp`` (the common config.json fields) completed from a ``Gemma3TextConfig`` as transformers reads it:
     ``sliding_window``, ``layer_types`` (default: the 6-layer pattern), ``query_pre_attn_scalar`` (the
     attention scale is its inverse square root), the sliding layers' own ``rope_theta``; no soft-capping."""
-    from minfer.models.rope_scaling import hf_rope_parameters
-
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
             raise ModelError(f"{where}: field {key!r} ({cfg[key]!r}) is not supported (Gemma 3 has none)")
@@ -114,8 +110,27 @@ def gemma3_hf_hparams(cfg: Mapping[str, Any], hp: HParams, where: Path) -> HPara
 ARCH = Architecture(
     name="gemma3",
     rope_style=RopeStyle.NEOX,
-    qk_norm=True,
+    qk_norm=QKNorm.PER_HEAD,
     post_norms=True,
     ffn_act="gelu",
-    gguf_hparams=gemma3_gguf_hparams,
+    scaled_embeddings=True,
+    sliding_window=True,
+    gguf_extra_hparams=gemma3_gguf_hparams,
+    hf=HFArchitecture(
+        "gemma3_text", ("Gemma3ForCausalLM",),
+        {
+            "input_layernorm.weight": "attn_norm.weight",
+            **HF_ATTENTION,
+            **HF_QK_NORM,
+            # Gemma 3's post_attention_layernorm is the norm of the attention output (Llama's is the FFN's input)
+            "post_attention_layernorm.weight": "post_attention_norm.weight",
+            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+            "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+            **HF_FFN,
+        },
+        defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_theta": 1_000_000.0,
+                  "tie_word_embeddings": True, "head_dim": 256},
+        activation_key="hidden_activation", activation="gelu_pytorch_tanh", norm_gain_offset=True,
+        extra_hparams=gemma3_hf_hparams,
+    ),
 )

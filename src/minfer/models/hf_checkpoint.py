@@ -1,10 +1,10 @@
 """Hugging Face model folders: ``config.json`` -> hyperparameters, safetensors names -> the engine's names.
 
 The engine's layer recipe reads GGUF-style tensor names (``blk.0.attn_q.weight``). An HF folder names the
-same tensors after its transformers module tree (``model.layers.0.self_attn.q_proj.weight``); each
-supported ``model_type`` has one :class:`HFArchitecture` entry: the engine architecture it runs as, a
-table from HF names to engine names, and the transformers config class's defaults for optional fields.
-Adding an architecture is one entry (plus, when its recipe needs them, the config keys it reads).
+same tensors after its transformers module tree (``model.layers.0.self_attn.q_proj.weight``). Each
+architecture module declares the ``model_type`` of its family's folders (its ``ARCH.hf``, an
+:class:`~minfer.models.architecture.HFArchitecture`): a table from HF names to engine names, the
+transformers config class's defaults for optional fields, and the config keys only that family reads.
 
 HF weights are stored as trained: Llama's W_q/W_k rows are not permuted the way llama.cpp's converter
 permutes them for GGUF, so every HF checkpoint rotates pairs (i, i + n_rot/2) (NEOX), Llama included.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,111 +24,27 @@ from minfer.errors import FormatError, ModelError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
 from minfer.graph.ir import RopeStyle
-from minfer.models.gemma3 import gemma3_hf_hparams
+from minfer.models.architecture import Architecture, HFArchitecture
 from minfer.models.hparams import HParams
+from minfer.models.registry import architecture_of_model_type
 from minfer.models.rope_scaling import hf_rope_parameters, rope_scaling_from_hf
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-GLOBAL_TENSORS: Mapping[str, str] = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_ATTENTION = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-}
-_QKV_BIAS = {
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-}
-_QK_NORM = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
-_SWIGLU_FFN = {
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-# Gemma 3: its post_attention_layernorm is the norm of the attention output (Llama's is the FFN's input norm)
-_GEMMA3_LAYER = {
-    **_ATTENTION,
-    **_QK_NORM,
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 # buffers some older checkpoints saved, that the recipe recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclass(frozen=True)
-class HFArchitecture:
-    """One ``config.json`` ``model_type`` the engine runs."""
-
-    model_type: str
-    classes: tuple[str, ...]  # accepted config.json "architectures" entries
-    arch: str  # the engine architecture (minfer.models.registry) that runs it
-    layer_tensors: Mapping[str, str]  # name after "model.layers.{i}." -> name after "blk.{i}."
-    global_tensors: Mapping[str, str] = field(default_factory=lambda: dict(GLOBAL_TENSORS))
-    defaults: Mapping[str, Any] = field(default_factory=dict)  # the transformers config class's defaults
-    activation_key: str = "hidden_act"
-    activation: str = "silu"  # the MLP activation the engine's recipe for `arch` computes
-    norm_gain_offset: bool = False  # HF RMSNorm gains are w where the recipe (like GGUF) multiplies by 1 + w
-    # what the architecture reads from config.json beyond the common fields (Gemma 3: its sliding-window
-    # layout and scales); architectures with one may have sliding-window layers
-    hf_hparams: Callable[[Mapping[str, Any], HParams, Path], HParams] | None = None
-
-
-HF_ARCHITECTURES: dict[str, HFArchitecture] = {
-    a.model_type: a
-    for a in (
-        HFArchitecture(
-            "llama", ("LlamaForCausalLM",), "llama", {**_ATTENTION, **_QKV_BIAS, **_SWIGLU_FFN},
-            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0,
-                      "tie_word_embeddings": False},
-        ),
-        HFArchitecture(
-            "qwen2", ("Qwen2ForCausalLM",), "qwen2", {**_ATTENTION, **_QKV_BIAS, **_SWIGLU_FFN},
-            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
-                      "tie_word_embeddings": False},
-        ),
-        HFArchitecture(
-            "qwen3", ("Qwen3ForCausalLM",), "qwen3", {**_ATTENTION, **_QKV_BIAS, **_QK_NORM, **_SWIGLU_FFN},
-            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0,
-                      "tie_word_embeddings": False, "head_dim": 128},
-        ),
-        HFArchitecture(
-            "gemma3_text", ("Gemma3ForCausalLM",), "gemma3", _GEMMA3_LAYER,
-            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_theta": 1_000_000.0,
-                      "tie_word_embeddings": True, "head_dim": 256},
-            activation_key="hidden_activation", activation="gelu_pytorch_tanh", norm_gain_offset=True,
-            hf_hparams=gemma3_hf_hparams,
-        ),
-    )
-}
-
-
-def get_hf_architecture(cfg: Mapping[str, Any], where: Path) -> HFArchitecture:
+def get_hf_architecture(cfg: Mapping[str, Any], where: Path) -> Architecture:
+    """The architecture that runs a ``config.json``: its ``model_type``, checked against its ``architectures``."""
     model_type = cfg.get("model_type")
     if model_type is None:
         raise FormatError(f"{where}: missing field 'model_type'")
-    spec = HF_ARCHITECTURES.get(model_type)
-    if spec is None:
-        raise ModelError(f"{where}: unsupported model_type {model_type!r} "
-                         f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
+    arch = architecture_of_model_type(model_type, str(where))
     classes = cfg.get("architectures")
-    if isinstance(classes, list) and classes and not any(c in spec.classes for c in classes):
+    if isinstance(classes, list) and classes and not any(c in arch.hf.classes for c in classes):
         raise ModelError(f"{where}: architectures {classes} is not a causal LM minfer runs for model_type "
-                         f"{model_type!r} (supported: {', '.join(spec.classes)})")
-    return spec
+                         f"{model_type!r} (supported: {', '.join(arch.hf.classes)})")
+    return arch
 
 
 class _Config:
@@ -160,8 +76,9 @@ class _Config:
         return float(value)
 
 
-def hparams_from_hf_config(cfg: Mapping[str, Any], spec: HFArchitecture, n_vocab: int, where: Path) -> HParams:
+def hparams_from_hf_config(cfg: Mapping[str, Any], arch: Architecture, n_vocab: int, where: Path) -> HParams:
     """Hyperparameters from ``config.json``, read as the transformers config class reads them."""
+    spec = arch.hf
     c = _Config(cfg, spec, where)
     n_embd = c.int("hidden_size")
     n_layer = c.int("num_hidden_layers")
@@ -192,7 +109,7 @@ def hparams_from_hf_config(cfg: Mapping[str, Any], spec: HFArchitecture, n_vocab
         raise FormatError(f"{where}: rope_theta must be a number > 1, got {theta!r}")
     scaling = rope_scaling_from_hf(rope, cfg, n_rot, float(theta), str(where))
     hp = HParams(
-        arch=spec.arch,
+        arch=arch.name,
         n_vocab=n_vocab,
         n_ctx_train=c.int("max_position_embeddings"),
         n_embd=n_embd,
@@ -208,9 +125,10 @@ def hparams_from_hf_config(cfg: Mapping[str, Any], spec: HFArchitecture, n_vocab
         rms_eps=c.float("rms_norm_eps"),
         attn_scale=1.0 / math.sqrt(head_dim),
         rope_scaling=scaling,
-        sliding_window=0 if spec.hf_hparams is not None else _sliding_window(cfg, n_layer, spec, where),
+        sliding_window=0 if arch.sliding_window else _sliding_window(cfg, n_layer, spec, where),
+        embd_scale=arch.embedding_scale(n_embd),
     )
-    return spec.hf_hparams(cfg, hp, where) if spec.hf_hparams is not None else hp
+    return hp if spec.extra_hparams is None else spec.extra_hparams(cfg, hp, where)
 
 
 def _sliding_window(cfg: Mapping[str, Any], n_layer: int, spec: HFArchitecture, where: Path) -> int:
@@ -238,12 +156,17 @@ class HFCheckpoint:
     config: dict[str, Any]
     tokenizer_config: dict[str, Any] | None
     generation_config: dict[str, Any] | None
-    spec: HFArchitecture
+    arch: Architecture
     folder: SafetensorsFolder
     hparams: HParams
     tensors: dict[str, GGUFTensor]  # engine names
     origin: dict[str, tuple[str, Path]]  # engine name -> (HF name, file)
     quantized: str | None = None  # the --quantize type applied at load, if any
+
+    @property
+    def spec(self) -> HFArchitecture:
+        """How the family names and configures its HF folders."""
+        return self.arch.hf
 
     @property
     def rope_style(self) -> RopeStyle:
@@ -274,7 +197,8 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         raise FormatError(f"{cfg_path}: missing (an HF model folder needs config.json)")
     cfg = _json_object(cfg_path, required=True)
     assert cfg is not None
-    spec = get_hf_architecture(cfg, cfg_path)
+    arch = get_hf_architecture(cfg, cfg_path)
+    spec = arch.hf
     folder = SafetensorsFolder(directory)
 
     tied = cfg.get("tie_word_embeddings")
@@ -310,7 +234,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
                          f"{embd.shape}, expected 2-D")
     if not tied and "output.weight" not in tensors:
         raise FormatError(f"{directory}: missing tensor 'lm_head.weight' (config.json tie_word_embeddings is false)")
-    hparams = hparams_from_hf_config(cfg, spec, embd.shape[0], cfg_path)
+    hparams = hparams_from_hf_config(cfg, arch, embd.shape[0], cfg_path)
     if spec.norm_gain_offset:
         for name, t in tensors.items():
             if name.endswith("norm.weight") and len(t.shape) == 1:
@@ -320,7 +244,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         config=cfg,
         tokenizer_config=_json_object(directory / "tokenizer_config.json", required=False),
         generation_config=_json_object(directory / "generation_config.json", required=False),
-        spec=spec,
+        arch=arch,
         folder=folder,
         hparams=hparams,
         tensors=tensors,

@@ -5,6 +5,14 @@ Biases on the projections are optional in some llama-arch files; the recipe uses
 """
 
 from minfer.graph.ir import RopeStyle
-from minfer.models.architecture import Architecture
+from minfer.models.architecture import HF_ATTENTION, HF_FFN, HF_PRE_NORMS, HF_QKV_BIAS, Architecture, HFArchitecture
 
-ARCH = Architecture(name="llama", rope_style=RopeStyle.NORMAL)
+ARCH = Architecture(
+    name="llama",
+    rope_style=RopeStyle.NORMAL,
+    hf=HFArchitecture(
+        "llama", ("LlamaForCausalLM",), {**HF_PRE_NORMS, **HF_ATTENTION, **HF_QKV_BIAS, **HF_FFN},
+        defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+                  "tie_word_embeddings": False},
+    ),
+)

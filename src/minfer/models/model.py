@@ -14,7 +14,7 @@ from minfer.formats.quants import SUPPORTED_TYPES, is_supported
 from minfer.graph.ir import Graph, RopeStyle
 from minfer.models.architecture import Architecture
 from minfer.models.decoder import build_decoder_graph
-from minfer.models.hparams import HParams, hparams_from_gguf
+from minfer.models.hparams import HParams
 from minfer.models.registry import get_architecture
 
 if TYPE_CHECKING:
@@ -75,10 +75,7 @@ class TransformerModel:
             raise ModelError(
                 f"{f.path}: {arch.name}.vocab_size is {declared} but token_embd.weight has {n_vocab} rows"
             )
-        hparams = hparams_from_gguf(f, n_vocab)
-        if arch.gguf_hparams is not None:
-            hparams = arch.gguf_hparams(f, hparams)
-        return cls(f, arch, hparams)
+        return cls(f, arch, arch.hparams_from_gguf(f, n_vocab))
 
     @classmethod
     def from_hf(cls, directory: str | os.PathLike[str]) -> TransformerModel:
@@ -86,8 +83,7 @@ class TransformerModel:
         from minfer.models.hf_checkpoint import open_hf_folder
 
         ckpt = open_hf_folder(directory)
-        arch = get_architecture(ckpt.spec.arch, str(ckpt.directory / "config.json"))
-        return cls(None, arch, ckpt.hparams, hf=ckpt, rope_style=ckpt.rope_style)
+        return cls(None, ckpt.arch, ckpt.hparams, hf=ckpt, rope_style=ckpt.rope_style)
 
     def quantize(self, qtype: str, threads: int | None = None) -> None:
         """Quantize every float matrix to ``qtype`` (``q8_0`` or ``q4_k``) in memory, as

@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from minfer.models.architecture import QKNorm
 from minfer.models.model import TransformerModel
 
 
@@ -39,8 +40,8 @@ def summarize(model: TransformerModel) -> dict[str, Any]:
     features = []
     if hp.n_head_kv < hp.n_head:
         features.append(f"GQA ({hp.n_group} query heads per kv head)" if hp.n_head_kv > 1 else "MQA")
-    if arch.qk_norm:
-        features.append("QK-norm")
+    if arch.qk_norm is not None:
+        features.append("QK-norm" if arch.qk_norm is QKNorm.PER_HEAD else f"QK-norm ({arch.qk_norm.value})")
     if model.has_tensor("blk.0.attn_q.bias"):
         features.append("qkv bias")
     if model.tied_output:
@@ -54,6 +55,8 @@ def summarize(model: TransformerModel) -> dict[str, Any]:
                             f"{hp.rope_freq_base_swa:g}, unscaled)")
         else:
             features.append(f"sliding window {window}")
+    if not arch.pre_norms:
+        features.append("no pre-norms")
     if arch.post_norms:
         features.append("post-attention and post-FFN norms")
     if arch.ffn_act == "gelu":
