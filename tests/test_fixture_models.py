@@ -189,7 +189,7 @@ def test_olmo2_recipe(tmp_path):
 
     from minfer.errors import ModelError
     from minfer.graph.ir import Op
-    from minfer.model_summary import summarize
+    from minfer.tools.model_summary import summarize
 
     model = minfer.load(fixture_dir("olmo2") / "model-f32.gguf", n_ctx=16).transformer
     hp = model.hparams
