@@ -27,7 +27,7 @@ from minfer.runtime.conversation import Conversation
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, TokenStep, generate
 from minfer.runtime.kv_cache import KVCache, common_prefix
-from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
+from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.trace.dump import Dumper
 from minfer.trace.tracer import Tracer
 

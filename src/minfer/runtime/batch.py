@@ -40,7 +40,7 @@ from minfer.models.hparams import HParams
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.generate import GenerationStats, SequenceDecoder, TokenStep
 from minfer.runtime.kv_cache import KVCache, common_prefix
-from minfer.runtime.sampler import Sampler, sample_rows
+from minfer.runtime.sampling import Sampler, sample_rows
 
 
 def batch_kv_cache(hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None) -> KVCache:

@@ -19,7 +19,7 @@ import numpy as np
 
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.sampler import Sampler, TokenLogprob
+from minfer.runtime.sampling import Sampler, TokenLogprob
 from minfer.runtime.stop import StopMatcher
 
 

@@ -42,7 +42,7 @@ from minfer.runtime.batch import (
     Token,
 )
 from minfer.runtime.generate import GenerationStats
-from minfer.runtime.sampler import TokenLogprob
+from minfer.runtime.sampling import TokenLogprob
 from minfer.server.metrics import ServerMetrics
 from minfer.server.protocol import ApiError, GenerationParams, parse_chat, parse_completion
 
