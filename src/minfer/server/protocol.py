@@ -2,7 +2,7 @@
 
 A bad field raises :class:`ApiError` (HTTP 400) whose message and ``param`` name it, the way the OpenAI
 API reports it. Sampling fields that OpenAI does not have but llama.cpp's server does (``top_k``,
-``min_p``, ``repeat_penalty``, ...) are accepted under the same names: every
+``min_p``, ``repeat_penalty``, ``top_n_sigma``, ...) are accepted under the same names: every
 ``SamplingParams`` field its metadata marks as a request field, checked as the metadata says.
 """
 

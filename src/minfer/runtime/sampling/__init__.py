@@ -6,8 +6,8 @@ The modules, one job each:
   check, CLI flags, server field) the CLI and the server are generated from.
 - :mod:`.step`: what a step is: its declared :class:`~.step.Kind` (what it may do to the ranking) and
   its place in the compiled chain; the state the steps share.
-- the steps: :mod:`.processors` (logit_bias, penalties, DRY), :mod:`.filters` (top_k, typical-p,
-  top_p, min_p, XTC, temperature), :mod:`.pickers` (the draw, mirostat).
+- the steps: :mod:`.processors` (logit_bias, penalties, DRY), :mod:`.filters` (top_k, top_n_sigma,
+  typical-p, top_p, min_p, XTC, temperature), :mod:`.pickers` (the draw, mirostat).
 - :mod:`.registry`: one row per step ``samplers`` orders (its class, the parameters that switch it on,
   llama.cpp's aliases), in llama.cpp's default order.
 - :mod:`.chain`: :class:`Sampler`, one sequence's chain (reset / accept / sample / sample_with_logprobs)
@@ -20,7 +20,7 @@ Adding a step: its class (declaring its ``kind``, with ``from_params``), its row
 ``SamplingParams`` field with metadata; ``minfer run/chat/serve`` flags, the server's request field and
 ``model.generate(...)`` keywords follow from those.
 
-Not carried over from llama.cpp: top-n-sigma, dynamic temperature, the infill and adaptive-p samplers.
+Not carried over from llama.cpp: dynamic temperature, the infill and adaptive-p samplers.
 """
 
 from minfer.runtime.sampling.batched import sample_rows

@@ -2,7 +2,8 @@
 
 The chain (``common_sampler`` in llama.cpp's ``common/sampling.cpp``)::
 
-    logits -> logit_bias -> penalties -> dry -> top_k -> typ_p -> top_p -> min_p -> xtc -> temperature -> dist
+    logits -> logit_bias -> penalties -> dry -> top_n_sigma -> top_k -> typ_p -> top_p -> min_p -> xtc
+           -> temperature -> dist
 
 ``logit_bias`` always runs first; the steps between it and the draw follow ``SamplingParams.samplers``
 (the registry's names, in its order by default). A step that is switched off by its parameter is left
@@ -191,10 +192,10 @@ def _argmax_processors(steps: Sequence[Step]) -> list[Step] | None:
 
     Read from the steps' kinds. A greedy step (keeping only the best token) picks the argmax of what the
     processors before it leave, when everything between them and it keeps the best token (top_k, top_p,
-    min_p) or the order (and no processor follows those: it would rank only their survivors). Anything
-    else before it (a step that may drop the best token, a pick: a chain without a greedy step samples
-    at temperature 1 as llama.cpp does) needs the chain. After the greedy step a single candidate is
-    left, which only a picker with state (mirostat's mu) still acts on.
+    min_p, top_n_sigma) or the order (and no processor follows those: it would rank only their
+    survivors). Anything else before it (a step that may drop the best token, a pick: a chain without a
+    greedy step samples at temperature 1 as llama.cpp does) needs the chain. After the greedy step a
+    single candidate is left, which only a picker with state (mirostat's mu) still acts on.
     """
     processors: list[Step] = []
     cut = False  # a step has rewritten or dropped candidates: a processor now would rank only those left

@@ -4,7 +4,7 @@ shape ``[logit_bias ->] top_k -> [top_p ->] [min_p ->] temperature -> dist`` (te
 Which chains those are is read from the steps: each step the kernel can run declares its ``Stage`` and
 sets its settings (``Step.compile_into``); a chain compiles when every step has a stage, the stages come
 in the kernel's order, and top-k, the temperature and the draw are there. A step without a stage (a new
-one, a penalty, ...) leaves its chain to the steps in numpy. The kernel computes the same
+one, a penalty, top-n-sigma, ...) leaves its chain to the steps in numpy. The kernel computes the same
 candidates and probabilities as the steps, bit for bit where numpy's float64 exp is the C library's (on
 AVX-512 CPUs numpy has its own, which may differ in the last bit).
 """

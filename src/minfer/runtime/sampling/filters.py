@@ -2,6 +2,9 @@
 
 - ``top_k``: the k most likely (0: off). ``top_p``: the smallest most-likely set reaching probability p
   (1.0: off). ``min_p``: tokens with probability at least p times the top one (0.0: off).
+- ``top_n_sigma``: tokens whose logit is at least ``max - n * sigma``, sigma the standard deviation of
+  the finite logits of the candidates (n <= 0: off). llama.cpp sets the others to ``-inf``; they are
+  dropped here, which leaves the same tokens with the same probabilities.
 - ``typ_p``: locally typical sampling (1.0: off). ``xtc``: with probability ``xtc_probability`` removes
   every token above ``xtc_threshold`` except the least likely of them (``> 0.5``: never anything to
   remove). These two may drop the most likely token.
@@ -47,6 +50,31 @@ class TopK(Step):
 
     def compile_into(self, chain: CompiledChain) -> None:
         chain.k = self.k
+
+
+class TopNSigma(Step):
+    name = "top_n_sigma"
+    kind = Kind.KEEPS_BEST  # the best logit is the maximum: never below max - n * sigma
+
+    def __init__(self, n: float) -> None:
+        self.n = n
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, state: State, token_text: TokenText | None) -> TopNSigma:
+        return cls(params.top_n_sigma)
+
+    def apply(self, cand: Candidates) -> None:
+        x = cand.logits
+        if len(x) <= 1:
+            return
+        finite = x[x > -np.inf].astype(np.float64, copy=False)  # masked tokens say nothing of the spread
+        bound = finite.max() - self.n * finite.std()  # a float64 scalar: compared in float64, not rounded
+        if cand.sorted:  # best first: the kept tokens are a prefix
+            cand.keep_prefix(int(np.count_nonzero(x >= bound)))
+            return
+        keep = np.flatnonzero(x >= bound)
+        if len(keep) < len(x):
+            cand.keep(keep, False)
 
 
 class TypicalP(Step):

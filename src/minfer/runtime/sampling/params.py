@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.runtime.sampling.registry import BY_NAME, DEFAULT_SAMPLERS, STEPS
+from minfer.runtime.sampling.registry import BY_NAME, DEFAULT_SAMPLERS, STEPS, default_samplers
 
 DEFAULT_DRY_SEQUENCE_BREAKERS: tuple[str, ...] = ("\n", ":", '"', "*")
 
@@ -33,10 +33,12 @@ def is_number(v: object) -> bool:
     return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool | np.bool_)
 
 
-# -- checks: each takes the field's name and value, returns the value as stored or raises ----------------
+# -- checks ---------------------------------------------------------------------------------------------
 
 
 class Check:
+    """A field's check: ``check(name, value)`` is the value as stored, or a ``BadRequestError`` naming it."""
+
     cli_type: ClassVar[Callable[[str], Any]] = str  # parses one command-line value
 
     def __call__(self, name: str, value: Any) -> Any:
@@ -191,7 +193,6 @@ class SamplingParams:
     repeat_penalty: float = _param(1.0, "penalize repeated tokens, 1 = off",
                                    Real("a finite number > 0 (1 disables it)", lo=0.0, lo_open=True),
                                    flags=("--repeat-penalty",))
-    # the window of the three penalties
     repeat_last_n: int = _param(64, "window of the penalties, -1 = all",
                                 Whole("an integer >= -1 (0 disables the penalties, -1 = all tokens)", lo=-1),
                                 flags=("--repeat-last-n",))
@@ -229,10 +230,15 @@ class SamplingParams:
         request=False)
     samplers: Sequence[str] = _param(DEFAULT_SAMPLERS, "order of the steps, ';'-separated", StepOrder(),
                                      flags=("--samplers",), default_help=";".join(DEFAULT_SAMPLERS))
+    top_n_sigma: float = _param(-1.0, "keep the tokens whose logit is within N standard deviations of the best, "
+                                "<= 0 = off", Real("a finite number (<= 0 disables it)"),
+                                flags=("--top-n-sigma", "--top-nsigma"), metavar="N")
 
     def __post_init__(self) -> None:
         for name, param in PARAMS.items():
             object.__setattr__(self, name, param.check(name, getattr(self, name)))
+        if self.samplers == DEFAULT_SAMPLERS:  # the default order takes in the steps it lists only while on
+            object.__setattr__(self, "samplers", default_samplers(self))
 
     @property
     def greedy(self) -> bool:
