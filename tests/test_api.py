@@ -29,7 +29,7 @@ def test_max_tokens_and_stats(model):
 
 def test_generation_past_the_context_is_a_clear_error(model):
     from minfer.runtime.engine import GenerationRequest
-    from minfer.runtime.sampler import Sampler, SamplingParams
+    from minfer.runtime.sampling import Sampler, SamplingParams
     from minfer.runtime.sequence import GenerationStats
 
     prompt = fixture_sequences("qwen3")[2]  # 33 of 48 positions
@@ -98,7 +98,7 @@ def test_eos_stops_generation(model):
     eos = model.tokenizer.eos_id
     assert eos in model.tokenizer.eog_ids
     from minfer.runtime.engine import GenerationRequest
-    from minfer.runtime.sampler import Sampler, SamplingParams
+    from minfer.runtime.sampling import Sampler, SamplingParams
 
     class AlwaysEOS(Sampler):
         def sample(self, logits):

@@ -96,7 +96,7 @@ def test_greedy_continuation_matches(arch, variant, ref_dir, kernels):
     ref = load_json(fixture_dir(arch) / f"{ref_dir}greedy.json")
     model = minfer.load(fixture_dir(arch) / variant, n_ctx=64, kernels=kernels)
     from minfer.runtime.engine import GenerationRequest
-    from minfer.runtime.sampler import Sampler, SamplingParams
+    from minfer.runtime.sampling import Sampler, SamplingParams
 
     # EOS does not stop, as in the reference
     steps = model.engine.run(GenerationRequest(ref["prompt_ids"], Sampler(SamplingParams(temperature=0)),

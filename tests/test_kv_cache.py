@@ -11,7 +11,7 @@ from conftest import ARCHS, fixture_dir, fixture_logits, fixture_sequences, load
 import minfer
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.runtime.engine import GenerationRequest
-from minfer.runtime.sampler import Sampler, SamplingParams
+from minfer.runtime.sampling import Sampler, SamplingParams
 
 
 def _greedy(model, ref):

@@ -8,7 +8,8 @@ import pytest
 
 from minfer.backends.cpu import sample_chain
 from minfer.errors import BadRequestError, ModelError
-from minfer.runtime.sampler import Sampler, SamplingParams, _Candidates, sample_rows
+from minfer.runtime.sampling import Sampler, SamplingParams, sample_rows
+from minfer.runtime.sampling.candidates import Candidates as _Candidates
 
 N_VOCAB = 49152
 CHAINS = [

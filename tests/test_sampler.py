@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minfer.errors import BadRequestError, ModelError
-from minfer.runtime.sampler import DEFAULT_SAMPLERS, Sampler, SamplingParams, token_logprobs
+from minfer.runtime.sampling import DEFAULT_SAMPLERS, Sampler, SamplingParams, token_logprobs
 
 LOGITS = np.array([1.0, 3.0, 2.5, -1.0, 3.0, 0.0], dtype=np.float32)
 # every truncation off: the steps under test are switched on one at a time
@@ -613,7 +613,9 @@ def test_bias_and_top_k_in_one_pass_equal_the_two_steps(bias):
 def test_cuts_of_a_sorted_set_equal_the_general_path(step):
     """top_p and min_p cut a sorted candidate set as a prefix; the general path (a partition, a mask)
     keeps the same tokens in the same order."""
-    from minfer.runtime.sampler import _Candidates, _MinP, _TopP
+    from minfer.runtime.sampling.candidates import Candidates as _Candidates
+    from minfer.runtime.sampling.filters import MinP as _MinP
+    from minfer.runtime.sampling.filters import TopP as _TopP
 
     rng = np.random.default_rng(3)
     for i in range(200):
@@ -629,3 +631,27 @@ def test_cuts_of_a_sorted_set_equal_the_general_path(step):
         cut.apply(fast)
         cut.apply(slow)
         assert fast.ids.tolist() == slow.ids.tolist() and np.array_equal(fast.logits, slow.logits), (i, p, min_keep)
+
+
+def test_steps_declare_what_they_may_do():
+    """The greedy shortcut and the compiled chain read what each step declares: a step without a kind
+    cannot be defined, and a new one is taken at its word, never as harmless by default."""
+    from minfer.runtime.sampling.chain import _argmax_processors
+    from minfer.runtime.sampling.compiled import CompiledChain
+    from minfer.runtime.sampling.filters import Greedy, Temperature, TopK
+    from minfer.runtime.sampling.pickers import Dist
+    from minfer.runtime.sampling.step import Kind, State, Step
+
+    with pytest.raises(TypeError, match="kind"):
+        class Undeclared(Step):
+            name = "undeclared"
+
+    class Coin(Step):
+        name = "coin"
+        kind = Kind.MAY_DROP_BEST
+
+    draw = Dist(State())
+    assert _argmax_processors([TopK(40), Greedy(), draw]) == []
+    assert _argmax_processors([TopK(40), Coin(), Greedy(), draw]) is None
+    assert CompiledChain.of([TopK(40), Temperature(0.8), draw]) is not None
+    assert CompiledChain.of([TopK(40), Coin(), Temperature(0.8), draw]) is None  # no compiled stage

@@ -11,7 +11,7 @@ from minfer.backends.cpu.top_k import (
     top_k_positions,
     top_k_positions_reference,
 )
-from minfer.runtime.sampler import _Candidates
+from minfer.runtime.sampling.candidates import Candidates as _Candidates
 
 SIZES = [BLOCK * 40, BLOCK * 40 + 1, 49152, 49152 + 37, 151936]
 

@@ -25,7 +25,7 @@ from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
 from minfer.runtime.engine import EngineConfig, GenerationRequest, build_engine
 from minfer.runtime.perplexity import PerplexityResult, perplexity
-from minfer.runtime.sampler import Sampler, SamplingParams, TokenLogprob
+from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.trace.dump import Dumper
 from minfer.trace.tracer import Tracer

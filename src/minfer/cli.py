@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections import Counter
@@ -16,44 +15,16 @@ from collections.abc import Sequence
 
 from minfer.errors import MinferError
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
-
-# (flag, SamplingParams field, type, help); defaults are SamplingParams' own (see minfer.runtime.sampler)
-SAMPLING_FLAGS: list[tuple[list[str], str, type, str]] = [
-    (["--temp", "--temperature"], "temperature", float, "temperature, 0 = greedy (default: 0.8)"),
-    (["--top-k"], "top_k", int, "keep the k most likely tokens, 0 = off (default: 40)"),
-    (["--top-p"], "top_p", float, "nucleus sampling mass, 1 = off (default: 0.95)"),
-    (["--min-p"], "min_p", float, "drop tokens below min_p x the best one's probability, 0 = off (default: 0.05)"),
-    (["--typical"], "typical_p", float, "locally typical sampling mass, 1 = off (default: 1.0)"),
-    (["--min-keep"], "min_keep", int, "the truncations keep at least this many tokens (default: 0)"),
-    (["--repeat-penalty"], "repeat_penalty", float, "penalize repeated tokens, 1 = off (default: 1.0)"),
-    (["--repeat-last-n"], "repeat_last_n", int, "window of the penalties, -1 = all (default: 64)"),
-    (["--frequency-penalty"], "frequency_penalty", float, "subtract count x this (default: 0)"),
-    (["--presence-penalty"], "presence_penalty", float, "subtract this once a token appeared (default: 0)"),
-    (["--dry-multiplier"], "dry_multiplier", float, "DRY repetition penalty strength, 0 = off (default: 0)"),
-    (["--dry-base"], "dry_base", float, "DRY exponential base (default: 1.75)"),
-    (["--dry-allowed-length"], "dry_allowed_length", int, "DRY: repeats up to this length are free (default: 2)"),
-    (["--dry-penalty-last-n"], "dry_penalty_last_n", int, "DRY window, -1 = all (default: 64)"),
-    (["--xtc-probability"], "xtc_probability", float, "XTC: chance to exclude top choices (default: 0)"),
-    (["--xtc-threshold"], "xtc_threshold", float, "XTC: probability threshold (default: 0.1)"),
-    (["--mirostat"], "mirostat", int, "mirostat version, 0 = off, 1 or 2 (default: 0)"),
-    (["--mirostat-ent"], "mirostat_tau", float, "mirostat target entropy tau (default: 5.0)"),
-    (["--mirostat-lr"], "mirostat_eta", float, "mirostat learning rate eta (default: 0.1)"),
-    (["--samplers"], "samplers", str, "order of the steps, ';'-separated (default: "
-     "penalties;dry;top_k;typ_p;top_p;min_p;xtc;temperature)"),
-    (["-s", "--seed"], "seed", int, "random seed (default: a fresh one)"),
-]
+from minfer.runtime.sampling.params import PARAMS, flag_help
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256,
                    help="maximum number of tokens to generate (default: 256)")
     g = p.add_argument_group("sampling")
-    for flags, field, kind, text in SAMPLING_FLAGS:
-        g.add_argument(*flags, dest=field, type=kind, default=None, help=text)
-    g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
-                   help="DRY sequence breaker (repeatable; default: newline, ':', '\"', '*')")
-    g.add_argument("-l", "--logit-bias", action="append", default=[], metavar="TOKEN(+|-)BIAS",
-                   help="add BIAS to TOKEN's logit, e.g. 15043+1 or 15043-inf (repeatable)")
+    for field, param in PARAMS.items():  # defaults (None: not given) are SamplingParams' own
+        how = {"action": "append"} if param.repeatable else {"type": param.check.cli_type}
+        g.add_argument(*param.flags, dest=field, default=None, metavar=param.metavar, help=flag_help(field), **how)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
     c = p.add_argument_group("constrained output")
     c.add_argument("--grammar", default=None, help="GBNF grammar the output must follow")
@@ -91,18 +62,11 @@ def _constraint_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    kw = {f: getattr(args, f) for _, f, _, _ in SAMPLING_FLAGS if getattr(args, f) is not None}
-    if args.dry_sequence_breakers is not None:
-        kw["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers)
-    if args.logit_bias:
-        bias = {}
-        for item in args.logit_bias:
-            m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|\d+(?:\.\d*)?|\.\d+)\s*", item)
-            if not m:
-                raise MinferError(f"--logit-bias takes TOKEN+BIAS or TOKEN-BIAS (e.g. 15043+1), got {item!r}")
-            value = float(m.group(3))
-            bias[int(m.group(1))] = value if m.group(2) == "+" else -value
-        kw["logit_bias"] = bias
+    kw = {}
+    for field, param in PARAMS.items():
+        value = getattr(args, field)
+        if value is not None:
+            kw[field] = param.from_cli(value) if param.from_cli is not None else value
     return kw
 
 

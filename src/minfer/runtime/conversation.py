@@ -20,7 +20,7 @@ import numpy as np
 from minfer.errors import BadRequestError
 from minfer.models.model import TransformerModel
 from minfer.runtime.kv_cache import KVCache
-from minfer.runtime.sampler import Sampler
+from minfer.runtime.sampling import Sampler
 from minfer.runtime.sequence import TokenStep
 from minfer.runtime.session_file import SessionData, load_session, save_session
 

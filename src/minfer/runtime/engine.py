@@ -35,7 +35,7 @@ import numpy as np
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.models.model import TransformerModel
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
-from minfer.runtime.sampler import Sampler, sample_rows
+from minfer.runtime.sampling import Sampler, sample_rows
 from minfer.runtime.sequence import Continuation, GenerationStats, TokenStep
 from minfer.runtime.slots import Slots, slots_kv_cache
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.runtime.sampler import Sampler, TokenLogprob
+from minfer.runtime.sampling import Sampler, TokenLogprob
 from minfer.runtime.stop import StopMatcher
 
 

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minfer.api import Model
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.runtime.engine import Event, Failed, Finished, GenerationRequest, Started, Token
-from minfer.runtime.sampler import TokenLogprob
+from minfer.runtime.sampling import TokenLogprob
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError, ShuttingDownError
 from minfer.runtime.sequence import GenerationStats
 from minfer.server.metrics import ServerMetrics

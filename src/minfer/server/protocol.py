@@ -2,7 +2,8 @@
 
 A bad field raises :class:`ApiError` (HTTP 400) whose message and ``param`` name it, the way the OpenAI
 API reports it. Sampling fields that OpenAI does not have but llama.cpp's server does (``top_k``,
-``min_p``, ``repeat_penalty``, ``grammar``, ...) are accepted under the same names.
+``min_p``, ``repeat_penalty``, ``top_n_sigma``, ...) are accepted under the same names: every
+``SamplingParams`` field its metadata marks as a request field, checked as the metadata says.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# extra sampler fields accepted as-is (llama.cpp server names = SamplingParams fields)
-EXTRA_SAMPLING_FIELDS = (
-    "top_k", "min_p", "typical_p", "min_keep", "repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base",
-    "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability", "xtc_threshold",
-    "mirostat", "mirostat_tau", "mirostat_eta", "samplers",
-)
+from minfer.errors import BadRequestError
+from minfer.runtime.sampling.params import PARAMS
+
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -151,16 +149,7 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
     if seed is not None and seed < 0:
         seed &= (1 << 64) - 1  # OpenAI seeds may be negative; the sampler wants a non-negative one
 
-    sampling: dict[str, Any] = {}
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
-                         ("frequency_penalty", -2.0, 2.0)):
-        v = r.number(name, lo, hi)
-        if v is not None:
-            sampling[name] = v
-    for name in EXTRA_SAMPLING_FIELDS:
-        v = r.get(name)
-        if v is not None:
-            sampling[name] = v
+    sampling = _sampling_fields(r)
     bias = r.get("logit_bias")
     if bias is not None:
         sampling["logit_bias"] = _logit_bias(bias)
@@ -182,6 +171,22 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
         raise ApiError("'grammar' and 'response_format' cannot be used together", param="grammar")
     return GenerationParams(model, max_tokens, n, stream, include_usage, stop, seed, sampling, logprobs, grammar,
                             json_schema)
+
+
+def _sampling_fields(r: _Reader) -> dict[str, Any]:
+    """The request fields of SamplingParams that the body sets, each checked as its metadata says: an
+    OpenAI field within OpenAI's range first, then every field by SamplingParams' own check."""
+    sampling: dict[str, Any] = {}
+    for name, param in PARAMS.items():
+        if not param.request:
+            continue
+        value = r.number(name, *param.openai_range) if param.openai_range is not None else r.get(name)
+        if value is not None:
+            try:
+                sampling[name] = param.check(name, value)
+            except BadRequestError as e:
+                raise ApiError(str(e), param=name) from None
+    return sampling
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:

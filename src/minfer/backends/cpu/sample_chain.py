@@ -6,7 +6,7 @@ A server step samples every running sequence from its row of logits. Step by ste
 the second core waited; compiled, the rows share the threads.
 
 :func:`truncate_rows` computes, for each row, what the sampler's steps compute (``minfer.runtime.
-sampler``), the same float operations in the same order: the checks of the logits, the biased top-k
+sampling``), the same float operations in the same order: the checks of the logits, the biased top-k
 (:mod:`.top_k`), top-p and min-p on the sorted candidates, the temperature, and the cumulative
 probabilities the draw searches. numpy's float64 ``exp`` and ``sum`` are matched: ``exp`` is the C
 library's (numpy has its own only on AVX-512 CPUs, within an ulp of it there), the sum is numpy's
@@ -62,7 +62,7 @@ def _pairwise_sum(a, n):
 
 @njit(cache=True, nogil=True)
 def _softmax_cumsum(v, n, e, cum):
-    """``cum[:n] = cumsum(softmax(v[:n]))`` as the sampler's ``_softmax`` then ``np.cumsum`` compute it."""
+    """``cum[:n] = cumsum(softmax(v[:n]))`` as the sampler's ``softmax`` then ``np.cumsum`` compute it."""
     m = v[0]
     for i in range(1, n):
         m = max(m, v[i])
@@ -87,7 +87,7 @@ def _any_not_finite(x):
 
 @njit(cache=True, nogil=True)
 def _check(x):
-    """0, or why the sampler's ``_check_logits`` refuses ``x``: a NaN or +inf, or nothing above -inf."""
+    """0, or why the sampler's ``checked_logits`` refuses ``x``: a NaN or +inf, or nothing above -inf."""
     if not _any_not_finite(x):
         return 0
     finite = False
