@@ -1,0 +1,49 @@
+"""The ``minfer`` command: run, chat, serve, inspect, perplexity, bench, trace, pull.
+
+Each module of this package registers its subcommands (``add_parsers``) with their handler (``handler`` default);
+the handlers import what they run (the model, the server) when called, so ``minfer --help`` stays quick.
+
+User mistakes print one line ``minfer: error: ...`` on stderr and exit with status 1 (2 for bad
+command-line usage, as argparse does); no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from minfer.cli import generate, inspection, measure, serve, tracing
+from minfer.errors import MinferError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minfer",
+                                     description="Run GGUF and Hugging Face language models on the CPU.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for group in (generate, inspection, measure, tracing, serve):  # the order `minfer --help` lists them in
+        group.add_parsers(sub.add_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, _ = parser.parse_known_args(argv)
+    if args.command != "run":
+        args = parser.parse_args(argv)
+    else:
+        # options may sit between MODEL and PROMPT (`minfer run model.gguf --chat "hi"`): parse intermixed
+        run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+        args = run_parser.parse_intermixed_args(argv[argv.index("run") + 1 :], argparse.Namespace(command="run"))
+    try:
+        return args.handler(args)
+    except MinferError as e:
+        print(f"minfer: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

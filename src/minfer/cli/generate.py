@@ -1,0 +1,160 @@
+"""``minfer run`` (one prompt, streamed to stdout) and ``minfer chat`` (a multi-turn REPL with /commands)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from minfer.cli.options import (
+    add_model_and_prompt_arguments,
+    add_model_argument,
+    add_model_flags,
+    add_sampling_flags,
+    constraint_kwargs,
+    model_and_prompt,
+    sampling_kwargs,
+)
+from minfer.errors import MinferError
+from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
+
+CHAT_HELP = """commands:
+  /clear        forget the conversation (the system prompt stays)
+  /regen        generate the last reply again
+  /save FILE    save the conversation (transcript and KV cache) to FILE
+  /load FILE    resume a conversation saved with /save
+  /help         this help
+  /exit         leave (also Ctrl-D)"""
+
+
+def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
+    """Register ``run`` and ``chat`` (``add_parser``: the ``add_parser`` of the subcommands action)."""
+    run = add_parser("run", help="generate text from a prompt",
+                     description="Generate text. MODEL is a GGUF file, an HF model folder (config.json, "
+                     "safetensors, tokenizer.json) or a known model name "
+                     f"({', '.join(KNOWN_MODELS)}; default {DEFAULT_MODEL}, pulled on first use).")
+    add_model_and_prompt_arguments(run)
+    add_sampling_flags(run)
+    add_model_flags(run)
+    run.add_argument("--chat", action="store_true", help="treat PROMPT as a user message in the model's chat template")
+    run.add_argument("--system", default=None, help="system message (with --chat)")
+    run.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
+    run.add_argument("-q", "--quiet", action="store_true", help="do not print timings on stderr")
+    run.add_argument("--trace", default=None, metavar="FILE",
+                     help="write every node's time and output statistics as JSON lines (also $MINFER_TRACE)")
+    run.add_argument("--dump-dir", default=None, metavar="DIR",
+                     help="save node outputs as .npy with a manifest (also $MINFER_DUMP_DIR)")
+    run.add_argument("--dump-filter", default=None, metavar="PATTERNS",
+                     help="node names to dump, comma-separated shell patterns, e.g. 'blk.*.attn,output' "
+                     "(also $MINFER_DUMP_FILTER; default: every node)")
+    run.set_defaults(handler=cmd_run)
+
+    chat = add_parser("chat", help="interactive multi-turn chat (type /help inside)")
+    add_model_argument(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--load", default=None, metavar="FILE", help="resume a saved session")
+    add_sampling_flags(chat)
+    add_model_flags(chat)
+    chat.set_defaults(handler=cmd_chat)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import minfer
+
+    model_ref, prompt = model_and_prompt(args)
+    model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
+                        trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter, quantize=args.quantize)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": prompt})
+        text, add_special = model.render_chat(messages), False
+    else:
+        if args.system:
+            raise MinferError("--system needs --chat")
+        text, add_special = prompt, True
+    steps = model.stream(text, args.max_tokens, stop=args.stop, logprobs=args.logprobs, add_special=add_special,
+                         context_shift=args.context_shift, n_keep=args.keep,
+                         **constraint_kwargs(args), **sampling_kwargs(args))
+    if args.echo:
+        sys.stdout.write(prompt)
+    t0 = time.perf_counter()
+    for step in steps:
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+        if step.logprob is not None:
+            lp = step.logprob
+            alts = " ".join(f"{model.tokenizer.decode([t])!r}:{v:.3f}" for t, v in lp.top_logprobs)
+            print(f"[logprob] {model.tokenizer.decode([lp.token])!r} {lp.logprob:.4f} | {alts}", file=sys.stderr)
+    sys.stdout.write("\n")
+    stats = model.last_stats
+    if stats is not None and not args.quiet:
+        print(
+            f"minfer: prompt {stats.prompt_tokens} tokens ({stats.prefill_tokens_per_s:.1f} t/s), "
+            f"generated {stats.generated_tokens} tokens ({stats.decode_tokens_per_s:.1f} t/s), "
+            f"{time.perf_counter() - t0:.2f} s, finish: {stats.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    import minfer
+    from minfer.runtime.conversation import Conversation
+
+    if args.logprobs is not None:
+        raise MinferError("--logprobs is printed by `minfer run`, not in the chat")
+    model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
+                        quantize=args.quantize)
+    sampling = sampling_kwargs(args)
+    conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)
+    turn = dict(stop=args.stop, context_shift=args.context_shift, n_keep=args.keep, **constraint_kwargs(args))
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"minfer chat with {model.path.name} ({model.cache_type} cache, n_ctx {model.n_ctx}); /help for "
+              "commands", file=sys.stderr)
+
+    def show(pieces) -> None:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        command, _, arg = text.partition(" ")
+        try:
+            if command in ("/exit", "/quit"):
+                return 0
+            if command == "/help":
+                print(CHAT_HELP)
+            elif command == "/clear":
+                conv.clear()
+                print("(conversation cleared)", file=sys.stderr)
+            elif command == "/regen":
+                show(conv.regenerate(args.max_tokens, stream=True, **turn))
+            elif command == "/save":
+                if not arg:
+                    raise MinferError("/save needs a file name")
+                conv.save(arg.strip())
+                print(f"(saved to {arg.strip()})", file=sys.stderr)
+            elif command == "/load":
+                if not arg:
+                    raise MinferError("/load needs a file name")
+                conv = Conversation.load(model, arg.strip())
+                print(f"(loaded {len(conv.messages)} messages)", file=sys.stderr)
+            elif command.startswith("/"):
+                raise MinferError(f"unknown command {command} (/help lists them)")
+            else:
+                show(conv.send(line, args.max_tokens, stream=True, **turn))
+        except MinferError as e:  # a bad command or a failed turn does not end the chat
+            print(f"minfer: error: {e}", file=sys.stderr)
+            if not interactive:
+                return 1

@@ -1,0 +1,105 @@
+"""Flags several subcommands share (model, threads, cache, quantize, sampling, constraints) and their kwargs."""
+
+from __future__ import annotations
+
+import argparse
+
+from minfer.errors import MinferError
+from minfer.pull import DEFAULT_MODEL
+from minfer.runtime.sampling.params import PARAMS, flag_help
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="GGUF file, HF model folder or known model name")
+
+
+def add_model_and_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs="+", metavar="[MODEL] PROMPT", help="the model (optional) and the prompt")
+
+
+def model_and_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The ``[MODEL] PROMPT`` positionals of ``add_model_and_prompt_arguments``: (None, PROMPT) without a model."""
+    if len(args.args) > 2:
+        raise MinferError(f"{args.command} takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
+    return (None, args.args[0]) if len(args.args) == 1 else (args.args[0], args.args[1])
+
+
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores available)")
+
+
+def add_cache_type_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-type", default=None, choices=["f32", "f16", "q8_0"],
+                   help="KV cache cells (default: $MINFER_CACHE_TYPE or f32)")
+
+
+def add_quantize_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default=None, choices=["q8_0", "q4_k"],
+                   help="quantize the float weight matrices at load (HF folders: f32/f16/bf16 safetensors)")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """How a generating command loads the model and handles a full context."""
+    add_quantize_flag(p)
+    add_threads_flag(p)
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
+                   help="context size in tokens (default: the model's, at most 4096)")
+    add_cache_type_flag(p)
+    p.add_argument("--context-shift", action="store_true",
+                   help="when the context is full, drop the oldest half (after --keep tokens) instead of failing")
+    p.add_argument("--keep", type=int, default=0, help="tokens kept at the start by --context-shift (default: 0)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """``-n``, the sampling group (one flag per SamplingParams field, --stop, --logprobs), the constraint group."""
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256,
+                   help="maximum number of tokens to generate (default: 256)")
+    g = p.add_argument_group("sampling")
+    for field, param in PARAMS.items():  # defaults (None: not given) are SamplingParams' own
+        how = {"action": "append"} if param.repeatable else {"type": param.check.cli_type}
+        g.add_argument(*param.flags, dest=field, default=None, metavar=param.metavar, help=flag_help(field), **how)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
+    c = p.add_argument_group("constrained output")
+    c.add_argument("--grammar", default=None, help="GBNF grammar the output must follow")
+    c.add_argument("--grammar-file", default=None, help="file with a GBNF grammar")
+    c.add_argument("-j", "--json-schema", default=None, metavar="FILE_OR_JSON",
+                   help="JSON Schema the output must validate against (a file or inline JSON)")
+    c.add_argument("--json", action="store_true", help="output any JSON object")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's log-probability and the N best alternatives on stderr")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The SamplingParams fields given on the command line, converted as each one says."""
+    kw = {}
+    for field, param in PARAMS.items():
+        value = getattr(args, field)
+        if value is not None:
+            kw[field] = param.from_cli(value) if param.from_cli is not None else value
+    return kw
+
+
+def constraint_kwargs(args: argparse.Namespace) -> dict:
+    """``grammar=`` or ``json_schema=`` from at most one of --grammar, --grammar-file, --json-schema, --json."""
+    from pathlib import Path
+
+    given = [f for f in ("grammar", "grammar_file", "json_schema", "json") if getattr(args, f)]
+    if len(given) > 1:
+        raise MinferError(f"use one of --grammar, --grammar-file, --json-schema, --json (got {', '.join(given)})")
+    if args.grammar_file:
+        try:
+            return {"grammar": Path(args.grammar_file).read_text(encoding="utf-8")}
+        except (OSError, UnicodeDecodeError) as e:
+            raise MinferError(f"--grammar-file {args.grammar_file}: cannot read: {e}") from None
+    if args.grammar:
+        return {"grammar": args.grammar}
+    if args.json_schema:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise MinferError(f"--json-schema {args.json_schema}: not inline JSON and cannot read as a file: {e}") \
+                    from None
+        return {"json_schema": text}
+    return {"json_schema": True} if args.json else {}

@@ -1,0 +1,60 @@
+"""``minfer serve`` (the OpenAI-compatible HTTP server) and ``minfer pull`` (a known model into the cache)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from minfer.cli.options import add_cache_type_flag, add_model_argument, add_quantize_flag, add_threads_flag
+from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
+
+
+def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
+    """Register ``serve`` and ``pull`` (``add_parser``: the ``add_parser`` of the subcommands action)."""
+    srv = add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                     description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
+    add_model_argument(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
+    srv.add_argument("-np", "--parallel", type=int, default=4,
+                     help="sequences generated at once, sharing the context (default: 4)")
+    srv.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
+                     help="KV cache positions shared by all sequences; each gets ctx-size / parallel "
+                     "(default: the model's, at most 4096)")
+    srv.add_argument("-b", "--batch-size", type=int, default=512,
+                     help="most tokens one forward pass evaluates (default: 512)")
+    srv.add_argument("--queue-size", type=int, default=64,
+                     help="requests that may wait for a free sequence; beyond it: 429 (default: 64)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $MINFER_API_KEY)")
+    srv.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
+    add_threads_flag(srv)
+    add_cache_type_flag(srv)
+    add_quantize_flag(srv)
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
+    srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn log level (default: warning)")
+    srv.set_defaults(handler=cmd_serve)
+
+    pull = add_parser("pull", help="download a known model into the cache")
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
+    pull.add_argument("--force", action="store_true", help="download again even if cached")
+    pull.set_defaults(handler=cmd_pull)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minfer.server import ServeOptions, serve
+
+    serve(ServeOptions(model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
+                       batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
+                       threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
+                       log_level=args.log_level, quantize=args.quantize))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from minfer.pull import pull
+
+    path = pull(args.name, force=args.force)
+    print(path)
+    return 0
