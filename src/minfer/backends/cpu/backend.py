@@ -194,6 +194,16 @@ class CPUBackend:
         """Buffers of non-float nodes: the quantized activations of a QUANTIZE node (storage from ``take``)."""
         return self._qm.QuantizedActivations(*node.shape, take=take)
 
+    def rope(self, x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
+        """RoPE outside a plan (a context shift re-rotates cached K rows) with this backend's kernels;
+        ``out`` may be ``x``."""
+        if self.kernels != "fast":
+            ref.rope(x, positions, meta, out)
+            return
+        # int32 positions: the signature the fast kernel is compiled for at warmup
+        positions = np.asarray(positions, dtype=np.int32)
+        self._rope_table(meta).apply(x, positions, meta.n_head, meta.style is RopeStyle.NEOX, out)
+
     def kernel(self, node: Node) -> Callable[..., None]:
         if self.kernels == "fast":
             return self._fast_kernel(node)
