@@ -28,6 +28,7 @@ from gguf import quants as gq
 
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
+from minfer.backends.cpu import simd
 from minfer.formats.block_types import GGMLType, block_size, type_size
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS
@@ -144,7 +145,7 @@ def main() -> None:
     t = time.perf_counter()
     qm.warmup()
     km.warmup()
-    print(f"warmup (compile or load cache): {time.perf_counter() - t:.1f} s; x86 AVX2 path: {qm._AVX2}")
+    print(f"warmup (compile or load cache): {time.perf_counter() - t:.1f} s; x86 AVX2 path: {simd.AVX2}")
     types = [GGMLType[name] for name in args.types]
     try:
         from threadpoolctl import threadpool_limits

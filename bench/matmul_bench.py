@@ -28,36 +28,29 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import reference as ref
-from minfer.backends.cpu.quant_matmul import (  # the intrinsics the row-by-row variants are made of
-    GEMM_ROWS,
-    GEMM_TOKENS,
-    PREFETCH_ROWS,
-    QK,
-    _f16,
-    _prefetch,
-    _store_tile,
-    _tile_scales,
-    _vadd2,
-    _vadd8,
-    _vbytes,
-    _vdot_s8s8,
-    _vdot_u8s8,
-    _vf16x2,
-    _vfma_i,
-    _vhsum,
-    _vlane,
-    _vload2,
-    _vload8,
-    _vmul2,
-    _vmul8,
-    _vnibbles,
-    _vsplat8,
-    _vzero2,
-    _vzero8,
+from minfer.backends.cpu import simd
+from minfer.backends.cpu.matmul_tiles import GEMM_ROWS, GEMM_TOKENS, PREFETCH_ROWS, store_tile
+from minfer.backends.cpu.quant_matmul import QK, tile_scales
+from minfer.backends.cpu.simd import (  # the intrinsics the row-by-row variants are made of
+    dot_s8s8,
+    dot_u8s8,
+    f32x8,
+    fma_i32x8,
+    hsum_folded,
+    load_bytes32,
+    load_f32x8,
+    load_half,
+    load_nibbles32,
+    mul_f32x8,
+    prefetch,
+    splat_f32x8,
+    zeros_f32x8,
 )
 from minfer.formats.gguf_file import GGUFFile, GGUFTensor
 from minfer.formats.quants import GGMLType
@@ -75,6 +68,72 @@ LAYER = [  # (name, n_out, n_in); one layer of SmolLM2-135M
 OUTPUT = ("output", 49152, 576)
 
 
+# --- intrinsics only the variants use: (d, m d_x Σa) pairs of Q4_1's offset term ----------------------
+
+f32x2 = simd.VecType("f32", 2)
+_V2F = f32x2.llvm_type()
+
+
+@intrinsic
+def _vzero2(typingctx):
+    """Two float32 zeros."""
+    return f32x2(), lambda context, builder, sig, args: ir.Constant(_V2F, [0.0] * 2)
+
+
+@intrinsic
+def _vload2(typingctx, arr, i):
+    """arr[i:i+2] of a float32 array."""
+    if not (simd.is_1d(arr) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return simd.load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V2F)
+
+    return f32x2(arr, i), codegen
+
+
+@intrinsic
+def _vf16x2(typingctx, raw, off):
+    """The two float16 at byte offset ``off`` (Q4_1's d and m), as float32."""
+    if not simd.is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = simd.ir_halves4(builder, simd.array_data(context, builder, sig.args[0], args[0]),
+                            simd.as_intp(context, builder, args[1], sig.args[1]))
+        return builder.shuffle_vector(v, v, simd.shuffle_mask(2, lambda i: i))
+
+    return f32x2(raw, off), codegen
+
+
+@intrinsic
+def _vmul2(typingctx, a, b):
+    return f32x2(f32x2, f32x2), lambda context, builder, sig, args: builder.fmul(args[0], args[1])
+
+
+@intrinsic
+def _vadd2(typingctx, a, b):
+    return f32x2(f32x2, f32x2), lambda context, builder, sig, args: builder.fadd(args[0], args[1])
+
+
+@intrinsic
+def _vadd8(typingctx, a, b):
+    return f32x8(f32x8, f32x8), lambda context, builder, sig, args: builder.fadd(args[0], args[1])
+
+
+@intrinsic
+def _vlane(typingctx, v, i):
+    """Lane i (a compile-time constant in practice) of a float32 vector."""
+    if not (isinstance(v, simd.VecType) and v.kind == "f32" and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        lane = builder.trunc(simd.as_intp(context, builder, args[1], sig.args[1]), simd.LL_I32)
+        return builder.extract_element(args[0], lane)
+
+    return types.float32(v, i), codegen
+
+
 # --- variants that lost, kept here to show what the kept kernels are measured against ---------------
 
 
@@ -82,18 +141,18 @@ OUTPUT = ("output", 49152, 576)
 def _step_q4_1(acc, accm, w, o, a, xs):
     """Q4_1: acc += Σn·a lanes * (d_w d_x); accm += (.., m * d_x Σa) (lane 1 is the offset term)."""
     ds = _vmul2(_vf16x2(w, o), xs)  # (d_w d_x, m d_x Σa)
-    acc = _vfma_i(acc, _vdot_u8s8(_vnibbles(w, o + 4), a), _vsplat8(_vlane(ds, 0)))
+    acc = fma_i32x8(acc, dot_u8s8(load_nibbles32(w, o + 4), a), splat_f32x8(_vlane(ds, 0)))
     return acc, _vadd2(accm, ds)
 
 
 @njit(inline="always")
 def _row_q4_1(w, o, nb, aq, ao, ds, do):
     """One Q4_1 row (blocks from byte ``o``) against one token (int8 at ``ao``, pairs at ``ds[do:]``)."""
-    acc = _vzero8()
+    acc = zeros_f32x8()
     accm = _vzero2()
     for b in range(nb):
-        acc, accm = _step_q4_1(acc, accm, w, o + 20 * b, _vbytes(aq, ao + QK * b), _vload2(ds, do + 2 * b))
-    return _vhsum(acc) + _vlane(accm, 1)
+        acc, accm = _step_q4_1(acc, accm, w, o + 20 * b, load_bytes32(aq, ao + QK * b), _vload2(ds, do + 2 * b))
+    return hsum_folded(acc) + _vlane(accm, 1)
 
 
 @njit(parallel=True, cache=True)
@@ -104,40 +163,52 @@ def _gemv_q4_1_rows(w, rb, aq, ds, out):
     n_pass = n_out // 4
     for p in prange(n_pass):
         r0 = 4 * p
-        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        acc0, acc1, acc2, acc3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
         m0, m1, m2, m3 = _vzero2(), _vzero2(), _vzero2(), _vzero2()
         o = r0 * rb
         pf = o + PREFETCH_ROWS * rb
         for b in range(nb):
-            _prefetch(w, pf)
-            _prefetch(w, pf + 64)
+            prefetch(w, pf)
+            prefetch(w, pf + 64)
             pf += 80
-            a = _vbytes(aq, QK * b)
+            a = load_bytes32(aq, QK * b)
             xs = _vload2(ds, 2 * b)
             acc0, m0 = _step_q4_1(acc0, m0, w, o, a, xs)
             acc1, m1 = _step_q4_1(acc1, m1, w, o + rb, a, xs)
             acc2, m2 = _step_q4_1(acc2, m2, w, o + 2 * rb, a, xs)
             acc3, m3 = _step_q4_1(acc3, m3, w, o + 3 * rb, a, xs)
             o += 20
-        out[0, r0] = _vhsum(acc0) + _vlane(m0, 1)
-        out[0, r0 + 1] = _vhsum(acc1) + _vlane(m1, 1)
-        out[0, r0 + 2] = _vhsum(acc2) + _vlane(m2, 1)
-        out[0, r0 + 3] = _vhsum(acc3) + _vlane(m3, 1)
+        out[0, r0] = hsum_folded(acc0) + _vlane(m0, 1)
+        out[0, r0 + 1] = hsum_folded(acc1) + _vlane(m1, 1)
+        out[0, r0 + 2] = hsum_folded(acc2) + _vlane(m2, 1)
+        out[0, r0 + 3] = hsum_folded(acc3) + _vlane(m3, 1)
     for r in range(4 * n_pass, n_out):  # the last 1..3 rows
         out[0, r] = _row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
 
 
 @njit(inline="always")
+def _tile_step_u8s8(acc, q, aq, ao, dw, d_b, k):
+    """One token of a tile after one block: acc += Σq·a lanes (q unsigned) * (d_w d_x), d_x at ``d_b[k:]``."""
+    return fma_i32x8(acc, dot_u8s8(q, load_bytes32(aq, ao)), mul_f32x8(dw, load_f32x8(d_b, k)))
+
+
+@njit(inline="always")
+def _tile_step_s8s8(acc, q, aq, ao, dw, d_b, k):
+    """As _tile_step_u8s8 for signed weights (Q8_0)."""
+    return fma_i32x8(acc, dot_s8s8(q, load_bytes32(aq, ao)), mul_f32x8(dw, load_f32x8(d_b, k)))
+
+
+@njit(inline="always")
 def _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, extra):
     """As _store_tile, plus lane c of ``extra`` (Q4_1's offset terms) for token c, after the sum."""
-    out[t0, r] = _vhsum(a0) + _vlane(extra, 0)
-    out[t0 + 1, r] = _vhsum(a1) + _vlane(extra, 1)
-    out[t0 + 2, r] = _vhsum(a2) + _vlane(extra, 2)
-    out[t0 + 3, r] = _vhsum(a3) + _vlane(extra, 3)
-    out[t0 + 4, r] = _vhsum(a4) + _vlane(extra, 4)
-    out[t0 + 5, r] = _vhsum(a5) + _vlane(extra, 5)
-    out[t0 + 6, r] = _vhsum(a6) + _vlane(extra, 6)
-    out[t0 + 7, r] = _vhsum(a7) + _vlane(extra, 7)
+    out[t0, r] = hsum_folded(a0) + _vlane(extra, 0)
+    out[t0 + 1, r] = hsum_folded(a1) + _vlane(extra, 1)
+    out[t0 + 2, r] = hsum_folded(a2) + _vlane(extra, 2)
+    out[t0 + 3, r] = hsum_folded(a3) + _vlane(extra, 3)
+    out[t0 + 4, r] = hsum_folded(a4) + _vlane(extra, 4)
+    out[t0 + 5, r] = hsum_folded(a5) + _vlane(extra, 5)
+    out[t0 + 6, r] = hsum_folded(a6) + _vlane(extra, 6)
+    out[t0 + 7, r] = hsum_folded(a7) + _vlane(extra, 7)
 
 
 @njit(parallel=True, cache=True)
@@ -147,31 +218,31 @@ def _gemm_q4_1_rows(w, rb, aq, ds, out):
     n_in = aq.shape[0] // n_tok
     nb = n_in // QK
     n_full = n_tok - n_tok % GEMM_TOKENS
-    d_b, s_t = _tile_scales(ds, n_full, nb)
+    d_b, s_t = tile_scales(ds, n_full, nb)
     for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
         r0 = g * GEMM_ROWS
         r1 = min(n_out, r0 + GEMM_ROWS)
         for t0 in range(0, n_full, GEMM_TOKENS):
             tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
             for r in range(r0, r1):
-                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                ms = _vzero8()  # the eight tokens' offset terms Σ m d_x Σa, in block order
+                a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+                a4, a5, a6, a7 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+                ms = zeros_f32x8()  # the eight tokens' offset terms Σ m d_x Σa, in block order
                 o = r * rb
                 ao = t0 * n_in
                 for b in range(nb):
-                    q = _vnibbles(w, o + 4)
-                    dw = _vsplat8(_f16(w, o))
-                    ms = _vadd8(ms, _vmul8(_vsplat8(_f16(w, o + 2)), _vload8(s_t, tb + b * GEMM_TOKENS)))
+                    q = load_nibbles32(w, o + 4)
+                    dw = splat_f32x8(load_half(w, o))
+                    ms = _vadd8(ms, mul_f32x8(splat_f32x8(load_half(w, o + 2)), load_f32x8(s_t, tb + b * GEMM_TOKENS)))
                     c = tb + b * GEMM_TOKENS
-                    a0 = _vfma_i(a0, _vdot_u8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
-                    a1 = _vfma_i(a1, _vdot_u8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
-                    a2 = _vfma_i(a2, _vdot_u8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
-                    a3 = _vfma_i(a3, _vdot_u8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
-                    a4 = _vfma_i(a4, _vdot_u8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
-                    a5 = _vfma_i(a5, _vdot_u8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
-                    a6 = _vfma_i(a6, _vdot_u8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
-                    a7 = _vfma_i(a7, _vdot_u8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    a0 = _tile_step_u8s8(a0, q, aq, ao, dw, d_b, 8 * c)
+                    a1 = _tile_step_u8s8(a1, q, aq, ao + n_in, dw, d_b, 8 * c + 8)
+                    a2 = _tile_step_u8s8(a2, q, aq, ao + 2 * n_in, dw, d_b, 8 * c + 16)
+                    a3 = _tile_step_u8s8(a3, q, aq, ao + 3 * n_in, dw, d_b, 8 * c + 24)
+                    a4 = _tile_step_u8s8(a4, q, aq, ao + 4 * n_in, dw, d_b, 8 * c + 32)
+                    a5 = _tile_step_u8s8(a5, q, aq, ao + 5 * n_in, dw, d_b, 8 * c + 40)
+                    a6 = _tile_step_u8s8(a6, q, aq, ao + 6 * n_in, dw, d_b, 8 * c + 48)
+                    a7 = _tile_step_u8s8(a7, q, aq, ao + 7 * n_in, dw, d_b, 8 * c + 56)
                     o += 20
                     ao += QK
                 _store_tile_plus(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7, ms)
@@ -185,7 +256,7 @@ def _gemm_q4_1_rows(w, rb, aq, ds, out):
 @njit(parallel=True, cache=True)
 def _gemv_q4_1_one_row(w, rb, aq, ds, out):
     """Decode variant: one weight row per pass (no sharing of the activation loads between rows)."""
-    nb = aq.shape[0] // qm.QK
+    nb = aq.shape[0] // QK
     for r in prange(out.shape[1]):
         out[0, r] = _row_q4_1(w, r * rb, nb, aq, 0, ds, 0)
 
@@ -193,7 +264,7 @@ def _gemv_q4_1_one_row(w, rb, aq, ds, out):
 @njit(parallel=True, cache=True)
 def _gemv_q4_1_scalar(w, rb, aq, ds, out):
     """Decode variant: plain numba, one row per pass, nibbles unpacked in scalar code (no intrinsics)."""
-    nb = aq.shape[0] // qm.QK
+    nb = aq.shape[0] // QK
     for r in prange(out.shape[1]):
         acc = np.float32(0.0)
         for b in range(nb):
@@ -226,15 +297,15 @@ def _f16_scalar(lo, hi):
 @njit(inline="always")
 def _step_q8_0(acc, w, o, a, dx):
     """Q8_0: acc += Σq·a lanes * (d_w d_x)."""
-    return _vfma_i(acc, _vdot_s8s8(_vbytes(w, o + 2), a), _vsplat8(_f16(w, o) * dx))
+    return fma_i32x8(acc, dot_s8s8(load_bytes32(w, o + 2), a), splat_f32x8(load_half(w, o) * dx))
 
 
 @njit(inline="always")
 def _row_q8_0(w, o, nb, aq, ao, ds, do):
-    acc = _vzero8()
+    acc = zeros_f32x8()
     for b in range(nb):
-        acc = _step_q8_0(acc, w, o + 34 * b, _vbytes(aq, ao + QK * b), ds[do + 2 * b])
-    return _vhsum(acc)
+        acc = _step_q8_0(acc, w, o + 34 * b, load_bytes32(aq, ao + QK * b), ds[do + 2 * b])
+    return hsum_folded(acc)
 
 
 @njit(parallel=True)
@@ -244,25 +315,25 @@ def _gemv_q8_0_rows(w, rb, aq, ds, out):
     n_pass = n_out // 4
     for p in prange(n_pass):
         r0 = 4 * p
-        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        acc0, acc1, acc2, acc3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
         o = r0 * rb
         pf = o + PREFETCH_ROWS * rb
         for b in range(nb):
-            _prefetch(w, pf)
-            _prefetch(w, pf + 64)
-            _prefetch(w, pf + 128)
+            prefetch(w, pf)
+            prefetch(w, pf + 64)
+            prefetch(w, pf + 128)
             pf += 136
-            a = _vbytes(aq, QK * b)
+            a = load_bytes32(aq, QK * b)
             dx = ds[2 * b]
             acc0 = _step_q8_0(acc0, w, o, a, dx)
             acc1 = _step_q8_0(acc1, w, o + rb, a, dx)
             acc2 = _step_q8_0(acc2, w, o + 2 * rb, a, dx)
             acc3 = _step_q8_0(acc3, w, o + 3 * rb, a, dx)
             o += 34
-        out[0, r0] = _vhsum(acc0)
-        out[0, r0 + 1] = _vhsum(acc1)
-        out[0, r0 + 2] = _vhsum(acc2)
-        out[0, r0 + 3] = _vhsum(acc3)
+        out[0, r0] = hsum_folded(acc0)
+        out[0, r0 + 1] = hsum_folded(acc1)
+        out[0, r0 + 2] = hsum_folded(acc2)
+        out[0, r0 + 3] = hsum_folded(acc3)
     for r in range(4 * n_pass, n_out):
         out[0, r] = _row_q8_0(w, r * rb, nb, aq, 0, ds, 0)
 
@@ -273,32 +344,32 @@ def _gemm_q8_0_rows(w, rb, aq, ds, out):
     n_in = aq.shape[0] // n_tok
     nb = n_in // QK
     n_full = n_tok - n_tok % GEMM_TOKENS
-    d_b, _ = _tile_scales(ds, n_full, nb)
+    d_b, _ = tile_scales(ds, n_full, nb)
     for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
         r0 = g * GEMM_ROWS
         r1 = min(n_out, r0 + GEMM_ROWS)
         for t0 in range(0, n_full, GEMM_TOKENS):
             tb = t0 * nb  # this tile's scales: s_t[tb:], d_b[8 * tb:]
             for r in range(r0, r1):
-                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+                a4, a5, a6, a7 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
                 o = r * rb
                 ao = t0 * n_in
                 for b in range(nb):
-                    q = _vbytes(w, o + 2)
-                    dw = _vsplat8(_f16(w, o))
+                    q = load_bytes32(w, o + 2)
+                    dw = splat_f32x8(load_half(w, o))
                     c = tb + b * GEMM_TOKENS
-                    a0 = _vfma_i(a0, _vdot_s8s8(q, _vbytes(aq, ao)), _vmul8(dw, _vload8(d_b, 8 * c)))
-                    a1 = _vfma_i(a1, _vdot_s8s8(q, _vbytes(aq, ao + n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 8)))
-                    a2 = _vfma_i(a2, _vdot_s8s8(q, _vbytes(aq, ao + 2 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 16)))
-                    a3 = _vfma_i(a3, _vdot_s8s8(q, _vbytes(aq, ao + 3 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 24)))
-                    a4 = _vfma_i(a4, _vdot_s8s8(q, _vbytes(aq, ao + 4 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 32)))
-                    a5 = _vfma_i(a5, _vdot_s8s8(q, _vbytes(aq, ao + 5 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 40)))
-                    a6 = _vfma_i(a6, _vdot_s8s8(q, _vbytes(aq, ao + 6 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 48)))
-                    a7 = _vfma_i(a7, _vdot_s8s8(q, _vbytes(aq, ao + 7 * n_in)), _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    a0 = _tile_step_s8s8(a0, q, aq, ao, dw, d_b, 8 * c)
+                    a1 = _tile_step_s8s8(a1, q, aq, ao + n_in, dw, d_b, 8 * c + 8)
+                    a2 = _tile_step_s8s8(a2, q, aq, ao + 2 * n_in, dw, d_b, 8 * c + 16)
+                    a3 = _tile_step_s8s8(a3, q, aq, ao + 3 * n_in, dw, d_b, 8 * c + 24)
+                    a4 = _tile_step_s8s8(a4, q, aq, ao + 4 * n_in, dw, d_b, 8 * c + 32)
+                    a5 = _tile_step_s8s8(a5, q, aq, ao + 5 * n_in, dw, d_b, 8 * c + 40)
+                    a6 = _tile_step_s8s8(a6, q, aq, ao + 6 * n_in, dw, d_b, 8 * c + 48)
+                    a7 = _tile_step_s8s8(a7, q, aq, ao + 7 * n_in, dw, d_b, 8 * c + 56)
                     o += 34
                     ao += QK
-                _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
+                store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
         for t in range(n_full, n_tok):
             for r in range(r0, r1):
                 out[t, r] = _row_q8_0(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
@@ -396,21 +467,21 @@ def bench_shapes(layers, output, n_tok: int, seconds: float, with_variants: bool
         wf, rb = pw.flat, w.data.shape[1]
         if w.ggml_type == GGMLType.Q8_0:
             kernel = _gemv_q8_0_rows if n_tok == 1 else _gemm_q8_0_rows
-            rows = partial(kernel, wf, rb, xq._q, xq._ds, out)
+            rows = partial(kernel, wf, rb, xq.q_flat, xq.ds_flat, out)
             row("variant: raw rows, 4 per decode pass / 8-token tiles", n_tok, n_out, n_in,
                 best_time(rows, seconds), base)
             continue
         if n_tok == 1:
-            one_row = partial(_gemv_q4_1_one_row, wf, rb, xq._q, xq._ds, out)
+            one_row = partial(_gemv_q4_1_one_row, wf, rb, xq.q_flat, xq.ds_flat, out)
             row("variant: 1 row per pass (intrinsics)", 1, n_out, n_in, best_time(one_row, seconds), base)
-            scalar = partial(_gemv_q4_1_scalar, wf, rb, xq._q, xq._ds, out)
+            scalar = partial(_gemv_q4_1_scalar, wf, rb, xq.q_flat, xq.ds_flat, out)
             row("variant: plain numba scalar loop", 1, n_out, n_in, best_time(scalar, seconds), base)
-            rows = partial(_gemv_q4_1_rows, wf, rb, xq._q, xq._ds, out)
+            rows = partial(_gemv_q4_1_rows, wf, rb, xq.q_flat, xq.ds_flat, out)
             row("variant: 4 raw rows per pass (before 8-row groups)", 1, n_out, n_in, best_time(rows, seconds), base)
         else:
             per_token = partial(_gemm_by_gemv(_gemv_q4_1_rows), wf, rb, xq, out)
             row("variant: 4-row decode kernel once per token", n_tok, n_out, n_in, best_time(per_token, seconds), base)
-            tiles = partial(_gemm_q4_1_rows, wf, rb, xq._q, xq._ds, out)
+            tiles = partial(_gemm_q4_1_rows, wf, rb, xq.q_flat, xq.ds_flat, out)
             row("variant: 8-token tiles of raw rows (before 8-row groups)", n_tok, n_out, n_in,
                 best_time(tiles, seconds), base)
 
@@ -486,7 +557,7 @@ def main() -> None:
     qm.warmup()
     print(
         f"warmup (compile or load cache): {time.perf_counter() - t:.1f} s;"
-        f" x86 AVX2 path: {qm._AVX2}; numba threading layer threads: {numba.config.NUMBA_NUM_THREADS}"
+        f" x86 AVX2 path: {simd.AVX2}; numba threading layer threads: {numba.config.NUMBA_NUM_THREADS}"
     )
     layers, output = load_weights(args.model)
     try:

@@ -1,4 +1,5 @@
-"""µs per call of the numba vector kernels (``backends/cpu/vec_kernels.py``) against the numpy reference.
+"""µs per call of the numba vector kernels (``backends/cpu``: ``norms``, ``elementwise``, ``rope``, ``attention``)
+against the numpy reference.
 
 SmolLM2-135M shapes: n_embd 576, 9 query heads, 3 kv heads, head_dim 64, n_ff 1536. Row-wise ops at
 decode (1 token) and prefill (128 / 512 tokens); attention at decode with 128 / 1024 / 4096 cached rows
@@ -20,8 +21,9 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from minfer.backends.cpu import attention, elementwise, norms
 from minfer.backends.cpu import reference as ref
-from minfer.backends.cpu import vec_kernels as vk
+from minfer.backends.cpu import rope as rope_kernels
 from minfer.graph.ir import AttnMeta, RopeMeta, RopeStyle
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF = 576, 9, 3, 64, 1536
@@ -59,14 +61,15 @@ def main() -> None:
     args = ap.parse_args()
     numba.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    vk.warmup()
+    for kernels in (norms, elementwise, rope_kernels, attention):
+        kernels.warmup()
     print(
         f"warmup (compile or cache load): {time.perf_counter() - t0:.2f} s; numba threads {args.threads}, "
         f"layer {numba.threading_layer()}"
     )
     rng = np.random.default_rng(0)
     rope_meta = RopeMeta(N_HEAD, HEAD_DIM, HEAD_DIM, 10000.0, 1.0, RopeStyle.NEOX)
-    table = vk.RopeTable(HEAD_DIM, HEAD_DIM, 10000.0, 1.0)
+    table = rope_kernels.RopeTable(HEAD_DIM, HEAD_DIM, 10000.0, 1.0)
     attn_meta = AttnMeta(0, N_HEAD, N_HEAD_KV, HEAD_DIM, HEAD_DIM, HEAD_DIM**-0.5)
     r = args.batches
     print(f"{'op [shape]':<40} {'ref µs':>10} {'numba µs':>10} {'speedup':>9}")
@@ -88,19 +91,19 @@ def main() -> None:
                     f"rms_norm_mul [{nt}, {N_EMBD}]",
                     ref.rms_norm_mul,
                     (x, gain, 1e-5, N_EMBD, out),
-                    vk.rms_norm_mul,
+                    norms.rms_norm_mul,
                     (x, gain, 1e-5, N_EMBD, out),
                 ),
                 (
                     f"rms_norm_mul in place [{nt}, {N_EMBD}]",
                     ref.rms_norm_mul,
                     (y, gain, 1e-5, N_EMBD, y),
-                    vk.rms_norm_mul,
+                    norms.rms_norm_mul,
                     (y, gain, 1e-5, N_EMBD, y),
                 ),
-                (f"add residual in place [{nt}, {N_EMBD}]", ref.add, (y, x, y), vk.add, (y, x, y)),
-                (f"add bias [{nt}, {N_EMBD}]", ref.add, (x, gain, out), vk.add, (x, gain, out)),
-                (f"swiglu [{nt}, {N_FF}]", ref.swiglu, (gate, up, ff), vk.swiglu, (gate, up, ff)),
+                (f"add residual in place [{nt}, {N_EMBD}]", ref.add, (y, x, y), elementwise.add, (y, x, y)),
+                (f"add bias [{nt}, {N_EMBD}]", ref.add, (x, gain, out), elementwise.add, (x, gain, out)),
+                (f"swiglu [{nt}, {N_FF}]", ref.swiglu, (gate, up, ff), elementwise.swiglu, (gate, up, ff)),
                 (
                     f"rope in place, held table [{nt}, {N_EMBD}]",
                     ref.rope,
@@ -112,14 +115,14 @@ def main() -> None:
                     f"rope(), table looked up [{nt}, {N_EMBD}]",
                     ref.rope,
                     (x, pos, rope_meta, out),
-                    vk.rope,
+                    rope_kernels.rope,
                     (x, pos, N_HEAD, HEAD_DIM, HEAD_DIM, 10000.0, 1.0, True, out),
                 ),
                 (
                     f"kv_store [{nt}, 2 x {kw}]",
                     ref.kv_store,
                     (k, k, pos, k_reg, v_reg, 0),
-                    vk.kv_store,
+                    attention.kv_store,
                     (k, k, pos, k_reg, v_reg, 0),
                 ),
             ]
@@ -137,7 +140,7 @@ def main() -> None:
                 label,
                 median_us(ref.attention, q, k_reg, v_reg, pos, attn_meta, out, batches=r),
                 median_us(
-                    vk.attention,
+                    attention.attention,
                     q,
                     k_reg,
                     v_reg,

@@ -34,6 +34,7 @@ import pytest
 from gguf import quants as gq
 
 from minfer.backends.cpu import kquant_matmul as km
+from minfer.backends.cpu import simd
 from minfer.errors import ModelError
 from minfer.formats.block_types import GGMLType, block_size, row_nbytes, type_size
 from minfer.formats.gguf_file import GGUFTensor
@@ -65,7 +66,7 @@ def _compiled(request, tmp_path_factory):
     """Compile here; and, when the generic-SIMD test is selected, start its subprocess first, so that its
     JIT (a cold cache costs ~15 s) runs on the other CPU while this process compiles and tests."""
     generic = None
-    if km._AVX2 and any(item.name == GENERIC_TEST for item in request.session.items):
+    if simd.AVX2 and any(item.name == GENERIC_TEST for item in request.session.items):
         generic = _start_generic(tmp_path_factory.mktemp("generic"), request.config.cache.mkdir("numba-kquant-generic"))
     km.warmup()
     yield generic
@@ -388,11 +389,12 @@ _SUBPROCESS_SCRIPT = """
 import sys
 import numpy as np
 from minfer.backends.cpu import kquant_matmul as km
+from minfer.backends.cpu import simd
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
 
 data = np.load(sys.argv[1])
-res = {"avx2": np.array(km._AVX2)}
+res = {"avx2": np.array(simd.AVX2)}
 for name in sys.argv[3].split(","):
     w = GGUFTensor("w", GGMLType[name], tuple(data[name + "_shape"]), data[name])
     for n in (1, 13):
@@ -422,7 +424,7 @@ def _start_generic(tmp: Path, cache: Path) -> tuple[subprocess.Popen, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not km._AVX2, reason="this host already runs the generic path")
+@pytest.mark.skipif(not simd.AVX2, reason="this host already runs the generic path")
 def test_generic_simd_path_gives_the_same_bits(_compiled):
     """The portable LLVM vectors (non-x86 CPUs) compute the same integer lanes as the AVX2 instructions."""
     proc, out_path = _compiled

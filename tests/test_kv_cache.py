@@ -260,8 +260,8 @@ def test_gemma3_sliding_layers_read_only_their_window(cache_type):
     the rows from the oldest visible one on, rounded down to a multiple of 256 positions; the global layer
     reads them all. Decoding token by token still gives the bits of a prefill, and the reference kernels
     (which read a float32 copy of f16 cells) agree with the fast ones."""
+    from minfer.backends.cpu.attention import ATTN_KEY_CHUNK
     from minfer.backends.cpu.backend import WINDOW_ROW_ALIGN
-    from minfer.backends.cpu.vec_kernels import ATTN_KEY_CHUNK
 
     assert WINDOW_ROW_ALIGN == ATTN_KEY_CHUNK
     path = fixture_dir("gemma3") / "model-f32.gguf"

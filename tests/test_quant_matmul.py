@@ -27,6 +27,7 @@ from gguf import quants
 
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import reference as ref
+from minfer.backends.cpu import simd
 from minfer.errors import ModelError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType, dequantize_rows
@@ -344,17 +345,18 @@ _SUBPROCESS_SCRIPT = """
 import numpy as np, sys
 from numba import njit
 from minfer.backends.cpu import quant_matmul as qm
+from minfer.backends.cpu import simd
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
 
 @njit
 def all_halves(raw, out):
     for i in range(out.shape[0]):
-        out[i] = qm._f16(raw, 2 * i)
+        out[i] = simd.load_half(raw, 2 * i)
 
 data = np.load(sys.argv[1])
-res = {"avx2": np.array(qm._AVX2), "f16c": np.array(qm._F16C)}
-raw = np.zeros(2 * 65536 + 8, np.uint8)  # _f16 reads 8 bytes
+res = {"avx2": np.array(simd.AVX2), "f16c": np.array(simd.F16C)}
+raw = np.zeros(2 * 65536 + 8, np.uint8)  # load_half reads 8 bytes
 raw[: 2 * 65536] = np.arange(65536, dtype=np.uint16).view(np.uint8)
 res["halves"] = np.empty(65536, np.float32)
 all_halves(raw, res["halves"])
@@ -396,7 +398,7 @@ def _float_weight(t: GGMLType, n_out: int, n_in: int) -> GGUFTensor:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not qm._AVX2, reason="this host already runs the generic path")
+@pytest.mark.skipif(not simd.AVX2, reason="this host already runs the generic path")
 def test_generic_simd_path_gives_the_same_bits(tmp_path, request):
     """The portable LLVM vectors (non-x86 CPUs) compute the same integer lanes as the AVX2 instructions."""
     cache = request.config.cache.mkdir("numba-generic-simd")
@@ -407,7 +409,7 @@ def test_generic_simd_path_gives_the_same_bits(tmp_path, request):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not qm._X86, reason="x86 only")
+@pytest.mark.skipif(not simd.X86, reason="x86 only")
 def test_baseline_x86_target(tmp_path, request):
     """NUMBA_CPU_NAME=generic (plain x86-64: no AVX2, FMA nor F16C) compiles and agrees.
 

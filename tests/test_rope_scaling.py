@@ -27,7 +27,7 @@ from conftest import (
 
 import minfer
 from minfer.backends.cpu import reference as ref
-from minfer.backends.cpu import vec_kernels as vk
+from minfer.backends.cpu import rope as rope_kernels
 from minfer.errors import FormatError, ModelError
 from minfer.graph.ir import RopeMeta, RopeStyle
 from minfer.models.rope_scaling import hf_rope_parameters, rope_scaling_from_hf
@@ -172,7 +172,7 @@ def test_rope_table_matches_reference_exactly_with_scaling(style, scaled):
     rng = np.random.default_rng(3)
     fields = dict(freq_scale=1.0) | scaled
     meta = RopeMeta(n_head=3, head_dim=16, n_rot=16, freq_base=1e4, style=style, **fields)
-    table = vk.RopeTable.from_meta(meta, n_pos=4)
+    table = rope_kernels.RopeTable.from_meta(meta, n_pos=4)
     for positions in ([0], [5, 2, 900], list(range(40)), [-3, 7]):
         pos = np.array(positions, np.int32)
         x = rng.standard_normal((len(pos), 48)).astype(np.float32)

@@ -26,8 +26,9 @@ import numba
 import numpy as np
 import pytest
 
+from minfer.backends.cpu import attention, elementwise, norms
 from minfer.backends.cpu import reference as ref
-from minfer.backends.cpu import vec_kernels as vk
+from minfer.backends.cpu import rope as rope_kernels
 from minfer.errors import ContextOverflowError
 from minfer.graph.ir import AttnMeta, RopeMeta, RopeStyle
 
@@ -63,7 +64,8 @@ def rng():
 
 
 def test_warmup_compiles_everything():
-    vk.warmup()
+    for kernels in (norms, elementwise, rope_kernels, attention):
+        kernels.warmup()
 
 
 # ----------------------------------------------------------------------------------------------- RMSNorm
@@ -78,28 +80,28 @@ def test_rms_norm_mul_matches_reference(rng, shape, width):
     gain = rng.standard_normal(width).astype(F32)
     expect, got, plain_expect, plain = (np.empty_like(x) for _ in range(4))
     ref.rms_norm_mul(x, gain, 1e-5, width, expect)
-    vk.rms_norm_mul(x, gain, 1e-5, width, got)
+    norms.rms_norm_mul(x, gain, 1e-5, width, got)
     assert ulps(got, expect) <= 1
     ref.rms_norm(x, 1e-6, width, plain_expect)
-    vk.rms_norm(x, 1e-6, width, plain)
+    norms.rms_norm(x, 1e-6, width, plain)
     assert ulps(plain, plain_expect) <= 1
     # in place: out is x
     y = x.copy()
-    vk.rms_norm_mul(y, gain, 1e-5, width, y)
+    norms.rms_norm_mul(y, gain, 1e-5, width, y)
     np.testing.assert_array_equal(y, got)
     y = x.copy()
-    vk.rms_norm(y, 1e-6, width, y)
+    norms.rms_norm(y, 1e-6, width, y)
     np.testing.assert_array_equal(y, plain)
 
 
 def test_rms_norm_known_answer_and_float64_sum(rng):
     x = np.array([[1, 2, 3, 4]], F32)
     out = np.empty_like(x)
-    vk.rms_norm(x, 0.0, 4, out)
+    norms.rms_norm(x, 0.0, 4, out)
     np.testing.assert_allclose(out[0], x[0] / math.sqrt(7.5), rtol=2.5e-7)
     big = (rng.standard_normal((3, 4096)) * 1e4).astype(F32)
     out = np.empty_like(big)
-    vk.rms_norm(big, 1e-5, 4096, out)
+    norms.rms_norm(big, 1e-5, 4096, out)
     expect = big.astype(np.float64) / np.sqrt((big.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(out, expect, rtol=2e-7)
 
@@ -107,9 +109,9 @@ def test_rms_norm_known_answer_and_float64_sum(rng):
 def test_rms_norm_rejects_bad_shapes():
     x = np.ones((2, 10), F32)
     with pytest.raises(ValueError, match="multiple of 4"):
-        vk.rms_norm(x, 1e-5, 4, np.empty_like(x))
+        norms.rms_norm(x, 1e-5, 4, np.empty_like(x))
     with pytest.raises(ValueError, match="gain"):
-        vk.rms_norm_mul(x, np.ones(5, F32), 1e-5, 10, np.empty_like(x))
+        norms.rms_norm_mul(x, np.ones(5, F32), 1e-5, 10, np.empty_like(x))
 
 
 # ----------------------------------------------------------------------------------------- elementwise
@@ -120,7 +122,7 @@ def test_add_and_mul_match_reference_exactly(rng, shape):
     x = rng.standard_normal(shape).astype(F32)
     y = rng.standard_normal(shape).astype(F32)
     bias = rng.standard_normal(shape[1]).astype(F32)
-    for vk_op, ref_op in ((vk.add, ref.add), (vk.mul, ref.mul)):
+    for vk_op, ref_op in ((elementwise.add, ref.add), (elementwise.mul, ref.mul)):
         for other in (y, bias):
             expect, got = np.empty_like(x), np.empty_like(x)
             ref_op(x, other, expect)
@@ -136,10 +138,10 @@ def test_mul_broadcasts_a_per_head_gain(rng):
     gain = rng.standard_normal(20).astype(F32)
     expect, got = np.empty_like(x), np.empty_like(x)
     ref.mul(x, gain, expect)
-    vk.mul(x, gain, got)
+    elementwise.mul(x, gain, got)
     np.testing.assert_array_equal(got, expect)
     with pytest.raises(ValueError, match="do not fit"):
-        vk.add(x, np.ones(7, F32), got)
+        elementwise.add(x, np.ones(7, F32), got)
 
 
 def _silu_inputs(rng, shape):
@@ -156,29 +158,29 @@ def test_swiglu_and_silu_match_reference(rng, shape):
     expect, got = np.empty_like(gate), np.empty_like(gate)
     with np.errstate(over="ignore"):
         ref.swiglu(gate, up, expect)
-    vk.swiglu(gate, up, got)
+    elementwise.swiglu(gate, up, got)
     assert ulps(got, expect) <= 5
     with np.errstate(over="ignore"):
         ref.silu(gate, expect)
-    vk.silu(gate, got)
+    elementwise.silu(gate, got)
     assert ulps(got, expect) <= 5
     # in place into either operand
     g2, u2 = gate.copy(), up.copy()
-    vk.swiglu(g2, up, g2)
-    vk.swiglu(gate, u2, u2)
+    elementwise.swiglu(g2, up, g2)
+    elementwise.swiglu(gate, u2, u2)
     ref_sw = np.empty_like(gate)
-    vk.swiglu(gate, up, ref_sw)
+    elementwise.swiglu(gate, up, ref_sw)
     np.testing.assert_array_equal(g2, ref_sw)
     np.testing.assert_array_equal(u2, ref_sw)
     g2 = gate.copy()
-    vk.silu(g2, g2)
+    elementwise.silu(g2, g2)
     np.testing.assert_array_equal(g2, got)
 
 
 def test_silu_special_values():
     x = np.array([[np.nan, np.inf, -np.inf, 0.0, -0.0, -200.0, 200.0]], F32)
     out, expect = np.empty_like(x), np.empty_like(x)
-    vk.silu(x, out)
+    elementwise.silu(x, out)
     with np.errstate(over="ignore", invalid="ignore"):
         ref.silu(x, expect)
     np.testing.assert_array_equal(out, expect)  # NaN where the reference has NaN (-inf / inf)
@@ -200,7 +202,7 @@ def test_geglu_and_gelu_match_reference(rng, shape):
     expect, got = np.empty_like(gate), np.empty_like(gate)
     with np.errstate(over="ignore", invalid="ignore"):
         ref.gelu(gate, expect)
-    vk.gelu(gate, got)
+    elementwise.gelu(gate, got)
     bound = 4e-7 * np.maximum(1, np.abs(gate))
     assert (np.abs(got.astype(np.float64) - expect) <= bound).all()
     assert ulps(got[gate >= 0], expect[gate >= 0]) <= 8
@@ -209,30 +211,30 @@ def test_geglu_and_gelu_match_reference(rng, shape):
     assert got[gate == 1e30][0] == F32(1e30) and got[gate == -1e30][0] == 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         ref.geglu(gate, up, expect)
-    vk.geglu(gate, up, got)
+    elementwise.geglu(gate, up, got)
     assert (np.abs(got.astype(np.float64) - expect) <= bound * np.abs(up) + 1e-30).all()
     # in place into either operand
     g2, u2 = gate.copy(), up.copy()
-    vk.geglu(g2, up, g2)
-    vk.geglu(gate, u2, u2)
+    elementwise.geglu(g2, up, g2)
+    elementwise.geglu(gate, u2, u2)
     np.testing.assert_array_equal(g2, got)
     np.testing.assert_array_equal(u2, got)
     g2 = gate.copy()
-    vk.gelu(g2, g2)
+    elementwise.gelu(g2, g2)
     single = np.empty_like(gate)
-    vk.gelu(gate, single)
+    elementwise.gelu(gate, single)
     np.testing.assert_array_equal(g2, single)
 
 
 def test_gelu_known_values():
     x = np.array([[0.0, 1.0, -1.0, 3.0, -3.0, 10.0, -10.0]], F32)
     out = np.empty_like(x)
-    vk.gelu(x, out)
+    elementwise.gelu(x, out)
     # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float64
     expect = [0.0, 0.8411919906, -0.1588080094, 2.9963626079, -0.0036373921, 10.0, -1.2e-37]
     np.testing.assert_allclose(out[0], expect, rtol=1e-6, atol=1e-12)
     with pytest.raises(ValueError, match="gelu"):
-        vk.gelu(x, np.empty((1, 3), F32))
+        elementwise.gelu(x, np.empty((1, 3), F32))
 
 
 def test_scale_matches_reference_exactly(rng):
@@ -240,11 +242,11 @@ def test_scale_matches_reference_exactly(rng):
     expect, got = np.empty_like(x), np.empty_like(x)
     s = math.sqrt(640)
     ref.scale(x, s, expect)
-    vk.scale(x, s, got)
+    elementwise.scale(x, s, got)
     np.testing.assert_array_equal(got, expect)
     np.testing.assert_array_equal(got, x * F32(s))
     y = x.copy()
-    vk.scale(y, s, y)
+    elementwise.scale(y, s, y)
     np.testing.assert_array_equal(y, expect)
 
 
@@ -269,15 +271,15 @@ def test_rope_matches_reference_exactly(rng, style, n_head, head_dim, n_rot, pos
     expect, got = np.empty_like(x), np.empty_like(x)
     ref.rope(x, pos, meta, expect)
     neox = style is RopeStyle.NEOX
-    vk.rope(x, pos, n_head, head_dim, n_rot, 10000.0, 1.0, neox, got)
+    rope_kernels.rope(x, pos, n_head, head_dim, n_rot, 10000.0, 1.0, neox, got)
     np.testing.assert_array_equal(got, expect)
     inplace = x.copy()
-    vk.rope(inplace, pos, n_head, head_dim, n_rot, 10000.0, 1.0, neox, inplace)
+    rope_kernels.rope(inplace, pos, n_head, head_dim, n_rot, 10000.0, 1.0, neox, inplace)
     np.testing.assert_array_equal(inplace, expect)
 
 
 def test_rope_table_grows_and_handles_negative_positions(rng):
-    table = vk.RopeTable(head_dim=16, n_rot=16, freq_base=1e6, freq_scale=0.25, n_pos=8)
+    table = rope_kernels.RopeTable(head_dim=16, n_rot=16, freq_base=1e6, freq_scale=0.25, n_pos=8)
     meta = RopeMeta(2, 16, 16, 1e6, 0.25, RopeStyle.NEOX)
     for positions in ([3, 7], [100, 5000], [-3, 2]):
         pos = np.array(positions, np.int32)
@@ -296,7 +298,7 @@ def test_rope_table_grows_and_handles_negative_positions(rng):
 def test_rope_worked_example():
     x = np.array([[1.0, 2.0, 3.0, 4.0]], F32)
     out = np.empty_like(x)
-    vk.rope(x, np.array([2], np.int32), 1, 4, 4, 1e4, 1.0, False, out)
+    rope_kernels.rope(x, np.array([2], np.int32), 1, 4, 4, 1e4, 1.0, False, out)
     for (i0, i1), angle in zip([(0, 1), (2, 3)], [2.0, 0.02], strict=True):
         assert out[0, i0] == pytest.approx(x[0, i0] * math.cos(angle) - x[0, i1] * math.sin(angle), abs=1e-6)
         assert out[0, i1] == pytest.approx(x[0, i0] * math.sin(angle) + x[0, i1] * math.cos(angle), abs=1e-6)
@@ -314,15 +316,15 @@ def test_kv_store_matches_reference_and_refuses_overflow(rng):
         k = rng.standard_normal((len(pos), kw)).astype(F32)
         v = rng.standard_normal((len(pos), vw)).astype(F32)
         ref.kv_store(k, v, pos, k_ref, v_ref, 0)
-        vk.kv_store(k, v, pos, k_reg, v_reg, layer=0)
+        attention.kv_store(k, v, pos, k_reg, v_reg, layer=0)
         np.testing.assert_array_equal(k_reg, k_ref)
         np.testing.assert_array_equal(v_reg, v_ref)
     before = k_reg.copy()
     with pytest.raises(ContextOverflowError, match="layer 3: KV store position 16 \\(token 1\\)"):
-        vk.kv_store(np.ones((2, kw), F32), np.ones((2, vw), F32), np.array([5, 16], np.int32), k_reg, v_reg, 3)
+        attention.kv_store(np.ones((2, kw), F32), np.ones((2, vw), F32), np.array([5, 16], np.int32), k_reg, v_reg, 3)
     np.testing.assert_array_equal(k_reg, before)  # nothing written: the check runs before any row moves
     with pytest.raises(ValueError, match="do not fit"):
-        vk.kv_store(np.ones((1, kw + 1), F32), np.ones((1, vw), F32), np.array([0], np.int32), k_reg, v_reg)
+        attention.kv_store(np.ones((1, kw + 1), F32), np.ones((1, vw), F32), np.array([0], np.int32), k_reg, v_reg)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
@@ -335,17 +337,17 @@ def test_kv_store_into_f16_cells_rounds_as_numpy(rng):
     v = rng.standard_normal((40, vw)).astype(F32)
     pos = rng.permutation(n_ctx)[:40].astype(np.int32)
     k16, v16 = np.zeros((n_ctx, kw), np.float16), np.zeros((n_ctx, vw), np.float16)
-    vk.kv_store(k, v, pos, k16, v16)
+    attention.kv_store(k, v, pos, k16, v16)
     np.testing.assert_array_equal(k16[pos].view(np.uint16), k.astype(np.float16).view(np.uint16))
     np.testing.assert_array_equal(v16[pos].view(np.uint16), v.astype(np.float16).view(np.uint16))
     k_np, v_np = np.zeros_like(k16), np.zeros_like(v16)
-    assert vk._kv_store_numpy(k, v, pos, k_np, v_np) == -1
+    assert attention._kv_store_numpy(k, v, pos, k_np, v_np) == -1
     np.testing.assert_array_equal(k_np.view(np.uint16), k16.view(np.uint16))
     with pytest.raises(ContextOverflowError, match="position 64 \\(token 1\\)"):
-        vk.kv_store(k[:2], v[:2], np.array([0, 64], np.int32), k16, v16)
-    assert vk._kv_store_numpy(k[:2], v[:2], np.array([0, 64], np.int32), k_np, v_np) == 1
+        attention.kv_store(k[:2], v[:2], np.array([0, 64], np.int32), k16, v16)
+    assert attention._kv_store_numpy(k[:2], v[:2], np.array([0, 64], np.int32), k_np, v_np) == 1
     with pytest.raises(ValueError, match="both be float32 or both float16, got float16 and float32"):
-        vk.kv_store(k, v, pos, k16, v16.astype(F32))
+        attention.kv_store(k, v, pos, k16, v16.astype(F32))
 
 
 # -------------------------------------------------------------------------------------------- attention
@@ -371,7 +373,7 @@ def _ref_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, win
 
 def _vk_attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, window=0):
     out = np.full((len(pos), n_head * hdv), np.nan, F32)
-    vk.attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, out, window)
+    attention.attention(q, k_reg, v_reg, pos, n_head, n_head_kv, hdk, hdv, scale, out, window)
     return out
 
 
@@ -401,14 +403,14 @@ def test_attention_known_answers():
     K = np.zeros((2, 2), F32)
     V = np.zeros((2, 2), F32)
     q = np.eye(2, dtype=F32)
-    vk.kv_store(q, np.array([[10, 0], [0, 20]], F32), np.array([0, 1], np.int32), K, V)
+    attention.kv_store(q, np.array([[10, 0], [0, 20]], F32), np.array([0, 1], np.int32), K, V)
     out = np.empty((2, 2), F32)
-    vk.attention(q, K, V, np.array([0, 1], np.int32), 1, 1, 2, 2, 1 / math.sqrt(2), out)
+    attention.attention(q, K, V, np.array([0, 1], np.int32), 1, 1, 2, 2, 1 / math.sqrt(2), out)
     np.testing.assert_allclose(out, [[10, 0], [3.3023846, 13.395231]], rtol=1e-6)
     # the Rust chapter's decode step: window grows to 3
     K = np.zeros((3, 4), F32)
     V = np.zeros((3, 4), F32)
-    vk.kv_store(
+    attention.kv_store(
         np.array([[1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]], F32),
         np.array([[1, 2, 0, 0], [3, 4, 0, 0], [5, 0, 0, 0]], F32),
         np.array([0, 1, 2], np.int32),
@@ -416,7 +418,7 @@ def test_attention_known_answers():
         V,
     )
     out = np.empty((1, 4), F32)
-    vk.attention(np.array([[0, 1, 1, 0]], F32), K, V, np.array([2], np.int32), 1, 1, 4, 4, 0.5, out)
+    attention.attention(np.array([[0, 1, 1, 0]], F32), K, V, np.array([2], np.int32), 1, 1, 4, 4, 0.5, out)
     np.testing.assert_allclose(out[0], [3.301906, 2.0, 0, 0], atol=1e-5)
 
 
@@ -434,7 +436,7 @@ def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
         # each kv group's heads over several units (2 or 3 heads per unit, then 1)
         for n_threads in (4, 16):
             split = np.empty_like(one)
-            code = vk._attn_kernel(
+            code = attention._attn_kernel(
                 q[t : t + 1],
                 k_reg,
                 v_reg,
@@ -442,8 +444,8 @@ def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
                 *geometry,
                 n_threads,
                 0,
-                vk._NO_SCRATCH,
-                vk._NO_SCRATCH,
+                attention._NO_SCRATCH,
+                attention._NO_SCRATCH,
                 0,
                 split,
             )
@@ -455,17 +457,17 @@ def test_long_decode_split_by_keys_equals_prefill_row(rng):
     # a decode step over more than one key chunk runs split by keys when numba has 2+ threads (called
     # directly here, whatever numba has): same bits as the token's row in a prefill
     n_head, n_head_kv, hd = 6, 2, 64
-    n = 2 * vk.ATTN_KEY_CHUNK + 37
+    n = 2 * attention.ATTN_KEY_CHUNK + 37
     q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, list(range(n)), n_ctx=n + 5)
     geometry = (n_head, n_head_kv, hd, hd, 0.125)
     prefill = _vk_attention(q, k_reg, v_reg, pos, *geometry)
     np.testing.assert_allclose(prefill, _ref_attention(q, k_reg, v_reg, pos, *geometry), rtol=0, atol=1e-5)
-    for t in (vk.ATTN_KEY_CHUNK - 1, vk.ATTN_KEY_CHUNK, n - 1):
+    for t in (attention.ATTN_KEY_CHUNK - 1, attention.ATTN_KEY_CHUNK, n - 1):
         one = _vk_attention(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry)
         np.testing.assert_array_equal(one[0], prefill[t])
         split = np.full_like(one, np.nan)
-        code = vk._attention_split_by_keys(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry, 2, split)
-        assert code == (-5 if t < vk.ATTN_KEY_CHUNK else -1)
+        code = attention._attention_split_by_keys(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry, 2, split)
+        assert code == (-5 if t < attention.ATTN_KEY_CHUNK else -1)
         if code == -1:
             np.testing.assert_array_equal(split[0], prefill[t])
 
@@ -508,7 +510,7 @@ def test_attention_rows_mixing_sequences_equals_each_sequence_alone(rng, window)
     sequence's rows alone: the view the per-sequence path uses. Garbage in other sequences' rows (NaN) is
     never read."""
     n_head, n_head_kv, hd = 6, 2, 32
-    cap = 2 * vk.ATTN_KEY_CHUNK + 64  # rows per sequence: decodes past two key chunks
+    cap = 2 * attention.ATTN_KEY_CHUNK + 64  # rows per sequence: decodes past two key chunks
     n_seq = 5
     k_reg = np.full((cap * n_seq, n_head_kv * hd), np.nan, F32)
     v_reg = np.full_like(k_reg, np.nan)
@@ -526,7 +528,9 @@ def test_attention_rows_mixing_sequences_equals_each_sequence_alone(rng, window)
     geometry = (n_head, n_head_kv, hd, hd, 1 / math.sqrt(hd))
     for n_threads in (1, MAX_THREADS):
         got = np.full((len(pos), n_head * hd), np.nan, F32)
-        at_threads(n_threads, lambda got=got: vk.attention_rows(q, k_reg, v_reg, pos, rows, *geometry, got, window))
+        at_threads(
+            n_threads, lambda got=got: attention.attention_rows(q, k_reg, v_reg, pos, rows, *geometry, got, window)
+        )
         for t in range(len(pos)):
             s = int(seq[t])
             k_seq, v_seq = k_reg[s * cap : (s + 1) * cap], v_reg[s * cap : (s + 1) * cap]
@@ -536,7 +540,7 @@ def test_attention_rows_mixing_sequences_equals_each_sequence_alone(rng, window)
         np.testing.assert_allclose(got[:1], expect, rtol=0, atol=1e-5)
     # told of 64 threads, the kernel splits each kv group's heads over units: still the same bits
     split = np.full_like(got, np.nan)
-    assert vk._attn_rows_kernel(q, k_reg, v_reg, pos, rows, *geometry, 64, window, split) == -1
+    assert attention._attn_rows_kernel(q, k_reg, v_reg, pos, rows, *geometry, 64, window, split) == -1
     np.testing.assert_array_equal(split, got)
 
 
@@ -563,24 +567,26 @@ def test_attention_on_f16_cells_equals_their_float32_copy(rng, n_head, n_head_kv
     rows = np.concatenate([pos, pos + cap]).astype(np.int32)
     q2, pos2 = np.concatenate([q, q[::-1]]), np.concatenate([pos, pos]).astype(np.int32)
     got16, got32 = np.empty((len(rows), n_head * hd), F32), np.empty((len(rows), n_head * hd), F32)
-    vk.attention_rows(q2, k2, v2, pos2, rows, *geometry, got16)
-    vk.attention_rows(q2, k2.astype(F32), v2.astype(F32), pos2, rows, *geometry, got32)
+    attention.attention_rows(q2, k2, v2, pos2, rows, *geometry, got16)
+    attention.attention_rows(q2, k2.astype(F32), v2.astype(F32), pos2, rows, *geometry, got32)
     np.testing.assert_array_equal(got16, got32)
     with pytest.raises(ValueError, match="both be float32 or both float16, got float16 and float32"):
-        vk.attention(q, k16, v_reg, pos, *geometry, np.empty_like(got16[: len(pos)]))
+        attention.attention(q, k16, v_reg, pos, *geometry, np.empty_like(got16[: len(pos)]))
 
 
 def test_attention_rows_errors(rng):
     q, k_reg, v_reg, pos = _attn_case(rng, 4, 2, 8, 8, [0, 1], n_ctx=8)
     out = np.empty((2, 32), F32)
     with pytest.raises(ContextOverflowError, match="position 3 \\(token 1\\)"):
-        vk.attention_rows(q, k_reg, v_reg, np.array([0, 3], np.int32), np.array([4, 8], np.int32), 4, 2, 8, 8, 1.0,
-                          out)
+        attention.attention_rows(
+            q, k_reg, v_reg, np.array([0, 3], np.int32), np.array([4, 8], np.int32), 4, 2, 8, 8, 1.0, out
+        )
     with pytest.raises(ValueError, match="token 1 at row 2 has position 5 before its sequence's first row"):
-        vk.attention_rows(q, k_reg, v_reg, np.array([0, 5], np.int32), np.array([4, 2], np.int32), 4, 2, 8, 8, 1.0,
-                          out)
+        attention.attention_rows(
+            q, k_reg, v_reg, np.array([0, 5], np.int32), np.array([4, 2], np.int32), 4, 2, 8, 8, 1.0, out
+        )
     with pytest.raises(ValueError, match="1 rows for 2 positions"):
-        vk.attention_rows(q, k_reg, v_reg, pos, np.array([0], np.int32), 4, 2, 8, 8, 1.0, out)
+        attention.attention_rows(q, k_reg, v_reg, pos, np.array([0], np.int32), 4, 2, 8, 8, 1.0, out)
 
 def test_sliding_window_reference_mask():
     # 1 head, head dim 1, q = k = 0: uniform weights over exactly the visible keys
@@ -597,13 +603,13 @@ def test_attention_errors(rng):
     q, k_reg, v_reg, pos = _attn_case(rng, 4, 2, 8, 8, [0, 1], n_ctx=4)
     out = np.empty((2, 32), F32)
     with pytest.raises(ContextOverflowError, match="position 4 \\(token 1\\)"):
-        vk.attention(q, k_reg, v_reg, np.array([3, 4], np.int32), 4, 2, 8, 8, 1.0, out)
+        attention.attention(q, k_reg, v_reg, np.array([3, 4], np.int32), 4, 2, 8, 8, 1.0, out)
     with pytest.raises(ValueError, match="do not fit"):
-        vk.attention(q, k_reg, v_reg, pos, 4, 3, 8, 8, 1.0, out)  # 4 heads cannot share 3 kv heads
+        attention.attention(q, k_reg, v_reg, pos, 4, 3, 8, 8, 1.0, out)  # 4 heads cannot share 3 kv heads
     with pytest.raises(ValueError, match="must not be q"):
-        vk.attention(q, k_reg, v_reg, pos, 4, 2, 8, 8, 1.0, q)
+        attention.attention(q, k_reg, v_reg, pos, 4, 2, 8, 8, 1.0, q)
     with pytest.raises(ValueError, match="do not fit"):
-        vk.attention(q, k_reg, v_reg, pos, 4, 2, 8, 8, 1.0, out, -1)  # a negative window
+        attention.attention(q, k_reg, v_reg, pos, 4, 2, 8, 8, 1.0, out, -1)  # a negative window
 
 
 # ------------------------------------------------------------------------------------------ row blocks
@@ -618,12 +624,12 @@ def test_rowwise_ops_give_the_same_bits_on_row_blocks_in_threads(rng):
     gain = rng.standard_normal(576).astype(F32)
     up = rng.standard_normal((128, 576)).astype(F32)
     pos = np.arange(300, 428, dtype=np.int32)
-    table = vk.RopeTable(64, 64, 10000.0, 1.0)
+    table = rope_kernels.RopeTable(64, 64, 10000.0, 1.0)
 
     def run(r0: int, r1: int, outs: list[np.ndarray]) -> None:
-        vk.rms_norm_mul(x[r0:r1], gain, 1e-5, 576, outs[0][r0:r1])
-        vk.add(x[r0:r1], gain, outs[1][r0:r1])
-        vk.swiglu(x[r0:r1], up[r0:r1], outs[2][r0:r1])
+        norms.rms_norm_mul(x[r0:r1], gain, 1e-5, 576, outs[0][r0:r1])
+        elementwise.add(x[r0:r1], gain, outs[1][r0:r1])
+        elementwise.swiglu(x[r0:r1], up[r0:r1], outs[2][r0:r1])
         table.apply(x[r0:r1], pos[r0:r1], 9, True, outs[3][r0:r1])
 
     whole = [np.empty_like(x) for _ in range(4)]

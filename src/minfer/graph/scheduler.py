@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minfer.graph.allocator import Allocation, allocate
-from minfer.graph.ir import Graph, Node, Op
+from minfer.graph.ir import Graph, Node, Op, RopeMeta
 
 # storage for a plan's buffers: (part name, elements, dtype) -> a 1-D array of that many elements
 Take = Callable[[str, int, Any], np.ndarray]
@@ -31,6 +31,9 @@ class Backend(Protocol):
     def running(self) -> AbstractContextManager[Any]: ...
 
     def buffer(self, node: Node, take: Take) -> Any: ...
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
+        """RoPE outside a plan (a context shift re-rotates cached K rows)."""
 
 
 class BufferArena:

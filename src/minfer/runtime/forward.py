@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from minfer.backends.cpu.reference import rope
 from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
 from minfer.graph.scheduler import Backend, BufferArena, Plan
@@ -125,7 +124,7 @@ class ForwardRunner:
 
         def rotate(k: np.ndarray, delta: int, layer: int) -> None:
             # RoPE is a rotation by position x frequency, so rotating a row stored at p by -d puts it at p - d
-            rope(k, np.full(k.shape[0], delta), metas[layer], k)
+            self.backend.rope(k, np.full(k.shape[0], delta), metas[layer], k)
 
         self.kv.shift(seq, n_keep, n_discard, rotate)
 

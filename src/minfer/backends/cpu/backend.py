@@ -28,7 +28,7 @@ from minfer.backends.cpu import reference as ref
 from minfer.errors import BadRequestError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
-from minfer.graph.ir import Node, Op, RopeStyle
+from minfer.graph.ir import Node, Op, RopeMeta, RopeStyle
 from minfer.graph.scheduler import Take
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
@@ -46,7 +46,7 @@ def _kv_load(node: Node, kv, store) -> None:
 
 
 # A sliding-window layer reads its sequence's rows from a multiple of this many positions on (the fast
-# attention's key chunk, vec_kernels.ATTN_KEY_CHUNK): positions shift by a multiple of the chunk, so the
+# attention's key chunk, attention.ATTN_KEY_CHUNK): positions shift by a multiple of the chunk, so the
 # kernel sums the same chunks whatever the first row read, and a decode step keeps giving the same bits as
 # the token's row in a prefill.
 WINDOW_ROW_ALIGN = 256
@@ -136,15 +136,23 @@ class CPUBackend:
         self._rope_tables: dict[tuple, Any] = {}
         self._prepared: dict[int, tuple[GGUFTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
         if kernels == "fast":
-            from minfer.backends.cpu import kquant_matmul, quant_matmul, sample_chain, top_k, vec_kernels
+            from minfer.backends.cpu import (
+                attention,
+                elementwise,
+                kquant_matmul,
+                norms,
+                quant_matmul,
+                rope,
+                sample_chain,
+                top_k,
+            )
 
+            self._norms, self._ew, self._rope, self._attn = norms, elementwise, rope, attention
             self._qm = quant_matmul
-            self._kq = kquant_matmul
-            self._vk = vec_kernels
-            vec_kernels.warmup()
-            quant_matmul.warmup()
-            top_k.warmup()  # the sampler's (they run on the logits whatever the kernel set)
-            sample_chain.warmup()
+            self._kq = kquant_matmul  # compiled on first use (Q5_0/Q5_1 and the K-quants)
+            # top_k and sample_chain are the sampler's (they run on the logits whatever the kernel set)
+            for module in (norms, elementwise, rope, attention, quant_matmul, top_k, sample_chain):
+                module.warmup()
         elif threads > 1:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer")
 
@@ -186,6 +194,16 @@ class CPUBackend:
         """Buffers of non-float nodes: the quantized activations of a QUANTIZE node (storage from ``take``)."""
         return self._qm.QuantizedActivations(*node.shape, take=take)
 
+    def rope(self, x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
+        """RoPE outside a plan (a context shift re-rotates cached K rows) with this backend's kernels;
+        ``out`` may be ``x``."""
+        if self.kernels != "fast":
+            ref.rope(x, positions, meta, out)
+            return
+        # int32 positions: the signature the fast kernel is compiled for at warmup
+        positions = np.asarray(positions, dtype=np.int32)
+        self._rope_table(meta).apply(x, positions, meta.n_head, meta.style is RopeStyle.NEOX, out)
+
     def kernel(self, node: Node) -> Callable[..., None]:
         if self.kernels == "fast":
             return self._fast_kernel(node)
@@ -209,8 +227,16 @@ class CPUBackend:
 
     # -- fast --------------------------------------------------------------------------------------
 
+    def _rope_table(self, meta: RopeMeta) -> Any:
+        """The fast RoPE's table for this geometry, shared by every node (and call) that has it."""
+        key = self._rope.RopeTable.key(meta)
+        table = self._rope_tables.get(key)
+        if table is None:
+            table = self._rope_tables[key] = self._rope.RopeTable.from_meta(meta)
+        return table
+
     def _fast_kernel(self, node: Node) -> Callable[..., None]:
-        vk, qm = self._vk, self._qm
+        norms, ew, attention, qm = self._norms, self._ew, self._attn, self._qm
         op, meta = node.op, node.meta
         if op is Op.MATMUL:
             w = node.inputs[1].source
@@ -227,30 +253,27 @@ class CPUBackend:
             return lambda node, out, x: qm.quantize_activations(x, out)
         if op is Op.RMS_NORM_MUL:
             eps, width = meta.eps, meta.width
-            return lambda node, out, x, gain: vk.rms_norm_mul(x, gain, eps, width, out)
+            return lambda node, out, x, gain: norms.rms_norm_mul(x, gain, eps, width, out)
         if op is Op.RMS_NORM:
             eps, width = meta.eps, meta.width
-            return lambda node, out, x: vk.rms_norm(x, eps, width, out)
+            return lambda node, out, x: norms.rms_norm(x, eps, width, out)
         if op is Op.ADD:
-            return lambda node, out, x, y: vk.add(x, y, out)
+            return lambda node, out, x, y: ew.add(x, y, out)
         if op is Op.MUL:
-            return lambda node, out, x, y: vk.mul(x, y, out)
+            return lambda node, out, x, y: ew.mul(x, y, out)
         if op is Op.SILU:
-            return lambda node, out, x: vk.silu(x, out)
+            return lambda node, out, x: ew.silu(x, out)
         if op is Op.SWIGLU:
-            return lambda node, out, gate, up: vk.swiglu(gate, up, out)
+            return lambda node, out, gate, up: ew.swiglu(gate, up, out)
         if op is Op.GELU:
-            return lambda node, out, x: vk.gelu(x, out)
+            return lambda node, out, x: ew.gelu(x, out)
         if op is Op.GEGLU:
-            return lambda node, out, gate, up: vk.geglu(gate, up, out)
+            return lambda node, out, gate, up: ew.geglu(gate, up, out)
         if op is Op.SCALE:
             factor = meta.factor
-            return lambda node, out, x: vk.scale(x, factor, out)
+            return lambda node, out, x: ew.scale(x, factor, out)
         if op is Op.ROPE:
-            key = vk.RopeTable.key(meta)
-            table = self._rope_tables.get(key)
-            if table is None:
-                table = self._rope_tables[key] = vk.RopeTable.from_meta(meta)
+            table = self._rope_table(meta)
             n_head, neox = meta.n_head, meta.style is RopeStyle.NEOX
             return lambda node, out, x, positions: table.apply(x, positions, n_head, neox, out)
         if op is Op.KV_STORE:
@@ -258,7 +281,7 @@ class CPUBackend:
 
             def kv_store(node: Node, kv, k, v, rows) -> None:
                 if kv.cache_type != "q8_0":
-                    vk.kv_store(k, v, rows, kv.k, kv.v, layer)
+                    attention.kv_store(k, v, rows, kv.k, kv.v, layer)
                 else:
                     kv.store(k, v, rows)
 
@@ -267,7 +290,7 @@ class CPUBackend:
             m = meta
 
             def attend(q, k, v, positions, out) -> None:
-                vk.attention(
+                attention.attention(
                     q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out, m.window
                 )
 
@@ -277,7 +300,7 @@ class CPUBackend:
                 if kv.cache_type != "q8_0" and positions.shape[0] > 1:
                     # every sequence of the batch in one parallel call, on the regions themselves (f16 cells
                     # are widened as the kernel loads them)
-                    vk.attention_rows(
+                    attention.attention_rows(
                         q, kv.k, kv.v, positions, rows, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v,
                         m.scale, out, window,
                     )

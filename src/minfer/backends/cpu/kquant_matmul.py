@@ -1,8 +1,8 @@
 """Fast ``out = x @ W^T`` on raw Q5_0, Q5_1 and K-quant (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) blocks.
 
-The companion of :mod:`minfer.backends.cpu.quant_matmul` (same SIMD values, same determinism rules, same
-decode/prefill loop shapes); the block layouts are described in :mod:`minfer.formats.kquants`. No kernel
-ever builds the f32 weight matrix.
+The companion of :mod:`minfer.backends.cpu.quant_matmul` (same SIMD layer, :mod:`minfer.backends.cpu.simd`,
+same determinism rules, same decode/prefill loop shapes); the block layouts are described in
+:mod:`minfer.formats.kquants`. No kernel ever builds the f32 weight matrix.
 
 Activations, quantized once per call the way llama.cpp quantizes them for each weight type
     * Q5_0, Q5_1: blocks of 32 int8 with a float32 scale, :func:`quant_matmul.quantize_activations`
@@ -62,33 +62,55 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from minfer.backends.cpu.quant_matmul import (
-    _AVX2,
+from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
+    PARALLEL_QUANTIZE_TOKENS,
     PREFETCH_ROWS,
-    QuantizedActivations,
-    _as_f32_2d,
-    _call,
-    _fmadd,
-    _half_to_float,
-    _prefetch,
-    _shuffle_idx,
-    _splat,
-    _tile_scales,
+    as_f32_2d,
     check_operands,
+    read_only,
+    weight_bytes,
+    weight_shape,
+)
+from minfer.backends.cpu.quant_matmul import QK, QuantizedActivations, quantize_activations, tile_scales
+from minfer.backends.cpu.simd import (
+    AVX2,
+    LL_F32,
+    LL_I1,
+    LL_I8,
+    LL_I16,
+    LL_I32,
+    V8F,
+    V8I,
+    V16S,
+    V32B,
+    array_data,
     f32x8,
-    quantize_activations,
+    ir_abs_i8x32,
+    ir_dot_s8s8,
+    ir_dot_u8s8,
+    ir_fmadd,
+    ir_half_to_float,
+    ir_halves4,
+    ir_hsum_folded,
+    ir_lane,
+    ir_load,
+    ir_madd,
+    ir_maddubs,
+    ir_plus,
+    ir_splat,
+    ir_unpack_nibbles,
+    prefetch,
+    splat_constant,
 )
 from minfer.errors import ModelError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType, type_size
 
 if TYPE_CHECKING:  # annotations only
-    from numba.core.base import BaseContext
     from numba.core.extending import _Intrinsic as Intrinsic
 
-QK = 32  # values per Q5_0/Q5_1 block (and per Q8_0/Q8_1 activation block)
 QK_K = 256  # values per K-quant super-block (and per Q8_K activation block)
 
 # kinds: which decoder a family kernel runs (a runtime argument: one compiled kernel per family)
@@ -96,86 +118,31 @@ _K_KIND = {GGMLType.Q2_K: 0, GGMLType.Q3_K: 1, GGMLType.Q4_K: 2, GGMLType.Q5_K: 
 _Q5_KIND = {GGMLType.Q5_0: 0, GGMLType.Q5_1: 1}
 SUPPORTED_TYPES = (*_Q5_KIND, *_K_KIND)
 
-_I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
-_F32 = ir.FloatType()
-_V8B, _V16B, _V32B = ir.VectorType(_I8, 8), ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
-_V16W, _V32W = ir.VectorType(_I16, 16), ir.VectorType(_I16, 32)
-_V8I, _V16I, _V32I = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16), ir.VectorType(_I32, 32)
-_V8F = ir.VectorType(_F32, 8)
+_V16B = ir.VectorType(LL_I8, 16)
 
 
 # ---------------------------------------------------------------------------------------------------
-# LLVM IR building blocks
+# LLVM IR building blocks of the decoders (the generic ones are simd's)
 # ---------------------------------------------------------------------------------------------------
-
-
-def _const(vty: ir.VectorType, v) -> ir.Constant:
-    return ir.Constant(vty, [v] * vty.count)
-
-
-def _data(context: BaseContext, builder: ir.IRBuilder, ty: types.Array, val: ir.Value) -> ir.Value:
-    """Data pointer of a 1D array argument."""
-    return context.make_array(ty)(context, builder, val).data
-
-
-def _ld(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, ty: ir.Type) -> ir.Value:
-    """``ty`` at element ``index`` of ``base`` (unaligned; callers keep every load inside its block)."""
-    p = builder.gep(base, [index], inbounds=True)
-    return builder.load(builder.bitcast(p, ty.as_pointer()), align=1)
-
-
-def _plus(builder: ir.IRBuilder, x: ir.Value, c: int) -> ir.Value:
-    return x if c == 0 else builder.add(x, ir.Constant(x.type, c))
 
 
 def _shift(builder: ir.IRBuilder, v: ir.Value, s: int) -> ir.Value:
     """v shifted left by s bits (right by -s), per byte lane."""
     if s > 0:
-        return builder.shl(v, _const(v.type, s))
+        return builder.shl(v, splat_constant(v.type, s))
     if s < 0:
-        return builder.lshr(v, _const(v.type, -s))
+        return builder.lshr(v, splat_constant(v.type, -s))
     return v
 
 
 def _field(builder: ir.IRBuilder, v: ir.Value, bit: int, width: int, to: int = 0) -> ir.Value:
     """Per byte: ``((v >> bit) & (2**width - 1)) << to`` (shift first, so one mask serves)."""
-    return builder.and_(_shift(builder, v, to - bit), _const(v.type, ((1 << width) - 1) << to))
-
-
-def _pair_sums(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """<2n x T> -> <n x T>, lane i = v[2i] + v[2i+1]."""
-    n = v.type.count // 2
-    even = builder.shuffle_vector(v, v, _shuffle_idx(n, lambda i: 2 * i))
-    odd = builder.shuffle_vector(v, v, _shuffle_idx(n, lambda i: 2 * i + 1))
-    return builder.add(even, odd)
-
-
-def _maddubs(builder: ir.IRBuilder, u: ir.Value, a: ir.Value) -> ir.Value:
-    """<32 x u8> x <32 x i8> -> <16 x i16> pair sums (pmaddubsw; our pairs never reach its saturation)."""
-    if _AVX2:
-        return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [u, a])
-    return _pair_sums(builder, builder.mul(builder.zext(u, _V32W), builder.sext(a, _V32W)))
-
-
-def _madd(builder: ir.IRBuilder, p: ir.Value, s: ir.Value) -> ir.Value:
-    """<16 x i16> x <16 x i16> -> <8 x i32> pair sums (pmaddwd)."""
-    if _AVX2:
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [p, s])
-    return _pair_sums(builder, builder.mul(builder.sext(p, _V16I), builder.sext(s, _V16I)))
-
-
-def _dot_s8(builder: ir.IRBuilder, w: ir.Value, wabs: ir.Value | None, a: ir.Value) -> ir.Value:
-    """Eight int32 lanes, lane i = Σ_{k<4} w[4i+k] a[4i+k] for signed w (|w| given) and a (no -128)."""
-    if _AVX2:
-        sa = _call(builder, "llvm.x86.avx2.psign.b", _V32B, [a, w])
-        return _madd(builder, _maddubs(builder, wabs, sa), _const(_V16W, 1))
-    p = builder.mul(builder.sext(w, _V32I), builder.sext(a, _V32I))
-    return _pair_sums(builder, _pair_sums(builder, p))
+    return builder.and_(_shift(builder, v, to - bit), splat_constant(v.type, ((1 << width) - 1) << to))
 
 
 def _bytes_at(builder: ir.IRBuilder, v: ir.Value, idx: list[int]) -> ir.Value:
     """Bytes ``v[idx[0]], v[idx[1]], ...`` of a byte vector, as a new vector."""
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(LL_I32, len(idx)), idx))
 
 
 def _chunk_scales(builder: ir.IRBuilder, sc: ir.Value, per32: bool) -> ir.Value:
@@ -188,46 +155,24 @@ def _chunk_scales(builder: ir.IRBuilder, sc: ir.Value, per32: bool) -> ir.Value:
     from scalar words, LLVM extracted every byte through general registers (5 instructions per chunk).
     """
     order = list(range(8)) * 2 if per32 else [2 * i for i in range(8)] + [2 * i + 1 for i in range(8)]
-    return builder.sext(_bytes_at(builder, sc, order), _V16W)
+    return builder.sext(_bytes_at(builder, sc, order), V16S)
 
 
 def _chunk_scale(builder: ir.IRBuilder, P: ir.Value, k: int) -> ir.Value:
-    return builder.shuffle_vector(P, P, ir.Constant(ir.VectorType(_I32, 16), [k] * 8 + [8 + k] * 8))
-
-
-def _f16x4(builder: ir.IRBuilder, wb: ir.Value, o: ir.Value, off: int) -> ir.Value:
-    """The four f16 at byte ``off`` as float32 x 4 (one vcvtph2ps from memory; 8 bytes inside the block)."""
-    return _half_to_float(builder, _ld(builder, wb, _plus(builder, o, off), ir.VectorType(_I16, 4)))
-
-
-def _lane(builder: ir.IRBuilder, v: ir.Value, i: int) -> ir.Value:
-    return builder.extract_element(v, ir.Constant(_I32, i))
+    return builder.shuffle_vector(P, P, ir.Constant(ir.VectorType(LL_I32, 16), [k] * 8 + [8 + k] * 8))
 
 
 def _f16_at(builder: ir.IRBuilder, wb: ir.Value, o: ir.Value, off: int) -> ir.Value:
-    return _half_to_float(builder, _ld(builder, wb, _plus(builder, o, off), _I16))
+    return ir_half_to_float(builder, ir_load(builder, wb, ir_plus(builder, o, off), LL_I16))
 
 
 def _words(builder: ir.IRBuilder, v: ir.Value, idx: list[int]) -> ir.Value:
     """<4 x i32> lanes ``v[idx[0]], ...`` of a <4 x i32>."""
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 4), idx))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(LL_I32, 4), idx))
 
 
 def _v4(values: list[int]) -> ir.Constant:
-    return ir.Constant(ir.VectorType(_I32, 4), values)
-
-
-def _hsum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """Σ of eight float32 lanes in quant_matmul's fixed order: ((0+4)+(2+6)) + ((1+5)+(3+7))."""
-    h = builder.fadd(
-        builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i)),
-        builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i + 4)),
-    )
-    h = builder.fadd(
-        builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i)),
-        builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i + 2)),
-    )
-    return builder.fadd(_lane(builder, h, 0), _lane(builder, h, 1))
+    return ir.Constant(ir.VectorType(LL_I32, 4), values)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,7 +203,7 @@ class _Decoder:
     def bytes32(self, off: int) -> ir.Value:
         """The 32 bytes at ``off`` in the block, loaded once however many chunks read them."""
         if off not in self._loads:
-            self._loads[off] = _ld(self.b, self.wb, _plus(self.b, self.o, off), _V32B)
+            self._loads[off] = ir_load(self.b, self.wb, ir_plus(self.b, self.o, off), V32B)
         return self._loads[off]
 
 
@@ -267,9 +212,9 @@ class _Q2K(_Decoder):
     def __init__(self, builder: ir.IRBuilder, wb: ir.Value, o: ir.Value) -> None:
         super().__init__(builder, wb, o)
         b = builder
-        packed = _ld(b, wb, o, _V16B)
-        self.P = _chunk_scales(b, b.and_(packed, _const(_V16B, 15)), per32=False)
-        self.coef = b.zext(b.lshr(packed, _const(_V16B, 4)), _V16W)
+        packed = ir_load(b, wb, o, _V16B)
+        self.P = _chunk_scales(b, b.and_(packed, splat_constant(_V16B, 15)), per32=False)
+        self.coef = b.zext(b.lshr(packed, splat_constant(_V16B, 4)), V16S)
         self.d = _f16_at(b, wb, o, 80)
         self.dmin = _f16_at(b, wb, o, 82)
 
@@ -288,15 +233,15 @@ class _Q3K(_Decoder):
         b = builder
         # llama.cpp's aux-word unpacking, on four i32 lanes: lane w holds scales 4w..4w+3, low nibbles from
         # bytes 0..7 (words a0, a1, then their high nibbles), two high bits from word a2 >> 2w
-        w01 = _ld(b, wb, _plus(b, o, 96), ir.VectorType(_I32, 2))
-        a2 = _ld(b, wb, _plus(b, o, 104), _I32)
+        w01 = ir_load(b, wb, ir_plus(b, o, 96), ir.VectorType(LL_I32, 2))
+        a2 = ir_load(b, wb, ir_plus(b, o, 104), LL_I32)
         lows = b.shuffle_vector(w01, w01, _v4([0, 1, 0, 1]))
         lows = b.and_(b.lshr(lows, _v4([0, 0, 4, 4])), _v4([0x0F0F0F0F] * 4))
-        highs = b.and_(b.lshr(_splat(b, a2, 4), _v4([0, 2, 4, 6])), _v4([0x03030303] * 4))
+        highs = b.and_(b.lshr(ir_splat(b, a2, 4), _v4([0, 2, 4, 6])), _v4([0x03030303] * 4))
         sc = b.bitcast(b.or_(lows, b.shl(highs, _v4([4] * 4))), _V16B)
-        sc = b.sub(sc, _const(_V16B, 32))  # -32..31
+        sc = b.sub(sc, splat_constant(_V16B, 32))  # -32..31
         self.P = _chunk_scales(b, sc, per32=False)
-        self.coef = b.sext(sc, _V16W)
+        self.coef = b.sext(sc, V16S)
         self.d = _f16_at(b, wb, o, 108)
 
     def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
@@ -316,14 +261,14 @@ class _Q4K(_Decoder):
         # llama.cpp's unpacking of the 6-bit scales and mins (words u0, u1, u2 = scale bytes 0..11), on
         # four i32 lanes: scales 0..3 = u0 & 0x3f.., scales 4..7 = (u2 & 0x0f..) | ((u0 >> 6) & 0x03..) << 4,
         # mins 0..3 = u1 & 0x3f.., mins 4..7 = ((u2 >> 4) & 0x0f..) | ((u1 >> 6) & 0x03..) << 4
-        u = _ld(b, wb, _plus(b, o, 4), ir.VectorType(_I32, 4))  # bytes 4..19: the scales and 4 bytes of qs
+        u = ir_load(b, wb, ir_plus(b, o, 4), ir.VectorType(LL_I32, 4))  # bytes 4..19: the scales and 4 bytes of qs
         low = b.and_(b.lshr(_words(b, u, [0, 2, 1, 2]), _v4([0, 0, 0, 4])), _v4([0x3F3F3F3F, 0x0F0F0F0F] * 2))
         high = b.and_(b.lshr(_words(b, u, [0, 0, 1, 1]), _v4([6] * 4)), _v4([0, 0x03030303] * 2))
         sm = b.bitcast(b.or_(low, b.shl(high, _v4([4] * 4))), _V16B)  # bytes: scales 0..7, mins 0..7
         self.P = _chunk_scales(b, sm, per32=True)
-        self.coef = b.sext(_bytes_at(b, sm, [8 + j // 2 for j in range(16)]), _V16W)  # min per 16 values
-        ddm = _f16x4(b, wb, o, 0)
-        self.d, self.dmin = _lane(b, ddm, 0), _lane(b, ddm, 1)
+        self.coef = b.sext(_bytes_at(b, sm, [8 + j // 2 for j in range(16)]), V16S)  # min per 16 values
+        ddm = ir_halves4(b, wb, o)
+        self.d, self.dmin = ir_lane(b, ddm, 0), ir_lane(b, ddm, 1)
 
     def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
         c, h = divmod(k, 2)  # values 64 c + 32 h + l: nibble h of byte 32 c + l
@@ -346,9 +291,9 @@ class _Q6K(_Decoder):
 
     def __init__(self, builder: ir.IRBuilder, wb: ir.Value, o: ir.Value) -> None:
         super().__init__(builder, wb, o)
-        sc = _ld(builder, wb, _plus(builder, o, 192), _V16B)
+        sc = ir_load(builder, wb, ir_plus(builder, o, 192), _V16B)
         self.P = _chunk_scales(builder, sc, per32=False)
-        self.coef = builder.sext(sc, _V16W)
+        self.coef = builder.sext(sc, V16S)
         self.d = _f16_at(builder, wb, o, 208)
 
     def chunk(self, k: int) -> tuple[ir.Value, ir.Value]:
@@ -374,14 +319,11 @@ def _q5_values(builder: ir.IRBuilder, wb: ir.Value, o: ir.Value, qh_at: int, sig
     nibble | (bit ? 0 : 0xF0), which is the int8 nibble - 16 when the bit is clear.
     """
     b = builder
-    raw = _ld(b, wb, _plus(b, o, qh_at + 4), _V16B)
-    # both halves of a 256-bit register, the upper half shifted by 4 (quant_matmul's _vnibbles)
-    both = b.bitcast(b.shuffle_vector(raw, raw, _shuffle_idx(32, lambda i: i % 16)), _V8I)
-    nib = b.and_(b.bitcast(b.lshr(both, ir.Constant(_V8I, [0] * 4 + [4] * 4)), _V32B), _const(_V32B, 15))
-    bits = b.bitcast(_ld(b, wb, _plus(b, o, qh_at), _I32), ir.VectorType(_I1, 32))  # bit j -> lane j
+    nib = ir_unpack_nibbles(b, ir_load(b, wb, ir_plus(b, o, qh_at + 4), _V16B))
+    bits = b.bitcast(ir_load(b, wb, ir_plus(b, o, qh_at), LL_I32), ir.VectorType(LL_I1, 32))  # bit j -> lane j
     if signed:
-        return b.or_(nib, b.select(bits, _const(_V32B, 0), _const(_V32B, 0xF0)))
-    return b.or_(nib, b.select(bits, _const(_V32B, 16), _const(_V32B, 0)))
+        return b.or_(nib, b.select(bits, splat_constant(V32B, 0), splat_constant(V32B, 0xF0)))
+    return b.or_(nib, b.select(bits, splat_constant(V32B, 16), splat_constant(V32B, 0)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -400,7 +342,7 @@ def _make_zeros(n: int) -> Intrinsic:
     @intrinsic
     def zeros(typingctx):
         def codegen(context, builder, sig, args):
-            return context.make_tuple(builder, tup, [ir.Constant(_V8F, [0.0] * 8)] * n)
+            return context.make_tuple(builder, tup, [ir.Constant(V8F, [0.0] * 8)] * n)
 
         return tup(), codegen
 
@@ -427,8 +369,8 @@ def _make_store(rows: int, cols: int) -> Intrinsic:
             for i in range(rows):
                 for j in range(cols):
                     p = i * cols + j
-                    v = builder.fadd(_hsum(builder, vs[p]), builder.extract_element(vs[-1], ir.Constant(_I32, p)))
-                    at = [_plus(builder, t0, j), _plus(builder, r0, i)]
+                    v = builder.fadd(ir_hsum_folded(builder, vs[p]), ir_lane(builder, vs[-1], p))
+                    at = [ir_plus(builder, t0, j), ir_plus(builder, r0, i)]
                     ptr = cgutils.get_item_pointer2(context, builder, arr.data, shape, strides, aty.layout, at)
                     builder.store(v, ptr)
             return context.get_dummy_value()
@@ -441,8 +383,8 @@ def _make_store(rows: int, cols: int) -> Intrinsic:
 def _scales(builder: ir.IRBuilder, dw: ir.Value, dsrc_base: ir.Value, dso: ir.Value, cols: int, j: int) -> ir.Value:
     """float32 x 8 of ``dw * d_x`` for token j: d_x a scalar at dso (C == 1), or pre-broadcast at dso + 8 j."""
     if cols == 1:
-        return _splat(builder, builder.fmul(dw, _ld(builder, dsrc_base, dso, _F32)), 8)
-    return builder.fmul(_splat(builder, dw, 8), _ld(builder, dsrc_base, _plus(builder, dso, 8 * j), _V8F))
+        return ir_splat(builder, builder.fmul(dw, ir_load(builder, dsrc_base, dso, LL_F32)), 8)
+    return builder.fmul(ir_splat(builder, dw, 8), ir_load(builder, dsrc_base, ir_plus(builder, dso, 8 * j), V8F))
 
 
 def _make_kstep(t: GGMLType, rows: int, cols: int) -> Intrinsic:
@@ -470,31 +412,31 @@ def _make_kstep(t: GGMLType, rows: int, cols: int) -> Intrinsic:
                 return context.cast(b, args[k], ta[k], types.intp)
 
             acc = cgutils.unpack_tuple(b, args[0], n)
-            wb, ab, bb, db = (_data(context, b, ta[k], args[k]) for k in (1, 4, 7, 10))
+            wb, ab, bb, db = (array_data(context, b, ta[k], args[k]) for k in (1, 4, 7, 10))
             o, rb, ao, ast, bo, bst, dso = (ix(k) for k in (2, 3, 5, 6, 8, 9, 11))
             decs = [dec_cls(b, wb, b.add(o, b.mul(rb, ir.Constant(rb.type, i)))) for i in range(rows)]
             a_at = [b.add(ao, b.mul(ast, ir.Constant(ast.type, j))) for j in range(cols)]
             sums = [[None] * cols for _ in range(rows)]
             for k in range(8):  # chunk-outer: each u_k and each activation chunk is live only briefly
-                a = [_ld(b, ab, _plus(b, a_at[j], 32 * k), _V32B) for j in range(cols)]
+                a = [ir_load(b, ab, ir_plus(b, a_at[j], 32 * k), V32B) for j in range(cols)]
                 for i in range(rows):
                     u, s = decs[i].chunk(k)
                     for j in range(cols):
-                        p = _madd(b, _maddubs(b, u, a[j]), s)
+                        p = ir_madd(b, ir_maddubs(b, u, a[j]), s)
                         sums[i][j] = p if sums[i][j] is None else b.add(sums[i][j], p)
-            bsums = [_ld(b, bb, b.add(bo, b.mul(bst, ir.Constant(bst.type, j))), _V16W) for j in range(cols)]
+            bsums = [ir_load(b, bb, b.add(bo, b.mul(bst, ir.Constant(bst.type, j))), V16S) for j in range(cols)]
             out = list(acc)
             for i, dec in enumerate(decs):
-                neg_dmin = None if dec.dmin is None else b.fmul(dec.dmin, ir.Constant(_F32, -1.0))
+                neg_dmin = None if dec.dmin is None else b.fmul(dec.dmin, ir.Constant(LL_F32, -1.0))
                 for j in range(cols):
-                    corr = _madd(b, bsums[j], dec.coef)
+                    corr = ir_madd(b, bsums[j], dec.coef)
                     s = sums[i][j]
                     if dec.offset_shift:
-                        s = b.sub(s, b.shl(corr, _const(_V8I, dec.offset_shift)))
+                        s = b.sub(s, b.shl(corr, splat_constant(V8I, dec.offset_shift)))
                     p = i * cols + j
-                    out[p] = _fmadd(b, b.sitofp(s, _V8F), _scales(b, dec.d, db, dso, cols, j), out[p])
+                    out[p] = ir_fmadd(b, b.sitofp(s, V8F), _scales(b, dec.d, db, dso, cols, j), out[p])
                     if neg_dmin is not None:
-                        out[p] = _fmadd(b, b.sitofp(corr, _V8F), _scales(b, neg_dmin, db, dso, cols, j), out[p])
+                        out[p] = ir_fmadd(b, b.sitofp(corr, V8F), _scales(b, neg_dmin, db, dso, cols, j), out[p])
             return context.make_tuple(b, tup, out)
 
         return sig, codegen
@@ -529,38 +471,38 @@ def _make_q5step(t: GGMLType, rows: int, cols: int) -> Intrinsic:
                 return context.cast(b, args[k], ta[k], types.intp)
 
             acc = cgutils.unpack_tuple(b, args[0], n)
-            wb, ab, db, sb = (_data(context, b, ta[k], args[k]) for k in (1, 4, 7, 9))
+            wb, ab, db, sb = (array_data(context, b, ta[k], args[k]) for k in (1, 4, 7, 9))
             o, rb, ao, ast, dso, so = (ix(k) for k in (2, 3, 5, 6, 8, 10))
-            a = [_ld(b, ab, b.add(ao, b.mul(ast, ir.Constant(ast.type, j))), _V32B) for j in range(cols)]
+            a = [ir_load(b, ab, b.add(ao, b.mul(ast, ir.Constant(ast.type, j))), V32B) for j in range(cols)]
             out = list(acc)
             ms = []
             for i in range(rows):
                 oi = b.add(o, b.mul(rb, ir.Constant(rb.type, i)))
-                dm = _f16x4(b, wb, oi, 0)  # (d, m) for Q5_1; d and two qh halves for Q5_0
-                dw = _lane(b, dm, 0)
+                dm = ir_halves4(b, wb, oi)  # (d, m) for Q5_1; d and two qh halves for Q5_0
+                dw = ir_lane(b, dm, 0)
                 u = _q5_values(b, wb, oi, 2 if signed else 4, signed)
                 if signed:
                     wv = u
-                    wabs = _call(b, "llvm.abs.v32i8", _V32B, [wv, ir.Constant(_I1, 0)]) if _AVX2 else None
+                    wabs = ir_abs_i8x32(b, wv) if AVX2 else None
                 else:
-                    ms.append(_lane(b, dm, 1))
+                    ms.append(ir_lane(b, dm, 1))
                 for j in range(cols):
                     if signed:
-                        dot = _dot_s8(b, wv, wabs, a[j])
+                        dot = ir_dot_s8s8(b, wv, a[j], wabs)
                     else:
-                        dot = _madd(b, _maddubs(b, u, a[j]), _const(_V16W, 1))
+                        dot = ir_dot_u8s8(b, u, a[j])
                     p = i * cols + j
-                    out[p] = _fmadd(b, b.sitofp(dot, _V8F), _scales(b, dw, db, dso, cols, j), out[p])
+                    out[p] = ir_fmadd(b, b.sitofp(dot, V8F), _scales(b, dw, db, dso, cols, j), out[p])
             if not signed:  # m-sum lane p += m_row(p) * (d_x Σq)_token(p)
                 if cols == 1:
-                    mv = ir.Constant(_V8F, [0.0] * 8)
+                    mv = ir.Constant(V8F, [0.0] * 8)
                     for i, m in enumerate(ms):
-                        mv = b.insert_element(mv, m, ir.Constant(_I32, i))
-                    sv = _splat(b, _ld(b, db, _plus(b, dso, 1), _F32), 8)
+                        mv = b.insert_element(mv, m, ir.Constant(LL_I32, i))
+                    sv = ir_splat(b, ir_load(b, db, ir_plus(b, dso, 1), LL_F32), 8)
                 else:
-                    mv = _splat(b, ms[0], 8)
-                    sv = _ld(b, sb, so, _V8F)
-                out[-1] = _fmadd(b, mv, sv, out[-1])
+                    mv = ir_splat(b, ms[0], 8)
+                    sv = ir_load(b, sb, so, V8F)
+                out[-1] = ir_fmadd(b, mv, sv, out[-1])
             return context.make_tuple(b, tup, out)
 
         return sig, codegen
@@ -668,8 +610,6 @@ def _q8k_parallel(x, q, d, bs):
         _q8k_token(x, t, q, d, bs)
 
 
-_PARALLEL_QUANTIZE_TOKENS = 16  # below this a parallel launch costs more than the work
-
 
 def quantize_activations_q8_k(x: np.ndarray, out: Q8KActivations | None = None) -> Q8KActivations:
     """Quantize float32 ``x[n_tok, n_in]`` (``n_in`` a multiple of 256) to Q8_K, as llama.cpp does.
@@ -677,13 +617,13 @@ def quantize_activations_q8_k(x: np.ndarray, out: Q8KActivations | None = None) 
     The result can be shared by every K-quant matmul reading the same ``x``; pass ``out`` (same shape) to
     reuse its buffers.
     """
-    x = _as_f32_2d(x)
+    x = as_f32_2d(x)
     n_tok, n_in = x.shape
     if n_in % QK_K:
         raise ModelError(f"cannot quantize activations of width {n_in} to Q8_K: not a multiple of {QK_K}")
     if out is None or out.q.shape != x.shape:
         out = Q8KActivations(n_tok, n_in)
-    if n_tok >= _PARALLEL_QUANTIZE_TOKENS:
+    if n_tok >= PARALLEL_QUANTIZE_TOKENS:
         _q8k_parallel(x, out._q, out._d, out._bs)
     else:
         _q8k_serial(x, out._q, out._d, out._bs)
@@ -738,7 +678,7 @@ def _k_four(kind, w, rb, nbk, aq, dq, bs, out, t, r0):
     pf = o + PREFETCH_ROWS * rb
     for b in range(nbk):
         for k in range(0, 4 * bsz, 64):  # the four rows of a pass are contiguous: one linear stream
-            _prefetch(w, pf + k)
+            prefetch(w, pf + k)
         pf += 4 * bsz
         tb = t * nbk + b
         accs = _k_rows4(kind, accs, w, o, rb, aq, tb * QK_K, bs, tb * 16, dq, tb)
@@ -795,8 +735,8 @@ def _q5_four(kind, w, rb, nb, aq, ds, out, t, r0):
     o = r0 * rb
     pf = o + PREFETCH_ROWS * rb
     for b in range(nb):
-        _prefetch(w, pf)
-        _prefetch(w, pf + 64)
+        prefetch(w, pf)
+        prefetch(w, pf + 64)
         pf += 4 * bsz  # 88 or 96 bytes: two lines cover it
         tb = t * nb + b
         if kind == 0:
@@ -816,7 +756,7 @@ def _matmul_q5(kind, w, rb, aq, ds, out):
     nb = n_in // QK
     bsz = rb // nb
     n_full = n_tok - n_tok % GEMM_TOKENS
-    d_b, s_t = _tile_scales(ds, n_full, nb)
+    d_b, s_t = tile_scales(ds, n_full, nb)
     n_items = max(1, n_out // GEMM_ROWS)
     for g in prange(n_items):
         r0 = g * GEMM_ROWS
@@ -857,30 +797,17 @@ class _Prepared:
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
-        if not supports(t):
-            supported = ", ".join(s.name for s in SUPPORTED_TYPES)
-            raise ModelError(f"{w.name}: no K-quant matmul for ggml type {t.name} (supported: {supported})")
-        if len(w.shape) != 2:
-            raise ModelError(f"{w.name}: a matmul weight must be 2D, got shape {w.shape}")
-        n_out, n_in = w.shape
         self.is_k = t in _K_KIND
         bs = QK_K if self.is_k else QK
-        if n_in % bs:
-            raise ModelError(f"{w.name}: rows of {n_in} values are not whole {t.name} blocks of {bs}")
+        n_out, n_in = weight_shape(w, "K-quant", SUPPORTED_TYPES, bs)
         rb = n_in // bs * type_size(t)
-        data = w.data
-        if data.dtype != np.uint8 or data.size != n_out * rb:
-            raise ModelError(
-                f"{w.name}: {data.size} bytes of data for a {t.name} tensor of shape {w.shape}, expected {n_out * rb}"
-            )
-        flat = np.ascontiguousarray(data).reshape(-1)
+        flat = weight_bytes(w, rb)
         # The kernels compute rows in groups of 4: a weight of fewer rows gets zero rows appended (a
         # copy of a few bytes; real models never have one), whose outputs are dropped.
         self.padded = n_out < 4
         if self.padded:
             flat = np.concatenate([flat, np.zeros((4 - n_out) * rb, np.uint8)])
-        flat = flat.view()
-        flat.flags.writeable = False  # weights are mmapped read-only: one compiled flavor serves everyone
+        flat = read_only(flat)
         self.tensor = w
         self.flat = flat
         self.rb = rb
@@ -926,7 +853,7 @@ def matmul(
             xq = quantize_activations(x)
         elif not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: {w.ggml_type.name} weights need Q8 activations of shape {x.shape}")
-        _matmul_q5(p.kind, p.flat, p.rb, xq._q, xq._ds, dst)
+        _matmul_q5(p.kind, p.flat, p.rb, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
         out[...] = dst[:, : p.n_out]
 
@@ -941,4 +868,4 @@ def warmup() -> None:
         for t in SUPPORTED_TYPES:
             raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)
             matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
-    quantize_activations_q8_k(rng.standard_normal((_PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32))
+    quantize_activations_q8_k(rng.standard_normal((PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32))

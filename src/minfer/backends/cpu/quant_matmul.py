@@ -1,6 +1,8 @@
 """Fast ``out = x @ W^T`` on raw GGML blocks: numba kernels that never build the f32 weight matrix.
 
-Supported weight types: F32, F16, BF16 (float path) and Q8_0, Q4_0, Q4_1 (integer path).
+Supported weight types: Q8_0, Q4_0, Q4_1 (integer path, here) and F32, F16, BF16 (float path, whose
+kernels are :mod:`~minfer.backends.cpu.float_matmul`'s): :func:`matmul` is the entry point for all of them.
+Q5_0, Q5_1 and the K-quants are :mod:`~minfer.backends.cpu.kquant_matmul`'s.
 
 Integer path (what llama.cpp does in ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` / ``q8_0_q8_0``)
     The activations are quantized once per call (or once for several matmuls sharing an input, see
@@ -20,10 +22,6 @@ Integer path (what llama.cpp does in ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` 
     ``_q8_0_rows8``): a block's integer sum is exact, and each row does ``acc = fma(float(Σ n a), d_w d_x,
     acc)`` block after block (Q4_1 then ``acc = fma(m, d_x Σa, acc)``).
 
-Float path (F32, F16, BF16 weights)
-    Plain f32 dot products on the unquantized activations, eight lanes at a time, weights widened to f32
-    in registers, then the same fixed-order horizontal sum (plus a scalar tail when ``n_in % 8 != 0``).
-
 Determinism
     Every output element is produced by one worker running one fixed sequence of float operations, and
     that sequence does not depend on the thread count, on the tile an element falls in, nor on how many
@@ -32,13 +30,14 @@ Determinism
 
 How the loops are shaped (measured, see ``bench/matmul_bench.py``)
     numba cannot express SIMD integer dot products by itself (its integers widen to int64 and LLVM then
-    leaves the loop scalar), so the block-level operations are small LLVM intrinsics written below with
-    llvmlite: SIMD vector *values* that numba code carries in ordinary local variables. On x86 with AVX2
-    they lower to the same instructions as llama.cpp's AVX2 kernels (``vpmaddubsw`` + ``vpmaddwd``,
-    ``vcvtph2ps`` for the f16 scales); elsewhere a generic LLVM vector formulation computes the same
-    integer lanes. Q4_0 decode (one token) runs 4 weight rows per pass sharing the activation loads;
-    prefill runs one weight row against 8 tokens, unpacking each weight block once per 8 tokens. Q4_1
-    and Q8_0 run eight rows per register for any number of tokens (one pmaddubsw serves eight rows).
+    leaves the loop scalar), so the block-level operations are small LLVM intrinsics
+    (:mod:`~minfer.backends.cpu.simd`): SIMD vector *values* that numba code carries in ordinary local
+    variables. On x86 with AVX2 they lower to the same instructions as llama.cpp's AVX2 kernels
+    (``vpmaddubsw`` + ``vpmaddwd``, ``vcvtph2ps`` for the f16 scales); elsewhere a generic LLVM vector
+    formulation computes the same integer lanes. Q4_0 decode (one token) runs 4 weight rows per pass
+    sharing the activation loads; prefill runs one weight row against 8 tokens, unpacking each weight
+    block once per 8 tokens. Q4_1 and Q8_0 run eight rows per register for any number of tokens (one
+    pmaddubsw serves eight rows).
     Q4_1 against the row-by-row kernels (kept in the bench as variants): 8 tokens ~20% faster, 2-4
     tokens ~2x, prompts of 64+ tokens ~1.7x; one token 10-20% slower in the matmuls alone (it streams the
     same bytes), which end to end (tg128) was lost in the noise. Q8_0 (SmolLM2's 49152x576 output head,
@@ -48,626 +47,92 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
 from __future__ import annotations
 
 import mmap
-import os
-import platform
 from collections.abc import Callable
 from typing import Any
 
-import llvmlite.binding as llb
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba.extending import intrinsic
 
+from minfer.backends.cpu import float_matmul
+from minfer.backends.cpu.matmul_tiles import (
+    GEMM_ROWS,
+    GEMM_TOKENS,
+    PARALLEL_QUANTIZE_TOKENS,
+    PREFETCH_ROWS,
+    as_f32_2d,
+    check_operands,
+    read_only,
+    store_tile,
+    weight_bytes,
+    weight_shape,
+)
+from minfer.backends.cpu.simd import (
+    LL_F32,
+    LL_I32,
+    V8I,
+    V32B,
+    add_i16x16,
+    add_i32x8,
+    broadcast_4bytes,
+    dot_s8s8,
+    dot_u8s8,
+    element_pointer,
+    fma_f32,
+    fma_f32x8,
+    fma_i32x8,
+    high_nibbles32,
+    hsum_folded,
+    hsum_i32x8,
+    i8x32,
+    i32x8,
+    ir_call,
+    ir_dot_u8s8,
+    ir_isum,
+    ir_splat,
+    ir_sum_quads,
+    is_1d,
+    load_bytes32,
+    load_element,
+    load_f32x8,
+    load_half,
+    load_halves8,
+    load_i32x8,
+    load_nibbles32,
+    low_nibbles32,
+    mul_f32x8,
+    pairs_u8s8,
+    prefetch,
+    shuffle_mask,
+    splat_at,
+    splat_constant,
+    splat_f32x8,
+    store_f32x8,
+    store_i32x8,
+    sub_i32x8,
+    widen_pairs,
+    zeros_f32x8,
+)
 from minfer.errors import ModelError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
 
 QK = 32  # values per block of every integer-path type (and of the activation quantization)
-GEMM_TOKENS = 8  # prefill tile: tokens sharing one unpacked weight block
-GEMM_ROWS = 16  # prefill work item: weight rows owned by one worker per item
-GEMV_ROWS = 4  # decode: weight rows computed per pass, sharing activation loads
-PREFETCH_ROWS = 16  # decode: how far ahead (in weight rows) to prefetch
 
 _BLOCK_BYTES = {GGMLType.Q8_0: 34, GGMLType.Q4_0: 18, GGMLType.Q4_1: 20}
-_FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-_INT_TYPES = tuple(_BLOCK_BYTES)
-
-
-# ---------------------------------------------------------------------------------------------------
-# SIMD values for numba
-# ---------------------------------------------------------------------------------------------------
-
-
-def _target_has(feature: str) -> bool:
-    """Whether numba compiles for a CPU with ``feature`` (the host unless NUMBA_CPU_NAME/FEATURES say)."""
-    feats = numba.config.CPU_FEATURES
-    if feats:
-        return f"+{feature}" in feats.split(",")
-    if numba.config.CPU_NAME not in (None, "", "host"):
-        return False  # a named target CPU (portable cache): do not assume host extensions
-    return bool(llb.get_host_cpu_features().get(feature, False))
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
-# x86 AVX2: pmaddubsw/pmaddwd/psignb directly (LLVM does not form them from the generic IR below).
-# MINFER_GENERIC_SIMD=1 forces the generic integer formulation, the one other CPUs run (tests compare
-# the two bit for bit).
-_AVX2 = _X86 and _target_has("avx2") and not os.environ.get("MINFER_GENERIC_SIMD")
-# Fused multiply-add for the per-block accumulation (one rounding); every ARM64 CPU has it.
-_FMA = _target_has("fma") if _X86 else True
-# Hardware f16 -> f32 (x86 F16C, every ARM64); without it LLVM would call a runtime helper that numba
-# does not link (NUMBA_CPU_NAME=generic failed with "Symbol not found: __extendhfsf2").
-_F16C = _target_has("f16c") if _X86 else True
-
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F16, _F32 = ir.HalfType(), ir.FloatType()
-
-
-class _VecType(types.Type):
-    """A SIMD register's worth of values, an LLVM vector: lives in registers, never in memory."""
-
-    def __init__(self, kind: str, lanes: int) -> None:
-        self.kind = kind
-        self.lanes = lanes
-        super().__init__(name=f"vec_{kind}x{lanes}")
-
-    def llvm_type(self) -> ir.VectorType:
-        return ir.VectorType({"f32": _F32, "i32": _I32, "i16": _I16, "i8": _I8}[self.kind], self.lanes)
-
-
-@register_model(_VecType)
-class _VecModel(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type: _VecType) -> None:
-        super().__init__(dmm, fe_type, fe_type.llvm_type())
-
-
-f32x8 = _VecType("f32", 8)
-f32x2 = _VecType("f32", 2)
-i32x8 = _VecType("i32", 8)
-i8x32 = _VecType("i8", 32)
-i16x16 = _VecType("i16", 16)
-_V8F, _V2F, _V8I, _V32B = f32x8.llvm_type(), f32x2.llvm_type(), i32x8.llvm_type(), i8x32.llvm_type()
-_V16S = i16x16.llvm_type()
-
-
-def _idx(context, builder, val, ty):
-    return context.cast(builder, val, ty, types.intp)
-
-
-def _elem_ptr(context, builder, arr_ty, arr, index, index_ty, vty):
-    """Pointer to ``vty`` at element ``index`` of a contiguous 1D array (no bounds check: callers own it)."""
-    a = context.make_array(arr_ty)(context, builder, arr)
-    p = builder.gep(a.data, [_idx(context, builder, index, index_ty)], inbounds=True)
-    return builder.bitcast(p, ir.PointerType(vty))
-
-
-def _load(context, builder, arr_ty, arr, index, index_ty, vty):
-    return builder.load(_elem_ptr(context, builder, arr_ty, arr, index, index_ty, vty), align=1)
-
-
-def _shuffle_idx(n: int, f) -> ir.Constant:
-    return ir.Constant(ir.VectorType(_I32, n), [f(i) for i in range(n)])
-
-
-def _splat(builder, x, n: int):
-    vt = ir.VectorType(x.type, n)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _shuffle_idx(n, lambda i: 0))
-
-
-def _call(builder, name: str, ret, args):
-    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ret, [a.type for a in args]))
-    return builder.call(fn, args)
-
-
-def _fmadd(builder, a, b, c):
-    if _FMA:
-        return _call(builder, f"llvm.fma.v{a.type.count}f32", a.type, [a, b, c])
-    return builder.fadd(builder.fmul(a, b), c)
-
-
-def _sum_quads(builder, p):
-    """<32 x i32> -> <8 x i32>, lane i = p[4i] + p[4i+1] + p[4i+2] + p[4i+3] (pmaddubsw+pmaddwd's layout)."""
-    s = None
-    for k in range(4):
-        part = builder.shuffle_vector(p, p, _shuffle_idx(8, lambda i, k=k: 4 * i + k))
-        s = part if s is None else builder.add(s, part)
-    return s
-
-
-def _is_1d(a) -> bool:
-    return isinstance(a, types.Array) and a.ndim == 1
-
-
-def _dot_u8s8_ir(builder, q, a):
-    """Lane i = Σ_{k<4} q[4i+k] * a[4i+k] with q unsigned and small enough that pairs fit int16."""
-    if _AVX2:
-        ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
-        p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), [q, a])
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [p16, ones])
-    v32 = ir.VectorType(_I32, 32)
-    return _sum_quads(builder, builder.mul(builder.zext(q, v32), builder.sext(a, v32)))
+SUPPORTED_TYPES = (*float_matmul.WIDENING, *_BLOCK_BYTES)
 
 
 @intrinsic
-def _prefetch(typingctx, arr, i):
-    """Hint the cache to fetch element ``i`` of ``arr``; never faults, so ``i`` may run past the end."""
-    if not _is_1d(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.make_array(sig.args[0])(context, builder, args[0])
-        p = builder.gep(a.data, [_idx(context, builder, args[1], sig.args[1])])  # no inbounds: may be past
-        p = builder.bitcast(p, ir.PointerType(_I8))
-        fnty = ir.FunctionType(ir.VoidType(), [p.type, _I32, _I32, _I32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        # read, keep in all cache levels, data cache
-        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(arr, i), codegen
-
-
-@intrinsic
-def _vzero8(typingctx):
-    """Eight float32 zeros."""
-    return f32x8(), lambda context, builder, sig, args: ir.Constant(_V8F, [0.0] * 8)
-
-
-@intrinsic
-def _vzero2(typingctx):
-    """Two float32 zeros."""
-    return f32x2(), lambda context, builder, sig, args: ir.Constant(_V2F, [0.0] * 2)
-
-
-@intrinsic
-def _vsplat8(typingctx, x):
-    """x in all eight lanes."""
-    if not isinstance(x, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), 8)
-
-    return f32x8(x), codegen
-
-
-@intrinsic
-def _vload8(typingctx, arr, i):
-    """arr[i:i+8] of a float32 array."""
-    if not (_is_1d(arr) and arr.dtype == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8F)
-
-    return f32x8(arr, i), codegen
-
-
-@intrinsic
-def _vload2(typingctx, arr, i):
-    """arr[i:i+2] of a float32 array."""
-    if not (_is_1d(arr) and arr.dtype == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V2F)
-
-    return f32x2(arr, i), codegen
-
-
-def _half_to_float(builder, h):
-    """IEEE half bit patterns (i16, scalar or vector) to float32, exactly."""
-    n = h.type.count if isinstance(h.type, ir.VectorType) else None
-    f32 = ir.VectorType(_F32, n) if n else _F32
-    if _F16C:
-        return builder.fpext(builder.bitcast(h, ir.VectorType(_F16, n) if n else _F16), f32)
-    # Bit arithmetic (F. Giesen's half_to_float): move exponent and mantissa into place and rebias;
-    # Inf/NaN get the maximal exponent; zeros and subnormals are renormalized by one exact subtraction.
-    i32 = ir.VectorType(_I32, n) if n else _I32
-
-    def c(v: int):
-        return ir.Constant(i32, [v] * n) if n else ir.Constant(i32, v)
-
-    wide = builder.zext(h, i32)
-    o = builder.shl(builder.and_(wide, c(0x7FFF)), c(13))
-    exp = builder.and_(o, c(0x7C00 << 13))
-    o = builder.add(o, c((127 - 15) << 23))
-    inf_nan = builder.add(o, c((128 - 16) << 23))
-    magic = builder.bitcast(c(113 << 23), f32)
-    denormal = builder.bitcast(builder.fsub(builder.bitcast(builder.add(o, c(1 << 23)), f32), magic), i32)
-    o = builder.select(
-        builder.icmp_unsigned("==", exp, c(0x7C00 << 13)),
-        inf_nan,
-        builder.select(builder.icmp_unsigned("==", exp, c(0)), denormal, o),
-    )
-    sign = builder.shl(builder.and_(wide, c(0x8000)), c(16))
-    return builder.bitcast(builder.or_(o, sign), f32)
-
-
-def _f16x4(context, builder, sig, args):
-    # Four halves from one 8-byte load: x86 converts them straight from memory (one vcvtph2ps) where a
-    # lone half costs an insert plus the conversion. Callers only read blocks' leading scales, and every
-    # block is at least 18 bytes long, so the 8 bytes never leave the block.
-    h = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.VectorType(_I16, 4))
-    return _half_to_float(builder, h)
-
-
-@intrinsic
-def _f16(typingctx, raw, off):
-    """The little-endian float16 at byte offset ``off`` of a uint8 block array, as float32."""
-    if not _is_1d(raw):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.extract_element(_f16x4(context, builder, sig, args), ir.Constant(_I32, 0))
-
-    return types.float32(raw, off), codegen
-
-
-@intrinsic
-def _vf16x2(typingctx, raw, off):
-    """The two float16 at byte offset ``off`` (Q4_1's d and m), as float32."""
-    if not _is_1d(raw):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = _f16x4(context, builder, sig, args)
-        return builder.shuffle_vector(v, v, _shuffle_idx(2, lambda i: i))
-
-    return f32x2(raw, off), codegen
-
-
-@intrinsic
-def _vbytes(typingctx, raw, off):
-    """The 32 bytes at byte offset ``off`` of an int8/uint8 array."""
-    if not _is_1d(raw):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V32B)
-
-    return i8x32(raw, off), codegen
-
-
-@intrinsic
-def _vnibbles(typingctx, raw, off):
-    """The 32 nibbles (0..15) packed in the 16 bytes at ``off``: byte j's low nibble is value j, high j+16."""
-    if not _is_1d(raw):
-        return None
-
-    def codegen(context, builder, sig, args):
-        # the 16 bytes in both halves of a 256-bit register, the upper half shifted right by 4 (one
-        # variable shift on 32-bit lanes), then masked: fewer instructions than unpacking two halves
-        v16 = ir.VectorType(_I8, 16)
-        b = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16)
-        both = builder.bitcast(builder.shuffle_vector(b, b, _shuffle_idx(32, lambda i: i % 16)), _V8I)
-        shifted = builder.lshr(both, ir.Constant(_V8I, [0] * 4 + [4] * 4))
-        return builder.and_(builder.bitcast(shifted, _V32B), ir.Constant(_V32B, [15] * 32))
-
-    return i8x32(raw, off), codegen
-
-
-@intrinsic
-def _vdot_u8s8(typingctx, q, a):
-    """Eight int32 lanes, lane i = Σ_{k<4} q[4i+k] a[4i+k]; q unsigned 0..15, a signed."""
-
-    def codegen(context, builder, sig, args):
-        return _dot_u8s8_ir(builder, args[0], args[1])
-
-    return i32x8(i8x32, i8x32), codegen
-
-
-@intrinsic
-def _vdot_s8s8(typingctx, w, a):
-    """Eight int32 lanes, lane i = Σ_{k<4} w[4i+k] a[4i+k], both signed; a must not hold -128."""
-
-    def codegen(context, builder, sig, args):
-        w, a = args
-        if _AVX2:
-            # llama.cpp's trick: |w| * (a * sign(w)) fits pmaddubsw (unsigned x signed) exactly; pair sums
-            # are at most 2 * 128 * 127 < 2^15 so nothing saturates.
-            aw = _call(builder, "llvm.abs.v32i8", _V32B, [w, ir.Constant(ir.IntType(1), 0)])
-            sa = _call(builder, "llvm.x86.avx2.psign.b", _V32B, [a, w])
-            return _dot_u8s8_ir(builder, aw, sa)
-        v32 = ir.VectorType(_I32, 32)
-        return _sum_quads(builder, builder.mul(builder.sext(w, v32), builder.sext(a, v32)))
-
-    return i32x8(i8x32, i8x32), codegen
-
-
-@intrinsic
-def _vq4_0_offset(typingctx, a):
+def _q4_0_offset(typingctx, a):
     """Eight int32 lanes, lane i = 8 Σ_{k<4} a[4i+k]: what Q4_0's ``-8`` removes from Σ n a."""
 
     def codegen(context, builder, sig, args):
-        ones = ir.Constant(_V32B, [1] * 32)
-        s = _dot_u8s8_ir(builder, ones, args[0])
-        return builder.shl(s, ir.Constant(_V8I, [3] * 8))
+        s = ir_dot_u8s8(builder, splat_constant(V32B, 1), args[0])
+        return builder.shl(s, ir.Constant(V8I, [3] * 8))
 
     return i32x8(i8x32), codegen
-
-
-@intrinsic
-def _vstore_i(typingctx, arr, i, v):
-    """arr[i:i+8] = v for an int32 array (a scratch of per-tile integer lanes)."""
-    if not (_is_1d(arr) and arr.dtype == types.int32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8I), align=4)
-        return context.get_dummy_value()
-
-    return types.none(arr, i, i32x8), codegen
-
-
-@intrinsic
-def _vload_i(typingctx, arr, i):
-    """arr[i:i+8] of an int32 array."""
-    if not (_is_1d(arr) and arr.dtype == types.int32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8I), align=4)
-
-    return i32x8(arr, i), codegen
-
-
-@intrinsic
-def _visub(typingctx, a, b):
-    """a - b, int32 lanes."""
-    return i32x8(i32x8, i32x8), lambda context, builder, sig, args: builder.sub(args[0], args[1])
-
-
-@intrinsic
-def _vfma_i(typingctx, acc, v, scale):
-    """acc + float(v) * scale, one rounding per lane where the CPU fuses multiply-add."""
-
-    def codegen(context, builder, sig, args):
-        return _fmadd(builder, builder.sitofp(args[1], _V8F), args[2], args[0])
-
-    return f32x8(f32x8, i32x8, f32x8), codegen
-
-
-@intrinsic
-def _vfma(typingctx, acc, a, b):
-    """acc + a * b on eight float32 lanes."""
-    return f32x8(f32x8, f32x8, f32x8), lambda context, builder, sig, args: _fmadd(builder, args[1], args[2], args[0])
-
-
-@intrinsic
-def _vmul8(typingctx, a, b):
-    return f32x8(f32x8, f32x8), lambda context, builder, sig, args: builder.fmul(args[0], args[1])
-
-
-@intrinsic
-def _vadd8(typingctx, a, b):
-    return f32x8(f32x8, f32x8), lambda context, builder, sig, args: builder.fadd(args[0], args[1])
-
-
-@intrinsic
-def _vmul2(typingctx, a, b):
-    return f32x2(f32x2, f32x2), lambda context, builder, sig, args: builder.fmul(args[0], args[1])
-
-
-@intrinsic
-def _vadd2(typingctx, a, b):
-    return f32x2(f32x2, f32x2), lambda context, builder, sig, args: builder.fadd(args[0], args[1])
-
-
-@intrinsic
-def _vlane(typingctx, v, i):
-    """Lane i (a compile-time constant in practice) of a float32 vector."""
-    if not (isinstance(v, _VecType) and v.kind == "f32" and isinstance(i, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.extract_element(args[0], builder.trunc(_idx(context, builder, args[1], sig.args[1]), _I32))
-
-    return types.float32(v, i), codegen
-
-
-@intrinsic
-def _vhsum(typingctx, v):
-    """Σ of the eight lanes in a fixed order: ((0+4)+(2+6)) + ((1+5)+(3+7))."""
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        h = builder.fadd(
-            builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i)),
-            builder.shuffle_vector(v, v, _shuffle_idx(4, lambda i: i + 4)),
-        )
-        h = builder.fadd(
-            builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i)),
-            builder.shuffle_vector(h, h, _shuffle_idx(2, lambda i: i + 2)),
-        )
-        return builder.fadd(
-            builder.extract_element(h, ir.Constant(_I32, 0)), builder.extract_element(h, ir.Constant(_I32, 1))
-        )
-
-    return types.float32(f32x8), codegen
-
-
-
-# -- Q4_1 in groups of eight rows (see _q4_1_rows8) ------------------------------------------------
-
-
-@intrinsic
-def _vbcast4(typingctx, arr, off):
-    """The 4 bytes at byte offset ``off`` of an int8 array, repeated in all eight 32-bit lanes."""
-    if not _is_1d(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I32)
-        return builder.bitcast(_splat(builder, v, 8), _V32B)
-
-    return i8x32(arr, off), codegen
-
-
-def _nibbles_ir(context, builder, sig, args, high: bool):
-    v = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V16S)
-    if high:
-        v = builder.lshr(v, ir.Constant(_V16S, [4] * 16))
-    return builder.and_(builder.bitcast(v, _V32B), ir.Constant(_V32B, [15] * 32))
-
-
-@intrinsic
-def _vhalves8(typingctx, raw, off):
-    """The eight little-endian float16 at byte offset ``off`` of a uint8 array, as float32 (exact)."""
-    if not _is_1d(raw):
-        return None
-
-    def codegen(context, builder, sig, args):
-        h = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.VectorType(_I16, 8))
-        return _half_to_float(builder, h)
-
-    return f32x8(raw, off), codegen
-
-@intrinsic
-def _vlow_nibbles(typingctx, raw, off):
-    """The low nibbles (0..15) of the 32 bytes at ``off``."""
-    if not _is_1d(raw):
-        return None
-    return i8x32(raw, off), lambda context, builder, sig, args: _nibbles_ir(context, builder, sig, args, False)
-
-
-@intrinsic
-def _vhigh_nibbles(typingctx, raw, off):
-    """The high nibbles (0..15) of the 32 bytes at ``off``."""
-    if not _is_1d(raw):
-        return None
-    return i8x32(raw, off), lambda context, builder, sig, args: _nibbles_ir(context, builder, sig, args, True)
-
-
-@intrinsic
-def _vpairs_u8s8(typingctx, q, a):
-    """Sixteen int16 lanes, lane i = q[2i] a[2i] + q[2i+1] a[2i+1]; q 0..15, a -127..127 (no saturation)."""
-
-    def codegen(context, builder, sig, args):
-        if _AVX2:
-            return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [args[0], args[1]])
-        v32 = ir.VectorType(_I16, 32)
-        p = builder.mul(builder.zext(args[0], v32), builder.sext(args[1], v32))
-        even = builder.shuffle_vector(p, p, _shuffle_idx(16, lambda i: 2 * i))
-        odd = builder.shuffle_vector(p, p, _shuffle_idx(16, lambda i: 2 * i + 1))
-        return builder.add(even, odd)
-
-    return i16x16(i8x32, i8x32), codegen
-
-
-@intrinsic
-def _vadd16(typingctx, a, b):
-    return i16x16(i16x16, i16x16), lambda context, builder, sig, args: builder.add(args[0], args[1])
-
-
-@intrinsic
-def _vwiden_pairs(typingctx, p):
-    """Eight int32 lanes, lane i = p[2i] + p[2i+1]."""
-
-    def codegen(context, builder, sig, args):
-        if _AVX2:
-            return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [args[0], ir.Constant(_V16S, [1] * 16)])
-        w = builder.sext(args[0], ir.VectorType(_I32, 16))
-        even = builder.shuffle_vector(w, w, _shuffle_idx(8, lambda i: 2 * i))
-        odd = builder.shuffle_vector(w, w, _shuffle_idx(8, lambda i: 2 * i + 1))
-        return builder.add(even, odd)
-
-    return i32x8(i16x16), codegen
-
-
-@intrinsic
-def _vihsum(typingctx, v):
-    """The exact sum of the eight int32 lanes."""
-
-    def codegen(context, builder, sig, args):
-        lane = [builder.extract_element(args[0], ir.Constant(_I32, i)) for i in range(8)]
-        total = lane[0]
-        for x in lane[1:]:
-            total = builder.add(total, x)
-        return total
-
-    return types.int32(i32x8), codegen
-
-
-@intrinsic
-def _fma1(typingctx, a, b, c):
-    """``a * b + c`` on float32 scalars, one rounding where the CPU fuses (as ``_vfma`` lane by lane)."""
-    if not (a == types.float32 and b == types.float32 and c == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        if _FMA:
-            return _call(builder, "llvm.fma.f32", _F32, list(args))
-        return builder.fadd(builder.fmul(args[0], args[1]), args[2])
-
-    return types.float32(types.float32, types.float32, types.float32), codegen
-
-
-@intrinsic
-def _vstore8(typingctx, arr, i, v):
-    """arr[i:i+8] = v for a float32 array."""
-    if not (_is_1d(arr) and arr.dtype == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _V8F), align=4)
-        return context.get_dummy_value()
-
-    return types.none(arr, i, f32x8), codegen
-
-
-# Float weights stay raw bytes; ``kind`` (0: F32, 1: F16, 2: BF16) picks how to widen them. It is a
-# runtime value rather than a compile-time type so that the three types share one compiled kernel
-# (three specializations cost ~10 s of JIT on a cold cache); the test is loop-invariant, so LLVM moves it
-# out of the loops (unswitching) and the inner loops carry no branch.
-_KIND_F32, _KIND_F16, _KIND_BF16 = 0, 1, 2
-
-
-def _load_widened(context, builder, sig, args, n: int | None):
-    """n (or one, when None) weights from element ``i`` of the raw bytes, widened to float32."""
-    arr = context.make_array(sig.args[0])(context, builder, args[0])
-    kind = context.cast(builder, args[1], sig.args[1], types.intp)
-    idx = _idx(context, builder, args[2], sig.args[2])
-    f32 = ir.VectorType(_F32, n) if n else _F32
-    i16 = ir.VectorType(_I16, n) if n else _I16
-    result = cgutils.alloca_once(builder, f32)
-    is_f32 = builder.icmp_signed("==", kind, ir.Constant(kind.type, _KIND_F32))
-    with builder.if_else(is_f32) as (f32_case, half_case):
-        with f32_case:
-            p = builder.gep(arr.data, [builder.mul(idx, ir.Constant(idx.type, 4))], inbounds=True)
-            builder.store(builder.load(builder.bitcast(p, ir.PointerType(f32)), align=1), result)
-        with half_case:
-            p = builder.gep(arr.data, [builder.mul(idx, ir.Constant(idx.type, 2))], inbounds=True)
-            raw = builder.load(builder.bitcast(p, ir.PointerType(i16)), align=1)
-            as_f16 = _half_to_float(builder, raw)
-            i32 = ir.VectorType(_I32, n) if n else _I32
-            sixteen = ir.Constant(i32, [16] * n) if n else ir.Constant(i32, 16)
-            as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, i32), sixteen), f32)
-            is_f16 = builder.icmp_signed("==", kind, ir.Constant(kind.type, _KIND_F16))
-            builder.store(builder.select(is_f16, as_f16, as_bf16), result)
-    return builder.load(result)
-
-
-@intrinsic
-def _vload_w(typingctx, w, kind, i):
-    """Eight float weights w[i:i+8] (element index into raw bytes of ``kind``), as float32."""
-    if not _is_1d(w):
-        return None
-    return f32x8(w, kind, i), lambda context, builder, sig, args: _load_widened(context, builder, sig, args, 8)
-
-
-@intrinsic
-def _load_w(typingctx, w, kind, i):
-    """One float weight w[i], as float32."""
-    if not _is_1d(w):
-        return None
-    return types.float32(w, kind, i), lambda context, builder, sig, args: _load_widened(
-        context, builder, sig, args, None
-    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -680,7 +145,8 @@ class QuantizedActivations:
 
     ``q``: int8 ``[n_tok, n_in]``, values in -127..127. ``ds``: float32 ``[n_tok, n_in // 32, 2]``
     holding ``(d, d * Σq)`` per block (the second is Q4_1's offset term, llama.cpp's ``block_q8_1.s``).
-    Both are views of flat buffers that the kernels take directly (no view is built per call).
+    Both are views of flat buffers (``q_flat``, ``ds_flat``) that the kernels take directly (no view is
+    built per call).
     """
 
     __slots__ = ("q", "ds", "_q", "_ds")
@@ -697,23 +163,33 @@ class QuantizedActivations:
     def shape(self) -> tuple[int, int]:
         return self.q.shape
 
+    @property
+    def q_flat(self) -> np.ndarray:
+        """``q`` as the flat buffer the kernels take."""
+        return self._q
+
+    @property
+    def ds_flat(self) -> np.ndarray:
+        """``ds`` as the flat buffer the kernels take."""
+        return self._ds
+
 
 @intrinsic
 def _block_amax(typingctx, x, o):
     """max |x[o:o+32]| of a flat float32 array, in vector registers (max is exact in any order)."""
-    if not (_is_1d(x) and x.dtype == types.float32):
+    if not (is_1d(x) and x.dtype == types.float32):
         return None
 
     def codegen(context, builder, sig, args):
-        v32f = ir.VectorType(_F32, QK)
-        a = _call(builder, "llvm.fabs.v32f32", v32f, [_load(context, builder, sig.args[0], args[0], args[1],
-                                                             sig.args[1], v32f)])
+        v32f = ir.VectorType(LL_F32, QK)
+        xv = load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], v32f)
+        a = ir_call(builder, "llvm.fabs.v32f32", v32f, [xv])
         while a.type.count > 1:  # halves: 16, 8, 4, 2, 1 lanes
             n = a.type.count // 2
-            lo = builder.shuffle_vector(a, a, _shuffle_idx(n, lambda i: i))
-            hi = builder.shuffle_vector(a, a, _shuffle_idx(n, lambda i, n=n: i + n))
+            lo = builder.shuffle_vector(a, a, shuffle_mask(n, lambda i: i))
+            hi = builder.shuffle_vector(a, a, shuffle_mask(n, lambda i, n=n: i + n))
             a = builder.select(builder.fcmp_ordered(">", hi, lo), hi, lo)
-        return builder.extract_element(a, ir.Constant(_I32, 0))
+        return builder.extract_element(a, ir.Constant(LL_I32, 0))
 
     return types.float32(x, o), codegen
 
@@ -725,27 +201,22 @@ def _quantize_block(typingctx, x, xo, inv, q, qo):
     rint (half to even) corrected on exact halves: ``v - rint(v)`` is exact, and where it is ±0.5 the
     result is ``v + copysign(0.5, v)``, itself exact. The same integers as ``floor(|v| + 0.5)`` with v's
     sign, for every float32 v (checked against it on random and tie-heavy blocks)."""
-    if not (_is_1d(x) and _is_1d(q) and x.dtype == types.float32 and inv == types.float32):
+    if not (is_1d(x) and is_1d(q) and x.dtype == types.float32 and inv == types.float32):
         return None
 
     def codegen(context, builder, sig, args):
-        v32f = ir.VectorType(_F32, QK)
-        xv = _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], v32f)
-        v = builder.fmul(xv, _splat(builder, args[2], QK))
-        r = _call(builder, "llvm.rint.v32f32", v32f, [v])
-        diff = _call(builder, "llvm.fabs.v32f32", v32f, [builder.fsub(v, r)])
+        v32f = ir.VectorType(LL_F32, QK)
+        xv = load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], v32f)
+        v = builder.fmul(xv, ir_splat(builder, args[2], QK))
+        r = ir_call(builder, "llvm.rint.v32f32", v32f, [v])
+        diff = ir_call(builder, "llvm.fabs.v32f32", v32f, [builder.fsub(v, r)])
         half = ir.Constant(v32f, [0.5] * QK)
-        away = builder.fadd(v, _call(builder, "llvm.copysign.v32f32", v32f, [half, v]))
+        away = builder.fadd(v, ir_call(builder, "llvm.copysign.v32f32", v32f, [half, v]))
         r = builder.select(builder.fcmp_ordered("==", diff, half), away, r)
-        qi = builder.fptosi(r, ir.VectorType(_I32, QK))
-        builder.store(builder.trunc(qi, _V32B), _elem_ptr(context, builder, sig.args[3], args[3], args[4],
-                                                          sig.args[4], _V32B), align=1)
-        total = _sum_quads(builder, qi)  # 8 lanes of 4, then the 8 lanes: exact integers
-        lanes = [builder.extract_element(total, ir.Constant(_I32, i)) for i in range(8)]
-        acc = lanes[0]
-        for lane in lanes[1:]:
-            acc = builder.add(acc, lane)
-        return acc
+        qi = builder.fptosi(r, ir.VectorType(LL_I32, QK))
+        q_ptr = element_pointer(context, builder, sig.args[3], args[3], args[4], sig.args[4], V32B)
+        builder.store(builder.trunc(qi, V32B), q_ptr, align=1)
+        return ir_isum(builder, ir_sum_quads(builder, qi))  # 8 lanes of 4, then the 8 lanes: exact integers
 
     return types.int32(x, xo, inv, q, qo), codegen
 
@@ -775,22 +246,19 @@ def _quantize_parallel(x, q, ds, n_in):
         _quantize_token(x, q, ds, t, n_in)
 
 
-_PARALLEL_QUANTIZE_TOKENS = 16  # below this a parallel launch costs more than the work
-
-
 def quantize_activations(x: np.ndarray, out: QuantizedActivations | None = None) -> QuantizedActivations:
     """Quantize float32 activations ``x[n_tok, n_in]`` (``n_in`` a multiple of 32) to Q8 blocks.
 
     The result can be shared by every matmul that reads the same ``x`` (q/k/v, gate/up). Pass ``out``
     (of the same shape) to reuse its buffers instead of allocating.
     """
-    x = _as_f32_2d(x)
+    x = as_f32_2d(x)
     n_tok, n_in = x.shape
     if n_in % QK:
         raise ModelError(f"cannot quantize activations of width {n_in}: not a multiple of {QK}")
     if out is None or out.q.shape != x.shape:
         out = QuantizedActivations(n_tok, n_in)
-    kernel = _quantize_parallel if n_tok >= _PARALLEL_QUANTIZE_TOKENS else _quantize_serial
+    kernel = _quantize_parallel if n_tok >= PARALLEL_QUANTIZE_TOKENS else _quantize_serial
     kernel(x.reshape(-1), out._q, out._ds, n_in)
     return out
 
@@ -805,34 +273,21 @@ def quantize_activations(x: np.ndarray, out: QuantizedActivations | None = None)
 @njit(inline="always")
 def _step_q4_0(acc, w, o, a, off8, dx):
     """Q4_0: acc += (Σn·a - 8Σa) lanes * (d_w d_x); exact integers up to the scale."""
-    vi = _visub(_vdot_u8s8(_vnibbles(w, o + 2), a), off8)
-    return _vfma_i(acc, vi, _vsplat8(_f16(w, o) * dx))
+    vi = sub_i32x8(dot_u8s8(load_nibbles32(w, o + 2), a), off8)
+    return fma_i32x8(acc, vi, splat_f32x8(load_half(w, o) * dx))
 
 
 @njit(inline="always")
 def _row_q4_0(w, o, nb, aq, ao, ds, do):
-    acc = _vzero8()
+    acc = zeros_f32x8()
     for b in range(nb):
-        a = _vbytes(aq, ao + QK * b)
-        acc = _step_q4_0(acc, w, o + 18 * b, a, _vq4_0_offset(a), ds[do + 2 * b])
-    return _vhsum(acc)
-
-
-@njit(inline="always")
-def _row_float(w, kind, o, n, x, xo):
-    """One float row (elements from ``o``) against one token (``x[xo:xo+n]``)."""
-    acc = _vzero8()
-    n8 = n - n % 8
-    for k in range(0, n8, 8):
-        acc = _vfma(acc, _vload_w(w, kind, o + k), _vload8(x, xo + k))
-    s = _vhsum(acc)
-    for k in range(n8, n):
-        s += _load_w(w, kind, o + k) * x[xo + k]
-    return s
+        a = load_bytes32(aq, ao + QK * b)
+        acc = _step_q4_0(acc, w, o + 18 * b, a, _q4_0_offset(a), ds[do + 2 * b])
+    return hsum_folded(acc)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Decode: one token (GEMV), GEMV_ROWS weight rows per pass sharing each activation block's loads
+# Decode: one token (GEMV), 4 weight rows per pass sharing each activation block's loads
 # ---------------------------------------------------------------------------------------------------
 # Arguments: w flat uint8 raw blocks, rb bytes per row, aq int8[n_in], ds float32[2 * n_blocks],
 # out float32[1, n_out] (the same flat arguments as prefill, so the caller builds no views).
@@ -852,59 +307,27 @@ def _gemv_q4_0(w, rb, aq, ds, out):
     n_pass = n_out // 4
     for p in prange(n_pass):
         r0 = 4 * p
-        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+        acc0, acc1, acc2, acc3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
         o = r0 * rb
         pf = o + PREFETCH_ROWS * rb
         for b in range(nb):
-            _prefetch(w, pf)
-            _prefetch(w, pf + 64)
+            prefetch(w, pf)
+            prefetch(w, pf + 64)
             pf += 72
-            a = _vbytes(aq, QK * b)
-            off8 = _vq4_0_offset(a)
+            a = load_bytes32(aq, QK * b)
+            off8 = _q4_0_offset(a)
             dx = ds[2 * b]
             acc0 = _step_q4_0(acc0, w, o, a, off8, dx)
             acc1 = _step_q4_0(acc1, w, o + rb, a, off8, dx)
             acc2 = _step_q4_0(acc2, w, o + 2 * rb, a, off8, dx)
             acc3 = _step_q4_0(acc3, w, o + 3 * rb, a, off8, dx)
             o += 18
-        out[0, r0] = _vhsum(acc0)
-        out[0, r0 + 1] = _vhsum(acc1)
-        out[0, r0 + 2] = _vhsum(acc2)
-        out[0, r0 + 3] = _vhsum(acc3)
+        out[0, r0] = hsum_folded(acc0)
+        out[0, r0 + 1] = hsum_folded(acc1)
+        out[0, r0 + 2] = hsum_folded(acc2)
+        out[0, r0 + 3] = hsum_folded(acc3)
     for r in range(4 * n_pass, n_out):
         out[0, r] = _row_q4_0(w, r * rb, nb, aq, 0, ds, 0)
-
-
-@njit(parallel=True, cache=True)
-def _gemv_float(w, kind, x, out):
-    """w: flat raw float weights of ``kind``, x float32[n_in], out float32[1, n_out]."""
-    n_out = out.shape[1]
-    n = x.shape[0]
-    n8 = n - n % 8
-    n_pass = n_out // 4
-    for p in prange(n_pass):
-        r0 = 4 * p
-        acc0, acc1, acc2, acc3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-        o = r0 * n
-        pf = o + PREFETCH_ROWS * n
-        for k in range(0, n8, 8):
-            _prefetch(w, pf)  # 4 rows x 8 weights: 64 bytes (f16, bf16) or 128 (f32) per iteration
-            _prefetch(w, pf + 16)
-            pf += 32
-            xv = _vload8(x, k)
-            acc0 = _vfma(acc0, _vload_w(w, kind, o + k), xv)
-            acc1 = _vfma(acc1, _vload_w(w, kind, o + n + k), xv)
-            acc2 = _vfma(acc2, _vload_w(w, kind, o + 2 * n + k), xv)
-            acc3 = _vfma(acc3, _vload_w(w, kind, o + 3 * n + k), xv)
-        s0, s1, s2, s3 = _vhsum(acc0), _vhsum(acc1), _vhsum(acc2), _vhsum(acc3)
-        for k in range(n8, n):
-            s0 += _load_w(w, kind, o + k) * x[k]
-            s1 += _load_w(w, kind, o + n + k) * x[k]
-            s2 += _load_w(w, kind, o + 2 * n + k) * x[k]
-            s3 += _load_w(w, kind, o + 3 * n + k) * x[k]
-        out[0, r0], out[0, r0 + 1], out[0, r0 + 2], out[0, r0 + 3] = s0, s1, s2, s3
-    for r in range(4 * n_pass, n_out):
-        out[0, r] = _row_float(w, kind, r * n, n, x, 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -917,7 +340,7 @@ def _gemv_float(w, kind, x, out):
 
 
 @njit(inline="always")
-def _tile_scales(ds, n_full, nb):
+def tile_scales(ds, n_full, nb):
     """Every whole tile's activation block scales, laid out for the inner loop, computed once per call.
 
     ``d_b[((tile * nb + block) * 8 + token) * 8 + lane]``: the scale d_x repeated in 8 lanes, so that the
@@ -939,116 +362,56 @@ def _tile_scales(ds, n_full, nb):
     return d_b, s_t
 
 
-@njit(inline="always")
-def _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7):
-    out[t0, r] = _vhsum(a0)
-    out[t0 + 1, r] = _vhsum(a1)
-    out[t0 + 2, r] = _vhsum(a2)
-    out[t0 + 3, r] = _vhsum(a3)
-    out[t0 + 4, r] = _vhsum(a4)
-    out[t0 + 5, r] = _vhsum(a5)
-    out[t0 + 6, r] = _vhsum(a6)
-    out[t0 + 7, r] = _vhsum(a7)
-
-
 @njit(parallel=True, cache=True)
 def _gemm_q4_0(w, rb, aq, ds, out):
     n_tok, n_out = out.shape
     n_in = aq.shape[0] // n_tok
     nb = n_in // QK
     n_full = n_tok - n_tok % GEMM_TOKENS
-    d_b, _ = _tile_scales(ds, n_full, nb)
+    d_b, _ = tile_scales(ds, n_full, nb)
     # the tiles' -8 Σa lanes (Q4_0's offset), computed once per call rather than once per weight row
     off = np.empty(n_full * nb * 8, np.int32)
     for t in range(n_full):
         for b in range(nb):
             i = ((t // GEMM_TOKENS) * nb + b) * GEMM_TOKENS + t % GEMM_TOKENS
-            _vstore_i(off, i * 8, _vq4_0_offset(_vbytes(aq, t * n_in + b * QK)))
+            store_i32x8(off, i * 8, _q4_0_offset(load_bytes32(aq, t * n_in + b * QK)))
     for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
         r0 = g * GEMM_ROWS
         r1 = min(n_out, r0 + GEMM_ROWS)
         for t0 in range(0, n_full, GEMM_TOKENS):
             tb = t0 * nb
             for r in range(r0, r1):
-                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
+                a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+                a4, a5, a6, a7 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
                 o = r * rb
                 ao = t0 * n_in
                 for b in range(nb):
-                    q = _vnibbles(w, o + 2)
-                    dw = _vsplat8(_f16(w, o))
+                    q = load_nibbles32(w, o + 2)
+                    dw = splat_f32x8(load_half(w, o))
                     c = tb + b * GEMM_TOKENS
                     k = c * 8  # c indexes [tile, block, token]; 8 lanes each
-                    v0 = _visub(_vdot_u8s8(q, _vbytes(aq, ao)), _vload_i(off, k))
-                    v1 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + n_in)), _vload_i(off, k + 8))
-                    v2 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 2 * n_in)), _vload_i(off, k + 16))
-                    v3 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 3 * n_in)), _vload_i(off, k + 24))
-                    v4 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 4 * n_in)), _vload_i(off, k + 32))
-                    v5 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 5 * n_in)), _vload_i(off, k + 40))
-                    v6 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 6 * n_in)), _vload_i(off, k + 48))
-                    v7 = _visub(_vdot_u8s8(q, _vbytes(aq, ao + 7 * n_in)), _vload_i(off, k + 56))
-                    a0 = _vfma_i(a0, v0, _vmul8(dw, _vload8(d_b, 8 * c)))
-                    a1 = _vfma_i(a1, v1, _vmul8(dw, _vload8(d_b, 8 * c + 8)))
-                    a2 = _vfma_i(a2, v2, _vmul8(dw, _vload8(d_b, 8 * c + 16)))
-                    a3 = _vfma_i(a3, v3, _vmul8(dw, _vload8(d_b, 8 * c + 24)))
-                    a4 = _vfma_i(a4, v4, _vmul8(dw, _vload8(d_b, 8 * c + 32)))
-                    a5 = _vfma_i(a5, v5, _vmul8(dw, _vload8(d_b, 8 * c + 40)))
-                    a6 = _vfma_i(a6, v6, _vmul8(dw, _vload8(d_b, 8 * c + 48)))
-                    a7 = _vfma_i(a7, v7, _vmul8(dw, _vload8(d_b, 8 * c + 56)))
+                    v0 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao)), load_i32x8(off, k))
+                    v1 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + n_in)), load_i32x8(off, k + 8))
+                    v2 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 2 * n_in)), load_i32x8(off, k + 16))
+                    v3 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 3 * n_in)), load_i32x8(off, k + 24))
+                    v4 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 4 * n_in)), load_i32x8(off, k + 32))
+                    v5 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 5 * n_in)), load_i32x8(off, k + 40))
+                    v6 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 6 * n_in)), load_i32x8(off, k + 48))
+                    v7 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 7 * n_in)), load_i32x8(off, k + 56))
+                    a0 = fma_i32x8(a0, v0, mul_f32x8(dw, load_f32x8(d_b, 8 * c)))
+                    a1 = fma_i32x8(a1, v1, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 8)))
+                    a2 = fma_i32x8(a2, v2, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 16)))
+                    a3 = fma_i32x8(a3, v3, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 24)))
+                    a4 = fma_i32x8(a4, v4, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 32)))
+                    a5 = fma_i32x8(a5, v5, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 40)))
+                    a6 = fma_i32x8(a6, v6, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 48)))
+                    a7 = fma_i32x8(a7, v7, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 56)))
                     o += 18
                     ao += QK
-                _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
+                store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
         for t in range(n_full, n_tok):
             for r in range(r0, r1):
                 out[t, r] = _row_q4_0(w, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
-
-
-@njit(parallel=True, cache=True)
-def _gemm_float(w, kind, x, out):
-    """w: flat raw float weights of ``kind``, x float32[n_tok * n_in] flat, out float32[n_tok, n_out]."""
-    n_tok, n_out = out.shape
-    n = x.shape[0] // n_tok
-    n8 = n - n % 8
-    n_full = n_tok - n_tok % GEMM_TOKENS
-    for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
-        r0 = g * GEMM_ROWS
-        r1 = min(n_out, r0 + GEMM_ROWS)
-        for t0 in range(0, n_full, GEMM_TOKENS):
-            for r in range(r0, r1):
-                a0, a1, a2, a3 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                a4, a5, a6, a7 = _vzero8(), _vzero8(), _vzero8(), _vzero8()
-                o = r * n
-                xo = t0 * n
-                for k in range(0, n8, 8):
-                    wv = _vload_w(w, kind, o + k)
-                    a0 = _vfma(a0, wv, _vload8(x, xo + k))
-                    a1 = _vfma(a1, wv, _vload8(x, xo + n + k))
-                    a2 = _vfma(a2, wv, _vload8(x, xo + 2 * n + k))
-                    a3 = _vfma(a3, wv, _vload8(x, xo + 3 * n + k))
-                    a4 = _vfma(a4, wv, _vload8(x, xo + 4 * n + k))
-                    a5 = _vfma(a5, wv, _vload8(x, xo + 5 * n + k))
-                    a6 = _vfma(a6, wv, _vload8(x, xo + 6 * n + k))
-                    a7 = _vfma(a7, wv, _vload8(x, xo + 7 * n + k))
-                if n8 == n:
-                    _store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
-                else:
-                    # the scalar tail must follow the horizontal sum, as in _row_float
-                    s = np.empty(GEMM_TOKENS, np.float32)
-                    s[0], s[1], s[2], s[3] = _vhsum(a0), _vhsum(a1), _vhsum(a2), _vhsum(a3)
-                    s[4], s[5], s[6], s[7] = _vhsum(a4), _vhsum(a5), _vhsum(a6), _vhsum(a7)
-                    for c in range(GEMM_TOKENS):
-                        v = s[c]
-                        for k in range(n8, n):
-                            v += _load_w(w, kind, o + k) * x[xo + c * n + k]
-                        out[t0 + c, r] = v
-        for t in range(n_full, n_tok):
-            for r in range(r0, r1):
-                out[t, r] = _row_float(w, kind, r * n, n, x, t * n)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Public API
-# ---------------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1079,32 +442,20 @@ ROWS8_TOKENS = 64  # tokens per pass over a group's weights in memory: their act
 ROWS8_PREFETCH = 2048
 
 
-@intrinsic
-def _vsplat_at(typingctx, arr, i):
-    """arr[i] of a float32 array in all eight lanes (no negative-index wraparound: callers own ``i``)."""
-    if not (_is_1d(arr) and arr.dtype == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _splat(builder, _load(context, builder, sig.args[0], args[0], args[1], sig.args[1], _F32), 8)
-
-    return f32x8(arr, i), codegen
-
-
 @njit(inline="always")
 def _rows8_weights(packed, o):
     """A group's block at byte ``o`` of the repacked copy, as one tuple: its eight nibble registers (four
     consecutive values of each row), then the rows' d and m; the bytes a few blocks ahead are prefetched
     (decode streams the weights from DRAM). (One flat tuple, indexed: numba's parallel-loop analysis
     rejects unpacking a nested one.)"""
-    _prefetch(packed, o + ROWS8_PREFETCH)
-    _prefetch(packed, o + ROWS8_PREFETCH + 64)
-    _prefetch(packed, o + ROWS8_PREFETCH + 128)
+    prefetch(packed, o + ROWS8_PREFETCH)
+    prefetch(packed, o + ROWS8_PREFETCH + 64)
+    prefetch(packed, o + ROWS8_PREFETCH + 128)
     return (
-        _vlow_nibbles(packed, o), _vhigh_nibbles(packed, o), _vlow_nibbles(packed, o + 32),
-        _vhigh_nibbles(packed, o + 32), _vlow_nibbles(packed, o + 64), _vhigh_nibbles(packed, o + 64),
-        _vlow_nibbles(packed, o + 96), _vhigh_nibbles(packed, o + 96),
-        _vhalves8(packed, o + 128), _vhalves8(packed, o + 144),
+        low_nibbles32(packed, o), high_nibbles32(packed, o), low_nibbles32(packed, o + 32),
+        high_nibbles32(packed, o + 32), low_nibbles32(packed, o + 64), high_nibbles32(packed, o + 64),
+        low_nibbles32(packed, o + 96), high_nibbles32(packed, o + 96),
+        load_halves8(packed, o + 128), load_halves8(packed, o + 144),
     )
 
 
@@ -1112,15 +463,15 @@ def _rows8_weights(packed, o):
 def _rows8_block(w, aq, ao):
     """Eight int32 lanes: lane r = Σ q a over one block of row r (registers 0..7 of _rows8_weights)
     against the activation block at byte ``ao``; exact."""
-    p = _vpairs_u8s8(w[0], _vbcast4(aq, ao))
-    p = _vadd16(p, _vpairs_u8s8(w[1], _vbcast4(aq, ao + 4)))
-    p = _vadd16(p, _vpairs_u8s8(w[2], _vbcast4(aq, ao + 8)))
-    p = _vadd16(p, _vpairs_u8s8(w[3], _vbcast4(aq, ao + 12)))
-    p = _vadd16(p, _vpairs_u8s8(w[4], _vbcast4(aq, ao + 16)))
-    p = _vadd16(p, _vpairs_u8s8(w[5], _vbcast4(aq, ao + 20)))
-    p = _vadd16(p, _vpairs_u8s8(w[6], _vbcast4(aq, ao + 24)))
-    p = _vadd16(p, _vpairs_u8s8(w[7], _vbcast4(aq, ao + 28)))
-    return _vwiden_pairs(p)
+    p = pairs_u8s8(w[0], broadcast_4bytes(aq, ao))
+    p = add_i16x16(p, pairs_u8s8(w[1], broadcast_4bytes(aq, ao + 4)))
+    p = add_i16x16(p, pairs_u8s8(w[2], broadcast_4bytes(aq, ao + 8)))
+    p = add_i16x16(p, pairs_u8s8(w[3], broadcast_4bytes(aq, ao + 12)))
+    p = add_i16x16(p, pairs_u8s8(w[4], broadcast_4bytes(aq, ao + 16)))
+    p = add_i16x16(p, pairs_u8s8(w[5], broadcast_4bytes(aq, ao + 20)))
+    p = add_i16x16(p, pairs_u8s8(w[6], broadcast_4bytes(aq, ao + 24)))
+    p = add_i16x16(p, pairs_u8s8(w[7], broadcast_4bytes(aq, ao + 28)))
+    return widen_pairs(p)
 
 
 @njit(inline="always")
@@ -1128,9 +479,9 @@ def _q4_1_row_exact(raw, o, nb, aq, ao, ds, do):
     """One Q4_1 row (raw blocks from byte ``o``) against one token, with the row groups' arithmetic."""
     acc = np.float32(0.0)
     for b in range(nb):
-        isum = _vihsum(_vdot_u8s8(_vnibbles(raw, o + 20 * b + 4), _vbytes(aq, ao + QK * b)))
-        acc = _fma1(np.float32(isum), _f16(raw, o + 20 * b) * ds[do + 2 * b], acc)
-        acc = _fma1(_f16(raw, o + 20 * b + 2), ds[do + 2 * b + 1], acc)
+        isum = hsum_i32x8(dot_u8s8(load_nibbles32(raw, o + 20 * b + 4), load_bytes32(aq, ao + QK * b)))
+        acc = fma_f32(np.float32(isum), load_half(raw, o + 20 * b) * ds[do + 2 * b], acc)
+        acc = fma_f32(load_half(raw, o + 20 * b + 2), ds[do + 2 * b + 1], acc)
     return acc
 
 
@@ -1138,8 +489,8 @@ def _q4_1_row_exact(raw, o, nb, aq, ao, ds, do):
 def _q4_1_rows8_step(acc, w, aq, ao, ds, do):
     """``acc`` (eight rows of one token) after one block: ``w`` from _rows8_weights, the token's
     activation block at byte ``ao`` of ``aq`` and its (d, d Σa) at ``ds[do]``."""
-    acc = _vfma_i(acc, _rows8_block(w, aq, ao), _vmul8(w[8], _vsplat_at(ds, do)))
-    return _vfma(acc, w[9], _vsplat_at(ds, do + 1))
+    acc = fma_i32x8(acc, _rows8_block(w, aq, ao), mul_f32x8(w[8], splat_at(ds, do)))
+    return fma_f32x8(acc, w[9], splat_at(ds, do + 1))
 
 
 @njit(parallel=True, cache=True)
@@ -1159,7 +510,7 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
         if in_registers:
             t = 0
             while t + ROWS8_QUAD <= n_tok:
-                a0 = a1 = a2 = a3 = _vzero8()
+                a0 = a1 = a2 = a3 = zeros_f32x8()
                 for b in range(nb):
                     w = _rows8_weights(packed, o + b * 160)
                     ao = t * n_in + b * QK
@@ -1168,17 +519,17 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
                     a1 = _q4_1_rows8_step(a1, w, aq, ao + n_in, ds, do + 2 * nb)
                     a2 = _q4_1_rows8_step(a2, w, aq, ao + 2 * n_in, ds, do + 4 * nb)
                     a3 = _q4_1_rows8_step(a3, w, aq, ao + 3 * n_in, ds, do + 6 * nb)
-                _vstore8(flat, t * n_out + 8 * g, a0)
-                _vstore8(flat, (t + 1) * n_out + 8 * g, a1)
-                _vstore8(flat, (t + 2) * n_out + 8 * g, a2)
-                _vstore8(flat, (t + 3) * n_out + 8 * g, a3)
+                store_f32x8(flat, t * n_out + 8 * g, a0)
+                store_f32x8(flat, (t + 1) * n_out + 8 * g, a1)
+                store_f32x8(flat, (t + 2) * n_out + 8 * g, a2)
+                store_f32x8(flat, (t + 3) * n_out + 8 * g, a3)
                 t += ROWS8_QUAD
             while t < n_tok:  # decode, and the last n_tok % 4 tokens
-                a0 = _vzero8()
+                a0 = zeros_f32x8()
                 for b in range(nb):
                     w = _rows8_weights(packed, o + b * 160)
                     a0 = _q4_1_rows8_step(a0, w, aq, t * n_in + b * QK, ds, (t * nb + b) * 2)
-                _vstore8(flat, t * n_out + 8 * g, a0)
+                store_f32x8(flat, t * n_out + 8 * g, a0)
                 t += 1
             continue
         h = g * span
@@ -1190,9 +541,10 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
                 w = _rows8_weights(packed, o + b * 160)
                 for t in range(t0, t1):
                     k = h + 8 * (t - t0)
-                    _vstore8(acc, k, _q4_1_rows8_step(_vload8(acc, k), w, aq, t * n_in + b * QK, ds, (t * nb + b) * 2))
+                    step = _q4_1_rows8_step(load_f32x8(acc, k), w, aq, t * n_in + b * QK, ds, (t * nb + b) * 2)
+                    store_f32x8(acc, k, step)
             for t in range(t0, t1):
-                _vstore8(flat, t * n_out + 8 * g, _vload8(acc, h + 8 * (t - t0)))
+                store_f32x8(flat, t * n_out + 8 * g, load_f32x8(acc, h + 8 * (t - t0)))
     for r in range(8 * n_groups, n_out):  # the last 1..7 rows
         for t in range(n_tok):
             out[t, r] = _q4_1_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
@@ -1230,25 +582,20 @@ def _repack_q4_1(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------
 
 
-@intrinsic
-def _viadd(typingctx, a, b):
-    """a + b, int32 lanes."""
-    return i32x8(i32x8, i32x8), lambda context, builder, sig, args: builder.add(args[0], args[1])
-
-
 @njit(inline="always")
 def _q8_rows8_weights(packed, o):
     """A group's block at byte ``o`` of the repacked Q8_0 copy: its eight value registers (four
     consecutive values of each row), then the rows' d; the bytes a few blocks ahead are prefetched."""
-    _prefetch(packed, o + ROWS8_PREFETCH)
-    _prefetch(packed, o + ROWS8_PREFETCH + 64)
-    _prefetch(packed, o + ROWS8_PREFETCH + 128)
-    _prefetch(packed, o + ROWS8_PREFETCH + 192)
-    _prefetch(packed, o + ROWS8_PREFETCH + 256)
+    prefetch(packed, o + ROWS8_PREFETCH)
+    prefetch(packed, o + ROWS8_PREFETCH + 64)
+    prefetch(packed, o + ROWS8_PREFETCH + 128)
+    prefetch(packed, o + ROWS8_PREFETCH + 192)
+    prefetch(packed, o + ROWS8_PREFETCH + 256)
     return (
-        _vbytes(packed, o), _vbytes(packed, o + 32), _vbytes(packed, o + 64), _vbytes(packed, o + 96),
-        _vbytes(packed, o + 128), _vbytes(packed, o + 160), _vbytes(packed, o + 192), _vbytes(packed, o + 224),
-        _vhalves8(packed, o + 256),
+        load_bytes32(packed, o), load_bytes32(packed, o + 32), load_bytes32(packed, o + 64),
+        load_bytes32(packed, o + 96), load_bytes32(packed, o + 128), load_bytes32(packed, o + 160),
+        load_bytes32(packed, o + 192), load_bytes32(packed, o + 224),
+        load_halves8(packed, o + 256),
     )
 
 
@@ -1256,14 +603,14 @@ def _q8_rows8_weights(packed, o):
 def _q8_rows8_block(w, aq, ao):
     """Eight int32 lanes: lane r = Σ q a over one block of row r against the activation block at byte
     ``ao``; exact."""
-    s = _vdot_s8s8(w[0], _vbcast4(aq, ao))
-    s = _viadd(s, _vdot_s8s8(w[1], _vbcast4(aq, ao + 4)))
-    s = _viadd(s, _vdot_s8s8(w[2], _vbcast4(aq, ao + 8)))
-    s = _viadd(s, _vdot_s8s8(w[3], _vbcast4(aq, ao + 12)))
-    s = _viadd(s, _vdot_s8s8(w[4], _vbcast4(aq, ao + 16)))
-    s = _viadd(s, _vdot_s8s8(w[5], _vbcast4(aq, ao + 20)))
-    s = _viadd(s, _vdot_s8s8(w[6], _vbcast4(aq, ao + 24)))
-    return _viadd(s, _vdot_s8s8(w[7], _vbcast4(aq, ao + 28)))
+    s = dot_s8s8(w[0], broadcast_4bytes(aq, ao))
+    s = add_i32x8(s, dot_s8s8(w[1], broadcast_4bytes(aq, ao + 4)))
+    s = add_i32x8(s, dot_s8s8(w[2], broadcast_4bytes(aq, ao + 8)))
+    s = add_i32x8(s, dot_s8s8(w[3], broadcast_4bytes(aq, ao + 12)))
+    s = add_i32x8(s, dot_s8s8(w[4], broadcast_4bytes(aq, ao + 16)))
+    s = add_i32x8(s, dot_s8s8(w[5], broadcast_4bytes(aq, ao + 20)))
+    s = add_i32x8(s, dot_s8s8(w[6], broadcast_4bytes(aq, ao + 24)))
+    return add_i32x8(s, dot_s8s8(w[7], broadcast_4bytes(aq, ao + 28)))
 
 
 @njit(inline="always")
@@ -1271,8 +618,8 @@ def _q8_0_row_exact(raw, o, nb, aq, ao, ds, do):
     """One Q8_0 row (raw blocks from byte ``o``) against one token, with the row groups' arithmetic."""
     acc = np.float32(0.0)
     for b in range(nb):
-        isum = _vihsum(_vdot_s8s8(_vbytes(raw, o + 34 * b + 2), _vbytes(aq, ao + QK * b)))
-        acc = _fma1(np.float32(isum), _f16(raw, o + 34 * b) * ds[do + 2 * b], acc)
+        isum = hsum_i32x8(dot_s8s8(load_bytes32(raw, o + 34 * b + 2), load_bytes32(aq, ao + QK * b)))
+        acc = fma_f32(np.float32(isum), load_half(raw, o + 34 * b) * ds[do + 2 * b], acc)
     return acc
 
 
@@ -1290,11 +637,11 @@ def _q8_0_rows8(packed, raw, rb, aq, ds, out):
     for g in prange(n_groups):
         o = g * nb * 272
         if n_tok == 1:  # decode: the accumulator stays in a register
-            a = _vzero8()
+            a = zeros_f32x8()
             for b in range(nb):
                 w = _q8_rows8_weights(packed, o + b * 272)
-                a = _vfma_i(a, _q8_rows8_block(w, aq, b * QK), _vmul8(w[8], _vsplat_at(ds, 2 * b)))
-            _vstore8(flat, 8 * g, a)
+                a = fma_i32x8(a, _q8_rows8_block(w, aq, b * QK), mul_f32x8(w[8], splat_at(ds, 2 * b)))
+            store_f32x8(flat, 8 * g, a)
             continue
         h = g * span
         for t0 in range(0, n_tok, ROWS8_TOKENS):
@@ -1306,9 +653,10 @@ def _q8_0_rows8(packed, raw, rb, aq, ds, out):
                 for t in range(t0, t1):
                     k = h + 8 * (t - t0)
                     isum = _q8_rows8_block(w, aq, t * n_in + b * QK)
-                    _vstore8(acc, k, _vfma_i(_vload8(acc, k), isum, _vmul8(w[8], _vsplat_at(ds, (t * nb + b) * 2))))
+                    scale = mul_f32x8(w[8], splat_at(ds, (t * nb + b) * 2))
+                    store_f32x8(acc, k, fma_i32x8(load_f32x8(acc, k), isum, scale))
             for t in range(t0, t1):
-                _vstore8(flat, t * n_out + 8 * g, _vload8(acc, h + 8 * (t - t0)))
+                store_f32x8(flat, t * n_out + 8 * g, load_f32x8(acc, h + 8 * (t - t0)))
     for r in range(8 * n_groups, n_out):  # the last 1..7 rows
         for t in range(n_tok):
             out[t, r] = _q8_0_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
@@ -1326,25 +674,15 @@ def _repack_q8_0(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     scales = blocks[..., 0:2].transpose(0, 2, 1, 3).reshape(g, nb, 16)
     return np.ascontiguousarray(np.concatenate((values, scales), axis=2)).reshape(-1)
 
-# Q4_1 and Q8_0 run their row-group kernels (_q4_1_rows8, _q8_0_rows8) for any number of tokens
-_GEMV = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemv_q4_0, GGMLType.Q8_0: None}
-_GEMM = {GGMLType.Q4_1: None, GGMLType.Q4_0: _gemm_q4_0, GGMLType.Q8_0: None}
-# the row-group kernels and repacking of the types that have them
+
+# Q4_1 and Q8_0 run their row-group kernels on a repacked copy for any number of tokens (Q4_0 its decode
+# and prefill kernels on the raw blocks): the kernels and the repacking
 _ROWS8 = {GGMLType.Q4_1: (_q4_1_rows8, _repack_q4_1), GGMLType.Q8_0: (_q8_0_rows8, _repack_q8_0)}
-_FLOAT_KIND = {GGMLType.F32: _KIND_F32, GGMLType.F16: _KIND_F16, GGMLType.BF16: _KIND_BF16}
 
 
 def supports(ggml_type: GGMLType) -> bool:
     """Whether :func:`matmul` has a kernel for weights of this type."""
-    return ggml_type in _BLOCK_BYTES or ggml_type in _FLOAT_KIND
-
-
-def _as_f32_2d(x: np.ndarray) -> np.ndarray:
-    if x.ndim != 2:
-        raise ValueError(f"activations must be 2D [n_tok, n_in], got shape {x.shape}")
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-    return x
+    return ggml_type in SUPPORTED_TYPES
 
 
 class _Prepared:
@@ -1352,37 +690,21 @@ class _Prepared:
     matmul ~200 times on the same tensors: building views and checking sizes each time would cost
     about as much as the small matmuls themselves)."""
 
-    __slots__ = ("tensor", "flat", "arg", "n_out", "n_in", "gemv", "gemm", "rows8", "rows8_kernel")
+    __slots__ = ("tensor", "flat", "rb", "float_kind", "n_out", "n_in", "rows8", "rows8_kernel")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
-        if not supports(t):
-            supported = ", ".join(s.name for s in (*_FLOAT_TYPES, *_INT_TYPES))
-            raise ModelError(f"{w.name}: no fast matmul for ggml type {t.name} (supported: {supported})")
-        if len(w.shape) != 2:
-            raise ModelError(f"{w.name}: a matmul weight must be 2D, got shape {w.shape}")
-        n_out, n_in = w.shape
-        if t in _BLOCK_BYTES:
-            if n_in % QK:
-                raise ModelError(f"{w.name}: rows of {n_in} values are not whole {t.name} blocks of {QK}")
+        self.float_kind = float_matmul.WIDENING.get(t)  # None for blocks
+        n_out, n_in = weight_shape(w, "fast", SUPPORTED_TYPES, 1 if self.float_kind is not None else QK)
+        if self.float_kind is None:
             rb = n_in // QK * _BLOCK_BYTES[t]
         else:
             rb = n_in * (4 if t == GGMLType.F32 else 2)
         data = w.data
-        if data.dtype != np.uint8 or data.size != n_out * rb:
-            raise ModelError(
-                f"{w.name}: {data.size} bytes of data for a {t.name} tensor of shape {w.shape}, expected {n_out * rb}"
-            )
-        # A flat read-only view: weights are mmapped read-only, so one compiled flavor serves everyone.
-        flat = np.ascontiguousarray(data).reshape(-1).view()
-        flat.flags.writeable = False
         self.tensor = w
-        self.flat = flat
-        # the kernels' second argument: bytes per row for blocks, the widening kind for float weights
-        self.arg = _FLOAT_KIND.get(t, rb)
+        self.flat = read_only(weight_bytes(w, rb))
+        self.rb = rb
         self.n_out, self.n_in = n_out, n_in
-        self.gemv = _GEMV.get(t, _gemv_float)
-        self.gemm = _GEMM.get(t, _gemm_float)
         # Q4_1 and Q8_0 run on a repacked copy (both decode and prefill); the raw pages are then given back
         self.rows8 = self.rows8_kernel = None
         if t in _ROWS8:
@@ -1416,17 +738,6 @@ def prepare(w: GGUFTensor) -> _Prepared:
     return _Prepared(w)
 
 
-def check_operands(x: np.ndarray, w: GGUFTensor, out: np.ndarray, n_in: int, n_out: int) -> int:
-    """The number of tokens, after checking ``x [n_tok, n_in]`` and ``out`` float32 ``[n_tok, n_out]``
-    against weight ``w`` (shared by every fast matmul module)."""
-    if x.ndim != 2 or x.shape[1] != n_in:
-        raise ModelError(f"{w.name}: activations of shape {x.shape} do not match a weight of shape {w.shape}")
-    n_tok = x.shape[0]
-    if out.shape != (n_tok, n_out) or out.dtype != np.float32:
-        raise ModelError(f"{w.name}: output must be float32 {(n_tok, n_out)}, got {out.dtype} {out.shape}")
-    return n_tok
-
-
 def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
     """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
 
@@ -1440,17 +751,17 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
     if n_tok == 0 or p.n_out == 0:
         return
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-    if p.gemv is _gemv_float:
-        (p.gemv if n_tok == 1 else p.gemm)(p.flat, p.arg, _as_f32_2d(x).reshape(-1), dst)
+    if p.float_kind is not None:
+        float_matmul.matmul(p.flat, p.float_kind, x, dst)
     else:
         if xq is None:
             xq = quantize_activations(x)
         elif xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
         if p.rows8 is not None:
-            p.rows8_kernel(p.rows8, p.flat, p.arg, xq._q, xq._ds, dst)
+            p.rows8_kernel(p.rows8, p.flat, p.rb, xq._q, xq._ds, dst)
         else:
-            (p.gemv if n_tok == 1 else p.gemm)(p.flat, p.arg, xq._q, xq._ds, dst)
+            (_gemv_q4_0 if n_tok == 1 else _gemm_q4_0)(p.flat, p.rb, xq._q, xq._ds, dst)
     if dst is not out:
         out[...] = dst
 
@@ -1463,11 +774,11 @@ def warmup() -> None:
         x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
         out = np.empty((n_tok, n_out), np.float32)
         xq = quantize_activations(x)
-        for t in _INT_TYPES:
+        for t in _BLOCK_BYTES:
             raw = np.zeros((n_out, n_in // QK * _BLOCK_BYTES[t]), np.uint8)
             matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out, xq)
-        for t in _FLOAT_KIND:
+        for t in float_matmul.WIDENING:
             raw = np.zeros((n_out, n_in), np.float32 if t == GGMLType.F32 else np.uint16).view(np.uint8)
             matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
-    big = rng.standard_normal((_PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32)
+    big = rng.standard_normal((PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32)
     quantize_activations(big)

@@ -1,0 +1,736 @@
+"""Fast numba attention (causal GQA, sliding windows) and the KV store that feeds it.
+
+The vector kernels' contract (what the reference computes, errors checked in the kernel) is described in
+:mod:`~minfer.backends.cpu.elementwise`. The KV store is row-wise: serial and ``nogil``, as the
+elementwise kernels. Attention is the one vector op that is ``parallel=True``: the work (up to tens of ms
+in a long prefill) dwarfs the ~1.3 µs a parallel call costs here.
+
+Numerics (what ``tests/test_vec_kernels.py`` holds)
+    * KV store: bit-identical (float16 cells rounded to nearest even, as numpy's astype rounds).
+    * attention: float32 dot products, scores ``* f32(scale)``, row max subtracted, float32 exp, float64
+      sum, weights ``e * f32(1/sum)``, float32 weighted sum of V rows in key order. Rows beyond a token's
+      window ``pos[t] + 1`` are never read (nor, in a sliding-window layer of width W, rows before
+      ``pos[t] - W + 1``): whatever sits there (NaN, garbage) cannot leak, and their weights are exactly
+      0 as in the reference.
+
+Determinism
+    Every output element is computed by one fixed sequence of float operations, never by a reduction
+    across threads. Attention splits the work into (kv head, query-head subset, token block) units that
+    follow the thread count, and a decode step over a long window into (kv head, key chunk) units; but a
+    (token, head) result is the same operations whatever unit it falls in: its scores are computed one by
+    one, its softmax by one thread over the whole row, and its weighted sum of V per key chunk of
+    ``ATTN_KEY_CHUNK`` rows, the chunk sums then added in order by one thread. So the output is
+    bit-identical at any thread count, and a decode step gives bit-identical output to the same token
+    inside a prefill.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import get_num_threads, njit, prange, types
+from numba.extending import intrinsic
+
+from minfer.backends.cpu.elementwise import exp32
+from minfer.backends.cpu.simd import (
+    F16C,
+    F32,
+    LL_F16,
+    LL_I16,
+    U,
+    add_row_f64x4,
+    hmax_f32x8,
+    hsum_tree,
+    is_f16_bits_rows,
+    is_f32_rows,
+    load_row_f32x8,
+    max_f32x8,
+    muladd_f32x8,
+    row_value_f32,
+    splat_f32x8,
+    store_hsums4_scaled,
+    store_row_f32x8,
+    zeros_f32x8,
+    zeros_f64x4,
+)
+from minfer.errors import ContextOverflowError
+
+# (module constants are compiled into the kernels: changing one at run time has no effect)
+# attention work unit: the query heads of one kv head (or a subset) over this many consecutive tokens
+ATTN_TOKEN_BLOCK = 16
+# attention key block: K/V rows used by every (token, head) pair of a unit while they sit in L1
+# (64 rows x 64 floats = 16 KiB of K, then of V)
+ATTN_KEY_BLOCK = 64
+# attention key chunk (a multiple of ATTN_KEY_BLOCK): the weighted sum of V rows is summed per chunk of
+# this many keys, then the chunk sums are added in order. A decode step hands different chunks to
+# different threads (one token has too few heads to keep two threads busy on whole heads); a prefill
+# sums the same chunks the same way, so both give the same bits.
+ATTN_KEY_CHUNK = 256
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV store
+
+
+@intrinsic
+def _as_cell(typingctx, region, x):
+    """float32 ``x`` as a cell of ``region``: itself in a float32 region, its float16 bit pattern (rounded
+    to nearest even, as numpy's astype rounds) in a uint16 one."""
+    if is_f16_bits_rows(region) and x == types.float32:
+        def codegen16(context, builder, sig, args):
+            return builder.bitcast(builder.fptrunc(args[1], LL_F16), LL_I16)
+
+        return types.uint16(region, x), codegen16
+    if is_f32_rows(region) and x == types.float32:
+        return types.float32(region, x), lambda context, builder, sig, args: args[1]
+    return None
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _kv_store_kernel(k, v, positions, k_region, v_region):
+    """Returns -1 when stored, -2 on a shape mismatch, else the first token whose position is outside the
+    context (nothing is written then)."""
+    nt = k.shape[0]
+    n_ctx = k_region.shape[0]
+    if (
+        v.shape[0] != nt
+        or positions.shape[0] != nt
+        or k.shape[1] != k_region.shape[1]
+        or v.shape[1] != v_region.shape[1]
+        or v_region.shape[0] != n_ctx
+    ):
+        return -2
+    for t in range(nt):
+        if positions[t] < 0 or positions[t] >= n_ctx:
+            return t
+    for t in range(nt):
+        p = positions[t]
+        for i in range(k.shape[1]):
+            k_region[p, i] = _as_cell(k_region, k[t, i])
+        for i in range(v.shape[1]):
+            v_region[p, i] = _as_cell(v_region, v[t, i])
+    return -1
+
+
+def _kv_store_numpy(k, v, positions, k_region, v_region) -> int:
+    """``_kv_store_kernel`` in numpy, for float16 regions on a CPU without F16C."""
+    n_ctx, nt = k_region.shape[0], k.shape[0]
+    if v.shape[0] != nt or positions.shape[0] != nt or k.shape[1:] != k_region.shape[1:] or \
+            v.shape[1:] != v_region.shape[1:] or v_region.shape[0] != n_ctx:
+        return -2
+    bad = np.flatnonzero((positions < 0) | (positions >= n_ctx))
+    if bad.size:
+        return int(bad[0])
+    k_region[positions] = k
+    v_region[positions] = v
+    return -1
+
+
+def kv_store(
+    k: np.ndarray,
+    v: np.ndarray,
+    positions: np.ndarray,
+    k_region: np.ndarray,
+    v_region: np.ndarray,
+    layer: int | None = None,
+) -> None:
+    """Write token t's K/V rows at row ``positions[t]`` of the layer's regions (positions are data).
+    float16 regions (an f16 cache) get the rows rounded to nearest even, as numpy's astype rounds them."""
+    k_cells, v_cells = _kv_cells(k_region, v_region, "kv_store")
+    if k_cells.dtype == np.uint16 and not F16C:  # LLVM would call a runtime helper that numba does not link
+        code = _kv_store_numpy(k, v, positions, k_region, v_region)
+    else:
+        code = _kv_store_kernel(k, v, positions, k_cells, v_cells)
+    if code == -1:
+        return
+    where = "" if layer is None else f"layer {layer}: "
+    if code == -2:
+        raise ValueError(
+            f"{where}kv_store: k {k.shape}, v {v.shape}, positions {positions.shape} do not fit the regions "
+            f"{k_region.shape} / {v_region.shape}"
+        )
+    raise ContextOverflowError(
+        f"{where}KV store position {int(positions[code])} (token {code}) is outside the context of "
+        f"{k_region.shape[0]} positions"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _dot(a, ar, a0, b, br, b0, n):
+    """float32 ``sum(a[ar, a0:a0+n] * b[br, b0:b0+n])``: lane l of an 8-wide vector sums the products at
+    i = l mod 8 in order, the lanes are combined in a fixed tree, a scalar tail adds i >= n - n mod 8."""
+    acc = zeros_f32x8()
+    i = 0
+    while i + 8 <= n:
+        acc = muladd_f32x8(acc, load_row_f32x8(a, ar, a0 + i), load_row_f32x8(b, br, b0 + i))
+        i += 8
+    s = hsum_tree(acc)
+    while i < n:
+        s += a[ar, a0 + i] * row_value_f32(b, br, b0 + i)
+        i += 1
+    return s
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_scores(q, t, qo, kr, ko, j0, j1, hdk, scale32, sc, row):
+    """``sc[row, j] = dot(q[t, qo:qo+hdk], kr[j, ko:ko+hdk]) * scale`` for j in j0..j1-1.
+
+    Four keys per pass share the q loads; a key's score is the same float operations (8 lanes over the
+    head dim, then the fixed tree) whether it is computed in a group of four or alone.
+    """
+    j = j0
+    if hdk % 8 == 0:
+        while j + 4 <= j1:
+            a0 = a1 = a2 = a3 = zeros_f32x8()
+            for c in range(0, hdk, 8):
+                qv = load_row_f32x8(q, t, qo + c)
+                a0 = muladd_f32x8(a0, qv, load_row_f32x8(kr, j, ko + c))
+                a1 = muladd_f32x8(a1, qv, load_row_f32x8(kr, j + 1, ko + c))
+                a2 = muladd_f32x8(a2, qv, load_row_f32x8(kr, j + 2, ko + c))
+                a3 = muladd_f32x8(a3, qv, load_row_f32x8(kr, j + 3, ko + c))
+            store_hsums4_scaled(sc, row, j, scale32, a0, a1, a2, a3)
+            j += 4
+    while j < j1:
+        sc[row, j] = _dot(q, t, qo, kr, j, ko, hdk) * scale32
+        j += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_softmax(sc, row, lo, n):
+    """Scores ``sc[row, lo:n]`` -> weights in place: the reference's row max, float32 exp, float64 sum,
+    ``e * f32(1/sum)``. The sum takes four lanes (lane l adds j = lo + l mod 4 in order), then
+    (l0 + l1) + (l2 + l3), then the tail in order."""
+    m = sc[row, lo]
+    j = lo + 1
+    if j + 8 <= n:
+        mv = load_row_f32x8(sc, row, j)
+        j += 8
+        while j + 8 <= n:
+            mv = max_f32x8(load_row_f32x8(sc, row, j), mv)
+            j += 8
+        hm = hmax_f32x8(mv)
+        m = hm if hm > m else m
+    while j < n:
+        m = sc[row, U(j)] if sc[row, U(j)] > m else m
+        j += 1
+    for j in range(lo, n):
+        sc[row, U(j)] = exp32(sc[row, U(j)] - m)
+    acc = zeros_f64x4()
+    j = lo
+    while j + 4 <= n:
+        acc = add_row_f64x4(sc, row, j, acc)
+        j += 4
+    tot = hsum_tree(acc)
+    while j < n:
+        tot += np.float64(sc[row, U(j)])
+        j += 1
+    inv = F32(1.0 / tot)
+    for j in range(lo, n):
+        sc[row, U(j)] = sc[row, U(j)] * inv
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_pv(sc, row, vr, vo, j0, j1, hdv, out, t, oo):
+    """``out[t, oo:oo+hdv] += sum_{j0 <= j < j1} w_j * vr[j, vo:vo+hdv]``, each output value adding its
+    products in key order (so splitting a chunk into key blocks changes nothing). 64 values per pass in
+    eight vector accumulators (enough independent chains to hide the add latency), then 8, then 1."""
+    d = 0
+    while d + 64 <= hdv:
+        c = oo + d
+        o0 = load_row_f32x8(out, t, c)
+        o1 = load_row_f32x8(out, t, c + 8)
+        o2 = load_row_f32x8(out, t, c + 16)
+        o3 = load_row_f32x8(out, t, c + 24)
+        o4 = load_row_f32x8(out, t, c + 32)
+        o5 = load_row_f32x8(out, t, c + 40)
+        o6 = load_row_f32x8(out, t, c + 48)
+        o7 = load_row_f32x8(out, t, c + 56)
+        cv = vo + d
+        for j in range(j0, j1):
+            w = splat_f32x8(sc[row, j])
+            o0 = muladd_f32x8(o0, w, load_row_f32x8(vr, j, cv))
+            o1 = muladd_f32x8(o1, w, load_row_f32x8(vr, j, cv + 8))
+            o2 = muladd_f32x8(o2, w, load_row_f32x8(vr, j, cv + 16))
+            o3 = muladd_f32x8(o3, w, load_row_f32x8(vr, j, cv + 24))
+            o4 = muladd_f32x8(o4, w, load_row_f32x8(vr, j, cv + 32))
+            o5 = muladd_f32x8(o5, w, load_row_f32x8(vr, j, cv + 40))
+            o6 = muladd_f32x8(o6, w, load_row_f32x8(vr, j, cv + 48))
+            o7 = muladd_f32x8(o7, w, load_row_f32x8(vr, j, cv + 56))
+        store_row_f32x8(out, t, c, o0)
+        store_row_f32x8(out, t, c + 8, o1)
+        store_row_f32x8(out, t, c + 16, o2)
+        store_row_f32x8(out, t, c + 24, o3)
+        store_row_f32x8(out, t, c + 32, o4)
+        store_row_f32x8(out, t, c + 40, o5)
+        store_row_f32x8(out, t, c + 48, o6)
+        store_row_f32x8(out, t, c + 56, o7)
+        d += 64
+    while d + 8 <= hdv:
+        o0 = load_row_f32x8(out, t, oo + d)
+        for j in range(j0, j1):
+            o0 = muladd_f32x8(o0, splat_f32x8(sc[row, j]), load_row_f32x8(vr, j, vo + d))
+        store_row_f32x8(out, t, oo + d, o0)
+        d += 8
+    while d < hdv:
+        acc = out[t, oo + d]
+        for j in range(j0, j1):
+            acc += sc[row, j] * row_value_f32(vr, j, vo + d)
+        out[t, oo + d] = acc
+        d += 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _window_start(p, window):
+    """First row a token at position p reads: 0, or p - window + 1 in a sliding-window layer."""
+    if window > 0 and p + 1 > window:
+        return p + 1 - window
+    return 0
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
+    """Query heads h0..h1-1 (all reading kv head g) for tokens t0..t1-1: what one worker owns.
+
+    Keys are taken in blocks of ``ATTN_KEY_BLOCK`` rows; each block of K (then of V) is used by every
+    (token, head) pair of the unit while it sits in L1, instead of being streamed from L2/L3 once per
+    query head and token. Every (token, head) result is the same float operations whatever the unit's
+    shape, so the split into units (which follows the thread count) never changes a bit.
+
+    ``window`` > 0 (sliding-window layers): token t reads only rows ``pos[t] - window + 1 .. pos[t]``;
+    rows before are never read, as rows after ``pos[t]`` are not. Key blocks and chunks stay aligned to
+    absolute rows, so a token's result is the same whichever other tokens share its unit.
+    """
+    nh = h1 - h0
+    ko = g * hdk
+    vo = g * hdv
+    kend = 0
+    kbeg = max_len
+    for t in range(t0, t1):
+        kend = max(kend, pos[t] + 1)  # the window is the mask: rows beyond pos[t] are never read
+        kbeg = min(kbeg, _window_start(pos[t], window))
+    kbeg -= kbeg % ATTN_KEY_BLOCK
+    sc = np.empty(((t1 - t0) * nh, max_len), F32)
+    for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
+        k1 = min(kend, k0 + ATTN_KEY_BLOCK)
+        for t in range(t0, t1):
+            j0 = max(k0, _window_start(pos[t], window))
+            j1 = min(k1, pos[t] + 1)
+            for h in range(h0, h1):
+                _attn_scores(q, t, h * hdk, kr, ko, j0, j1, hdk, scale32, sc, (t - t0) * nh + h - h0)
+    for t in range(t0, t1):
+        for h in range(h0, h1):
+            _attn_softmax(sc, (t - t0) * nh + h - h0, _window_start(pos[t], window), pos[t] + 1)
+            for d in range(h * hdv, (h + 1) * hdv):
+                out[t, d] = F32(0.0)
+    part = np.empty(((t1 - t0) * nh, hdv), F32)  # this chunk's sum of w_j v_j, per (token, head)
+    for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
+        k1 = min(kend, k0 + ATTN_KEY_BLOCK)
+        for t in range(t0, t1):
+            n = pos[t] + 1
+            lo = _window_start(pos[t], window)
+            if k0 >= n or k1 <= lo:
+                continue
+            j0 = max(k0, lo)
+            j1 = min(k1, n)
+            flush = (k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == n  # chunk or window ends here
+            for h in range(h0, h1):
+                row = (t - t0) * nh + h - h0
+                if k0 % ATTN_KEY_CHUNK == 0 or k0 <= lo:  # a chunk starts, or the token's first block
+                    for d in range(hdv):
+                        part[row, d] = F32(0.0)
+                _attn_pv(sc, row, vr, vo, j0, j1, hdv, part, row, 0)
+                if flush:
+                    for d in range(hdv):
+                        out[t, h * hdv + d] += part[row, d]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _head_subsets(group, n_head_kv, n_blocks, n_threads):
+    """(n_sub, per_sub): phase-0 units are (kv head, subset of its query heads, token block). A unit reads
+    its K/V blocks once for all its heads; only when there are fewer (kv head, token block) pairs than
+    threads are a group's heads split into ``n_sub`` subsets of ``per_sub``, so that every thread gets
+    work. (Splitting sooner measured slower for decode, which is bound by reading K/V: a split reads them
+    twice.)"""
+    n_sub = 1
+    if n_head_kv * n_blocks < n_threads:
+        n_sub = min(group, (n_threads + n_head_kv * n_blocks - 1) // (n_head_kv * n_blocks))
+    per_sub = (group + n_sub - 1) // n_sub
+    return (group + per_sub - 1) // per_sub, per_sub
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _unit_span(v, n_blocks, n_sub, per_sub, group):
+    """(kv head g, query heads h0..h1-1, token block b) of phase-0 unit ``v`` of one run of tokens."""
+    b = v % n_blocks
+    s = (v // n_blocks) % n_sub
+    g = v // (n_blocks * n_sub)
+    # zigzag the token blocks (0, n-1, 1, n-2, ...): with causal windows their cost grows with the
+    # token index, and any contiguous range of units (what a worker gets) then holds a balanced mix
+    b = b // 2 if b % 2 == 0 else n_blocks - 1 - b // 2
+    h0 = g * group + s * per_sub
+    return g, h0, min(g * group + group, h0 + per_sub), b
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_task(
+    phase, u, n_blocks, n_sub, per_sub, n_chunks, group, q, kr, vr, pos, hdk, hdv, scale32, max_len, window, sc,
+    part, out
+):
+    """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
+    Phases 1-3 split one token's keys (see ``attention``): 1 scores of (kv head, key chunk), 2 softmax of
+    one head, 3 the chunk sums of w_j v_j of (kv head, key chunk), each unit computing exactly what
+    ``_attn_unit`` computes for those keys."""
+    if phase == 0:
+        g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
+        t0 = b * ATTN_TOKEN_BLOCK
+        t1 = min(q.shape[0], t0 + ATTN_TOKEN_BLOCK)
+        _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
+    elif phase == 2:
+        _attn_softmax(sc, u, 0, max_len)
+    else:
+        g = u // n_chunks
+        c = u % n_chunks
+        c0 = c * ATTN_KEY_CHUNK
+        c1 = min(max_len, c0 + ATTN_KEY_CHUNK)
+        if phase == 3:
+            for h in range(g * group, (g + 1) * group):
+                for d in range(hdv):
+                    part[h * n_chunks + c, d] = F32(0.0)
+        for k0 in range(c0, c1, ATTN_KEY_BLOCK):  # key blocks shared by the group's heads while in L1
+            k1 = min(c1, k0 + ATTN_KEY_BLOCK)
+            for h in range(g * group, (g + 1) * group):
+                if phase == 1:
+                    _attn_scores(q, 0, h * hdk, kr, g * hdk, k0, k1, hdk, scale32, sc, h)
+                else:
+                    _attn_pv(sc, h, vr, g * hdv, k0, k1, hdv, part, h * n_chunks + c, 0)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out):
+    """-1 when the operands fit each other, else the kernels' error code (-2, -3 or -4)."""
+    nt = q.shape[0]
+    if (
+        n_head_kv < 1
+        or window < 0
+        or n_head % n_head_kv
+        or hdk < 1
+        or hdv < 1
+        or q.shape[1] != n_head * hdk
+        or out.shape[0] != nt
+        or out.shape[1] != n_head * hdv
+        or positions.shape[0] != nt
+        or k_region.shape[1] != n_head_kv * hdk
+        or v_region.shape[1] != n_head_kv * hdv
+        or v_region.shape[0] != k_region.shape[0]
+    ):
+        return -2
+    if q.strides[1] != 4 or out.strides[1] != 4 or k_region.strides[1] != k_region.itemsize or \
+            v_region.strides[1] != v_region.itemsize:
+        return -3  # the vector loads/stores move 8 consecutive values of a row
+    if out.ctypes.data == q.ctypes.data:
+        return -4  # out rows are accumulated in place while other workers still read q
+    return -1
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _attn_kernel(
+    q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, window, out
+):
+    """Returns -1 when done, -2 on a geometry mismatch, -3 when rows are not contiguous, -4 when out is q,
+    else the first token whose position is outside the regions (nothing is written then).
+
+    ``phase`` 0 computes everything; 1, 2, 3 are the steps of a decode split by keys, which the caller
+    runs in order with the scratch ``sc [n_head, window]`` and ``part [n_head * n_chunks, head_dim_v]``
+    (phase 0 ignores them; they read every row 0..pos, so a caller splits only a token whose sliding
+    ``window`` covers them all)."""
+    nt = q.shape[0]
+    n_ctx = k_region.shape[0]
+    code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
+    if code != -1:
+        return code
+    max_len = 0
+    for t in range(nt):
+        p = positions[t]
+        if p < 0 or p >= n_ctx:
+            return t
+        max_len = max(max_len, p + 1)
+    group = n_head // n_head_kv
+    n_blocks = (nt + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+    n_chunks = (max_len + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
+    scale32 = F32(scale)
+    # the thread count comes from the caller: numba's get_num_threads inside a kernel would keep it out of
+    # the on-disk cache
+    n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks, n_threads)
+    if phase == 0:
+        n_units = n_head_kv * n_sub * n_blocks
+    elif phase == 2:
+        n_units = n_head
+    else:
+        if nt != 1 or sc.shape[0] != n_head or sc.shape[1] < max_len or part.shape[0] != n_head * n_chunks:
+            return -2
+        if part.shape[1] != hdv:
+            return -2
+        n_units = n_head_kv * n_chunks
+    for u in prange(n_units):
+        _attn_task(
+            phase,
+            u,
+            n_blocks,
+            n_sub,
+            per_sub,
+            n_chunks,
+            group,
+            q,
+            k_region,
+            v_region,
+            positions,
+            hdk,
+            hdv,
+            scale32,
+            max_len,
+            window,
+            sc,
+            part,
+            out,
+        )
+    if phase == 3:  # each head adds its chunk sums in chunk order, as _attn_unit does
+        for h in range(n_head):
+            for d in range(hdv):
+                acc = F32(0.0)
+                for c in range(n_chunks):
+                    acc += part[h * n_chunks + c, d]
+                out[0, h * hdv + d] = acc
+    return -1
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _attn_rows_kernel(
+    q, k_region, v_region, positions, rows, n_head, n_head_kv, hdk, hdv, scale, n_threads, window, out
+):
+    """Attention for tokens of several sequences sharing regions, in one parallel loop: token t reads the
+    rows ``rows[t] - positions[t]`` (its sequence's position 0) up to ``rows[t]``.
+
+    Tokens are taken in runs that share their first row (a sequence's tokens, consecutive in the batch);
+    each run is split into the same (kv head, head subset, token block) units as ``_attn_kernel``'s
+    phase 0, on a view of the regions starting at the run's first row, so every (token, head) result is
+    bit-identical to attending that sequence alone. Returns as ``_attn_kernel`` does (-1 when done), the
+    first bad token when a row is outside the regions or before its position."""
+    nt = q.shape[0]
+    n_ctx = k_region.shape[0]
+    code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
+    if code != -1:
+        return code
+    if rows.shape[0] != nt:
+        return -2
+    run_start = np.empty(nt + 1, np.int64)  # runs of tokens with one first row: run_start[i]..run_start[i+1]
+    n_runs = 0
+    max_len = 0
+    for t in range(nt):
+        p = positions[t]
+        r = rows[t]
+        if p < 0 or r < p or r >= n_ctx:
+            return t
+        max_len = max(max_len, p + 1)
+        if t == 0 or r - p != rows[t - 1] - positions[t - 1]:
+            run_start[n_runs] = t
+            n_runs += 1
+    run_start[n_runs] = nt
+    group = n_head // n_head_kv
+    n_blocks_all = 0
+    for i in range(n_runs):
+        n_blocks_all += (run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+    n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks_all, n_threads)
+    unit_end = np.empty(n_runs, np.int64)  # units of runs 0..i end before unit_end[i]
+    n_units = 0
+    for i in range(n_runs):
+        n_units += n_head_kv * n_sub * ((run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK)
+        unit_end[i] = n_units
+    scale32 = F32(scale)
+    for u in prange(n_units):
+        i = 0
+        while unit_end[i] <= u:
+            i += 1
+        t_first = run_start[i]
+        n_blocks = (run_start[i + 1] - t_first + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+        g, h0, h1, b = _unit_span(u - (unit_end[i] - n_head_kv * n_sub * n_blocks), n_blocks, n_sub, per_sub, group)
+        t0 = t_first + b * ATTN_TOKEN_BLOCK
+        t1 = min(run_start[i + 1], t0 + ATTN_TOKEN_BLOCK)
+        base = rows[t_first] - positions[t_first]
+        _attn_unit(
+            q, k_region[base:], v_region[base:], positions, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out
+        )
+    return -1
+
+
+_NO_SCRATCH = np.zeros((1, 1), F32)
+
+
+def _attention_split_by_keys(
+    q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+) -> int:
+    """One token's attention as three kernel calls split by keys; -5 when its window fits one key chunk
+    (or its position is not valid: the single-step path then reports it), else the kernel's code."""
+    n = int(positions[0]) + 1
+    n_chunks = (n + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
+    if n_chunks < 2 or n > k_region.shape[0]:
+        return -5
+    sc = np.empty((n_head, n), F32)
+    part = np.empty((n_head * n_chunks, head_dim_v), F32)
+    code = -1
+    for phase in (1, 2, 3):
+        code = _attn_kernel(
+            q,
+            k_region,
+            v_region,
+            positions,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            scale,
+            n_threads,
+            phase,
+            sc,
+            part,
+            0,
+            out,
+        )
+        if code != -1:
+            break
+    return code
+
+
+def attention(
+    q: np.ndarray,
+    k_region: np.ndarray,
+    v_region: np.ndarray,
+    positions: np.ndarray,
+    n_head: int,
+    n_head_kv: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    scale: float,
+    out: np.ndarray,
+    window: int = 0,
+) -> None:
+    """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group.
+    With ``window`` > 0 (a sliding-window layer) only the rows ``pos[t] - window + 1 .. pos[t]``.
+
+    ``out`` ``[tokens, n_head * head_dim_v]`` must not overlap ``q``. Runs on numba's threads (``numba.
+    set_num_threads``); the result does not depend on their number.
+
+    A decode step (one token) whose window spans several key chunks runs as three parallel steps split
+    by keys (scores, softmax, chunk sums): one token has too few heads to keep the threads busy on whole
+    heads. Its result is bit-identical to the single-step path's.
+    """
+    k_region, v_region = _kv_cells(k_region, v_region)
+    n_threads = get_num_threads()
+    code = -5
+    if q.shape[0] == 1 and n_threads > 1 and (window == 0 or int(positions[0]) < window):
+        code = _attention_split_by_keys(
+            q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+        )
+    if code == -5:
+        code = _attn_kernel(
+            q,
+            k_region,
+            v_region,
+            positions,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            scale,
+            n_threads,
+            0,
+            _NO_SCRATCH,
+            _NO_SCRATCH,
+            window,
+            out,
+        )
+    if code != -1:
+        _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
+
+
+def attention_rows(
+    q: np.ndarray,
+    k_region: np.ndarray,
+    v_region: np.ndarray,
+    positions: np.ndarray,
+    rows: np.ndarray,
+    n_head: int,
+    n_head_kv: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    scale: float,
+    out: np.ndarray,
+    window: int = 0,
+) -> None:
+    """:func:`attention` for a batch mixing sequences of one cache: token t sits at region row
+    ``rows[t]`` and position ``positions[t]`` of a sequence whose position 0 is row
+    ``rows[t] - positions[t]``, and reads that sequence's rows only. One parallel call serves every
+    sequence; each token's result is bit-identical to :func:`attention` on its sequence's rows alone."""
+    if rows.shape != positions.shape:
+        raise ValueError(f"attention: {rows.shape[0]} rows for {positions.shape[0]} positions")
+    k_region, v_region = _kv_cells(k_region, v_region)
+    code = _attn_rows_kernel(
+        q, k_region, v_region, positions, rows, n_head, n_head_kv, head_dim_k, head_dim_v, scale, get_num_threads(),
+        window, out,
+    )
+    if code == -1:
+        return
+    if code >= 0 and 0 <= int(rows[code]) < k_region.shape[0]:
+        raise ValueError(f"attention: token {code} at row {int(rows[code])} has position {int(positions[code])} "
+                         "before its sequence's first row")
+    _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
+
+
+def _kv_cells(k_region: np.ndarray, v_region: np.ndarray, what: str = "attention") -> tuple[np.ndarray, np.ndarray]:
+    """The K/V regions as the kernels take them: float32, or float16 as uint16 bit patterns (converted in
+    the kernels, so an f16 cache needs no float32 copy of its window); ``what`` names the caller in the
+    error."""
+    if k_region.dtype != v_region.dtype or k_region.dtype not in (np.float32, np.float16):
+        raise ValueError(f"{what}: the K/V regions must both be float32 or both float16, got {k_region.dtype} "
+                         f"and {v_region.dtype}")
+    if k_region.dtype == np.float16:
+        return k_region.view(np.uint16), v_region.view(np.uint16)
+    return k_region, v_region
+
+
+def _raise_attention_error(
+    code: int, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out
+) -> None:
+    if code == -3:
+        raise ValueError("attention: q, the K/V regions and out must have contiguous rows")
+    if code == -4:
+        raise ValueError("attention: out must not be q (it is written while q is read)")
+    if code == -2:
+        raise ValueError(
+            f"attention: q {q.shape}, regions {k_region.shape} / {v_region.shape}, positions {positions.shape}, "
+            f"out {out.shape} do not fit n_head {n_head}, n_head_kv {n_head_kv}, head dims {head_dim_k}/{head_dim_v}"
+        )
+    raise ContextOverflowError(
+        f"attention: position {int(positions[code])} (token {code}) is outside the KV regions of "
+        f"{k_region.shape[0]} positions"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# warmup
+
+
+def warmup() -> None:
+    """Compile (or load from the on-disk cache) every signature the engine uses: float32 C-contiguous 2-D
+    activations and regions, 1-D int32 positions and rows, Python int/float scalars. Anything else (int64
+    positions, non-contiguous views) still works but compiles its own specialization on first use."""
+    x = np.ones((2, 16), F32)
+    pos = np.zeros(2, np.int32)
+    regions = np.zeros((4, 16), F32), np.zeros((4, 16), F32)
+    kv_store(x, x, pos, *regions)
+    attention(x, *regions, pos, 2, 2, 8, 8, 0.5, np.empty_like(x))
+    attention(x, *regions, pos, 2, 2, 8, 8, 0.5, np.empty_like(x), window=1)
+    for window in (0, 1):
+        attention_rows(x, *regions, pos, np.array([0, 2], np.int32), 2, 2, 8, 8, 0.5, np.empty_like(x), window)
