@@ -13,7 +13,7 @@ from minfer.graph import printing
 from minfer.graph.allocator import IN_PLACE, UNPOOLED, allocate
 from minfer.graph.fusion import fuse
 from minfer.graph.ir import Op
-from minfer.graph.scheduler import Plan
+from minfer.graph.plan import Plan
 from minfer.models.model import TransformerModel
 from minfer.runtime.kv_cache import KVCache
 

@@ -1,4 +1,4 @@
-"""The compiled default chain (backends/cpu/sample_chain) against the sampler's steps in numpy: the same
+"""The compiled default chain (runtime/sampling/chain_kernel) against the sampler's steps in numpy: the same
 tokens, the same random stream, the same probabilities; many rows in one call equal each row alone."""
 
 import math
@@ -6,9 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from minfer.backends.cpu import sample_chain
 from minfer.errors import BadRequestError, ModelError
-from minfer.runtime.sampling import Sampler, SamplingParams, sample_rows
+from minfer.runtime.sampling import Sampler, SamplingParams, chain_kernel, sample_rows
 from minfer.runtime.sampling.candidates import Candidates as _Candidates
 
 N_VOCAB = 49152
@@ -57,7 +56,7 @@ def test_cumulative_probabilities_are_the_steps_bits(params):
     logits = (rng.standard_normal((20, N_VOCAB)) * 4).astype(np.float32)
     s = sampler(**params)
     c = s._chain
-    codes, counts, ids, cum = sample_chain.truncate_rows(logits, np.arange(20), *c.arguments([c] * 20))
+    codes, counts, ids, cum = chain_kernel.truncate_rows(logits, np.arange(20), *c.arguments([c] * 20))
     assert not codes.any()
     for row, n, row_ids, row_cum in zip(logits, counts, ids, cum, strict=True):
         cand = _Candidates(row)
@@ -119,4 +118,4 @@ def test_pairwise_sum_is_numpys():
     rng = np.random.default_rng(0)
     for n in [*range(1, 140), 255, 256, 257, 384]:
         a = np.exp(rng.standard_normal(n) * 5)
-        assert sample_chain._pairwise_sum(a, n) == a.sum(), n
+        assert chain_kernel._pairwise_sum(a, n) == a.sum(), n

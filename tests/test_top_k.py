@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from minfer.backends.cpu.top_k import (
+from minfer.runtime.sampling.candidates import Candidates as _Candidates
+from minfer.runtime.sampling.top_k_kernel import (
     BLOCK,
     prunes_well,
     top_k_biased,
@@ -11,7 +12,6 @@ from minfer.backends.cpu.top_k import (
     top_k_positions,
     top_k_positions_reference,
 )
-from minfer.runtime.sampling.candidates import Candidates as _Candidates
 
 SIZES = [BLOCK * 40, BLOCK * 40 + 1, 49152, 49152 + 37, 151936]
 

@@ -1,4 +1,5 @@
-"""The compute graph's intermediate representation: ops, nodes and their metas.
+"""The compute graph's intermediate representation: ops, nodes and their metas, and the interface a
+backend offers the plan executor (:class:`Backend`).
 
 A graph is a list of nodes in build order. Every activation is a 2-D float32 array ``[tokens, width]``
 (heads packed along the width, as the projections produce them); inputs (token ids, positions, output
@@ -8,9 +9,13 @@ which is what guarantees that a layer's KV store runs before the attention that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 
 class Op(StrEnum):
@@ -122,3 +127,20 @@ class Graph:
             for i in n.inputs:
                 out[i.id].append(n)
         return out
+
+
+# storage for a plan's buffers: (part name, elements, dtype) -> a 1-D array of that many elements
+Take = Callable[[str, int, Any], np.ndarray]
+
+
+class Backend(Protocol):
+    def prepare_weight(self, tensor: Any) -> Any: ...
+
+    def kernel(self, node: Node) -> Callable[..., None]: ...
+
+    def running(self) -> AbstractContextManager[Any]: ...
+
+    def buffer(self, node: Node, take: Take) -> Any: ...
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
+        """RoPE outside a plan (a context shift re-rotates cached K rows)."""

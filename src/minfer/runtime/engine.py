@@ -36,6 +36,7 @@ from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.models.model import TransformerModel
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
 from minfer.runtime.sampling import Sampler, sample_rows
+from minfer.runtime.sampling import warm_up as warm_up_sampling
 from minfer.runtime.sequence import Continuation, GenerationStats, TokenStep
 from minfer.runtime.slots import Slots, slots_kv_cache
 
@@ -465,6 +466,7 @@ def build_engine(
 ) -> Engine:
     """The KV cache, the forward runner and the engine over them: the one construction that
     ``minfer.load`` and ``minfer serve`` share."""
+    warm_up_sampling()
     kv = slots_kv_cache(model.hparams, n_ctx, config.n_slots, cache_type, scratch=config.batch_size is not None)
     runner = ForwardRunner(model, backend, kv, observers, max_plans=config.max_plans)
     return Engine(runner, tokenizer, config.batch_size, config.end_of_context)

@@ -2,7 +2,7 @@
 
 One graph per (tokens, outputs) shape: build -> fusion -> allocation -> plan. Plans are kept for the
 shapes seen recently (decode reuses the one-token plan every step); their activation buffers come from
-one :class:`~minfer.graph.scheduler.BufferArena` (the plans run one at a time).
+one :class:`~minfer.graph.plan.BufferArena` (the plans run one at a time).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 
 from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
-from minfer.graph.scheduler import Backend, BufferArena, Plan
+from minfer.graph.ir import Backend
+from minfer.graph.plan import BufferArena, Plan
 from minfer.models.model import TransformerModel
 from minfer.models.rope_scaling import layer_rope_meta
 from minfer.runtime.kv_cache import KVCache

@@ -19,7 +19,7 @@ import numpy as np
 
 from minfer.errors import FormatError
 from minfer.graph.ir import Op
-from minfer.graph.scheduler import Step
+from minfer.graph.plan import Step
 
 
 class Dumper:

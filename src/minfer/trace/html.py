@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from minfer.graph.ir import Op
-from minfer.graph.scheduler import Step
+from minfer.graph.plan import Step
 from minfer.trace.tracer import array_stats
 
 

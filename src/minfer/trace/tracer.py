@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from minfer.graph.ir import Op
-from minfer.graph.scheduler import Step
+from minfer.graph.plan import Step
 
 
 @njit(cache=True)

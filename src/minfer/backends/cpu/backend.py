@@ -28,8 +28,7 @@ from minfer.backends.cpu import reference as ref
 from minfer.errors import BadRequestError
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
-from minfer.graph.ir import Node, Op, RopeMeta, RopeStyle
-from minfer.graph.scheduler import Take
+from minfer.graph.ir import Node, Op, RopeMeta, RopeStyle, Take
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
 # weight types whose fast matmul quantizes its activations to Q8 blocks (float weights do not)
@@ -143,15 +142,12 @@ class CPUBackend:
                 norms,
                 quant_matmul,
                 rope,
-                sample_chain,
-                top_k,
             )
 
             self._norms, self._ew, self._rope, self._attn = norms, elementwise, rope, attention
             self._qm = quant_matmul
             self._kq = kquant_matmul  # compiled on first use (Q5_0/Q5_1 and the K-quants)
-            # top_k and sample_chain are the sampler's (they run on the logits whatever the kernel set)
-            for module in (norms, elementwise, rope, attention, quant_matmul, top_k, sample_chain):
+            for module in (norms, elementwise, rope, attention, quant_matmul):
                 module.warmup()
         elif threads > 1:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer")

@@ -15,6 +15,9 @@ The modules, one job each:
 - :mod:`.compiled` and :mod:`.batched`: the default chain's compiled form and :func:`sample_rows`, a
   batch's rows in one parallel call.
 - :mod:`.logprobs`: the model's log-probabilities (:class:`TokenLogprob`).
+- :mod:`.top_k_kernel` and :mod:`.chain_kernel`: the numba kernels of the sampler (top-k over a whole
+  vocabulary, the default chain over many rows), compiled whatever kernel set the backend runs;
+  :func:`warm_up` loads them before the first request.
 
 Adding a step: its class (declaring its ``kind``, with ``from_params``), its row in the registry, and its
 ``SamplingParams`` field with metadata; ``minfer run/chat/serve`` flags, the server's request field and
@@ -23,6 +26,7 @@ Adding a step: its class (declaring its ``kind``, with ``from_params``), its row
 Not carried over from llama.cpp: dynamic temperature, the infill and adaptive-p samplers.
 """
 
+from minfer.runtime.sampling import chain_kernel, top_k_kernel
 from minfer.runtime.sampling.batched import sample_rows
 from minfer.runtime.sampling.chain import Sampler
 from minfer.runtime.sampling.logprobs import TokenLogprob, token_logprobs
@@ -38,4 +42,11 @@ __all__ = [
     "TokenLogprob",
     "sample_rows",
     "token_logprobs",
+    "warm_up",
 ]
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the sampler's kernels."""
+    top_k_kernel.warmup()
+    chain_kernel.warmup()

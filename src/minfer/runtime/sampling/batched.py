@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minfer.backends.cpu import sample_chain
+from minfer.runtime.sampling import chain_kernel
 from minfer.runtime.sampling.compiled import CompiledChain
 from minfer.runtime.sampling.pickers import search
 
@@ -37,7 +37,7 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> list[int | N
     if not rows:
         return out
     args = chains[0].alone if len(chains) == 1 else CompiledChain.arguments(chains)
-    codes, counts, ids, cum = sample_chain.truncate_rows(logits, np.array(rows, np.int64), *args)
+    codes, counts, ids, cum = chain_kernel.truncate_rows(logits, np.array(rows, np.int64), *args)
     for j, i in enumerate(rows):
         if codes[j]:
             continue

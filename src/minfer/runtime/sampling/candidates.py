@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from minfer.backends.cpu.top_k import prunes_well, top_k_positions
 from minfer.errors import BadRequestError, ModelError
+from minfer.runtime.sampling.top_k_kernel import prunes_well, top_k_positions
 
 NOTHING_DRAWABLE = "no token can be sampled: every candidate is at -inf (banned by logit_bias or masked)"
 

@@ -1,4 +1,4 @@
-"""The chains the compiled kernel runs (:mod:`minfer.backends.cpu.sample_chain`): llama.cpp's default
+"""The chains the compiled kernel runs (:mod:`minfer.runtime.sampling.chain_kernel`): llama.cpp's default
 shape ``[logit_bias ->] top_k -> [top_p ->] [min_p ->] temperature -> dist`` (temperature > 0).
 
 Which chains those are is read from the steps: each step the kernel can run declares its ``Stage`` and
@@ -15,14 +15,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from minfer.backends.cpu import sample_chain
+from minfer.runtime.sampling import chain_kernel
 from minfer.runtime.sampling.step import Stage, Step
 
 REQUIRED_STAGES = frozenset((Stage.TOP_K, Stage.TEMPERATURE, Stage.DRAW))
 
 
 class CompiledChain:
-    """One sequence's settings of ``sample_chain.truncate_rows``: the same candidates and probabilities as
+    """One sequence's settings of ``chain_kernel.truncate_rows``: the same candidates and probabilities as
     its steps, for many sequences in one call."""
 
     __slots__ = ("k", "bias_tokens", "bias_values", "top_p", "min_p", "log_min_p", "min_keep", "temperature",
@@ -73,7 +73,7 @@ class CompiledChain:
         if self.checked_vocab != n_vocab:
             if len(self.bias_tokens) and int(self.bias_tokens.max()) >= n_vocab:
                 return False  # the steps say so (a bias outside the vocabulary)
-            if not sample_chain.compiles(n_vocab, self.k, len(self.bias_tokens)):
+            if not chain_kernel.compiles(n_vocab, self.k, len(self.bias_tokens)):
                 return False
             self.checked_vocab = n_vocab
         return True

@@ -12,7 +12,7 @@
   equal maxima), no random number drawn.
 
 The truncations keep at least ``min_keep`` tokens where llama.cpp does. ``top_k`` over the whole
-vocabulary is one compiled pass (:mod:`minfer.backends.cpu.top_k`), a cut of fewer candidates a
+vocabulary is one compiled pass (:mod:`minfer.runtime.sampling.top_k_kernel`), a cut of fewer candidates a
 partition; ``top_p`` without ``top_k`` probes the mass of the best 256, 2048, ... tokens before sorting
 any.
 """

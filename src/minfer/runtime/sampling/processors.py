@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from minfer.backends.cpu.top_k import prunes_well, top_k_biased
 from minfer.errors import BadRequestError
 from minfer.runtime.sampling.candidates import NOTHING_DRAWABLE, Candidates, check_drawable
 from minfer.runtime.sampling.step import Kind, Stage, State, Step, TokenText, check_in_vocab
+from minfer.runtime.sampling.top_k_kernel import prunes_well, top_k_biased
 
 if TYPE_CHECKING:
     from minfer.runtime.sampling.compiled import CompiledChain

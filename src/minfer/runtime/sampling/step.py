@@ -4,7 +4,7 @@ A step transforms the candidate set (:class:`~.candidates.Candidates`) in place,
 step class declares its :class:`Kind`, what it may do to the ranking of the tokens; the greedy shortcut
 (``Sampler``) reads the kinds to decide whether an argmax gives the chain's pick, so a new step must say
 what it does: a class without a ``name`` and a ``kind`` cannot be defined. A step the compiled chain
-(:mod:`minfer.backends.cpu.sample_chain`) can run also declares its :class:`Stage` there.
+(:mod:`minfer.runtime.sampling.chain_kernel`) can run also declares its :class:`Stage` there.
 """
 
 from __future__ import annotations

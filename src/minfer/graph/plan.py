@@ -1,4 +1,4 @@
-"""Build-order scheduler: a prepared plan of kernel calls over pre-bound buffers.
+"""The plan executor: a prepared plan of kernel calls over pre-bound buffers, run in build order.
 
 Preparing a plan resolves, once per graph shape, every node's output view and input operands (pool
 slots, input arrays, weights as the backend wants them, the KV regions), so executing it is a plain loop
@@ -10,30 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from minfer.graph.allocator import Allocation, allocate
-from minfer.graph.ir import Graph, Node, Op, RopeMeta
-
-# storage for a plan's buffers: (part name, elements, dtype) -> a 1-D array of that many elements
-Take = Callable[[str, int, Any], np.ndarray]
-
-
-class Backend(Protocol):
-    def prepare_weight(self, tensor: Any) -> Any: ...
-
-    def kernel(self, node: Node) -> Callable[..., None]: ...
-
-    def running(self) -> AbstractContextManager[Any]: ...
-
-    def buffer(self, node: Node, take: Take) -> Any: ...
-
-    def rope(self, x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
-        """RoPE outside a plan (a context shift re-rotates cached K rows)."""
+from minfer.graph.ir import Backend, Graph, Node, Op
 
 
 class BufferArena:

@@ -57,7 +57,7 @@ def _kept(v, threshold):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _top_k_kernel(x, k, out):
+def top_k_kernel(x, k, out):
     n = x.shape[0]
     n_blocks = (n + BLOCK - 1) // BLOCK
     block_max = _block_maxima(x, n_blocks)
@@ -110,12 +110,12 @@ def top_k_positions(x: np.ndarray, k: int) -> np.ndarray:
     if k * BLOCK > n:  # too few blocks for the bound to prune anything
         return top_k_positions_reference(x, k)
     out = np.empty(k, np.int64)
-    _top_k_kernel(np.ascontiguousarray(x), k, out)
+    top_k_kernel(np.ascontiguousarray(x), k, out)
     return out
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _biased_kernel(x, top, tokens, values, k, out_pos, out_val):
+def biased_kernel(x, top, tokens, values, k, out_pos, out_val):
     """Rank ``top`` (positions of x) and ``tokens`` by their values after the bias, keep the best k."""
     nb = tokens.shape[0]
     m = top.shape[0]
@@ -161,7 +161,7 @@ def top_k_biased(x: np.ndarray, k: int, tokens: np.ndarray, values: np.ndarray) 
     top = top_k_positions(x, k + len(tokens))
     out_pos = np.empty(k, np.int64)
     out_val = np.empty(k, np.float32)
-    _biased_kernel(x, top, tokens, values, k, out_pos, out_val)
+    biased_kernel(x, top, tokens, values, k, out_pos, out_val)
     return out_pos, out_val
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from minfer.backends.cpu.top_k import BLOCK, _biased_kernel, _top_k_kernel, prunes_well
+from minfer.runtime.sampling.top_k_kernel import BLOCK, biased_kernel, prunes_well, top_k_kernel
 
 # codes truncate_rows reports per row (0 = sampled)
 LOGITS_BROKEN = 1  # a NaN or +inf logit
@@ -106,9 +106,9 @@ def _truncate_row(x, k, tokens, values, top_p, use_min_p, log_min_p, min_keep, t
     if code:
         return code, 0
     top = np.empty(k + tokens.shape[0], np.int64)
-    _top_k_kernel(x, k + tokens.shape[0], top)
+    top_k_kernel(x, k + tokens.shape[0], top)
     vals32 = np.empty(k, np.float32)
-    _biased_kernel(x, top, tokens, values, k, ids, vals32)
+    biased_kernel(x, top, tokens, values, k, ids, vals32)
     if vals32[0] == -np.inf:
         return NOTHING_DRAWABLE, 0
     v = vals32.astype(np.float64)
