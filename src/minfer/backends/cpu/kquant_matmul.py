@@ -49,7 +49,7 @@ Loop shapes
     Tokens past the last whole tile run the decode step (same operations, same results). One kernel
     serves a whole family, decode and prefill alike (``kind`` picks the decoder; the branch is per block,
     never per value), which keeps the JIT time low (~15 s cold for everything, ~1 s from numba's cache).
-    There is no AVX-512/VNNI formulation: this host's LLVM sees a Zen 3 without AVX-512.
+    There is no AVX-512/VNNI formulation yet: the integer dot products are AVX2's (written on a Zen 3).
 """
 
 from __future__ import annotations
