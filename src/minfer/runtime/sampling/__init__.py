@@ -3,25 +3,26 @@
 The modules, one job each:
 
 - :mod:`.params`: :class:`SamplingParams`, every setting in one dataclass whose field metadata (help,
-  check, CLI flags, server field) the CLI and the server are generated from.
+  check, CLI flags, server field) the CLI and the server are generated from; one row per step
+  ``samplers`` orders (the parameters that switch it on, llama.cpp's aliases), in llama.cpp's default
+  order.
 - :mod:`.step`: what a step is: its declared :class:`~.step.Kind` (what it may do to the ranking) and
   its place in the compiled chain; the state the steps share.
 - the steps: :mod:`.processors` (logit_bias, penalties, DRY), :mod:`.filters` (top_k, top_n_sigma,
   typical-p, top_p, min_p, XTC, temperature), :mod:`.pickers` (the draw, mirostat).
-- :mod:`.registry`: one row per step ``samplers`` orders (its class, the parameters that switch it on,
-  llama.cpp's aliases), in llama.cpp's default order.
+- :mod:`.registry`: the class of each step ``samplers`` orders.
 - :mod:`.chain`: :class:`Sampler`, one sequence's chain (reset / accept / sample / sample_with_logprobs)
   and its greedy shortcut; :mod:`.candidates`: the candidate set the steps work on.
-- :mod:`.compiled` and :mod:`.batched`: the default chain's compiled form and :func:`sample_rows`, a
-  batch's rows in one parallel call.
+- :mod:`.compiled` and :mod:`.batched`: the default chain's compiled form (the stages its kernel runs)
+  and :func:`sample_rows`, a batch's rows in one parallel call.
 - :mod:`.logprobs`: the model's log-probabilities (:class:`TokenLogprob`).
 - :mod:`.top_k_kernel` and :mod:`.chain_kernel`: the numba kernels of the sampler (top-k over a whole
   vocabulary, the default chain over many rows), compiled whatever kernel set the backend runs;
   :func:`warm_up` loads them before the first request.
 
-Adding a step: its class (declaring its ``kind``, with ``from_params``), its row in the registry, and its
-``SamplingParams`` field with metadata; ``minfer run/chat/serve`` flags, the server's request field and
-``model.generate(...)`` keywords follow from those.
+Adding a step: its class (declaring its ``kind``, with ``from_params``) in the registry, its row in
+:data:`.params.STEPS`, and its ``SamplingParams`` field with metadata; ``minfer run/chat/serve`` flags, the
+server's request field and ``model.generate(...)`` keywords follow from those.
 
 Not carried over from llama.cpp: dynamic temperature, the infill and adaptive-p samplers.
 """
@@ -30,8 +31,7 @@ from minfer.runtime.sampling import chain_kernel, top_k_kernel
 from minfer.runtime.sampling.batched import sample_rows
 from minfer.runtime.sampling.chain import Sampler
 from minfer.runtime.sampling.logprobs import TokenLogprob, token_logprobs
-from minfer.runtime.sampling.params import DEFAULT_DRY_SEQUENCE_BREAKERS, PARAMS, SamplingParams
-from minfer.runtime.sampling.registry import DEFAULT_SAMPLERS
+from minfer.runtime.sampling.params import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS, PARAMS, SamplingParams
 
 __all__ = [
     "DEFAULT_DRY_SEQUENCE_BREAKERS",

@@ -7,7 +7,7 @@ sampling and the tokens' bookkeeping went from 6.5% of the time to 2.9%.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -15,11 +15,18 @@ from minfer.runtime.sampling import chain_kernel
 from minfer.runtime.sampling.compiled import CompiledChain
 from minfer.runtime.sampling.pickers import search
 
-if TYPE_CHECKING:
-    from minfer.runtime.sampling.chain import Sampler
+
+class Row(Protocol):
+    """What ``sample_rows`` reads of a row's sampler (:class:`~.chain.Sampler`)."""
+
+    @property
+    def compiled_chain(self) -> CompiledChain | None: ...
+
+    @property
+    def draw_rng(self) -> np.random.Generator: ...
 
 
-def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> list[int | None]:
+def sample_rows(samplers: Sequence[Row], logits: np.ndarray) -> list[int | None]:
     """``samplers[i].sample(logits[i])`` for every row at once, where the sampler's chain compiles (see
     ``CompiledChain``): one parallel call for those rows, then each sampler's draw from its own random
     stream. None for a row it leaves to ``sample``: another chain, or logits that fail a check (``sample``

@@ -6,7 +6,7 @@ The chain (``common_sampler`` in llama.cpp's ``common/sampling.cpp``)::
            -> temperature -> dist
 
 ``logit_bias`` always runs first; the steps between it and the draw follow ``SamplingParams.samplers``
-(the registry's names, in its order by default). A step that is switched off by its parameter is left
+(the names of :data:`.params.STEPS`, in its order by default). A step that is switched off by its parameter is left
 out of the chain. With ``mirostat`` 1 or 2 the chain is ``logit_bias -> temperature -> mirostat``.
 
 History: ``reset(prompt_tokens)`` seeds the penalty window with the prompt (and restores ``mu`` and the
@@ -39,10 +39,10 @@ from minfer.runtime.sampling.candidates import Candidates, check_drawable, check
 from minfer.runtime.sampling.compiled import CompiledChain
 from minfer.runtime.sampling.filters import Temperature, TopK
 from minfer.runtime.sampling.logprobs import TokenLogprob, check_n_top, token_logprobs
-from minfer.runtime.sampling.params import SamplingParams, is_int
+from minfer.runtime.sampling.params import BY_NAME, SamplingParams, is_int
 from minfer.runtime.sampling.pickers import Dist, Mirostat, MirostatV2
 from minfer.runtime.sampling.processors import LogitBias, bias_then_top_k
-from minfer.runtime.sampling.registry import BY_NAME
+from minfer.runtime.sampling.registry import STEP_CLASSES
 from minfer.runtime.sampling.step import Kind, State, Step, TokenText
 
 
@@ -83,9 +83,8 @@ class Sampler:
                       MirostatV2(st, p.mirostat_tau, p.mirostat_eta))
             return [*steps, Temperature.from_params(p, st, token_text), picker]
         for name in p.samplers:
-            row = BY_NAME[name]
-            if row.enabled(p):
-                steps.append(row.step.from_params(p, st, token_text))
+            if BY_NAME[name].enabled(p):
+                steps.append(STEP_CLASSES[name].from_params(p, st, token_text))
         steps.append(Dist(st))
         return steps
 

@@ -1,24 +1,47 @@
 """The chains the compiled kernel runs (:mod:`minfer.runtime.sampling.chain_kernel`): llama.cpp's default
 shape ``[logit_bias ->] top_k -> [top_p ->] [min_p ->] temperature -> dist`` (temperature > 0).
 
-Which chains those are is read from the steps: each step the kernel can run declares its ``Stage`` and
-sets its settings (``Step.compile_into``); a chain compiles when every step has a stage, the stages come
-in the kernel's order, and top-k, the temperature and the draw are there. A step without a stage (a new
-one, a penalty, top-n-sigma, ...) leaves its chain to the steps in numpy. The kernel computes the same
-candidates and probabilities as the steps, bit for bit where numpy's float64 exp is the C library's (on
-AVX-512 CPUs numpy has its own, which may differ in the last bit).
+Which chains those are is read from the steps: each step the kernel can run declares its :class:`Stage`
+(the kernel's steps, in its order) and sets its settings (``Step.compile_into``); a chain compiles when
+every step has a stage, the stages come in the kernel's order, and top-k, the temperature and the draw
+are there. A step without a stage (a new one, a penalty, top-n-sigma, ...) leaves its chain to the steps
+in numpy. The kernel computes the same candidates and probabilities as the steps, bit for bit where
+numpy's float64 exp is the C library's (on AVX-512 CPUs numpy has its own, which may differ in the last
+bit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 
 from minfer.runtime.sampling import chain_kernel
-from minfer.runtime.sampling.step import Stage, Step
+
+
+class Stage(IntEnum):
+    """The steps the compiled chain runs, in the order its kernel runs them."""
+
+    LOGIT_BIAS = 0
+    TOP_K = 1
+    TOP_P = 2
+    MIN_P = 3
+    TEMPERATURE = 4
+    DRAW = 5
+
 
 REQUIRED_STAGES = frozenset((Stage.TOP_K, Stage.TEMPERATURE, Stage.DRAW))
+
+
+class Compilable(Protocol):
+    """What the compiled chain reads of a step (:class:`~.step.Step`): its stage and its settings."""
+
+    @property
+    def stage(self) -> Stage | None: ...  # None: the kernel cannot run the step
+
+    def compile_into(self, chain: CompiledChain) -> None: ...
 
 
 class CompiledChain:
@@ -42,7 +65,7 @@ class CompiledChain:
         self.alone: tuple[np.ndarray, ...] = ()
 
     @classmethod
-    def of(cls, steps: Sequence[Step]) -> CompiledChain | None:
+    def of(cls, steps: Sequence[Compilable]) -> CompiledChain | None:
         """The compiled form of ``steps``, or None where the kernel cannot run them."""
         stages = [step.stage for step in steps]
         # every step compiled, each stage once and in the kernel's order, the required ones there

@@ -20,16 +20,13 @@ any.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minfer.runtime.sampling.candidates import Candidates
-from minfer.runtime.sampling.step import Kind, Stage, State, Step, TokenText
-
-if TYPE_CHECKING:
-    from minfer.runtime.sampling.compiled import CompiledChain
-    from minfer.runtime.sampling.params import SamplingParams
+from minfer.runtime.sampling.compiled import CompiledChain, Stage
+from minfer.runtime.sampling.params import SamplingParams
+from minfer.runtime.sampling.step import Kind, State, Step, TokenText
 
 
 class TopK(Step):

@@ -6,6 +6,11 @@ command-line flags, and whether and how a server request body sets it. ``minfer 
 their sampling flags from it (``minfer.cli``), the server its request fields and their checks
 (``minfer.server.protocol``); :data:`PARAMS` holds it by field name. The defaults are llama.cpp's
 (``common_params_sampling``).
+
+The steps ``samplers`` orders are :data:`STEPS`, one row each: the step's name, which parameters switch
+it on, and llama.cpp's other spellings of its name (``common_sampler_types_from_names``). Its place in
+the table is its place in llama.cpp's default order (``common_params_sampling::samplers``);
+:mod:`.registry` gives each its class.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.runtime.sampling.registry import BY_NAME, DEFAULT_SAMPLERS, STEPS, default_samplers
 
 DEFAULT_DRY_SEQUENCE_BREAKERS: tuple[str, ...] = ("\n", ":", '"', "*")
 
@@ -118,8 +122,8 @@ class TokenBiases(Check):
 
 
 class StepOrder(Check):
-    """Names of the registry's steps (or llama.cpp's aliases), a list or one ";"-separated string, stored as
-    the steps' names."""
+    """Names of the steps of :data:`STEPS` (or llama.cpp's aliases), a list or one ";"-separated string,
+    stored as the steps' names."""
 
     def __call__(self, name: str, value: Any) -> tuple[str, ...]:
         if isinstance(value, str):
@@ -143,6 +147,49 @@ def logit_bias_flags(items: list[str]) -> dict[int, float]:
         value = float(m.group(3))
         bias[int(m.group(1))] = value if m.group(2) == "+" else -value
     return bias
+
+
+# -- the steps ``samplers`` orders ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRow:
+    name: str  # what ``samplers`` and ``Sampler.describe`` call the step: its class's ``name``
+    enabled: Callable[[SamplingParams], bool]  # whether the parameters switch the step on
+    aliases: tuple[str, ...] = ()  # llama.cpp's other names for the step
+    # named in DEFAULT_SAMPLERS. minfer's default order predates top-n-sigma: a step added since joins
+    # the default order only while it is on (at its place in llama.cpp's), so that the default
+    # ``samplers`` of every setting without it stays as it was. The chain is the same either way: a
+    # step that is off is left out of it.
+    listed_when_off: bool = True
+
+
+STEPS: tuple[StepRow, ...] = (
+    StepRow("penalties", lambda p: p.repeat_last_n != 0 and (
+        p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)),
+    StepRow("dry", lambda p: p.dry_multiplier != 0.0 and p.dry_penalty_last_n != 0),
+    StepRow("top_n_sigma", lambda p: p.top_n_sigma > 0, ("top-n-sigma",), listed_when_off=False),
+    StepRow("top_k", lambda p: p.top_k > 0, ("top-k",)),
+    StepRow("typ_p", lambda p: p.typical_p < 1.0, ("typical_p", "typical-p", "typical", "typ-p", "typ")),
+    StepRow("top_p", lambda p: p.top_p < 1.0, ("top-p", "nucleus")),
+    StepRow("min_p", lambda p: p.min_p > 0.0, ("min-p",)),
+    StepRow("xtc", lambda p: p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5),  # above 0.5 nothing to remove
+    StepRow("temperature", lambda p: True, ("temp",)),  # temperature 0 builds the greedy pick
+)
+
+# every name and alias -> its row
+BY_NAME: Mapping[str, StepRow] = MappingProxyType(
+    {name: row for row in STEPS for name in (row.name, *row.aliases)}
+)
+
+# the default order of SamplingParams.samplers (llama.cpp's --samplers) while no later step is on
+DEFAULT_SAMPLERS: tuple[str, ...] = tuple(row.name for row in STEPS if row.listed_when_off)
+
+
+def default_samplers(params: SamplingParams) -> tuple[str, ...]:
+    """The default order for ``params``: DEFAULT_SAMPLERS, with each step it lists only while on (see
+    ``StepRow.listed_when_off``) at its place in llama.cpp's order where ``params`` switch it on."""
+    return tuple(row.name for row in STEPS if row.listed_when_off or row.enabled(params))
 
 
 # -- the metadata ----------------------------------------------------------------------------------------

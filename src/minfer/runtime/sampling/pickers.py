@@ -9,15 +9,12 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minfer.runtime.sampling.candidates import Candidates, check_drawable
-from minfer.runtime.sampling.step import Kind, Stage, State, Step
-
-if TYPE_CHECKING:
-    from minfer.runtime.sampling.compiled import CompiledChain
+from minfer.runtime.sampling.compiled import CompiledChain, Stage
+from minfer.runtime.sampling.step import Kind, State, Step
 
 MIROSTAT_M = 100  # tokens used to estimate the Zipf exponent in mirostat v1 (llama.cpp's m)
 

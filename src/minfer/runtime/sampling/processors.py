@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minfer.errors import BadRequestError
 from minfer.runtime.sampling.candidates import NOTHING_DRAWABLE, Candidates, check_drawable
-from minfer.runtime.sampling.step import Kind, Stage, State, Step, TokenText, check_in_vocab
+from minfer.runtime.sampling.compiled import CompiledChain, Stage
+from minfer.runtime.sampling.params import SamplingParams
+from minfer.runtime.sampling.step import Kind, State, Step, TokenText, check_in_vocab
 from minfer.runtime.sampling.top_k_kernel import prunes_well, top_k_biased
-
-if TYPE_CHECKING:
-    from minfer.runtime.sampling.compiled import CompiledChain
-    from minfer.runtime.sampling.params import SamplingParams
 
 
 class LogitBias(Step):

@@ -4,23 +4,22 @@ A step transforms the candidate set (:class:`~.candidates.Candidates`) in place,
 step class declares its :class:`Kind`, what it may do to the ranking of the tokens; the greedy shortcut
 (``Sampler``) reads the kinds to decide whether an argmax gives the chain's pick, so a new step must say
 what it does: a class without a ``name`` and a ``kind`` cannot be defined. A step the compiled chain
-(:mod:`minfer.runtime.sampling.chain_kernel`) can run also declares its :class:`Stage` there.
+(:mod:`minfer.runtime.sampling.compiled`) can run also declares its :class:`~.compiled.Stage` there and
+sets its settings on the chain.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum, IntEnum
-from typing import TYPE_CHECKING, ClassVar
+from enum import Enum
+from typing import ClassVar
 
 import numpy as np
 
 from minfer.errors import BadRequestError
-
-if TYPE_CHECKING:
-    from minfer.runtime.sampling.candidates import Candidates
-    from minfer.runtime.sampling.compiled import CompiledChain
-    from minfer.runtime.sampling.params import SamplingParams
+from minfer.runtime.sampling.candidates import Candidates
+from minfer.runtime.sampling.compiled import CompiledChain, Stage
+from minfer.runtime.sampling.params import SamplingParams
 
 TokenText = Callable[[int], str | bytes]  # a token's text (DRY matches its sequence breakers on it)
 
@@ -40,17 +39,6 @@ class Kind(Enum):
     def picks(self) -> bool:
         """Whether the step chooses the token (it ends the chain)."""
         return self in (Kind.DRAWS, Kind.PICKS_ITSELF)
-
-
-class Stage(IntEnum):
-    """The steps the compiled chain runs, in the order its kernel runs them."""
-
-    LOGIT_BIAS = 0
-    TOP_K = 1
-    TOP_P = 2
-    MIN_P = 3
-    TEMPERATURE = 4
-    DRAW = 5
 
 
 class State:
@@ -81,7 +69,7 @@ class Step:
 
     @classmethod
     def from_params(cls, params: SamplingParams, state: State, token_text: TokenText | None) -> Step:
-        """The step for ``params`` (a step the registry lists builds itself from the parameters)."""
+        """The step for ``params`` (a step ``samplers`` names builds itself from the parameters)."""
         raise NotImplementedError(f"{cls.__name__} is not built from SamplingParams")
 
     def apply(self, cand: Candidates) -> int | None:
