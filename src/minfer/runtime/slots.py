@@ -58,10 +58,7 @@ class Slots:
     def take(self, prompt: Sequence[int]) -> tuple[int, int]:
         """A free slot for ``prompt`` and how many of its first tokens that slot now holds (reused from this
         slot or copied from another). The last prompt token is always left to evaluate: its logits are
-        needed."""
-        if len(prompt) > self.capacity:
-            raise ContextOverflowError(f"the prompt has {len(prompt)} tokens, more than the context of "
-                                       f"{self.capacity}" + (" tokens per sequence" if self.n_slots > 1 else ""))
+        needed. The prompt fits in a slot (the engine checked it)."""
         free = [s for s in range(self.n_slots) if s not in self._busy]
         if not free:
             raise BadRequestError(f"all {self.n_slots} slots are taken")
