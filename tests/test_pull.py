@@ -49,6 +49,14 @@ def test_unknown_model_name():
         pull_mod.known_model("gpt5")
 
 
+def test_a_bare_name_that_is_nothing_lists_the_known_models(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MinferError, match="nosuchmodel: no such file or folder.*known: gemma3-270m, smollm2"):
+        pull_mod.resolve_model("nosuchmodel")
+    (tmp_path / "nosuchmodel").mkdir()  # a folder of that name here is what it means
+    assert pull_mod.resolve_model("nosuchmodel").resolve() == tmp_path / "nosuchmodel"
+
+
 def test_resolve_prefers_existing_paths(tmp_path):
     p = tmp_path / "smollm2"
     p.write_bytes(b"x")

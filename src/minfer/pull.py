@@ -208,4 +208,6 @@ def resolve_model(ref: str | os.PathLike[str] | None, pull_missing: bool = True)
         if pull_missing:
             return pull(str(ref))
         raise MinferError(f"model {ref!r} is not pulled yet: run `minfer pull {ref}`")
-    return p  # a relative path that does not exist: the loader reports it
+    # a bare name that is neither a file nor a folder here nor a known model: say which names are known
+    raise MinferError(f"{ref}: no such file or folder, and not a model name minfer knows "
+                      f"(known: {', '.join(sorted(KNOWN_MODELS))}; `minfer pull NAME` fetches one)")
