@@ -8,7 +8,7 @@ from conftest import fixture_dir, fixture_sequences
 
 import minfer
 from minfer.errors import BadRequestError, ContextOverflowError
-from minfer.runtime.engine import EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.engine import EngineConfig, Finished, GenerationRequest, Token, build_engine
 
 ARCH = "llama"
 
@@ -35,7 +35,7 @@ def drive(engine, requests) -> list[list]:
 
 
 def tokens_of(events) -> list[int]:
-    return [e.step.token for e in events if type(e).__name__ == "Token" and e.step.token is not None]
+    return [e.step.token for e in events if isinstance(e, Token) and e.step.token is not None]
 
 
 def test_one_step_serves_every_sequence_with_the_api_tokens(model):
@@ -54,9 +54,9 @@ def test_one_step_serves_every_sequence_with_the_api_tokens(model):
         model.kv.clear()
         alone = model.complete(prompt, max_tokens=10, **sampling, **extra)
         assert tokens_of(got) == alone.tokens
-        lps = [e.step.logprob for e in got if type(e).__name__ == "Token" and e.step.logprob is not None]
+        lps = [e.step.logprob for e in got if isinstance(e, Token) and e.step.logprob is not None]
         assert [lp.token for lp in lps] == [lp.token for lp in alone.logprobs]
-        assert type(got[-1]).__name__ == "Finished"
+        assert isinstance(got[-1], Finished)
 
 
 def test_context_shift_in_a_padded_engine_equals_the_api(model):

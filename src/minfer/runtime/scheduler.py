@@ -19,7 +19,6 @@ from minfer.errors import BadRequestError, MinferError
 from minfer.runtime.engine import Engine, EngineHooks, Failed, Finished, GenerationRequest
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import KVCache
-from minfer.runtime.sequence import GenerationStats
 
 
 class QueueFullError(MinferError):
@@ -178,7 +177,8 @@ class BatchScheduler:
             return
         for r in self._waiting:
             if r.cancelled.is_set():
-                r.emit(Finished(GenerationStats(prompt_tokens=len(r.prompt_ids), finish_reason="cancelled"), 0))
+                r.stats.prompt_tokens, r.stats.finish_reason = len(r.prompt_ids), "cancelled"
+                r.emit(Finished(r.stats, 0))
         self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
 
     def _admit(self) -> None:
