@@ -34,6 +34,11 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn log level (default: warning)")
+    srv.add_argument("--log-format", default="text", choices=["text", "json", "off"],
+                     help="access log on stderr, one line a request: method, path, status, tokens, ms "
+                     "(default: text)")
+    srv.add_argument("--max-body-size", default="8M", metavar="SIZE",
+                     help="largest request body, in bytes or with K/M/G; larger ones get 413 (default: 8M)")
     srv.set_defaults(handler=cmd_serve)
 
     pull = add_parser("pull", help="download a known model into the cache")
@@ -43,9 +48,10 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from minfer.server import ServeOptions, serve
+    from minfer.server import ServeOptions, parse_size, serve
 
-    serve(ServeOptions(model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
+    serve(ServeOptions(max_body_size=parse_size(args.max_body_size), log_format=args.log_format,
+                       model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
                        log_level=args.log_level, quantize=args.quantize))

@@ -34,6 +34,40 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
     quantize: str | None = None  # q8_0 / q4_k: quantize float weight matrices at load
+    max_body_size: int = 8 * 1024 * 1024  # bytes; a larger request body is answered 413
+    log_format: str = "text"  # the access log: text, json or off
+
+# uvicorn waits this much longer than --shutdown-timeout: the app cancels what is still open at the
+# timeout, and the cancelled answers need a moment to reach their clients (an error event, [DONE])
+SHUTDOWN_GRACE_SECONDS = 2.0
+
+
+def errors_to_stderr() -> None:
+    """The server's own log (the 500s, with their tracebacks) goes to stderr, whatever uvicorn's config."""
+    import logging
+
+    log = logging.getLogger("minfer.server")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("minfer: %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+        log.setLevel(logging.INFO)
+
+
+def parse_size(text: str) -> int:
+    """``--max-body-size``'s value: bytes, or a number with K, M or G (powers of 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = units.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in units else t
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        raise BadRequestError(f"--max-body-size must be a size like 8M, 512K or 1048576, got {text!r}") from None
+    if size < 1:
+        raise BadRequestError(f"--max-body-size must be at least one byte, got {text!r}")
+    return size
 
 
 def serve(opts: ServeOptions) -> None:
@@ -43,12 +77,21 @@ def serve(opts: ServeOptions) -> None:
     from minfer.api import load
     from minfer.runtime.engine import EngineConfig
     from minfer.runtime.scheduler import BatchScheduler
+    from minfer.server import access_log
     from minfer.server.app import ServerConfig, create_app
+    from minfer.server.http_protocols import http_protocol
 
     if opts.parallel < 1:
         raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
     if opts.batch_size < 1:
         raise BadRequestError(f"--batch-size must be >= 1, got {opts.batch_size}")
+    if opts.max_body_size < 1:
+        raise BadRequestError(f"--max-body-size must be >= 1 byte, got {opts.max_body_size}")
+    if opts.log_format not in access_log.LOG_FORMATS:
+        raise BadRequestError(f"--log-format must be one of {', '.join(access_log.LOG_FORMATS)}, "
+                              f"got {opts.log_format!r}")
+    if not opts.shutdown_timeout >= 0:
+        raise BadRequestError(f"--shutdown-timeout must be >= 0 seconds, got {opts.shutdown_timeout}")
     engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",
                                  max_plans=MAX_PLANS)
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
@@ -61,7 +104,10 @@ def serve(opts: ServeOptions) -> None:
     gc.collect()
     gc.freeze()
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
-    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key)
+    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key,
+                          max_body_size=opts.max_body_size, log_format=opts.log_format)
+    access_log.configure(opts.log_format)
+    errors_to_stderr()
     app = create_app(model, scheduler, config, shutdown_timeout=0.0, start_scheduler=False)
 
     sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
@@ -72,15 +118,18 @@ def serve(opts: ServeOptions) -> None:
         raise BadRequestError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
     sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False,
-                                           timeout_graceful_shutdown=opts.shutdown_timeout))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
+                                           timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
 
     # The scheduler (the model's kernels) runs on the main thread, uvicorn's event loop on another one.
-    # A first SIGTERM/SIGINT starts uvicorn's graceful shutdown (open requests get --shutdown-timeout
-    # seconds, then the app's lifespan stops the scheduler); a second one forces it.
+    # A first SIGTERM/SIGINT starts uvicorn's graceful shutdown: open requests get --shutdown-timeout
+    # seconds, then the app cancels what is left (streams end with an error event and [DONE]) and,
+    # once they are answered, the app's lifespan stops the scheduler. A second signal forces it.
     def on_signal(_signum: int, _frame: object) -> None:
         if server.should_exit:
             server.force_exit = True
+        else:
+            app.ctx.begin_shutdown_threadsafe(opts.shutdown_timeout)
         server.should_exit = True
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

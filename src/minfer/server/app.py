@@ -2,11 +2,13 @@
 live in :mod:`minfer.server.routes`, one module per group (OpenAI's chat and completions, the service
 probes), each registered with the :class:`~minfer.server.context.ServerContext` they share.
 
-Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; with an API key
-configured, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``.
+Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` (the handlers of
+:mod:`minfer.server.errors` and the middleware of :mod:`minfer.server.middleware` apply it to every route);
+with an API key configured, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``.
 
-Request handlers run on the event loop: they parse, render the chat template, tokenize and submit
-sequences to the scheduler thread, whose events come back through an :class:`~minfer.server.jobs.EventPump`.
+Request handlers run on the event loop: they parse, render the chat template, tokenize (large inputs on a
+worker thread) and submit sequences to the scheduler thread, whose events come back through an
+:class:`~minfer.server.jobs.EventPump`.
 """
 
 from __future__ import annotations
@@ -18,27 +20,37 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from minfer.api import Model
 from minfer.runtime.scheduler import BatchScheduler
 from minfer.server.context import ServerConfig, ServerContext
-from minfer.server.errors import error_response
-from minfer.server.middleware import AuthAndCount
-from minfer.server.protocol import ApiError
+from minfer.server.errors import install_error_handlers
+from minfer.server.middleware import AuthAndCount, CatchAll
+from minfer.server.openapi import document_errors
 from minfer.server.routes import chat_completions, completions, service
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["MinferApp", "ServerConfig", "create_app"]
 
 ROUTE_GROUPS = (service, chat_completions, completions)
+
+
+class MinferApp:
+    """The ASGI app with its middleware, and the context its routes share (``begin_shutdown``)."""
+
+    def __init__(self, asgi: Any, ctx: ServerContext) -> None:
+        self.asgi = asgi
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.asgi(scope, receive, send)
 
 
 def create_app(
     model: Model, scheduler: BatchScheduler, config: ServerConfig, shutdown_timeout: float = 0.0,
     start_scheduler: bool = True,
-) -> Any:
+) -> MinferApp:
     """The ASGI app; the scheduler is stopped with the app's lifespan, and started with it unless
     ``start_scheduler`` is False (the caller runs ``scheduler.run()`` on a thread of its choice)."""
     ctx = ServerContext.create(model, scheduler, config, created=int(time.time()))
@@ -46,6 +58,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        ctx.loop = asyncio.get_running_loop()
         if start_scheduler:
             scheduler.start()
         yield
@@ -53,17 +66,11 @@ def create_app(
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop, shutdown_timeout)
 
     app = FastAPI(title="minfer", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    @app.exception_handler(ApiError)
-    async def on_api_error(_request: Request, e: ApiError) -> JSONResponse:
-        return error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(ApiError(str(e.detail), status=e.status_code, type=kind))
-
+    install_error_handlers(app)
     for group in ROUTE_GROUPS:
         group.register(app, ctx)
+    document_errors(app)
     endpoints = {path for route in app.routes if "{" not in (path := getattr(route, "path", "{"))}
-    return AuthAndCount(app, config.api_key, ctx.metrics, endpoints)
+    counted = AuthAndCount(app, config.api_key, ctx.metrics, endpoints, max_body_size=config.max_body_size,
+                           log_format=config.log_format)
+    return MinferApp(CatchAll(counted), ctx)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+import logging
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -17,10 +19,17 @@ from minfer.api import Model
 from minfer.errors import MinferError
 from minfer.runtime.engine import Event, Failed, GenerationRequest
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError
-from minfer.server.errors import api_error, cancelled_error
+from minfer.server.access_log import note_job
+from minfer.server.errors import api_error, cancelled_error, internal_error
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.metrics import ServerMetrics
-from minfer.server.protocol import ApiError, GenerationParams
+from minfer.server.protocol import ApiError, GenerationParams, parse_body
+
+T = TypeVar("T")
+DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
+OFF_LOOP_BYTES = 16 * 1024  # bodies, texts and prompts beyond this are parsed/rendered/tokenized on a thread
+
+log = logging.getLogger("minfer.server")
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,8 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     retry_after_seconds: int = 1
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; beyond them a request is a 413
+    log_format: str = "text"  # the access log: text, json or off
 
 
 @dataclass
@@ -39,12 +50,17 @@ class ServerContext:
     pump: EventPump
     created: int
     names: set[str] = field(default_factory=set)  # what a request's "model" may say
+    open_jobs: weakref.WeakSet[Job] = field(default_factory=weakref.WeakSet)  # what a late shutdown cancels
+    loop: asyncio.AbstractEventLoop | None = None  # set at the app's startup
+    _max_token_bytes: int = 0
 
     @classmethod
     def create(cls, model: Model, scheduler: BatchScheduler, config: ServerConfig, created: int) -> ServerContext:
         metrics = ServerMetrics(scheduler.load, scheduler.cells_in_use, scheduler.n_slots * scheduler.slot_context)
         names = {config.model_id, str(model.path), Path(model.path).name, Path(model.path).stem}
-        return cls(model, scheduler, config, metrics, EventPump(), created, names)
+        tok = model.tokenizer
+        longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=1)
+        return cls(model, scheduler, config, metrics, EventPump(), created, names, _max_token_bytes=max(longest, 1))
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -54,16 +70,40 @@ class ServerContext:
                            param="model", code="model_not_found")
 
     async def read_json(self, request: Request) -> Any:
+        """The body as checked JSON (:func:`~minfer.server.protocol.parse_body`), a large one parsed on a
+        thread so the event loop keeps serving the other requests."""
         raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(f"the request body is not valid JSON: {e}") from None
+        if len(raw) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse_body, raw)
+        return parse_body(raw)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int = OFF_LOOP_BYTES + 1) -> T:
+        """``fn(*args)`` on a worker thread when its input is large (``size``), else here: the chat
+        template and the tokenizer take seconds over megabytes, and the loop must not wait for them."""
+        if size > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    def check_text_fits(self, texts: Iterable[str], param: str = "messages") -> None:
+        """Refuse text that cannot fit in a sequence's context before any of it is tokenized: no token
+        is longer than the vocabulary's longest, so ``characters / longest`` is a lower bound of its tokens."""
+        chars = sum(len(t) for t in texts if isinstance(t, str))
+        least = chars // self._max_token_bytes
+        context = self.scheduler.slot_context
+        if least > context:
+            raise ApiError(f"the prompt has {chars} characters, at least {least} tokens: more than the context "
+                           f"of {context} tokens per sequence", param=param, code="context_length_exceeded")
+
+    async def tokenize(self, text: str, add_special: bool, param: str = "prompt") -> list[int]:
+        """``text``'s token ids, refused early when it cannot fit, tokenized off the loop when large."""
+        self.check_text_fits([text], param)
+        return await self.off_loop(self.model.tokenize, text, add_special, size=len(text))
 
     def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Job:
         """Queue ``params.n`` sequences per prompt; the job's queue receives their events."""
         self.pump.loop = asyncio.get_running_loop()  # the loop exists only once the server runs
         job = Job(self.pump)
+        note_job(job, sum(len(p) for p in prompts) * params.n)
         model = self.model
         try:
             for p, ids in enumerate(prompts):
@@ -82,7 +122,24 @@ class ServerContext:
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
         except MinferError as e:
             raise api_error(e) from None
+        self.open_jobs.add(job)
         return job
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """On the loop: the server stops; what is still open after ``timeout`` seconds is cancelled, so its
+        answer ends cleanly (a 503, or a stream's error event and ``[DONE]``) before uvicorn cuts it."""
+        assert self.loop is not None
+
+        def cancel_open() -> None:
+            for job in list(self.open_jobs):
+                if not job.done:
+                    job.cancel()
+
+        self.loop.call_later(max(timeout, 0.0), cancel_open)
+
+    def begin_shutdown_threadsafe(self, timeout: float) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.begin_shutdown, timeout)
 
     async def collect(self, job: Job, request: Request) -> None:
         """Wait until every sequence of ``job`` is done, or cancel them when the client goes away."""
@@ -97,6 +154,7 @@ class ServerContext:
             await asyncio.wait({gone, work}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            self.open_jobs.discard(job)
             if not work.done():
                 work.cancel()
                 job.cancel()
@@ -109,13 +167,14 @@ class ServerContext:
     def stream(self, job: Job, chunk: Callable[[Choice, Event | None], dict[str, Any] | None],
                final_usage: Callable[[], dict[str, Any]] | None) -> StreamingResponse:
         """Server-sent events: ``chunk`` turns each event into a body (or None to send nothing), then the
-        usage chunk when asked, then ``[DONE]``; an error ends the stream with an error event."""
+        usage chunk when asked, then ``[DONE]``; an error ends the stream with an error event, then ``[DONE]``
+        (an engine error, a shutdown past its timeout, or a bug in ``chunk``: a client always sees the end)."""
 
         async def events() -> AsyncIterator[bytes]:
+            out: list[bytes] = []
             try:
                 while not job.done:
                     # every event already queued goes out in one write (a client that fell behind, n > 1)
-                    out: list[bytes] = []
                     item = await job.events.get()
                     while True:
                         index, event = item
@@ -123,7 +182,7 @@ class ServerContext:
                         if isinstance(event, Failed) or c.cancelled:
                             e = api_error(event.error) if isinstance(event, Failed) else cancelled_error()
                             job.cancel()
-                            yield b"".join(out) + sse(e.body())
+                            yield b"".join(out) + sse(e.body()) + b"data: [DONE]\n\n"
                             return
                         body = chunk(c, event)
                         if body is not None:
@@ -133,10 +192,15 @@ class ServerContext:
                         item = job.events.get_nowait()
                     if out:
                         yield b"".join(out)
+                        out = []
                 if final_usage is not None:
                     yield sse(final_usage())
                 yield b"data: [DONE]\n\n"
+            except Exception:
+                log.exception("internal error while streaming")
+                yield b"".join(out) + sse(internal_error().body()) + b"data: [DONE]\n\n"
             finally:
+                self.open_jobs.discard(job)
                 job.cancel()  # a no-op when every sequence finished; frees the slots when the client left
 
         return StreamingResponse(events(), media_type="text/event-stream",

@@ -1,16 +1,38 @@
-"""How an error becomes an HTTP answer: every :class:`MinferError` a 4xx, anything else a 500."""
+"""How an error becomes an HTTP answer: every :class:`MinferError` a 4xx, anything else a logged 500.
+
+:func:`install_error_handlers` puts the conversion on the app itself, so every route (and every route
+module added later) gets it without code of its own: a ``MinferError`` raised anywhere in a handler is a
+4xx with an OpenAI error body, FastAPI's own validation errors are 400s, Starlette's HTTP errors keep
+their headers (a 405 says ``Allow``), and anything else is a 500 whose body says only that it happened
+(the traceback goes to the server's log, never to the client).
+"""
 
 from __future__ import annotations
 
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.runtime.scheduler import QueueFullError, ShuttingDownError
 from minfer.server.protocol import ApiError
 
+log = logging.getLogger("minfer.server")
+
+HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
 
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def internal_error() -> ApiError:
+    return ApiError("internal server error (the details are in the server's log)", status=500, type="server_error",
+                    code="internal_error")
 
 
 def cancelled_error() -> ApiError:
@@ -18,8 +40,8 @@ def cancelled_error() -> ApiError:
                     type="server_error", code="cancelled")
 
 
-def api_error(e: Exception) -> ApiError:
-    """The HTTP answer to an engine error."""
+def api_error(e: BaseException) -> ApiError:
+    """The HTTP answer to an engine error (a 500 for anything that is not a MinferError, logged here)."""
     if isinstance(e, ApiError):
         return e
     if isinstance(e, QueueFullError):
@@ -30,4 +52,34 @@ def api_error(e: Exception) -> ApiError:
         return ApiError(str(e), code="context_length_exceeded", param="messages")
     if isinstance(e, BadRequestError | MinferError):
         return ApiError(str(e))
-    return ApiError(f"internal error: {type(e).__name__}: {e}", status=500, type="server_error")
+    log.error("internal error: %s: %s", type(e).__name__, e, exc_info=e)
+    return internal_error()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """The one conversion of every exception a request raises into its answer."""
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(MinferError)
+    async def on_minfer_error(_request: Request, e: MinferError) -> JSONResponse:
+        return error_response(api_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = HTTP_ERROR_TYPES.get(e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error")
+        return error_response(ApiError(str(e.detail), status=e.status_code, type=kind, headers=e.headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
+        return error_response(ApiError(message, param=where))
+
+    @app.exception_handler(Exception)
+    async def on_anything_else(_request: Request, _e: Exception) -> JSONResponse:
+        # Starlette re-raises after answering; the outermost middleware logs it (once) and swallows it.
+        return error_response(internal_error())

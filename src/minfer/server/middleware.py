@@ -1,25 +1,72 @@
-"""Pure ASGI middleware (keeps streaming and disconnects intact): the API key check and the request counter."""
+"""Pure ASGI middleware (keeps streaming and disconnects intact), outermost first:
+
+- :class:`CatchAll`: an exception no handler answered is logged once, with its traceback, and answered
+  with a 500 OpenAI error body when the response has not started (never a traceback to the client);
+- :class:`AuthAndCount`: the access log line, the request counter, the body-size cap (``Content-Length``
+  beyond it is a 413 before a byte is read; a chunked body is cut off, and answered 413, once it passes the
+  cap) and the API key check.
+"""
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minfer.server.errors import error_response
+from minfer.server.access_log import RequestRecord, current_request, format_line
+from minfer.server.access_log import log as access_log
+from minfer.server.context import DEFAULT_MAX_BODY_SIZE
+from minfer.server.errors import error_response, internal_error
 from minfer.server.metrics import ServerMetrics
 from minfer.server.protocol import ApiError
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the key (load balancers probe them)
 
+log = logging.getLogger("minfer.server")
+
+
+class BodyTooLargeError(ApiError):
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        has = f"has {size} bytes" if size is not None else "is larger than that"
+        super().__init__(f"the request body {has}: the server's limit is {limit} bytes (minfer serve "
+                         "--max-body-size)", status=413, code="request_too_large")
+
+
+class CatchAll:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await error_response(internal_error())(scope, receive, send)
+
 
 class AuthAndCount:
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, endpoints: Collection[str]) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, endpoints: Collection[str],
+                 max_body_size: int = DEFAULT_MAX_BODY_SIZE, log_format: str = "text") -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
         self.endpoints = frozenset(endpoints)  # the metric's label: a known route's path, else "other"
+        self.max_body_size = max_body_size
+        self.log_format = log_format
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -27,11 +74,14 @@ class AuthAndCount:
             return
         path = scope["path"]
         endpoint = path if path in self.endpoints else "other"
-        status = [500]
+        client = scope.get("client")
+        record = RequestRecord(scope.get("method", ""), path, f"{client[0]}:{client[1]}" if client else "-")
+        record.status = 500
+        token = current_request.set(record)
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                record.status = message["status"]
             await send(message)
 
         try:
@@ -40,13 +90,46 @@ class AuthAndCount:
                              code="invalid_api_key")
                 await error_response(e)(scope, receive, counting_send)
                 return
-            await self.app(scope, receive, counting_send)
+            size = self._content_length(scope)
+            if size is not None and size > self.max_body_size:
+                await error_response(BodyTooLargeError(self.max_body_size, size))(scope, receive, counting_send)
+                return
+            await self.app(scope, self._capped(receive), counting_send)
         finally:
-            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+            current_request.reset(token)
+            self.metrics.requests.labels(endpoint, str(record.status)).inc()
+            if self.log_format != "off":
+                access_log.info(format_line(record, self.log_format))
+
+    def _capped(self, receive: Receive) -> Receive:
+        limit, received = self.max_body_size, 0
+
+        async def capped_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLargeError(limit)
+            return message
+
+        return capped_receive
+
+    @staticmethod
+    def _content_length(scope: Scope) -> int | None:
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope.get("headers", []):
             if name == b"authorization":
-                scheme, _, key = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and secrets.compare_digest(key.strip(), self.api_key or "")
+                scheme, _, key = value.partition(b" ")
+                # bytes, not str: compare_digest refuses non-ASCII strings (a TypeError, a 500)
+                expected = (self.api_key or "").encode()
+                return scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), expected)
         return False

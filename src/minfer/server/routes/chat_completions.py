@@ -10,11 +10,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minfer.errors import MinferError
 from minfer.runtime.engine import Event, Finished, Started, Token
 from minfer.runtime.sampling import TokenLogprob
 from minfer.server.context import ServerContext, finish_reason
-from minfer.server.errors import api_error
 from minfer.server.jobs import Choice
 from minfer.server.protocol import parse_chat
 
@@ -37,11 +35,9 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_chat(await ctx.read_json(request))
         params = req.params
         ctx.check_model(params.model)
-        try:
-            prompt = model.render_chat(req.messages)
-        except MinferError as e:
-            raise api_error(e) from None
-        ids = model.tokenize(prompt, add_special=False)
+        ctx.check_text_fits(m["content"] for m in req.messages)
+        prompt = await ctx.off_loop(model.render_chat, req.messages, size=sum(len(m["content"]) for m in req.messages))
+        ids = await ctx.tokenize(prompt, add_special=False, param="messages")
         job = ctx.submit([ids], params)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": now, "model": ctx.config.model_id, "system_fingerprint": "minfer"}

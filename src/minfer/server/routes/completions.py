@@ -35,7 +35,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_completion(await ctx.read_json(request))
         params = req.params
         ctx.check_model(params.model)
-        prompts = [model.tokenize(p, add_special=True) if isinstance(p, str) else p for p in req.prompts]
+        prompts = [await ctx.tokenize(p, add_special=True) if isinstance(p, str) else p for p in req.prompts]
         echo = [(p if isinstance(p, str) else model.detokenize(p)) if req.echo else "" for p in req.prompts]
         job = ctx.submit(prompts, params)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())

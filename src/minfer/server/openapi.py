@@ -1,0 +1,98 @@
+"""The OpenAPI document FastAPI serves at ``/openapi.json``, completed with what the routes' code says
+but their signatures do not: the bodies of the OpenAI endpoints (the routes read raw JSON, checked by
+:mod:`minfer.server.protocol`) and the error answers every route can give, each an OpenAI error body.
+
+``tests/test_schemathesis.py`` runs schemathesis against this document: every answer must be one it
+lists, with the content it lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+ERROR_STATUSES = {
+    "400": "a bad request (the message and 'param' name the field)",
+    "401": "a missing or wrong API key",
+    "404": "no such route or model",
+    "405": "the route does not take this method (see 'Allow')",
+    "413": "the body is larger than --max-body-size",
+    "429": "the queue is full (see 'Retry-After')",
+    "503": "the server is shutting down",
+}
+
+ERROR_BODY = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+
+_SAMPLING = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16},
+    "stream": {"type": "boolean"},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}}]},
+    "seed": {"type": "integer"},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                   "content": {"type": "string"}},
+}
+
+REQUEST_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {
+        "type": "object", "required": ["messages"],
+        "properties": {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_SAMPLING},
+    },
+    "/v1/completions": {
+        "type": "object", "required": ["prompt"],
+        "properties": {"prompt": {"oneOf": [{"type": "string"},
+                                            {"type": "array", "minItems": 1, "items": {"type": "string"}}]},
+                       "echo": {"type": "boolean"}, **_SAMPLING},
+    },
+}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Have ``app.openapi()`` list the request bodies above and the error answers on every operation."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_BODY
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+        for path, operations in schema.get("paths", {}).items():
+            for method, op in operations.items():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)  # FastAPI's validation errors are answered as 400s
+                for status, description in ERROR_STATUSES.items():
+                    responses.setdefault(status, {"description": description, "content": error})
+                body = REQUEST_BODIES.get(path)
+                if method == "post" and body is not None and "requestBody" not in op:
+                    op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+                    ok = responses.setdefault("200", {"description": "the answer"})
+                    ok["content"] = {"application/json": {"schema": {"type": "object"}},
+                                     "text/event-stream": {"schema": {"type": "string"}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
