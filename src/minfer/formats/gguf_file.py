@@ -115,7 +115,7 @@ class GGUFFile:
         value = self.metadata[key]
         if kind is not None and not _is_kind(value, kind):
             raise FormatError(
-                f"{self.path}: metadata key {key!r} has value {value!r} of type {type(value).__name__}, "
+                f"{self.path}: metadata key {key!r} has value {_short_repr(value)} of type {type(value).__name__}, "
                 f"expected {_kind_name(kind)}"
             )
         return value
@@ -270,6 +270,11 @@ class _HeaderParser:
             offset = self._unpack("<Q")
             infos.append((name, dims, type_id, offset))
         return version, metadata, infos
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_kind(value: Any, kind: type | tuple[type, ...]) -> bool:

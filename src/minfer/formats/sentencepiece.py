@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from minfer.errors import FormatError
+
 SPACE = "\u2581"  # ▁, SentencePiece's space marker
 GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 UNK_TEXT = "<unk>"  # the unknown piece transformers' GemmaTokenizer / LlamaTokenizer name
@@ -86,9 +88,12 @@ def spm_merges(pieces: Sequence[str], priority: Sequence[float] | None) -> list[
 def spm_backend(vocabulary: SpmVocabulary, merges: list[tuple[str, str]]) -> HFTokenizer:
     """The ``tokenizers`` pipeline (added tokens not yet added)."""
     vocab = {p: i for i, p in enumerate(vocabulary.pieces)}
-    backend = HFTokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token=UNK_TEXT, fuse_unk=True, byte_fallback=True, dropout=None)
-    )
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, unk_token=UNK_TEXT, fuse_unk=True, byte_fallback=True,
+                         dropout=None)
+    except Exception as e:  # tokenizers' bare Exception for a vocabulary it cannot build on
+        raise FormatError(f"the SentencePiece vocabulary is not usable ({str(e).splitlines()[0]})") from None
+    backend = HFTokenizer(bpe)
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if vocabulary.gemma_style:
         backend.normalizer = normalizers.Replace(" ", SPACE)

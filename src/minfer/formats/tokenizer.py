@@ -137,18 +137,19 @@ class Tokenizer:
             parts = merge.split(" ")
             if len(parts) != 2:
                 raise FormatError(f"{source}: tokenizer.ggml.merges[{i}] = {merge!r} is not two tokens")
+            # tokenizers refuses these with a bare Exception; say which merge and which token
+            for token in (parts[0], parts[1], parts[0] + parts[1]):
+                if token not in vocab:
+                    raise FormatError(f"{source}: tokenizer.ggml.merges[{i}] = {merge!r} needs the token "
+                                      f"{token!r}, which is not in the vocabulary")
             pairs.append((parts[0], parts[1]))
 
-        backend = HFTokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=pairs,
-                dropout=None,
-                continuing_subword_prefix="",
-                end_of_word_suffix="",
-                fuse_unk=False,
-            )
-        )
+        try:
+            bpe = models.BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+                             end_of_word_suffix="", fuse_unk=False)
+        except Exception as e:  # the Rust side's refusal of a vocabulary the checks above let through
+            raise FormatError(f"{source}: the BPE vocabulary is not usable ({str(e).splitlines()[0]})") from None
+        backend = HFTokenizer(bpe)
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in pre_type.splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]

@@ -87,7 +87,9 @@ def gemma3_hf_hparams(cfg: Mapping[str, Any], hp: HParams, where: Path) -> HPara
         raise FormatError(f"{where}: field 'sliding_window' must be an integer, got {window!r}")
     types = cfg.get("layer_types")
     if types is None:
-        pattern = int(cfg.get("sliding_window_pattern", SWA_PATTERN))
+        pattern = cfg.get("sliding_window_pattern", SWA_PATTERN)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise FormatError(f"{where}: field 'sliding_window_pattern' must be a positive integer, got {pattern!r}")
         types = ["sliding_attention" if (il + 1) % pattern else "full_attention" for il in range(hp.n_layer)]
     if not isinstance(types, list) or len(types) != hp.n_layer or set(types) - {"sliding_attention", "full_attention"}:
         raise FormatError(f"{where}: field 'layer_types' must list 'sliding_attention' or 'full_attention' for each "

@@ -25,11 +25,11 @@ from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture, HFArchitecture
-from minfer.models.hparams import HParams
+from minfer.models.hparams import HParams, check_layer_count, layer_indices
 from minfer.models.registry import architecture_of_model_type
 from minfer.models.rope_scaling import hf_rope_parameters, rope_scaling_from_hf
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")  # .match: the layer number first (check_layer_count)
 # buffers some older checkpoints saved, that the recipe recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -205,6 +205,8 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     if tied is None:
         tied = spec.defaults.get("tie_word_embeddings", True)
     n_layer = _Config(cfg, spec, cfg_path).int("num_hidden_layers")
+    # before anything is sized by it: a corrupt count of 2**31 layers would be looped over
+    check_layer_count(n_layer, layer_indices(folder.infos, _LAYER), str(cfg_path), "num_hidden_layers")
     tensors: dict[str, GGUFTensor] = {}
     origin: dict[str, tuple[str, Path]] = {}
     for hf_name, info in folder.infos.items():

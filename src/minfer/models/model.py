@@ -14,7 +14,7 @@ from minfer.formats.quants import SUPPORTED_TYPES, is_supported
 from minfer.graph.ir import Graph, RopeStyle
 from minfer.models.architecture import Architecture
 from minfer.models.decoder import build_decoder_graph
-from minfer.models.hparams import HParams
+from minfer.models.hparams import FIELD_SOURCES, GGUF_LAYER, HParams, check_hparams, check_layer_count, layer_indices
 from minfer.models.registry import get_architecture
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ class TransformerModel:
         self._rope_style = rope_style
         self.quantized: str | None = None  # the load-time quantize type, if any
         self.output_tensor_name = "output.weight" if self.has_tensor("output.weight") else "token_embd.weight"
+        check_layer_count(hparams.n_layer, layer_indices(self.tensors, GGUF_LAYER), str(self.path),
+                          FIELD_SOURCES["n_layer"][1 if hf is not None else 0])
+        check_hparams(hparams, str(self.path), hf=hf is not None)
         self._validate()
 
     @classmethod

@@ -161,8 +161,8 @@ def rope_scaling_from_gguf(f: Any, n_rot: int, n_ctx_train: int) -> RopeScaling:
         value = f.get(key(name))
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise FormatError(f"{f.path}: metadata key {key(name)!r} has value {value!r}, expected a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise FormatError(f"{f.path}: metadata key {key(name)!r} has value {value!r}, expected a finite number")
         return float(value)
 
     freq_factors = None

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from minfer.errors import BadRequestError
+from minfer.errors import BadRequestError, ModelError
 from minfer.graph.fusion import fuse
 from minfer.graph.ir import Backend
 from minfer.graph.plan import BufferArena, Plan
@@ -103,6 +103,12 @@ class ForwardRunner:
         with self.backend.running():
             if not self.observers:
                 logits = plan.run().copy()
+                # corrupt weights (a tensor type flipped in the header, NaN block scales) give NaN logits;
+                # an error names them, where sampling would pick garbage. Traced runs go on: the trace is
+                # how one finds the node that made the NaN.
+                if not np.isfinite(logits).all():
+                    raise ModelError(f"{self.model.path}: the forward pass gave non-finite logits (NaN or "
+                                     "infinity): the model's weights or hyperparameters are corrupt")
             else:
                 observers = self.observers
                 logits = plan.run(lambda s, t: [o.step(s, t) for o in observers]).copy()
