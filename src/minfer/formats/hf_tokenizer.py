@@ -178,7 +178,12 @@ def load_hf_chat_template(directory: Path, tokenizer_config: Mapping[str, Any] |
     if source is None:
         jinja = directory / "chat_template.jinja"
         if jinja.is_file():
-            source, where = jinja.read_text(encoding="utf-8"), jinja
+            try:
+                source, where = jinja.read_text(encoding="utf-8"), jinja
+            except UnicodeDecodeError as e:
+                raise FormatError(f"{jinja}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+            except OSError as e:
+                raise FormatError(f"{jinja}: cannot read it ({e.strerror or e})") from None
     if source is None or source == "":
         return None
     if not isinstance(source, str):

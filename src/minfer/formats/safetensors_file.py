@@ -113,6 +113,10 @@ def read_json(path: Path, required: bool = True) -> Any:
         raise FormatError(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise FormatError(f"{path}: nested too deeply to be a configuration") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise FormatError(f"{path}: not valid JSON ({e})") from None
     except OSError as e:
         raise FormatError(f"{path}: cannot read ({e.strerror})") from None
 

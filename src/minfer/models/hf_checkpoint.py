@@ -39,6 +39,8 @@ def get_hf_architecture(cfg: Mapping[str, Any], where: Path) -> Architecture:
     model_type = cfg.get("model_type")
     if model_type is None:
         raise FormatError(f"{where}: missing field 'model_type'")
+    if not isinstance(model_type, str):
+        raise FormatError(f"{where}: field 'model_type' must be a string, got {model_type!r}")
     arch = architecture_of_model_type(model_type, str(where))
     classes = cfg.get("architectures")
     if isinstance(classes, list) and classes and not any(c in arch.hf.classes for c in classes):

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from minfer.errors import BadRequestError
+from minfer.errors import BadRequestError, FormatError
 from minfer.models.model import TransformerModel
 from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.sampling import Sampler
@@ -51,6 +51,67 @@ def model_fingerprint(model: ChatModel) -> str:
     for name, tensor in t.tensors.items():
         h.update(f"{name}:{tensor.ggml_type.name}:{tensor.shape}:{tensor.nbytes};".encode())
     return f"{t.arch.name}:{t.path.name}:{h.hexdigest()[:24]}"
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_contents(data: SessionData, shown: str, n_vocab: int) -> tuple[str | None, list[dict[str, str]],
+                                                                        dict[str, Any], np.random.Generator]:
+    """The conversation a session holds, every field checked: ``(system, messages, sampling, rng)``.
+    A missing or mistyped field is a FormatError naming it, here rather than at the next ``send()``."""
+
+    def bad(problem: str) -> FormatError:
+        return FormatError(f"session {shown}: {problem}")
+
+    for i, t in enumerate(data.tokens):
+        if not 0 <= t < n_vocab:
+            raise bad(f"tokens[{i}] = {t} is outside the vocabulary (0..{n_vocab - 1})")
+    meta = data.meta
+    system = meta.get("system")
+    if system is not None and not isinstance(system, str):
+        raise bad(f"meta.system must be a string or null, got {type(system).__name__}")
+    if system is not None:
+        _check_text(system, "meta.system", bad)
+    if "messages" not in meta:
+        raise bad("meta.messages is missing")
+    messages = meta["messages"]
+    if not isinstance(messages, list):
+        raise bad(f"meta.messages must be a list of messages, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise bad(f"meta.messages[{i}] must be an object with exactly 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise bad(f"meta.messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}")
+        if not isinstance(m["content"], str):
+            raise bad(f"meta.messages[{i}].content must be a string, got {type(m['content']).__name__}")
+        _check_text(m["content"], f"meta.messages[{i}].content", bad)
+    sampling = meta.get("sampling", {})
+    if not isinstance(sampling, dict):
+        raise bad(f"meta.sampling must be an object, got {type(sampling).__name__}")
+    from minfer.runtime.sampling.params import PARAMS
+
+    unknown = sorted(set(sampling) - set(PARAMS))
+    if unknown:
+        raise bad(f"meta.sampling has unknown fields: {', '.join(map(str, unknown))}")
+    if "rng" not in data.sampler_state:
+        raise bad("sampler_state.rng is missing")
+    state = data.sampler_state["rng"]
+    rng = np.random.default_rng()
+    if not isinstance(state, dict) or state.get("bit_generator") != type(rng.bit_generator).__name__:
+        raise bad(f"sampler_state.rng is not a {type(rng.bit_generator).__name__} state")
+    try:
+        rng.bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError) as e:
+        raise bad(f"sampler_state.rng is not a valid generator state ({type(e).__name__}: {e})") from None
+    return system, [dict(m) for m in messages], sampling, rng
+
+
+def _check_text(text: str, where: str, bad: Any) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{where} holds a lone surrogate at character {e.start} (not text)") from None
 
 
 class Conversation:
@@ -126,6 +187,13 @@ class Conversation:
     @classmethod
     def load(cls, model: ChatModel, path: str | os.PathLike[str]) -> Conversation:
         data = load_session(path, expect_fingerprint=model_fingerprint(model), expect_cache_type=model.cache_type)
+        # the checksum says the bytes are as written, not that a conversation wrote them: every field is
+        # checked before the cache is touched
+        system, messages, sampling, rng = check_contents(data, os.fspath(path), model.transformer.hparams.n_vocab)
+        try:
+            model.sampler(**sampling)
+        except BadRequestError as e:
+            raise FormatError(f"session {path}: meta.sampling is not valid: {e}") from None
         kv = model.kv
         n = len(data.tokens)
         if n > kv.capacity:
@@ -135,13 +203,15 @@ class Conversation:
                 arr = data.arrays.get(name)
                 if arr is None or arr.shape != (n, *region.shape[1:]) or arr.dtype != region.dtype:
                     raise BadRequestError(f"session {path}: array {name} does not fit this model's KV cache")
+                if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                    raise FormatError(f"session {path}: array {name} holds non-finite values (NaN or infinity)")
         kv.truncate(0, 0)
         for il, layer in enumerate(kv.layers):
             layer.k[:n] = data.arrays[f"k{il}"]
             layer.v[:n] = data.arrays[f"v{il}"]
         if n:
             kv.record(0, np.arange(n), np.asarray(data.tokens))
-        conv = cls(model, data.meta.get("system"), **data.meta.get("sampling", {}))
-        conv.messages = data.meta["messages"]
-        conv._rng.bit_generator.state = data.sampler_state["rng"]
+        conv = cls(model, system, **sampling)
+        conv.messages = messages
+        conv._rng = rng
         return conv

@@ -35,7 +35,9 @@ reader map the arrays in place.
 Saving is atomic: the file is written under a temporary name in the same directory, flushed and fsynced,
 then renamed over ``path`` (``os.replace``), and the directory is fsynced. ``path`` therefore holds either
 the old file or the complete new one, never a half-written file. ``save_session`` refuses to replace a
-file that is not a minfer session (anything the user owns is safe); an empty file may be replaced.
+file that is not a whole, intact minfer session (anything the user owns is safe); an empty file may be
+replaced. The temporary name carries the writer's pid: a save killed midway (SIGKILL) leaves one behind,
+and the next save to the same path removes it (:func:`remove_stale_temps`).
 
 Loading verifies magic, version, lengths, checksum and the header's structure before returning anything:
 a damaged or truncated file raises :class:`~minfer.errors.FormatError` naming the file and the problem,
@@ -118,6 +120,7 @@ def save_session(path: str | os.PathLike[str], data: SessionData) -> None:
     # Replace what a symlink points to, not the link: the user's link keeps working.
     target = os.path.realpath(shown)
     _refuse_foreign_file(target, shown)
+    remove_stale_temps(target)
     directory = os.path.dirname(target) or "."
     tmp = _create_temp(directory, os.path.basename(target), shown)
     try:
@@ -220,26 +223,73 @@ def _aligned(n: int) -> int:
 
 
 def _refuse_foreign_file(target: str, shown: str) -> None:
+    """Only an empty file or a whole, intact session may be replaced: a file that merely starts with the
+    magic (a damaged session, or the user's own file) is left alone."""
     try:
         with open(target, "rb") as f:
-            head = f.read(len(MAGIC))
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return
+            try:
+                _read_prelude(f, size, shown)
+                _verify_checksum(f, shown)
+            except FormatError:
+                raise BadRequestError(
+                    f"refusing to overwrite {shown}: it exists and is not a minfer session file (or not an "
+                    "intact one); choose another path (or remove it)"
+                ) from None
     except FileNotFoundError:
         return
     except IsADirectoryError:
         raise BadRequestError(f"cannot save session to {shown}: it is a directory") from None
     except OSError as e:
         raise MinferError(f"cannot save session to {shown}: {e.strerror or e}") from e
-    if head and head != MAGIC:
-        raise BadRequestError(
-            f"refusing to overwrite {shown}: it exists and is not a minfer session file; choose another path"
-        )
+
+
+def remove_stale_temps(target: str) -> list[str]:
+    """Delete the temporary files an earlier save to ``target`` left behind when it was killed (SIGKILL,
+    power loss): ``.<name>.<pid>.<random>.tmp`` whose process is gone. Returns the paths removed."""
+    directory = os.path.dirname(target) or "."
+    prefix = f".{os.path.basename(target)}."
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid_text = name[len(prefix):-len(".tmp")].split(".")[0]
+        if not pid_text.isdigit() or _process_alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+        except OSError:
+            pass
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _create_temp(directory: str, base: str, shown: str) -> str:
     # In the target's directory, so that os.replace is a rename within one filesystem (atomic). Mode 0o666
     # minus the umask, like a plain open(); _copy_mode then keeps the mode of a file being replaced.
     for _ in range(100):
-        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        # the pid in the name lets a later save tell a dead writer's leftovers from a running one's
+        tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return tmp
@@ -421,7 +471,7 @@ def _parse_header(raw: bytes, data_len: int, shown: str) -> dict[str, Any]:
         if not isinstance(name, str) or not name or name in names:
             raise bad(f"array entry {i} has an empty, non-string or repeated name {name!r}")
         names.add(name)
-        if e["dtype"] not in _DTYPES:
+        if not isinstance(e["dtype"], str) or e["dtype"] not in _DTYPES:
             raise bad(f"array {name!r} has an unsupported dtype {e['dtype']!r}")
         shape = e["shape"]
         if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
