@@ -36,7 +36,7 @@ ERROR_BODY = {
 
 _SAMPLING = {
     "model": {"type": "string"},
-    "max_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "max_tokens": {"type": "integer", "minimum": 0},
     "n": {"type": "integer", "minimum": 1, "maximum": 16},
     "stream": {"type": "boolean"},
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
@@ -50,6 +50,11 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
 }
 
+def _nullable(props: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's optional fields take null for "not given", and so does this server."""
+    return {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in props.items()}
+
+
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
@@ -60,15 +65,24 @@ _MESSAGE = {
 REQUEST_BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {
         "type": "object", "required": ["messages"],
-        "properties": {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_SAMPLING},
+        "properties": {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_nullable(_SAMPLING)},
     },
     "/v1/completions": {
         "type": "object", "required": ["prompt"],
-        "properties": {"prompt": {"oneOf": [{"type": "string"},
-                                            {"type": "array", "minItems": 1, "items": {"type": "string"}}]},
-                       "echo": {"type": "boolean"}, **_SAMPLING},
+        "properties": {"prompt": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "items": {"type": "string"}},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},  # token ids
+            {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                                       "items": {"type": "integer", "minimum": 0}}},
+        ]},
+                       **_nullable({"echo": {"type": "boolean"}, **_SAMPLING})},
     },
 }
+
+
+# routes whose 200 is not JSON (FastAPI documents application/json for a route returning a Response)
+OK_MEDIA_TYPES: dict[str, str] = {"/metrics": "text/plain"}
 
 
 def document_errors(app: FastAPI) -> None:
@@ -86,12 +100,17 @@ def document_errors(app: FastAPI) -> None:
                 responses.pop("422", None)  # FastAPI's validation errors are answered as 400s
                 for status, description in ERROR_STATUSES.items():
                     responses.setdefault(status, {"description": description, "content": error})
+                media = OK_MEDIA_TYPES.get(path)
+                if media is not None:
+                    responses["200"] = {"description": "the answer", "content": {media: {"schema": {"type": "string"}}}}
                 body = REQUEST_BODIES.get(path)
                 if method == "post" and body is not None and "requestBody" not in op:
                     op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
                     ok = responses.setdefault("200", {"description": "the answer"})
                     ok["content"] = {"application/json": {"schema": {"type": "object"}},
-                                     "text/event-stream": {"schema": {"type": "string"}}}
+                                     # each event a chunk object, an error object, or the closing [DONE]
+                                     "text/event-stream": {"schema": {"anyOf": [{"type": "object"},
+                                                                                {"type": "string"}]}}}
         app.openapi_schema = schema
         return schema
 
