@@ -64,6 +64,8 @@ def create_app(
         yield
         # uvicorn has waited for open requests (--shutdown-timeout); what is left gets cancelled
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop, shutdown_timeout)
+        if ctx.parser_pool is not None:
+            ctx.parser_pool.shutdown(cancel_futures=True)
 
     app = FastAPI(title="minfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)

@@ -28,6 +28,7 @@ from minfer.server.protocol import ApiError, GenerationParams, parse_body
 T = TypeVar("T")
 DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
 OFF_LOOP_BYTES = 16 * 1024  # bodies, texts and prompts beyond this are parsed/rendered/tokenized on a thread
+OFF_PROCESS_BYTES = 1024 * 1024  # bodies beyond this are parsed in a helper process (see read_json)
 
 log = logging.getLogger("minfer.server")
 
@@ -52,6 +53,7 @@ class ServerContext:
     names: set[str] = field(default_factory=set)  # what a request's "model" may say
     open_jobs: weakref.WeakSet[Job] = field(default_factory=weakref.WeakSet)  # what a late shutdown cancels
     loop: asyncio.AbstractEventLoop | None = None  # set at the app's startup
+    parser_pool: Any = None  # the helper process of read_json, started by the first very large body
     _max_token_bytes: int = 0
 
     @classmethod
@@ -70,9 +72,18 @@ class ServerContext:
                            param="model", code="model_not_found")
 
     async def read_json(self, request: Request) -> Any:
-        """The body as checked JSON (:func:`~minfer.server.protocol.parse_body`), a large one parsed on a
-        thread so the event loop keeps serving the other requests."""
+        """The body as checked JSON (:func:`~minfer.server.protocol.parse_body`). A large one is parsed on a
+        thread, a very large one in a helper process: ``json.loads`` holds the GIL for all of its run (0.1 s
+        for 10 MB on a quiet core, seconds on a busy machine), which would stall the scheduler thread's
+        decode steps and with them every stream."""
         raw = await request.body()
+        if len(raw) > OFF_PROCESS_BYTES:
+            if self.parser_pool is None:
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
+
+                self.parser_pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            return await asyncio.get_running_loop().run_in_executor(self.parser_pool, parse_body, raw)
         if len(raw) > OFF_LOOP_BYTES:
             return await asyncio.to_thread(parse_body, raw)
         return parse_body(raw)

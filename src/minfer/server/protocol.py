@@ -42,6 +42,9 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def __reduce__(self) -> Any:  # whole across a process boundary (bodies parsed in a helper process)
+        return (ApiError, (self.message, self.status, self.type, self.param, self.code, self.headers))
+
 
 @dataclass
 class GenerationParams:
