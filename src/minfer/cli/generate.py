@@ -25,7 +25,8 @@ CHAT_HELP = """commands:
   /save FILE    save the conversation (transcript and KV cache) to FILE
   /load FILE    resume a conversation saved with /save
   /help         this help
-  /exit         leave (also Ctrl-D)"""
+  /exit, /quit  leave (also Ctrl-D or Ctrl-C at the prompt); an unsaved chat is saved to the cache folder
+Ctrl-C while an answer is being written stops that answer."""
 
 
 def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
@@ -68,12 +69,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        text, add_special = model.render_chat(messages), False
+        text, add_special = model.render_chat(messages), False  # the template writes BOS
     else:
         if args.system:
             raise MinferError("--system needs --chat")
         text, add_special = prompt, True
-    steps = model.stream(text, args.max_tokens, stop=args.stop, logprobs=args.logprobs, add_special=add_special,
+    # -n beyond what the context leaves: stop at its end with finish "length" and say how to get more,
+    # rather than fail on the token that does not fit
+    ids = model.tokenize(text, add_special=add_special)
+    room = model.n_ctx - len(ids) + 1
+    max_tokens, capped = args.max_tokens, False
+    if not args.context_shift and len(ids) <= model.n_ctx and max_tokens > room:
+        max_tokens, capped = room, True
+    steps = model.stream(ids, max_tokens, stop=args.stop, logprobs=args.logprobs, add_special=add_special,
                          context_shift=args.context_shift, n_keep=args.keep,
                          **constraint_kwargs(args), **sampling_kwargs(args))
     if args.echo:
@@ -95,7 +103,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{time.perf_counter() - t0:.2f} s, finish: {stats.finish_reason}",
             file=sys.stderr,
         )
+    if capped and stats is not None and stats.finish_reason == "length":
+        print(f"minfer: -n {args.max_tokens} is more than the context leaves ({room} tokens after the prompt's "
+              f"{len(ids)} in a context of {model.n_ctx}); for more, raise --ctx-size or pass --context-shift",
+              file=sys.stderr)
     return 0
+
+
+def autosave_path() -> str:
+    """Where an unsaved chat is kept on exit: ``<cache folder>/sessions/chat-<time>.session``."""
+    from minfer.pull import cache_dir
+
+    folder = cache_dir() / "sessions"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / time.strftime("chat-%Y%m%d-%H%M%S.session"))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -114,29 +135,54 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"minfer chat with {model.path.name} ({model.cache_type} cache, n_ctx {model.n_ctx}); /help for "
               "commands", file=sys.stderr)
 
+    unsaved = False  # turns since the last /save or /load: offered to keep on the way out
+
     def show(pieces) -> None:
-        for piece in pieces:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        """Print an answer as it comes; Ctrl-C stops the answer, not the chat (the turn is dropped)."""
+        nonlocal unsaved
+        try:
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pieces.close()
+            sys.stdout.write("\n")
+            print("(answer stopped; Ctrl-C again or /quit to end the chat)", file=sys.stderr)
+            return
         sys.stdout.write("\n")
         sys.stdout.flush()
+        unsaved = True
+
+    def leave() -> int:
+        """The chat ends: an unsaved conversation is kept in the cache folder, and the user told where."""
+        if interactive and unsaved and conv.messages:
+            path = autosave_path()
+            try:
+                conv.save(path)
+                print(f"(conversation saved to {path}; resume it with: minfer chat --load {path})", file=sys.stderr)
+            except MinferError as e:
+                print(f"minfer: could not save the conversation: {e}", file=sys.stderr)
+        return 0
 
     while True:
         try:
             line = input("> " if interactive else "")
-        except EOFError:
-            return 0
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                sys.stdout.write("\n")
+            return leave()
         text = line.strip()
         if not text:
             continue
         command, _, arg = text.partition(" ")
         try:
             if command in ("/exit", "/quit"):
-                return 0
+                return leave()
             if command == "/help":
                 print(CHAT_HELP)
             elif command == "/clear":
                 conv.clear()
+                unsaved = False
                 print("(conversation cleared)", file=sys.stderr)
             elif command == "/regen":
                 show(conv.regenerate(args.max_tokens, stream=True, **turn))
@@ -144,11 +190,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 if not arg:
                     raise MinferError("/save needs a file name")
                 conv.save(arg.strip())
+                unsaved = False
                 print(f"(saved to {arg.strip()})", file=sys.stderr)
             elif command == "/load":
                 if not arg:
                     raise MinferError("/load needs a file name")
                 conv = Conversation.load(model, arg.strip())
+                unsaved = False
                 print(f"(loaded {len(conv.messages)} messages)", file=sys.stderr)
             elif command.startswith("/"):
                 raise MinferError(f"unknown command {command} (/help lists them)")

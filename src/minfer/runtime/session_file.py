@@ -462,7 +462,8 @@ def _check_identity(header: dict[str, Any], fingerprint: str | None, cache_type:
         )
     if cache_type is not None and header["cache_type"] != cache_type:
         raise BadRequestError(
-            f"session {shown} was saved with cache type {header['cache_type']}, this model uses {cache_type}"
+            f"session {shown} was saved with cache type {header['cache_type']}, this model uses {cache_type} "
+            f"(load it with --cache-type {header['cache_type']}, or cache_type={header['cache_type']!r} in Python)"
         )
 
 
