@@ -69,6 +69,65 @@ def scale(x: np.ndarray, s: float, out: np.ndarray) -> None:
     np.multiply(x, np.float32(s), out=out)
 
 
+def softcap(x: np.ndarray, cap: float, out: np.ndarray) -> None:
+    """``cap * tanh(x / cap)`` in float32 steps (Gemma 2's soft-capping, as transformers computes it)."""
+    c = np.float32(cap)
+    np.multiply(np.tanh(x / c), c, out=out)
+
+
+def moe_route(logits: np.ndarray, n_used: int, normalize: bool, out: np.ndarray) -> None:
+    """Each token's ``n_used`` experts and their weights from its router logits ``[tokens, n_expert]``: the
+    softmax over every expert (row max subtracted, float64 sum), the highest probabilities first (a tie goes
+    to the lower expert id), renormalized to sum to 1 over the chosen ones when ``normalize``.
+    ``out[:, :k]`` gets the expert ids (exact in float32), ``out[:, k:]`` their weights."""
+    probs = softmax_rows(logits.astype(np.float32, copy=False))
+    ids = np.argsort(-probs, axis=1, kind="stable")[:, :n_used]
+    w = np.take_along_axis(probs, ids, axis=1)
+    if normalize:
+        w = (w / w.sum(axis=1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    out[:, :n_used] = ids
+    out[:, n_used:] = w
+
+
+def expert_assignments(route: np.ndarray, n_expert: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``(expert, token rows, weight of each)`` for every expert some token of the batch chose, in expert order:
+    the batch grouped by expert, so each expert's weights are read once per pass."""
+    k = route.shape[1] // 2
+    ids = route[:, :k].astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        raise ValueError(f"expert id out of range 0..{n_expert - 1}")
+    out = []
+    for e in np.unique(ids).tolist():
+        rows, slot = np.nonzero(ids == e)
+        out.append((int(e), rows, route[rows, k + slot]))
+    return out
+
+
+def moe_experts(x: np.ndarray, route: np.ndarray, gate, up, down, out: np.ndarray, matmul_fns=None) -> int:
+    """``out[t] = sum over t's experts e (in expert order) of w_te * down_e(silu(gate_e x_t) * up_e x_t)``.
+
+    ``gate``/``up``/``down`` hold one prepared matrix per expert; ``matmul_fns`` the three ``fn(x, w, out)`` that
+    multiply by one of each kind (default: :func:`matmul`).
+    Only the chosen experts' matrices are read, each once for all the tokens that chose it. Returns the
+    bytes of expert weights read."""
+    out[:] = 0.0
+    read = 0
+    mm_gate, mm_up, mm_down = matmul_fns or (matmul, matmul, matmul)
+    n_ff = getattr(gate[0], "tensor", gate[0]).shape[0]  # a matrix as the fast kernels prepared it holds its tensor
+    for e, rows, w in expert_assignments(route, len(gate)):
+        xe = np.ascontiguousarray(x[rows])
+        g = np.empty((len(rows), n_ff), np.float32)
+        u = np.empty_like(g)
+        mm_gate(xe, gate[e], g)
+        mm_up(xe, up[e], u)
+        swiglu(g, u, g)
+        d = np.empty((len(rows), out.shape[1]), np.float32)
+        mm_down(g, down[e], d)
+        out[rows] += w[:, None] * d
+        read += sum(int(getattr(getattr(m, "tensor", m), "nbytes", 0)) for m in (gate[e], up[e], down[e]))
+    return read
+
+
 def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
     rms_norm(x, eps, width, out)
     mul(out, gain, out)
@@ -214,6 +273,8 @@ def attention(
     kh = k_region[lo:nkv].reshape(n, meta.n_head_kv, meta.head_dim_k).transpose(1, 2, 0)  # [hk, d, s]
     vh = v_region[lo:nkv].reshape(n, meta.n_head_kv, meta.head_dim_v).transpose(1, 0, 2)  # [hk, s, dv]
     scores = np.matmul(qh, kh[:, None]) * np.float32(meta.scale)  # [hk, g, t, s]
+    if meta.softcap > 0:
+        softcap(scores, meta.softcap, scores)
     rows = np.arange(lo, nkv)[None, :]
     masked = rows > positions[:, None]  # [t, s]: the window is the mask
     if meta.window > 0:
