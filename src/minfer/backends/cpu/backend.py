@@ -153,6 +153,7 @@ class CPUBackend:
             from minfer.backends.cpu import (
                 attention,
                 elementwise,
+                iquant_matmul,
                 kquant_matmul,
                 norms,
                 quant_matmul,
@@ -162,6 +163,7 @@ class CPUBackend:
             self._norms, self._ew, self._rope, self._attn = norms, elementwise, rope, attention
             self._qm = quant_matmul
             self._kq = kquant_matmul  # compiled on first use (Q5_0/Q5_1 and the K-quants)
+            self._iq = iquant_matmul  # compiled on first use (IQ4_NL, IQ4_XS, MXFP4)
             for module in (norms, elementwise, rope, attention, quant_matmul):
                 module.warmup()
         elif threads > 1:
@@ -195,6 +197,8 @@ class CPUBackend:
                 prepared = self._qm.prepare(tensor)
             elif self._kq.supports(tensor.ggml_type):
                 prepared = self._kq.prepare(tensor)
+            elif self._iq.supports(tensor.ggml_type):
+                prepared = self._iq.prepare(tensor)
             self._prepared[id(tensor)] = (tensor, prepared)
             return prepared
         return tensor
@@ -235,6 +239,8 @@ class CPUBackend:
                 return self._qm.matmul
             if self._kq.supports(w.ggml_type):
                 return self._kq.matmul
+            if self._iq.supports(w.ggml_type):
+                return self._iq.matmul
         q8 = self.kernels == "reference-q8" and w.ggml_type in Q8_ACTIVATION_TYPES
         return lambda x, w, out: self._reference_matmul(None, out, ref.round_activations_q8(x) if q8 else x, w)
 
@@ -281,6 +287,8 @@ class CPUBackend:
                 mm = qm.matmul
             elif self._kq.supports(w.ggml_type):
                 mm = self._kq.matmul  # Q5_0/Q5_1 and the K-quants (compiled on first use)
+            elif self._iq.supports(w.ggml_type):
+                mm = self._iq.matmul  # IQ4_NL, IQ4_XS, MXFP4 (compiled on first use)
             else:
                 return self._reference_matmul
             if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
