@@ -248,10 +248,11 @@ class CPUBackend:
         """The batch's tokens grouped by expert; each chosen expert's three matrices multiplied once for the
         tokens that chose it, with the matmul kernels of their block type (only those experts' rows are read)."""
         fns = tuple(self._matmul_fn(i.source.experts[0]) for i in node.inputs[2:])
+        act = self._ew.swiglu if self.kernels == "fast" else ref.swiglu
         reads = self.expert_reads
 
         def moe(node: Node, out, x, route, gate, up, down) -> None:
-            reads.bytes += ref.moe_experts(x, route, gate, up, down, out, fns)
+            reads.bytes += ref.moe_experts(x, route, gate, up, down, out, fns, act)
             reads.experts += 3 * len(ref.expert_assignments(route, len(gate)))
 
         return moe

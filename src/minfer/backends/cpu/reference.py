@@ -40,7 +40,8 @@ def add(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
 
 
 def silu(x: np.ndarray, out: np.ndarray) -> None:
-    np.divide(x, 1.0 + np.exp(-x), out=out)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x < -88: x / inf = -0, silu's limit
+        np.divide(x, 1.0 + np.exp(-x), out=out)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
@@ -103,16 +104,19 @@ def expert_assignments(route: np.ndarray, n_expert: int) -> list[tuple[int, np.n
     return out
 
 
-def moe_experts(x: np.ndarray, route: np.ndarray, gate, up, down, out: np.ndarray, matmul_fns=None) -> int:
+def moe_experts(x: np.ndarray, route: np.ndarray, gate, up, down, out: np.ndarray, matmul_fns=None,
+                swiglu_fn=None) -> int:
     """``out[t] = sum over t's experts e (in expert order) of w_te * down_e(silu(gate_e x_t) * up_e x_t)``.
 
     ``gate``/``up``/``down`` hold one prepared matrix per expert; ``matmul_fns`` the three ``fn(x, w, out)`` that
-    multiply by one of each kind (default: :func:`matmul`).
+    multiply by one of each kind (default: :func:`matmul`), ``swiglu_fn(gate, up, out)`` the activation (default:
+    :func:`swiglu`).
     Only the chosen experts' matrices are read, each once for all the tokens that chose it. Returns the
     bytes of expert weights read."""
     out[:] = 0.0
     read = 0
     mm_gate, mm_up, mm_down = matmul_fns or (matmul, matmul, matmul)
+    act = swiglu_fn or swiglu
     n_ff = getattr(gate[0], "tensor", gate[0]).shape[0]  # a matrix as the fast kernels prepared it holds its tensor
     for e, rows, w in expert_assignments(route, len(gate)):
         xe = np.ascontiguousarray(x[rows])
@@ -120,7 +124,7 @@ def moe_experts(x: np.ndarray, route: np.ndarray, gate, up, down, out: np.ndarra
         u = np.empty_like(g)
         mm_gate(xe, gate[e], g)
         mm_up(xe, up[e], u)
-        swiglu(g, u, g)
+        act(g, u, g)
         d = np.empty((len(rows), out.shape[1]), np.float32)
         mm_down(g, down[e], d)
         out[rows] += w[:, None] * d
