@@ -170,17 +170,22 @@ def test_decode_reads_only_the_chosen_experts(arch, kernels, tmp_path):
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_prefill_of_64_tokens_equals_64_decodes(arch, threads):
-    """The prefill groups its tokens by expert (each expert's weights read once for all of them); a decode step
-    runs the same float operations per row: bit-equal. The prefill reads each chosen expert once."""
+def test_prefill_of_64_tokens_equals_64_decodes(arch, threads, tmp_path):
+    """The prefill groups its tokens by expert: each expert some token chose is read once per layer (the byte
+    counter equals the distinct chosen experts' bytes, from the trace's routing); a decode step runs the same
+    float operations per row: bit-equal."""
     rng = np.random.default_rng(5)
     seq = [0] + rng.integers(3, 512, 63).tolist()
-    model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, threads=threads)
+    path = tmp_path / "trace.jsonl"
+    model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, threads=threads, trace=path)
     runner, reads = model.runner, model.runner.backend.expert_reads
     reads.reset()
     full = runner.forward(seq, range(64))
-    hp = model.hparams
-    assert reads.experts <= 3 * hp.n_layer * hp.n_expert  # each expert's matrices at most once per layer
+    model.tracer.close()
+    hp, tensors = model.hparams, model.transformer.tensors
+    per_expert = sum(tensors[f"blk.0.ffn_{k}_exps.weight"].experts[0].nbytes for k in ("gate", "up", "down"))
+    distinct = sum(len({e for row in experts for e in row}) for experts, _ in _routes(path)[0].values())
+    assert reads.bytes == distinct * per_expert < 64 * hp.n_layer * hp.n_expert_used * per_expert
     model = minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=64, threads=threads)
     rows = [model.runner.forward([t], [p]) for p, t in enumerate(seq)]
     np.testing.assert_array_equal(np.concatenate(rows), full)
@@ -211,3 +216,15 @@ def test_hf_expert_count_disagreeing_with_the_folder_is_refused(tmp_path):
     with pytest.raises(MinferError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.gate\.weight' holds 4 experts "
                                           r"but .*config\.json: num_local_experts is 3"):
         minfer.load(folder, n_ctx=16)
+
+
+def test_inspect_names_the_features():
+    from minfer.tools.model_summary import summarize
+
+    def features(arch):
+        return summarize(minfer.load(fixture_dir(arch) / "model-f32.gguf", n_ctx=16).transformer)["features"]
+
+    assert "mixture of experts (8 experts of width 32, 2 per token, weights renormalized)" in features("qwen3moe")
+    assert "soft-capping (attention 5, logits 3)" in features("gemma2")
+    assert "residual x 0.5, logits / 2.5" in features("granite")
+    assert "rope scaling (longrope)" in features("phi3")
