@@ -1,5 +1,5 @@
 """Build the tiny random-weight fixtures of the families added after the first five: ``granite``, ``phi3``,
-``gemma2``, ``qwen3moe`` and ``mixtral``, in ``tests/fixtures/<name>``.
+``gemma2``, ``qwen3moe``, ``qwen2moe`` and ``mixtral``, in ``tests/fixtures/<name>``.
 
 A sibling of ``make_fixtures.py`` (whose helpers it reuses: the q/k permutation of llama.cpp's converter, the
 tokenizer as GGUF fields), run in the reference environment (torch 2.13.0 CPU, transformers 5.24.0, gguf 0.19.0)::
@@ -121,6 +121,12 @@ SPECS: dict[str, Spec] = {
          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
         seed=2307, min_router_gap=2e-3,
     ),
+    "qwen2moe": Spec(
+        "qwen2moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2moe",
+        {**_BASE, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+        seed=2311, min_router_gap=2e-3,
+    ),
     "mixtral": Spec(
         "mixtral", "MixtralConfig", "MixtralForCausalLM", "llama",
         {**_BASE, "intermediate_size": 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 4,
@@ -143,6 +149,8 @@ def build_model(spec: Spec) -> Any:
             if p.ndim == 1:
                 mean = 0.0 if spec.norm_offset else 1.0
                 p.copy_(torch.randn(p.shape) * 0.2 + mean)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape) * 0.3)
             elif name.endswith("gate.weight") and ("mlp" in name or "block_sparse_moe" in name):
                 p.copy_(torch.randn(p.shape) * spec.router_std)
             else:
@@ -211,7 +219,7 @@ def gguf_tensors(spec: Spec, cfg: Any, hf: dict[str, np.ndarray]) -> dict[str, n
         elif spec.permute_qk and hf_name.endswith("k_proj.weight"):
             t = mf.permute_qk(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         parts = hf_name.split(".")
-        if "experts" in parts:  # model.layers.{il}.mlp.experts.{e}.gate_proj.weight -> stacked by the converter
+        if "experts" in parts and "shared_expert" not in parts:  # model.layers.{il}.mlp.experts.{e}.gate_proj.weight -> stacked by the converter
             il, e = int(parts[2]), int(parts[parts.index("experts") + 1])
             kind = parts[parts.index("experts") + 2]
             stacked = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
@@ -276,6 +284,11 @@ def write_gguf(path: Path, spec: Spec, cfg: Any, tensors: dict[str, np.ndarray])
         wr.add_expert_count(cfg.num_experts)
         wr.add_expert_used_count(cfg.num_experts_per_tok)
         wr.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if spec.name == "qwen2moe":
+        wr.add_expert_count(cfg.num_experts)
+        wr.add_expert_used_count(cfg.num_experts_per_tok)
+        wr.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        wr.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if spec.name == "mixtral":
         wr.add_expert_count(cfg.num_local_experts)
         wr.add_expert_used_count(cfg.num_experts_per_tok)
@@ -328,7 +341,7 @@ def make_fixture(spec: Spec, out: Path, llamacpp: str | None) -> dict[str, Any]:
         long_seq = [0] + rng.integers(3, cfg.vocab_size, LONG_LENGTH - 1).tolist()
         tokens["long_sequence"] = long_seq
         np.save(out / "logits_long.npy", hf_logits(model, long_seq))
-    if spec.name in ("qwen3moe", "mixtral"):
+    if spec.name in ("qwen3moe", "qwen2moe", "mixtral"):
         mf._dump_json(out / "routing.json", routing)
         meta["routing_min_logit_gap"] = routing["min_logit_gap_kth_vs_next"]
     mf._dump_json(out / "tokens.json", tokens)
@@ -366,6 +379,11 @@ ABOUT = {
                 "`Qwen3MoeModel` writes it: experts stacked into `ffn_{gate,up,down}_exps`, `expert_count`, "
                 "`expert_used_count`, `expert_feed_forward_length`. The HF folder has one tensor per expert "
                 "(`mlp.experts.{e}.gate_proj.weight`, ...).",
+    "qwen2moe": "`Qwen2MoeForCausalLM`: hidden 64, 2 layers, 4 query / 2 kv heads of 16 with q/k/v biases, 8 experts "
+                "of width 32, 2 per token with their softmax weights as they are (`norm_topk_prob` false, as "
+                "llama.cpp's qwen2moe assumes), a shared expert of width 48 gated by sigmoid(w · x), rope 1e6, "
+                "untied. GGUF as `Qwen2MoeModel` writes it: experts stacked, `ffn_{gate,up,down}_shexp`, "
+                "`ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`.",
     "mixtral": "`MixtralForCausalLM`: hidden 64, 2 layers, 4 query / 2 kv heads of 16, 4 experts of width 32, 2 per "
                "token (weights renormalized), rope 1e6, untied. GGUF as `LlamaModel` writes it (architecture "
                "`llama`): q/k rows permuted, experts stacked, `llama.expert_count` / `expert_used_count`. The HF "

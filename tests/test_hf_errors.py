@@ -72,7 +72,7 @@ def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
     _edit_config(folder, model_type="mamba")
     _raises(folder, ModelError, r"config\.json: unsupported model_type 'mamba' "
                                 r"\(supported: gemma2, gemma3_text, granite, llama, mixtral, olmo2, phi3, qwen2, "
-                                r"qwen3, qwen3_moe\)")
+                                r"qwen2_moe, qwen3, qwen3_moe\)")
 
 
 def test_unsupported_head_class(tmp_path):

@@ -147,6 +147,11 @@ class Architecture:
             shapes[p + "ffn_gate_exps.weight"] = (hp.n_expert, hp.n_ff_exp, hp.n_embd)
             shapes[p + "ffn_up_exps.weight"] = (hp.n_expert, hp.n_ff_exp, hp.n_embd)
             shapes[p + "ffn_down_exps.weight"] = (hp.n_expert, hp.n_embd, hp.n_ff_exp)
+            if hp.n_ff_shexp:
+                shapes[p + "ffn_gate_shexp.weight"] = (hp.n_ff_shexp, hp.n_embd)
+                shapes[p + "ffn_up_shexp.weight"] = (hp.n_ff_shexp, hp.n_embd)
+                shapes[p + "ffn_down_shexp.weight"] = (hp.n_embd, hp.n_ff_shexp)
+                shapes[p + "ffn_gate_inp_shexp.weight"] = (1, hp.n_embd)
         else:
             shapes[p + "ffn_gate.weight"] = (hp.n_ff, hp.n_embd)
             shapes[p + "ffn_up.weight"] = (hp.n_ff, hp.n_embd)

@@ -140,5 +140,8 @@ def moe_ffn(b: GraphBuilder, w, h: Node, p: str, il: int, hp: HParams) -> Node:
     meta = MoeMeta(il, hp.n_expert, hp.n_expert_used, hp.expert_weights_norm)
     logits = b.matmul(h, w(p + "ffn_gate_inp.weight"), name=p + "ffn_router", layer=il)
     route = b.moe_route(logits, meta, name=p + "ffn_route")
+    shared = None
+    if hp.n_ff_shexp:  # Qwen2-MoE's shared expert, gated per token
+        shared = tuple(w(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down", "gate_inp"))
     return b.moe_experts(h, route, w(p + "ffn_gate_exps.weight"), w(p + "ffn_up_exps.weight"),
-                         w(p + "ffn_down_exps.weight"), meta, name=p + "ffn_moe")
+                         w(p + "ffn_down_exps.weight"), meta, name=p + "ffn_moe", shared=shared)

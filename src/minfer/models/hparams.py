@@ -46,6 +46,7 @@ class HParams:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     expert_weights_norm: bool = False
+    n_ff_shexp: int = 0  # a shared expert every token also runs, gated by sigmoid(w · x) (Qwen2-MoE); 0 = none
 
     def is_swa(self, il: int) -> bool:
         """Whether layer ``il`` is a sliding-window layer."""
@@ -127,6 +128,7 @@ def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
         raise ModelError(f"{f.path}: {key('expert_used_count')} {n_expert_used} must be between 1 and "
                          f"{key('expert_count')} {n_expert}")
     n_ff_exp = int(f.get(key("expert_feed_forward_length"), n_ff)) if n_expert else 0
+    n_ff_shexp = int(f.get(key("expert_shared_feed_forward_length"), 0)) if n_expert else 0
 
     freq_base = float(f.get(key("rope.freq_base"), 10000.0))
     scaling = rope_scaling_from_gguf(f, n_rot, n_ctx_train)
@@ -152,6 +154,7 @@ def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
         n_expert=n_expert,
         n_expert_used=n_expert_used if n_expert else 0,
         n_ff_exp=n_ff_exp,
+        n_ff_shexp=n_ff_shexp,
         # llama.cpp renormalizes the chosen experts' weights for llama (Mixtral) and qwen3moe files
         expert_weights_norm=bool(f.get(key("expert_weights_norm"), True)) if n_expert else False,
     )

@@ -247,13 +247,16 @@ class CPUBackend:
     def _moe_experts_kernel(self, node: Node) -> Callable[..., None]:
         """The batch's tokens grouped by expert; each chosen expert's three matrices multiplied once for the
         tokens that chose it, with the matmul kernels of their block type (only those experts' rows are read)."""
-        fns = tuple(self._matmul_fn(i.source.experts[0]) for i in node.inputs[2:])
+        fns = tuple(self._matmul_fn(i.source.experts[0]) for i in node.inputs[2:5])
+        shared_fns = tuple(self._matmul_fn(i.source) for i in node.inputs[5:])
         act = self._ew.swiglu if self.kernels == "fast" else ref.swiglu
         reads = self.expert_reads
 
-        def moe(node: Node, out, x, route, gate, up, down) -> None:
+        def moe(node: Node, out, x, route, gate, up, down, *shared) -> None:
             reads.bytes += ref.moe_experts(x, route, gate, up, down, out, fns, act)
             reads.experts += 3 * len(ref.expert_assignments(route, len(gate)))
+            if shared:
+                reads.bytes += ref.shared_expert(x, *shared, out, shared_fns, act)
 
         return moe
 

@@ -132,6 +132,26 @@ def moe_experts(x: np.ndarray, route: np.ndarray, gate, up, down, out: np.ndarra
     return read
 
 
+def shared_expert(x: np.ndarray, gate, up, down, gate_inp, out: np.ndarray, matmul_fns=None, swiglu_fn=None) -> int:
+    """``out += sigmoid(gate_inp · x) * down(silu(gate x) * up x)`` for every token (Qwen2-MoE's shared expert,
+    in float32 as transformers computes it); returns the bytes of weights read."""
+    mm_gate, mm_up, mm_down, mm_inp = matmul_fns or (matmul, matmul, matmul, matmul)
+    n_tok, n_ff = x.shape[0], getattr(gate, "tensor", gate).shape[0]
+    g = np.empty((n_tok, n_ff), np.float32)
+    u = np.empty_like(g)
+    mm_gate(x, gate, g)
+    mm_up(x, up, u)
+    (swiglu_fn or swiglu)(g, u, g)
+    d = np.empty_like(out)
+    mm_down(g, down, d)
+    s = np.empty((n_tok, 1), np.float32)
+    mm_inp(x, gate_inp, s)
+    with np.errstate(over="ignore"):
+        s = np.float32(1.0) / (np.float32(1.0) + np.exp(-s))
+    out += s * d
+    return sum(int(getattr(getattr(m, "tensor", m), "nbytes", 0)) for m in (gate, up, down, gate_inp))
+
+
 def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
     rms_norm(x, eps, width, out)
     mul(out, gain, out)
