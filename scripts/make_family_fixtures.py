@@ -219,7 +219,8 @@ def gguf_tensors(spec: Spec, cfg: Any, hf: dict[str, np.ndarray]) -> dict[str, n
         elif spec.permute_qk and hf_name.endswith("k_proj.weight"):
             t = mf.permute_qk(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         parts = hf_name.split(".")
-        if "experts" in parts and "shared_expert" not in parts:  # model.layers.{il}.mlp.experts.{e}.gate_proj.weight -> stacked by the converter
+        if "experts" in parts and "shared_expert" not in parts:
+            # model.layers.{il}.mlp.experts.{e}.gate_proj.weight: stacked by the converter
             il, e = int(parts[2]), int(parts[parts.index("experts") + 1])
             kind = parts[parts.index("experts") + 2]
             stacked = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",

@@ -1,5 +1,6 @@
-"""The families added after the first five: Granite, Phi-3, Gemma 2 and the mixtures of experts Qwen3-MoE,
-Qwen2-MoE (with a shared expert) and Mixtral, each a tiny random-weight fixture made by ``scripts/make_family_fixtures.py``.
+"""The families added after the first five: Granite, Phi-3, Gemma 2 and the mixtures of experts
+Qwen3-MoE, Qwen2-MoE (with a shared expert) and Mixtral, each a tiny random-weight fixture made by
+``scripts/make_family_fixtures.py``.
 
 DESIGN.md's contract for each: max |logit - transformers' fp32 logit| <= 1e-4 at every position, from GGUF F32
 and from the HF folder, at 1 and 2 threads (bit-identical between them). For the experts: a decode step reads
