@@ -19,6 +19,7 @@ from conftest import FAMILY_ARCHS, copy_hf_folder, derive_gguf, fixture_dir, fix
 
 import minfer
 from minfer.errors import MinferError
+from minfer.formats.quants import GGMLType
 
 TOL = 1e-4
 MOE_ARCHS = ["qwen3moe", "qwen2moe", "mixtral"]
@@ -241,3 +242,16 @@ def test_inspect_names_the_features():
     assert "residual x 0.5, logits / 2.5" in features("granite")
     assert "rope scaling (longrope)" in features("phi3")
     assert "mixture of experts (8 experts of width 32, 2 per token, shared expert of width 48)" in features("qwen2moe")
+
+
+@pytest.mark.parametrize("source", ["model-f32.gguf", "hf"])
+def test_quantize_at_load_quantizes_each_expert(source):
+    """``quantize="q8_0"`` reaches the experts (one Q8_0 matrix each); the logits stay close to fp32's."""
+    from minfer.formats.gguf_file import ExpertTensors
+
+    model = minfer.load(fixture_dir("qwen3moe") / source, n_ctx=64, quantize="q8_0")
+    stacks = [t for t in model.transformer.tensors.values() if isinstance(t, ExpertTensors)]
+    assert stacks and all(e.ggml_type is GGMLType.Q8_0 for s in stacks for e in s.experts)
+    seq = fixture_sequences("qwen3moe")[2]
+    want = fixture_logits("qwen3moe", 2)
+    assert float(np.linalg.norm(model.logits(seq) - want) / np.linalg.norm(want)) < 0.05

@@ -92,12 +92,16 @@ class TransformerModel:
 
     def quantize(self, qtype: str, threads: int | None = None) -> None:
         """Quantize every float matrix to ``qtype`` (``q8_0`` or ``q4_k``) in memory, as
-        :mod:`minfer.formats.quantize` describes; 1-D tensors (norms, biases) stay as they are."""
+        :mod:`minfer.formats.quantize` describes; 1-D tensors (norms, biases) stay as they are, and each
+        expert's matrix of a mixture of experts is quantized on its own."""
         from minfer.formats.quantize import quantize_tensor, quantize_type
 
         target = quantize_type(qtype)
         for name, t in self.tensors.items():
-            if len(t.shape) == 2:
+            if isinstance(t, ExpertTensors):
+                self.tensors[name] = ExpertTensors(name, tuple(quantize_tensor(e, target, threads=threads)
+                                                               for e in t.experts))
+            elif len(t.shape) == 2:
                 self.tensors[name] = quantize_tensor(t, target, threads=threads)
         self.quantized = qtype.lower()
 
