@@ -9,6 +9,13 @@ it fits in memory, and the llama fixture's 512-token vocabulary (the output matr
 Matrices are random valid Q8_0 blocks (random int8 values, f16 scale 2^-10); the router and the norms are F32
 (the router N(0, 1), so tokens spread over the experts). A decode step reads 8 of the 128 experts per layer:
 the bench reports the bytes one token reads (``weights read per token``, and the MoE kernels' own count).
+
+Seen on 2026-12-02 (2 layers, Q8_0, 1266 MiB; the 2 vCPUs shared with other jobs at a load average of 10-13,
+so these are contended figures): weights read per token 117.9 MiB, of which the experts 76.5 MiB by the
+kernels' count (8 of 128 experts x 3 matrices x 2 layers); 1 thread: minfer pp64 63.9 t/s, tg16 12.7 t/s;
+llama.cpp (llama-cpp-python 0.3.36) pp64 27.8 t/s, tg16 9.1 t/s. At 2 threads both collapsed under the
+contention (minfer tg16 0.8 t/s, llama.cpp 2.4 t/s): numba's parallel launches suffer most when the cores are
+taken.
 """
 
 from __future__ import annotations
