@@ -13,7 +13,7 @@ interpreter with ``llama_cpp`` installed), each F32 GGUF is also run by llama.cp
 
 Recipe (per fixture, the constants in ``SPECS``):
 
-1. Config: the transformers config class with the fields in ``SPECS`` (tiny: hidden 32-64, 2-4 layers,
+1. Config: the transformers config class with the fields in ``SPECS`` (tiny: hidden 32, 2-4 layers,
    4 query heads, 2 kv heads); the byte-level BPE tokenizer of ``tests/fixtures/llama`` (vocabulary 512).
 2. Weights: ``torch.manual_seed(seed)``, then per parameter in order ``randn * std + mean``: matrices and
    expert stacks (0, 0.15), routers (0, ``router_std``), norm gains (1, 0.2) or for Gemma (0, 0.2) (its RMSNorm
@@ -76,8 +76,8 @@ class Spec:
 
 
 _BASE: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -90,8 +90,8 @@ _BASE: dict[str, Any] = {
 }
 
 _RNG = np.random.default_rng(7)
-PHI3_SHORT = [round(float(v), 4) for v in _RNG.uniform(1.0, 3.0, 8)]
-PHI3_LONG = [round(float(v), 4) for v in _RNG.uniform(2.0, 12.0, 8)]
+PHI3_SHORT = [round(float(v), 4) for v in _RNG.uniform(1.0, 3.0, 4)]  # head dim 8: 4 rotating pairs
+PHI3_LONG = [round(float(v), 4) for v in _RNG.uniform(2.0, 12.0, 4)]
 
 SPECS: dict[str, Spec] = {
     "granite": Spec(
@@ -109,7 +109,7 @@ SPECS: dict[str, Spec] = {
     ),
     "gemma2": Spec(
         "gemma2", "Gemma2Config", "Gemma2ForCausalLM", "gemma2",
-        {**_BASE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "head_dim": 16,
+        {**_BASE, "num_hidden_layers": 4, "head_dim": 16,
          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 6, "query_pre_attn_scalar": 16,
          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "tie_word_embeddings": True,
          "hidden_activation": "gelu_pytorch_tanh"},
@@ -358,13 +358,13 @@ def make_fixture(spec: Spec, out: Path, llamacpp: str | None) -> dict[str, Any]:
 
 
 ABOUT = {
-    "granite": "`GraniteForCausalLM`: hidden 64, 2 layers, 4 query / 2 kv heads of 16, ffn 128, embedding "
-               "multiplier 3, residual multiplier 0.5, attention multiplier 0.15 (instead of 1/sqrt(16)), "
+    "granite": "`GraniteForCausalLM`: hidden 32, 2 layers, 4 query / 2 kv heads of 8, ffn 64, embedding "
+               "multiplier 3, residual multiplier 0.5, attention multiplier 0.15 (instead of 1/sqrt(8)), "
                "logits scaling 2.5, "
                "rope 1e4, untied. GGUF as `GraniteModel` (a `LlamaModel`) writes it: q/k rows permuted, "
                "`granite.embedding_scale` / `residual_scale` / `attention.scale` / `logit_scale`.",
-    "phi3": "`Phi3ForCausalLM`: hidden 64, 2 layers, 4 query / 2 kv heads of 16, ffn 128 (fused gate_up), fused "
-            "qkv, LongRoPE with 8 short factors in [1, 3] and 8 long ones in [2, 12], original context 64 of 256 "
+    "phi3": "`Phi3ForCausalLM`: hidden 32, 2 layers, 4 query / 2 kv heads of 8, ffn 64 (fused gate_up), fused "
+            "qkv, LongRoPE with 4 short factors in [1, 3] and 4 long ones in [2, 12], original context 64 of 256 "
             "(attention factor sqrt(1 + ln 4 / ln 64)), rope 1e4, untied. GGUF as `Phi3MiniModel` writes it: "
             "`attn_qkv` and the gate_up `ffn_up` kept fused, `rope_factors_long/short.weight`, "
             "`rope.scaling.attn_factor`, `rope.scaling.original_context_length`. `long_sequence` / "
@@ -375,17 +375,17 @@ ABOUT = {
               "assumes), attention soft-capping 5, final soft-capping 3, embeddings x sqrt(32), post norms, tanh "
               "GELU, tied. GGUF as `Gemma2Model` writes it: norm gains + 1, `gemma2.attention.sliding_window`, "
               "`gemma2.attn_logit_softcapping`, `gemma2.final_logit_softcapping`.",
-    "qwen3moe": "`Qwen3MoeForCausalLM`: hidden 64, 2 layers, 4 query / 2 kv heads of 16, per-head q/k RMSNorm, "
+    "qwen3moe": "`Qwen3MoeForCausalLM`: hidden 32, 2 layers, 4 query / 2 kv heads of 16, per-head q/k RMSNorm, "
                 "8 experts of width 32, 2 per token, `norm_topk_prob` true, rope 1e6, untied. GGUF as "
                 "`Qwen3MoeModel` writes it: experts stacked into `ffn_{gate,up,down}_exps`, `expert_count`, "
                 "`expert_used_count`, `expert_feed_forward_length`. The HF folder has one tensor per expert "
                 "(`mlp.experts.{e}.gate_proj.weight`, ...).",
-    "qwen2moe": "`Qwen2MoeForCausalLM`: hidden 64, 2 layers, 4 query / 2 kv heads of 16 with q/k/v biases, 8 experts "
+    "qwen2moe": "`Qwen2MoeForCausalLM`: hidden 32, 2 layers, 4 query / 2 kv heads of 8 with q/k/v biases, 8 experts "
                 "of width 32, 2 per token with their softmax weights as they are (`norm_topk_prob` false, as "
                 "llama.cpp's qwen2moe assumes), a shared expert of width 48 gated by sigmoid(w · x), rope 1e6, "
                 "untied. GGUF as `Qwen2MoeModel` writes it: experts stacked, `ffn_{gate,up,down}_shexp`, "
                 "`ffn_gate_inp_shexp`, `expert_shared_feed_forward_length`.",
-    "mixtral": "`MixtralForCausalLM`: hidden 64, 2 layers, 4 query / 2 kv heads of 16, 4 experts of width 32, 2 per "
+    "mixtral": "`MixtralForCausalLM`: hidden 32, 2 layers, 4 query / 2 kv heads of 8, 4 experts of width 32, 2 per "
                "token (weights renormalized), rope 1e6, untied. GGUF as `LlamaModel` writes it (architecture "
                "`llama`): q/k rows permuted, experts stacked, `llama.expert_count` / `expert_used_count`. The HF "
                "folder has `block_sparse_moe.experts.{e}.w1/w2/w3.weight`.",

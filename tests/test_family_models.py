@@ -60,7 +60,7 @@ def test_granite_multipliers():
     for source in ("model-f32.gguf", "hf"):
         hp = minfer.load(fixture_dir("granite") / source, n_ctx=16).hparams
         assert (hp.embd_scale, hp.residual_scale, hp.logit_scale) == (3.0, 0.5, 2.5)
-        assert hp.attn_scale == pytest.approx(0.15)  # not 1/sqrt(head_dim) = 0.25
+        assert hp.attn_scale == pytest.approx(0.15)  # not 1/sqrt(head_dim) = 0.354
 
 
 def test_gemma2_layout():
