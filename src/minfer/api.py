@@ -23,8 +23,9 @@ from minfer.models.model import TransformerModel
 from minfer.pull import resolve_model
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
-from minfer.runtime.engine import EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.engine import EmbeddingRequest, EngineConfig, GenerationRequest, build_engine
 from minfer.runtime.perplexity import PerplexityResult, perplexity
+from minfer.runtime.pooling import Pooling, check_pooling, model_pooling
 from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.trace.dump import Dumper
@@ -132,6 +133,54 @@ class Model:
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
         return self.runner.forward(ids, range(len(ids)))
+
+    # -- embeddings ------------------------------------------------------------------------------
+
+    @property
+    def pooling(self) -> Pooling:
+        """The pooling embeddings get by default: the GGUF's ``<arch>.pooling_type``, else ``mean``."""
+        if self.transformer.gguf is None:
+            return "mean"
+        return model_pooling(self.transformer.metadata, self.hparams.arch)
+
+    def embed_inputs(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """The token ids of each input: a string, a list of strings, a list of token ids or a list of such
+        lists (strings are tokenized with the model's special tokens, BOS included where it wants one)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        items = list(texts)
+        if not items:
+            raise BadRequestError("the input is empty: give a string, token ids, or a list of them")
+        if all(_is_token(t) for t in items):
+            items = [items]  # one list of token ids
+        out: list[list[int]] = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                ids = self.tokenize(item, add_special=True)
+            elif isinstance(item, Sequence) and all(_is_token(t) for t in item):
+                ids = list(item)
+            else:
+                raise BadRequestError(f"input {i} is neither a string nor a list of token ids: {item!r:.60}")
+            if not ids:
+                raise BadRequestError(f"input {i} is empty (no tokens to embed)")
+            out.append(ids)
+        return out
+
+    def embed(
+        self,
+        texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling: Pooling | None = None,
+        normalize: bool = True,
+    ) -> np.ndarray | list[np.ndarray]:
+        """Embeddings of ``texts`` (see :meth:`embed_inputs`): ``[n_inputs, n_embd]`` float32, pooled from
+        the final-normed hidden states (``pooling``: ``mean`` over every position, BOS included, ``cls``
+        the first, ``last`` the last; default :attr:`pooling`), L2-normalised unless ``normalize=False``.
+        ``pooling="none"``: a list of ``[n_tokens, n_embd]`` arrays, one vector per token, not normalised."""
+        pooling = check_pooling(pooling) if pooling is not None else self.pooling
+        requests = [EmbeddingRequest(ids, pooling, normalize) for ids in self.embed_inputs(texts)]
+        self.engine.cancel_all()  # one caller at a time, as for generation
+        vectors = self.engine.embed(requests)
+        return vectors if pooling == "none" else np.stack(vectors)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -276,6 +325,9 @@ class Model:
             if bar is not None:
                 bar.close()
 
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int | np.integer) and not isinstance(t, bool)
 
 
 def load(
