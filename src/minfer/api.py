@@ -156,6 +156,8 @@ class Model:
         out: list[list[int]] = []
         for i, item in enumerate(items):
             if isinstance(item, str):
+                if not item:
+                    raise BadRequestError(f"input {i} is an empty string (nothing to embed)")
                 ids = self.tokenize(item, add_special=True)
             elif isinstance(item, Sequence) and all(_is_token(t) for t in item):
                 ids = list(item)
