@@ -40,14 +40,15 @@ class ForwardRunner:
         self.kv = kv
         # minfer.trace observers (Tracer, Dumper): see every executed node, then each call's logits
         self.observers = list(observers)
-        self._plans: OrderedDict[tuple[int, int, bool], Plan] = OrderedDict()
+        # keyed (tokens, outputs), and (tokens, outputs, "hidden") for the passes that keep hidden states
+        self._plans: OrderedDict[tuple[int, int] | tuple[int, int, str], Plan] = OrderedDict()
         # a batching server sees many batch shapes; the plans share their activation buffers (they run
         # one at a time), so memory is that of the largest plan whatever the number of plans
         self.max_plans = max_plans
         self.arena = BufferArena()
 
     def plan(self, n_tokens: int, n_outputs: int, hidden: bool = False) -> Plan:
-        key = (n_tokens, n_outputs, hidden)
+        key: tuple[int, int] | tuple[int, int, str] = (n_tokens, n_outputs, "hidden") if hidden else (n_tokens, n_outputs)
         plan = self._plans.get(key)
         if plan is None:
             quantized_input = getattr(self.backend, "quantized_input", None)

@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from minfer.api import Model
 from minfer.errors import MinferError
-from minfer.runtime.engine import Event, Failed, GenerationRequest
+from minfer.runtime.engine import EmbeddingRequest, Event, Failed, GenerationRequest
+from minfer.runtime.pooling import Pooling
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError
 from minfer.server.errors import api_error, cancelled_error
 from minfer.server.jobs import Choice, EventPump, Job
@@ -28,6 +29,11 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     retry_after_seconds: int = 1
+    strict_model: bool = False  # refuse a request's "model" unless it names this model (else any name is fine)
+    pooling: Pooling | None = None  # embeddings' pooling; None: the model's own (GGUF pooling_type, else mean)
+    normalize: bool = True  # L2-normalise pooled embeddings
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); empty: no CORS headers
+    slots_endpoint: bool = False  # GET /slots (llama-server's --slots)
 
 
 @dataclass
@@ -49,7 +55,9 @@ class ServerContext:
     # -- requests --------------------------------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
+        """One model is served, so any name reaches it (as llama-server and ollama answer), unless the
+        server was started with ``--strict-model``."""
+        if name is not None and self.config.strict_model and name not in self.names:
             raise ApiError(f"the model {name!r} does not exist (this server has {self.config.model_id!r})",
                            param="model", code="model_not_found")
 
@@ -76,6 +84,26 @@ class ServerContext:
                     job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
                                                           stop=params.stop, logprobs=params.logprobs,
                                                           constraint=constraint))
+            self.scheduler.submit(job.requests)
+        except QueueFullError as e:
+            raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
+        except MinferError as e:
+            raise api_error(e) from None
+        return job
+
+    @property
+    def pooling(self) -> Pooling:
+        return self.config.pooling or self.model.pooling
+
+    def submit_embeddings(self, prompts: Sequence[list[int]], pooling: Pooling, normalize: bool) -> Job:
+        """Queue one embedding sequence per prompt (they share the scheduler's passes with generation)."""
+        self.pump.loop = asyncio.get_running_loop()
+        job = Job(self.pump)
+        for p, ids in enumerate(prompts):
+            job.choices.append(Choice(p, p))
+            job.requests.append(EmbeddingRequest(ids, pooling, normalize, job.emitter(p)))
+        try:
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
