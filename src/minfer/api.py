@@ -17,6 +17,7 @@ import numpy as np
 from minfer.backends.cpu.backend import CPUBackend
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.formats.chat_template import ChatTemplate
+from minfer.formats.fim import FimTokens, find_fim_tokens
 from minfer.formats.tokenizer import Tokenizer
 from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
@@ -183,6 +184,37 @@ class Model:
         self.engine.cancel_all()  # one caller at a time, as for generation
         vectors = self.engine.embed(requests)
         return vectors if pooling == "none" else np.stack(vectors)
+
+    # -- fill in the middle ------------------------------------------------------------------------
+
+    @property
+    def fim_tokens(self) -> FimTokens | None:
+        """The fill-in-the-middle tokens (GGUF ``tokenizer.ggml.fim_*_token_id``, else by their texts), or None."""
+        if not hasattr(self, "_fim"):
+            self._fim = find_fim_tokens(self.transformer.metadata, self.tokenizer.backend.token_to_id,
+                                        self.hparams.n_vocab)
+        return self._fim
+
+    def infill_prompt(self, prefix: str, suffix: str, prompt: str = "",
+                      extra: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """The token ids of a fill-in-the-middle prompt, laid out as llama-server's ``/infill`` does: the
+        ``extra`` (filename, text) chunks first (repo-level, with the repository and file-separator tokens
+        when the model has them, else their text as is), then ``<PRE>prefix<SUF>suffix<MID>prompt``."""
+        fim = self.fim_tokens
+        if fim is None:
+            raise BadRequestError(f"{self.path} has no fill-in-the-middle tokens (prefix, suffix, middle), so it "
+                                  "cannot infill")
+        enc = lambda text: self.tokenize(text, add_special=False)  # noqa: E731
+        ids: list[int] = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
+        if fim.rep is not None and fim.sep is not None:
+            ids += [fim.rep, *enc("myproject\n")]
+            for filename, text in extra:
+                ids += [fim.sep, *enc(filename + "\n"), *enc(text)]
+            ids += [fim.sep, *enc("filename\n")]
+        else:
+            for _, text in extra:
+                ids += enc(text)
+        return [*ids, fim.pre, *enc(prefix), fim.suf, *enc(suffix), fim.mid, *enc(prompt)]
 
     # -- generation ------------------------------------------------------------------------------
 

@@ -62,9 +62,10 @@ def batch_buckets(batch_size: int) -> list[int]:
 
 @dataclass
 class Started:
-    """The request got a slot; ``cached_tokens`` prompt tokens were reused from the cache."""
+    """The request got slot ``slot``; ``cached_tokens`` prompt tokens were reused from the cache."""
 
     cached_tokens: int
+    slot: int = -1
 
 
 @dataclass
@@ -113,6 +114,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] | None = None  # None: the tokenizer's end-of-generation tokens
     context_shift: bool = False  # at the end of the slot, drop the oldest half after n_keep positions
     n_keep: int = 0
+    reuse_prefix: bool = True  # False: evaluate the whole prompt (llama-server's cache_prompt: false)
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -256,7 +258,7 @@ class Engine:
             request.stats.prompt_tokens = len(request.prompt_ids)
             pool = Pooler(request.pooling, request.normalize)
             self.running = [*self.running, _Running(request, slot, None, cached=0, n_done=0, pool=pool)]
-            request.emit(Started(0))
+            request.emit(Started(0, slot))
             return
         prompt = list(request.prompt_ids)
         room = self.slots.capacity - len(prompt) + 1  # the first token comes from the prompt's last logits
@@ -265,10 +267,10 @@ class Engine:
             max_tokens = room
         out = Continuation(self.tokenizer, request.sampler, max_tokens, request.stats, request.stop_ids,
                            request.stop, request.logprobs, request.constraint)
-        slot, cached = self.slots.take(prompt)
+        slot, cached = self.slots.take(prompt, reuse=request.reuse_prefix)
         out.start(prompt)
         self.running = [*self.running, _Running(request, slot, out, cached=cached, n_done=cached)]
-        request.emit(Started(cached))
+        request.emit(Started(cached, slot))
 
     def cancel_all(self) -> None:
         """End every running sequence now (reason "cancelled")."""

@@ -48,7 +48,9 @@ class ForwardRunner:
         self.arena = BufferArena()
 
     def plan(self, n_tokens: int, n_outputs: int, hidden: bool = False) -> Plan:
-        key: tuple[int, int] | tuple[int, int, str] = (n_tokens, n_outputs, "hidden") if hidden else (n_tokens, n_outputs)
+        key: tuple[int, int] | tuple[int, int, str] = (
+            (n_tokens, n_outputs, "hidden") if hidden else (n_tokens, n_outputs)
+        )
         plan = self._plans.get(key)
         if plan is None:
             quantized_input = getattr(self.backend, "quantized_input", None)

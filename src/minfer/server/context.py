@@ -68,8 +68,10 @@ class ServerContext:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(f"the request body is not valid JSON: {e}") from None
 
-    def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Job:
-        """Queue ``params.n`` sequences per prompt; the job's queue receives their events."""
+    def submit(self, prompts: Sequence[list[int]], params: GenerationParams, *, ignore_eos: bool = False,
+               reuse_prefix: bool = True) -> Job:
+        """Queue ``params.n`` sequences per prompt; the job's queue receives their events. ``ignore_eos``:
+        end-of-generation tokens do not stop them; ``reuse_prefix=False``: no cached prefix is reused."""
         self.pump.loop = asyncio.get_running_loop()  # the loop exists only once the server runs
         job = Job(self.pump)
         model = self.model
@@ -83,7 +85,9 @@ class ServerContext:
                     job.choices.append(Choice(index, p))
                     job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
                                                           stop=params.stop, logprobs=params.logprobs,
-                                                          constraint=constraint))
+                                                          constraint=constraint,
+                                                          stop_ids=frozenset() if ignore_eos else None,
+                                                          reuse_prefix=reuse_prefix))
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
@@ -135,9 +139,10 @@ class ServerContext:
                 raise cancelled_error()
 
     def stream(self, job: Job, chunk: Callable[[Choice, Event | None], dict[str, Any] | None],
-               final_usage: Callable[[], dict[str, Any]] | None) -> StreamingResponse:
+               final_usage: Callable[[], dict[str, Any]] | None, done: bool = True) -> StreamingResponse:
         """Server-sent events: ``chunk`` turns each event into a body (or None to send nothing), then the
-        usage chunk when asked, then ``[DONE]``; an error ends the stream with an error event."""
+        usage chunk when asked, then ``[DONE]`` (unless ``done`` is False: llama-server's native streams
+        end with their last chunk); an error ends the stream with an error event."""
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -163,7 +168,8 @@ class ServerContext:
                         yield b"".join(out)
                 if final_usage is not None:
                     yield sse(final_usage())
-                yield b"data: [DONE]\n\n"
+                if done:
+                    yield b"data: [DONE]\n\n"
             finally:
                 job.cancel()  # a no-op when every sequence finished; frees the slots when the client left
 

@@ -28,6 +28,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stats: GenerationStats | None = None
     cached_tokens: int = 0
+    slot: int = -1  # the slot it runs in
     error: Exception | None = None
     embedding: np.ndarray | None = None  # an embedding request's vector
 
@@ -103,7 +104,7 @@ class Job:
     def apply(self, index: int, event: Event) -> Choice:
         c = self.choices[index]
         if isinstance(event, Started):
-            c.cached_tokens = event.cached_tokens
+            c.cached_tokens, c.slot = event.cached_tokens, event.slot
         elif isinstance(event, Token):
             c.text.append(event.step.text)
             if event.step.logprob is not None:
