@@ -57,7 +57,8 @@ def native_prompts(prompt: Any, tokenize: Callable[[str, bool], list[int]]) -> l
         where = "'prompt'" if i is None else f"'prompt[{i}]'"
         if isinstance(p, str):
             return tokenize(p, True)
-        if isinstance(p, list) and p and all(_is_token(x) or isinstance(x, str) for x in p):
+        if isinstance(p, list) and p and all(_is_token(x) or isinstance(x, str) for x in p) and (
+                i is not None or any(_is_token(x) for x in p)):  # a list of strings only: several prompts
             ids: list[int] = []
             for k, x in enumerate(p):
                 ids += tokenize(x, k == 0) if isinstance(x, str) else [x]
