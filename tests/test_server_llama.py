@@ -386,3 +386,18 @@ def test_smollm2_apply_template_infill_and_chat_without_v1(smol):
     assert chat.choices[0].message.content == by_ids["content"]
     assert native["content"]
     assert minfer.__version__ in httpx.get(smol.url + "/props").json()["build_info"]
+
+
+def test_timings_when_asked_on_the_openai_routes(tiny):
+    body = {"prompt": "The fox", "max_tokens": 5, "temperature": 0}
+    assert "timings" not in post(tiny, "/v1/completions", body).json()
+    t = post(tiny, "/v1/completions", {**body, "timings_per_token": True}).json()["timings"]
+    n_prompt = len(httpx.post(tiny.url + "/tokenize", json={"content": "The fox", "add_special": True},
+                              headers=AUTH).json()["tokens"])
+    assert t["predicted_n"] == 5 and t["prompt_n"] + t["cache_n"] == n_prompt and t["predicted_per_second"] > 0
+    with httpx.stream("POST", tiny.url + "/v1/completions", json={**body, "stream": True, "timings_per_token": True},
+                      headers=AUTH, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["timings"]["predicted_n"] == 5
+    bad = post(tiny, "/v1/completions", {**body, "timings_per_token": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timings_per_token"
