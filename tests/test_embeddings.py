@@ -181,3 +181,12 @@ def test_cancelled_embedding_frees_its_slot():
     engine.step()
     assert isinstance(got[-1], Finished) and got[-1].stats.finish_reason == "cancelled"
     assert engine.slots.n_free == engine.slots.n_slots and not engine.running
+
+
+def test_embeddings_do_not_grow_a_warmed_up_server_engine():
+    """The server takes its memory at start: the warm-up sizes the arena for passes that keep hidden states."""
+    model = padded_model(batch_size=32)
+    model.engine.warm_up()
+    before = model.runner.arena.nbytes
+    model.engine.embed([EmbeddingRequest(c["ids"], p) for c in REFS["llama"] for p in ("mean", "none")])
+    assert model.runner.arena.grown == 0 and model.runner.arena.nbytes == before

@@ -476,6 +476,8 @@ class Engine:
         if self.batch_size is None:
             return
         n_slots = self.slots.n_slots
+        # a full pass that also keeps every hidden state (embeddings in the batch) needs a little more
+        self.runner.reserve(self.batch_size, self._bucket(min(n_slots, self.batch_size)), hidden=True)
         self.runner.plan(self.batch_size, self._bucket(min(n_slots, self.batch_size)))
         self.runner.arena.commit()
         for n in range(1, n_slots + 1):

@@ -53,20 +53,29 @@ class ForwardRunner:
         )
         plan = self._plans.get(key)
         if plan is None:
-            quantized_input = getattr(self.backend, "quantized_input", None)
-            graph = self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx, hidden=True) if hidden else \
-                self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx)
-            graph = fuse(graph, quantized_input)
-            grown = self.arena.grown
-            plan = Plan(graph, self.backend, self.kv.layers, arena=self.arena)
-            if self.arena.grown != grown:  # the older plans hold arrays the arena has replaced: let them go
-                self._plans.clear()
+            plan = self._build(n_tokens, n_outputs, hidden)
             self._plans[key] = plan
             if len(self._plans) > self.max_plans:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
         return plan
+
+    def _build(self, n_tokens: int, n_outputs: int, hidden: bool) -> Plan:
+        quantized_input = getattr(self.backend, "quantized_input", None)
+        graph = self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx, hidden=True) if hidden else \
+            self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx)
+        graph = fuse(graph, quantized_input)
+        grown = self.arena.grown
+        plan = Plan(graph, self.backend, self.kv.layers, arena=self.arena)
+        if self.arena.grown != grown:  # the older plans hold arrays the arena has replaced: let them go
+            self._plans.clear()
+        return plan
+
+    def reserve(self, n_tokens: int, n_outputs: int, hidden: bool = False) -> None:
+        """Size the buffer arena for a pass of this shape without keeping its plan (a warm-up, so that a
+        later pass of that shape does not grow the memory)."""
+        self._build(n_tokens, n_outputs, hidden)
 
     def forward(
         self,
