@@ -401,3 +401,22 @@ def test_timings_when_asked_on_the_openai_routes(tiny):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["timings"]["predicted_n"] == 5
     bad = post(tiny, "/v1/completions", {**body, "timings_per_token": "yes"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "timings_per_token"
+
+
+def test_readme_curl_examples_work_as_written(smol):
+    """Each ``curl localhost:8080/...`` line of the README's llama.cpp section, sent as written."""
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Embeddings, and what llama.cpp's clients expect"):]
+    section = section[: section.index("\n### ", 10)] if "\n### " in section[10:] else section
+    lines = [line.split("  #")[0] for line in section.splitlines() if line.startswith("curl ")]
+    assert len(lines) >= 9
+    expected = {"/slots": 501, "/infill": 400}  # no --slots here; SmolLM2 has no FIM tokens
+    for line in lines:
+        args = shlex.split(line)
+        url = next(a for a in args if a.startswith("localhost:8080"))
+        path = url[len("localhost:8080"):]
+        body = json.loads(args[args.index("-d") + 1]) if "-d" in args else None
+        r = httpx.request("POST" if body is not None else "GET", smol.url + path, json=body, timeout=120)
+        assert r.status_code == expected.get(path, 200), (line, r.text)
