@@ -65,7 +65,7 @@ class Started:
     """The request got slot ``slot``; ``cached_tokens`` prompt tokens were reused from the cache."""
 
     cached_tokens: int
-    slot: int = -1
+    slot: int = field(default=-1, compare=False)  # which slot: informative, not part of what happened
 
 
 @dataclass
