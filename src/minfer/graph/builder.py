@@ -145,8 +145,8 @@ class GraphBuilder:
             inputs += shared
         return self._emit(Op.MOE_EXPERTS, inputs, x.shape, meta=meta, name=name, layer=meta.layer)
 
-    def build(self, output: Node) -> Graph:
-        return Graph(self.nodes, self.inputs, output)
+    def build(self, output: Node, extras: dict[str, Node] | None = None) -> Graph:
+        return Graph(self.nodes, self.inputs, output, dict(extras or {}))
 
     @staticmethod
     def _check_broadcast(x: Node, y: Node, name: str) -> None:
