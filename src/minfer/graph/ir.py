@@ -38,6 +38,12 @@ class Op(StrEnum):
     SCALE = "scale"  # x * a constant factor (Gemma's embedding scale)
     GELU = "gelu"  # tanh-approximated GELU
     GEGLU = "geglu"  # fused: gelu(gate) * up
+    SOFTCAP = "softcap"  # cap * tanh(x / cap): Gemma 2's final logit soft-capping
+    # mixture of experts: MOE_ROUTE turns router logits [tokens, n_expert] into each token's chosen experts and
+    # their weights ([tokens, 2 k]: k expert ids, then their k weights); MOE_EXPERTS runs those experts' SwiGLU
+    # FFNs on the token's row and sums them by weight (its weights are stacks of one matrix per expert)
+    MOE_ROUTE = "moe_route"
+    MOE_EXPERTS = "moe_experts"
 
 
 class RopeStyle(StrEnum):
@@ -89,6 +95,15 @@ class AttnMeta:
     head_dim_v: int
     scale: float
     window: int = 0  # sliding-window layers: token at position p reads positions p - window + 1 .. p; 0 = all
+    softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the mask (Gemma 2); 0 = off
+
+
+@dataclass(frozen=True)
+class MoeMeta:
+    layer: int
+    n_expert: int
+    n_used: int  # experts per token (top-k)
+    normalize: bool  # the chosen experts' weights renormalized to sum to 1 (Mixtral, Qwen3-MoE's norm_topk_prob)
 
 
 @dataclass(eq=False)
@@ -112,11 +127,14 @@ class Node:
 
 @dataclass
 class Graph:
-    """Nodes in build order plus the named inputs and the output node."""
+    """Nodes in build order plus the named inputs and the output node. ``extras`` are further named
+    results a caller reads after the run (e.g. the final-normed hidden states for embeddings): their
+    buffers outlive the run like the output's, and fusion never folds them away."""
 
     nodes: list[Node]
     inputs: dict[str, Node]
     output: Node
+    extras: dict[str, Node] = field(default_factory=dict)
 
     def compute_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.op not in (Op.INPUT, Op.WEIGHT)]

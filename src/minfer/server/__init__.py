@@ -34,6 +34,11 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
     quantize: str | None = None  # q8_0 / q4_k: quantize float weight matrices at load
+    pooling: str | None = None  # embeddings: mean / cls / last / none; None: the model's (GGUF pooling_type, else mean)
+    normalize: bool = True  # L2-normalise pooled embeddings (--no-normalize: off)
+    strict_model: bool = False  # refuse requests naming another model
+    cors_origins: tuple[str, ...] = ()  # --cors-origin: origins browsers may call from ("*": any)
+    slots: bool = False  # GET /slots
     max_body_size: int = 8 * 1024 * 1024  # bytes; a larger request body is answered 413
     log_format: str = "text"  # the access log: text, json or off
 
@@ -76,6 +81,7 @@ def serve(opts: ServeOptions) -> None:
 
     from minfer.api import load
     from minfer.runtime.engine import EngineConfig
+    from minfer.runtime.pooling import check_pooling
     from minfer.runtime.scheduler import BatchScheduler
     from minfer.server import access_log
     from minfer.server.app import ServerConfig, create_app
@@ -104,7 +110,10 @@ def serve(opts: ServeOptions) -> None:
     gc.collect()
     gc.freeze()
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    pooling = check_pooling(opts.pooling) if opts.pooling is not None else model.pooling  # a bad one fails now
     config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key,
+                          strict_model=opts.strict_model, pooling=pooling, normalize=opts.normalize,
+                          cors_origins=opts.cors_origins, slots_endpoint=opts.slots,
                           max_body_size=opts.max_body_size, log_format=opts.log_format)
     access_log.configure(opts.log_format)
     errors_to_stderr()

@@ -25,15 +25,17 @@ from starlette.types import Receive, Scope, Send
 
 from minfer.api import Model
 from minfer.runtime.scheduler import BatchScheduler
+from minfer.server.aliases import V1Alias
 from minfer.server.context import ServerConfig, ServerContext
+from minfer.server.cors import with_cors
 from minfer.server.errors import install_error_handlers
 from minfer.server.middleware import AuthAndCount, CatchAll
 from minfer.server.openapi import document_errors
-from minfer.server.routes import chat_completions, completions, service
+from minfer.server.routes import chat_completions, completions, embeddings, llama_native, service, tokens
 
 __all__ = ["MinferApp", "ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions)
+ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native)
 
 
 class MinferApp:
@@ -75,4 +77,6 @@ def create_app(
     endpoints = {path for route in app.routes if "{" not in (path := getattr(route, "path", "{"))}
     counted = AuthAndCount(app, config.api_key, ctx.metrics, endpoints, max_body_size=config.max_body_size,
                            log_format=config.log_format)
-    return MinferApp(CatchAll(counted), ctx)
+    # outside in: the catch-all for 500s, CORS (a preflight is answered before the key check), the
+    # /v1-less aliases, the key check, body cap and access log
+    return MinferApp(CatchAll(with_cors(V1Alias(counted, app.routes), config.cors_origins)), ctx)
