@@ -29,7 +29,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def running_server():
     model = fixture_dir("gemma3") / "model-f32.gguf"
-    with ServerProcess(model, ["--parallel", "2", "--ctx-size", "128", "--log-format", "off"]) as s:
+    with ServerProcess(model, ["--parallel", "2", "--ctx-size", "128", "--log-format", "off", "--slots"]) as s:
         yield s
 
 

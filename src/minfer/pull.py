@@ -175,15 +175,28 @@ def remove_stale_pulls(directory: Path) -> list[Path]:
     """Delete the ``.pull-<pid>-*`` folders that interrupted pulls left (their process is gone)."""
     import shutil
 
-    from minfer.formats.atomic import process_alive
-
     removed = []
     for d in directory.glob(".pull-*"):
         pid = d.name.removeprefix(".pull-").split("-")[0]
-        if d.is_dir() and (not pid.isdigit() or not process_alive(int(pid))):
+        if d.is_dir() and (not pid.isdigit() or not _process_alive(int(pid))):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
+
+
+def _process_alive(pid: int) -> bool:
+    # as formats.atomic.process_alive (pull sits beside formats in the layers and cannot import it)
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def pull(name: str = DEFAULT_MODEL, force: bool = False, progress: bool = True) -> Path:

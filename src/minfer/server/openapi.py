@@ -81,6 +81,9 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
 }
 
 
+# answers only some routes give, beyond ERROR_STATUSES
+EXTRA_STATUSES: dict[str, dict[str, str]] = {"/slots": {"501": "the server was started without --slots"}}
+
 # routes whose 200 is not JSON (FastAPI documents application/json for a route returning a Response)
 OK_MEDIA_TYPES: dict[str, str] = {"/metrics": "text/plain"}
 
@@ -99,6 +102,8 @@ def document_errors(app: FastAPI) -> None:
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)  # FastAPI's validation errors are answered as 400s
                 for status, description in ERROR_STATUSES.items():
+                    responses.setdefault(status, {"description": description, "content": error})
+                for status, description in EXTRA_STATUSES.get(path, {}).items():
                     responses.setdefault(status, {"description": description, "content": error})
                 media = OK_MEDIA_TYPES.get(path)
                 if media is not None:
