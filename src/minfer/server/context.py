@@ -146,6 +146,7 @@ class ServerContext:
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
         except MinferError as e:
             raise api_error(e) from None
+        self.open_jobs.add(job)  # what a shutdown past its timeout cancels
         return job
 
     @property
