@@ -28,11 +28,11 @@ from minfer.server.context import ServerConfig, ServerContext
 from minfer.server.errors import error_response
 from minfer.server.middleware import AuthAndCount
 from minfer.server.protocol import ApiError
-from minfer.server.routes import chat_completions, completions, service
+from minfer.server.routes import chat_completions, completions, messages, responses, service
 
 __all__ = ["ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions)
+ROUTE_GROUPS = (service, chat_completions, completions, responses, messages)
 
 
 def create_app(
@@ -55,13 +55,13 @@ def create_app(
     app = FastAPI(title="minfer", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
-    async def on_api_error(_request: Request, e: ApiError) -> JSONResponse:
-        return error_response(e)
+    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(ApiError(str(e.detail), status=e.status_code, type=kind))
+        return error_response(ApiError(str(e.detail), status=e.status_code, type=kind), request.url.path)
 
     for group in ROUTE_GROUPS:
         group.register(app, ctx)

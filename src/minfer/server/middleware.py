@@ -36,9 +36,9 @@ class AuthAndCount:
 
         try:
             if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
-                e = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
-                             code="invalid_api_key")
-                await error_response(e)(scope, receive, counting_send)
+                e = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                             status=401, code="invalid_api_key")
+                await error_response(e, path)(scope, receive, counting_send)
                 return
             await self.app(scope, receive, counting_send)
         finally:
@@ -48,5 +48,9 @@ class AuthAndCount:
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, key = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and secrets.compare_digest(key.strip(), self.api_key or "")
+                if scheme.lower() == "bearer" and secrets.compare_digest(key.strip(), self.api_key or ""):
+                    return True
+            # Anthropic's clients send the key as x-api-key (the Messages API); any route takes either header
+            elif name == b"x-api-key" and secrets.compare_digest(value.decode("latin-1").strip(), self.api_key or ""):
+                return True
         return False
