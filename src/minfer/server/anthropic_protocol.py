@@ -249,8 +249,8 @@ def _checked_chat(chat: dict[str, Any], origins: list[str]) -> ChatRequest:
         param = e.param or ""
         renamed = param
         if param.startswith("messages["):
-            index = param[len("messages["):].partition("]")[0]
-            renamed = origins[int(index)] if index.isdigit() and int(index) < len(origins) else "messages"
+            index, _, rest = param[len("messages["):].partition("]")
+            renamed = origins[int(index)] + rest if index.isdigit() and int(index) < len(origins) else "messages"
         elif param.startswith("tools[") and ".function.parameters" in param:
             renamed = param.replace(".function.parameters", ".input_schema")
         elif param.startswith("tools[") and ".function." in param:

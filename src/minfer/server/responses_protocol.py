@@ -386,7 +386,8 @@ class ResponseBuilder:
         if incomplete:
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
         self.response["usage"] = {
-            "input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens,
         }
