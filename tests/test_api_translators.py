@@ -217,3 +217,22 @@ def test_message_events_validate_against_the_sdk_types(tool, finish, stop, reaso
         assert use.type == "tool_use" and use.id == "toolu_1" and use.input == {"city": "Paris"}
         deltas = [e.delta.partial_json for e in parsed if e.type == "content_block_delta" and e.index == 1]
         assert "".join(deltas) == '{"city": "Paris"}'
+
+
+def test_reasoning_is_a_reasoning_item_and_a_thinking_block():
+    b = ResponseBuilder(parse_responses({"input": "x"}), "m")
+    events = b.start() + b.reasoning("Hmm, ") + b.reasoning("easy.") + b.text("4") + b.finish("stop", 3, 4)
+    parsed = [RESPONSE_EVENT.validate_python(e) for e in events]
+    assert [e.type for e in parsed][2:6] == ["response.output_item.added", "response.content_part.added",
+                                            "response.reasoning_text.delta", "response.reasoning_text.delta"]
+    final = Response.model_validate(b.response)
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "Hmm, easy."
+    assert final.output_text == "4"
+
+    m = MessageBuilder("m", input_tokens=3)
+    events = m.start() + m.reasoning("Hmm, ") + m.reasoning("easy.") + m.text("4") + m.finish("stop", None, 4)
+    parsed = [MESSAGE_EVENT.validate_python(e) for e in events if e["type"] != "ping"]
+    assert parsed[2].delta.type == "thinking_delta"
+    final = Message.model_validate(m.message)
+    assert [blk.type for blk in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "Hmm, easy." and final.content[1].text == "4"

@@ -306,16 +306,23 @@ class MessageBuilder:
                 block["input"] = {}  # the turn layer hands over only calls it could parse; belt and braces
         return [{"type": "content_block_stop", "index": len(self.message["content"]) - 1}]
 
-    def text(self, delta: str) -> list[dict[str, Any]]:
+    def _append(self, kind: str, field: str, delta: str) -> list[dict[str, Any]]:
         if not delta:
             return []
-        events = [] if self.open is not None and self.open["type"] == "text" else \
-            self._open({"type": "text", "text": ""})
+        events = [] if self.open is not None and self.open["type"] == kind else \
+            self._open({"type": kind, field: "", **({"signature": ""} if kind == "thinking" else {})})
         assert self.open is not None
-        self.open["text"] += delta
+        self.open[field] += delta
         events.append({"type": "content_block_delta", "index": len(self.message["content"]) - 1,
-                       "delta": {"type": "text_delta", "text": delta}})
+                       "delta": {"type": f"{field}_delta", field: delta}})
         return events
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        return self._append("text", "text", delta)
+
+    def reasoning(self, delta: str) -> list[dict[str, Any]]:
+        """The model's thinking, as a ``thinking`` block (unsigned: a local model has nothing to sign)."""
+        return self._append("thinking", "thinking", delta)
 
     def tool_call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         return self._open({"type": "tool_use", "id": call_id, "name": name, "input": {}})

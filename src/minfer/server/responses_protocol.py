@@ -268,22 +268,27 @@ def _checked_chat(chat: dict[str, Any], origins: list[str]) -> ChatRequest:
 
 @dataclass
 class _Item:
-    """One output item being built: a message with one output_text part, or a function call."""
+    """One output item being built: a message with one output_text part, a reasoning item with one
+    reasoning_text part, or a function call."""
 
-    kind: str  # "message" | "function_call"
+    kind: str  # "message" | "reasoning" | "function_call"
     id: str
     text: list[str] = field(default_factory=list)
     call_id: str = ""
     name: str = ""
 
     def body(self, status: str) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [self.part()]
         if self.kind == "message":
-            content = [] if status == "in_progress" else [self.part()]
             return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
+        if self.kind == "reasoning":
+            return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
         return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
                 "name": self.name, "arguments": "".join(self.text)}
 
     def part(self) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": "".join(self.text)}
         return {"type": "output_text", "text": "".join(self.text), "annotations": [], "logprobs": []}
 
 
@@ -329,7 +334,7 @@ class ResponseBuilder:
         self.open = item
         index = len(self.items) - 1
         events.append(self._event("response.output_item.added", output_index=index, item=item.body("in_progress")))
-        if item.kind == "message":
+        if item.kind != "function_call":
             events.append(self._event("response.content_part.added", item_id=item.id, output_index=index,
                                       content_index=0, part={**item.part(), "text": ""}))
         return events
@@ -340,10 +345,14 @@ class ResponseBuilder:
             return []
         index = self.items.index(item)
         events = []
-        if item.kind == "message":
+        if item.kind != "function_call":
             text = "".join(item.text)
-            events.append(self._event("response.output_text.done", item_id=item.id, output_index=index,
-                                      content_index=0, text=text, logprobs=[]))
+            if item.kind == "message":
+                events.append(self._event("response.output_text.done", item_id=item.id, output_index=index,
+                                          content_index=0, text=text, logprobs=[]))
+            else:
+                events.append(self._event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                          content_index=0, text=text))
             events.append(self._event("response.content_part.done", item_id=item.id, output_index=index,
                                       content_index=0, part=item.part()))
         else:
@@ -354,16 +363,24 @@ class ResponseBuilder:
         events.append(self._event("response.output_item.done", output_index=index, item=done))
         return events
 
-    def text(self, delta: str) -> list[dict[str, Any]]:
+    def _append(self, kind: str, delta: str) -> list[dict[str, Any]]:
         if not delta:
             return []
-        events = [] if self.open is not None and self.open.kind == "message" else \
-            self._add(_Item("message", f"msg_{uuid.uuid4().hex}"))
+        events = [] if self.open is not None and self.open.kind == kind else \
+            self._add(_Item(kind, f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}"))
         assert self.open is not None
         self.open.text.append(delta)
-        events.append(self._event("response.output_text.delta", item_id=self.open.id,
-                                  output_index=len(self.items) - 1, content_index=0, delta=delta, logprobs=[]))
+        event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        events.append(self._event(event, item_id=self.open.id, output_index=len(self.items) - 1, content_index=0,
+                                  delta=delta, **extra))
         return events
+
+    def text(self, delta: str) -> list[dict[str, Any]]:
+        return self._append("message", delta)
+
+    def reasoning(self, delta: str) -> list[dict[str, Any]]:
+        return self._append("reasoning", delta)
 
     def tool_call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         return self._add(_Item("function_call", f"fc_{uuid.uuid4().hex}", call_id=call_id, name=name))
