@@ -1,106 +1,123 @@
-"""One assistant turn of a chat request on the engine, as the events the Responses and Messages routes
-translate: text deltas, a tool call's start and argument fragments, the finish.
-
-(A thin adapter: text only until the chat turn layer with tool calls is merged.)
-"""
+"""Text-only stand-in for the chat turn layer (``server/chat_turn.py`` on the tools branch), same names:
+replaced by it at the merge."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from minfer.errors import MinferError
-from minfer.runtime.engine import Failed, Finished, Token
+from minfer.runtime.engine import Failed, Finished, Started, Token
 from minfer.server.context import ServerContext
 from minfer.server.errors import api_error, cancelled_error
 from minfer.server.jobs import Job
 from minfer.server.protocol import ChatRequest
 
 
-@dataclass
-class TextDelta:
+@dataclass(frozen=True)
+class ContentDelta:
     text: str
 
 
-@dataclass
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolCallStart:
+    index: int
     id: str
     name: str
 
 
-@dataclass
-class ToolArguments:
-    delta: str
+@dataclass(frozen=True)
+class ToolCallDelta:
+    index: int
+    arguments: str
+
+
+ChatDelta = ContentDelta | ReasoningDelta | ToolCallStart | ToolCallDelta
 
 
 @dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ChatMessage:
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TurnStarted:
+    index: int
+
+
+@dataclass(frozen=True)
+class TurnDelta:
+    index: int
+    delta: ChatDelta | None
+
+
+@dataclass(frozen=True)
 class TurnFinished:
-    finish_reason: str  # as chat says it: "stop", "length", "tool_calls"
-    stop: str | None  # the stop string that ended the turn, if one did
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-TurnEvent = TextDelta | ToolCallStart | ToolArguments | TurnFinished
+    index: int
+    finish_reason: str
+    message: ChatMessage
 
 
 @dataclass
-class Turn:
-    ctx: ServerContext
-    chat: ChatRequest
-    job: Job
-    prompt_ids: list[int]
+class TurnChoice:
+    index: int
+    message: ChatMessage
+    finish_reason: str
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
 
-    async def events(self, request: Request) -> AsyncIterator[TurnEvent]:
-        """The turn's events as they come (streaming) or once it is done (otherwise, watching for the
-        client going away); an engine failure raises the :class:`ApiError` it is answered with."""
-        if self.chat.params.stream:
-            async for ev in self._live():
-                yield ev
-            return
+class ChatTurn:
+    def __init__(self, ctx: ServerContext, req: ChatRequest, prompt_ids: list[int], job: Job) -> None:
+        self.ctx, self.request, self.prompt_ids, self.job = ctx, req, prompt_ids, job
+
+    @classmethod
+    def start(cls, ctx: ServerContext, req: ChatRequest, prefill: str = "") -> ChatTurn:
+        ctx.check_model(req.params.model)
+        try:
+            prompt = ctx.model.render_chat(req.messages) + prefill
+        except MinferError as e:
+            raise api_error(e) from None
+        ids = ctx.model.tokenize(prompt, add_special=False)
+        return cls(ctx, req, ids, ctx.submit([ids], req.params))
+
+    def usage(self) -> dict[str, object]:
+        return self.ctx.usage(self.job, [self.prompt_ids])
+
+    async def result(self, request: Request) -> list[TurnChoice]:
         await self.ctx.collect(self.job, request)
-        c = self.job.choices[0]
-        for ev in self._texts(c.text):
-            yield ev
-        yield self._finished()
+        return [TurnChoice(c.index, ChatMessage("".join(c.text)), c.stats.finish_reason)
+                for c in self.job.choices if c.stats is not None]
 
-    async def _live(self) -> AsyncIterator[TurnEvent]:
+    async def batches(self) -> AsyncIterator[list[TurnStarted | TurnDelta | TurnFinished]]:
         job = self.job
-        while not job.done:
-            index, event = await job.events.get()
-            c = job.apply(index, event)
-            if isinstance(event, Failed):
-                raise api_error(event.error)
-            if c.cancelled:
-                raise cancelled_error()
-            if isinstance(event, Token):
-                for ev in self._texts([event.step.text]):
-                    yield ev
-            elif isinstance(event, Finished):
-                yield self._finished()
-
-    def _texts(self, pieces: Iterable[str]) -> Iterable[TurnEvent]:
-        return [TextDelta(t) for t in pieces if t]
-
-    def _finished(self) -> TurnFinished:
-        c = self.job.choices[0]
-        assert c.stats is not None
-        return TurnFinished(c.stats.finish_reason, c.stats.stop, len(self.prompt_ids), c.stats.generated_tokens,
-                            c.cached_tokens)
-
-
-def start_turn(ctx: ServerContext, chat: ChatRequest, prefill: str = "") -> Turn:
-    """Render the chat (continuing an assistant ``prefill``), tokenize, and submit one sequence."""
-    try:
-        prompt = ctx.model.render_chat(chat.messages) + prefill
-    except MinferError as e:
-        raise api_error(e) from None
-    ids = ctx.model.tokenize(prompt, add_special=False)
-    return Turn(ctx, chat, ctx.submit([ids], chat.params), ids)
+        try:
+            while not job.done:
+                index, event = await job.events.get()
+                c = job.apply(index, event)
+                if isinstance(event, Failed):
+                    raise api_error(event.error)
+                if c.cancelled:
+                    raise cancelled_error()
+                if isinstance(event, Started):
+                    yield [TurnStarted(index)]
+                elif isinstance(event, Token) and event.step.text:
+                    yield [TurnDelta(index, ContentDelta(event.step.text))]
+                elif isinstance(event, Finished):
+                    yield [TurnFinished(index, event.stats.finish_reason, ChatMessage("".join(c.text)))]
+        finally:
+            job.cancel()

@@ -1,25 +1,70 @@
-"""Server-sent events for the APIs whose stream is typed events (OpenAI Responses, Anthropic Messages):
-``event: <type>`` and ``data: <json>`` per event, no ``[DONE]``; a failure mid-stream ends it with the
-API's own error event."""
+"""What the APIs with typed stream events (OpenAI Responses, Anthropic Messages) share: feeding a chat
+turn's deltas or its whole message to the API's builder, and the server-sent events themselves
+(``event: <type>`` and ``data: <json>`` per event, no ``[DONE]``; a failure mid-stream ends the stream
+with the API's own error event)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
 
 from minfer.server.jobs import Job
 from minfer.server.protocol import ApiError
+from minfer.server.turns import (
+    ChatDelta,
+    ChatMessage,
+    ContentDelta,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallStart,
+)
+
+Events = list[dict[str, Any]]
+
+
+class Builder(Protocol):
+    """The answer being built (:class:`~minfer.server.responses_protocol.ResponseBuilder`,
+    :class:`~minfer.server.anthropic_protocol.MessageBuilder`): each call returns the events it causes."""
+
+    def text(self, delta: str) -> Events: ...
+
+    def reasoning(self, delta: str) -> Events: ...
+
+    def tool_call(self, call_id: str, name: str) -> Events: ...
+
+    def arguments(self, delta: str) -> Events: ...
+
+
+def feed_delta(builder: Builder, d: ChatDelta) -> Events:
+    if isinstance(d, ContentDelta):
+        return builder.text(d.text)
+    if isinstance(d, ReasoningDelta):
+        return builder.reasoning(d.text)
+    if isinstance(d, ToolCallStart):
+        return builder.tool_call(d.id, d.name)
+    if isinstance(d, ToolCallDelta):
+        return builder.arguments(d.arguments)
+    return []
+
+
+def feed_message(builder: Builder, message: ChatMessage) -> None:
+    """A whole reply, in the order a stream would have given it: reasoning, content, calls."""
+    builder.reasoning(message.reasoning_content or "")
+    builder.text(message.content or "")
+    for call in message.tool_calls:
+        builder.tool_call(call.id, call.name)
+        builder.arguments(call.arguments)
 
 
 def sse_event(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
 
 
-def typed_stream(job: Job, events: AsyncIterator[list[dict[str, Any]]],
-                 on_error: Callable[[ApiError], dict[str, Any]]) -> StreamingResponse:
+def typed_stream(job: Job, events: AsyncIterator[Events], on_error: Callable[[ApiError], dict[str, Any]]
+                 ) -> StreamingResponse:
     """Send each batch of events ``events`` yields in one write; an :class:`ApiError` it raises becomes
     ``on_error``'s event and ends the stream. The job is cancelled when the client leaves early."""
 
@@ -29,7 +74,6 @@ def typed_stream(job: Job, events: AsyncIterator[list[dict[str, Any]]],
                 if batch:
                     yield b"".join(sse_event(e) for e in batch)
         except ApiError as e:
-            job.cancel()
             yield sse_event(on_error(e))
         finally:
             job.cancel()  # a no-op once every sequence finished; frees the slot when the client left
