@@ -27,6 +27,9 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      help="requests that may wait for a free sequence; beyond it: 429 (default: 64)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $MINFER_API_KEY)")
     srv.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
+    srv.add_argument("--reasoning-format", choices=["none", "deepseek"], default="deepseek",
+                     help="deepseek: a chat reply's <think>...</think> goes to message.reasoning_content; "
+                     "none: it stays in the content (default: deepseek)")
     add_threads_flag(srv)
     add_cache_type_flag(srv)
     add_quantize_flag(srv)
@@ -48,7 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
-                       log_level=args.log_level, quantize=args.quantize))
+                       log_level=args.log_level, quantize=args.quantize,
+                       reasoning_format=args.reasoning_format))
     return 0
 
 

@@ -34,6 +34,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
     quantize: str | None = None  # q8_0 / q4_k: quantize float weight matrices at load
+    reasoning_format: str = "deepseek"  # "none": <think> blocks stay in the content
 
 
 def serve(opts: ServeOptions) -> None:
@@ -61,7 +62,8 @@ def serve(opts: ServeOptions) -> None:
     gc.collect()
     gc.freeze()
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
-    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key)
+    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key,
+                          reasoning_format=opts.reasoning_format)
     app = create_app(model, scheduler, config, shutdown_timeout=0.0, start_scheduler=False)
 
     sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)

@@ -28,6 +28,7 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     retry_after_seconds: int = 1
+    reasoning_format: str = "deepseek"  # how chat replies' <think> blocks are answered (--reasoning-format)
 
 
 @dataclass
@@ -60,8 +61,10 @@ class ServerContext:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(f"the request body is not valid JSON: {e}") from None
 
-    def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Job:
-        """Queue ``params.n`` sequences per prompt; the job's queue receives their events."""
+    def submit(self, prompts: Sequence[list[int]], params: GenerationParams,
+               constraint: Callable[[], Any] | None = None) -> Job:
+        """Queue ``params.n`` sequences per prompt; the job's queue receives their events. ``constraint``
+        makes each sequence's constraint (default: from ``params.grammar`` / ``params.json_schema``)."""
         self.pump.loop = asyncio.get_running_loop()  # the loop exists only once the server runs
         job = Job(self.pump)
         model = self.model
@@ -71,11 +74,12 @@ class ServerContext:
                     index = len(job.choices)
                     seed = None if params.seed is None else params.seed + j
                     sampler = model.sampler(**params.sampling, seed=seed)
-                    constraint = model.constraint(params.grammar, params.json_schema)
+                    c = constraint() if constraint is not None else model.constraint(params.grammar,
+                                                                                      params.json_schema)
                     job.choices.append(Choice(index, p))
                     job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
                                                           stop=params.stop, logprobs=params.logprobs,
-                                                          constraint=constraint))
+                                                          constraint=c))
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
@@ -140,6 +144,11 @@ class ServerContext:
                 job.cancel()  # a no-op when every sequence finished; frees the slots when the client left
 
         return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def event_stream(self, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+        """Server-sent events from ready-made ``chunks`` (an endpoint's formatted events)."""
+        return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- answers ---------------------------------------------------------------------------------
