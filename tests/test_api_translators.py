@@ -40,7 +40,8 @@ def test_responses_items_become_chat_messages():
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
     ]})
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    # the chat layer hands the template the arguments as an object
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     assert req.chat.messages[:3] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"},
                                      {"role": "assistant", "content": "let me look", "tool_calls": [call]}]
     assert req.chat.messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
@@ -66,6 +67,8 @@ def test_responses_text_format_json_schema():
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters", "Schema"),
     ({"input": "x", "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name", "'g'"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "at least one tool"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]},
+     "tools[0].parameters", "JSON Schema"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
     ({"input": "x", "max_output_tokens": "9"}, "max_output_tokens", "integer"),
     ({"input": "x", "temperature": 3}, "temperature", "between"),
@@ -76,7 +79,9 @@ def test_bad_responses_requests_name_the_field(body, param, fragment):
     with pytest.raises(ApiError) as e:
         parse_responses(body)
     assert e.value.status == 400 and e.value.param == param
-    assert param in e.value.message and fragment in e.value.message
+    head, _, last = param.rpartition(".")  # "tools[0] 'f': parameters ..." names it too
+    assert param in e.value.message or (head in e.value.message and f": {last} " in e.value.message)
+    assert fragment in e.value.message
 
 
 # -- Responses: events ---------------------------------------------------------------------------------
@@ -142,7 +147,7 @@ def test_messages_blocks_become_chat_messages():
     ], "stop_sequences": ["END"], "top_k": 5})
     m = req.chat.messages
     assert m[0] == {"role": "system", "content": "sys"}
-    assert m[2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert m[2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert m[3] == {"role": "tool", "tool_call_id": "t1", "content": "sunny"}
     assert m[4] == {"role": "user", "content": "thanks"}
     assert req.chat.params.stop == ["END"] and req.chat.params.sampling["top_k"] == 5
@@ -168,6 +173,9 @@ def test_messages_last_assistant_message_is_a_prefill():
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]},
      "tools[0].input_schema", "required"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"name": "f", "input_schema": {"type": "object", "required": 3}}]},
+     "tools[0].input_schema", "JSON Schema"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tools": [{"name": "f", "input_schema": WEATHER}], "tool_choice": {"type": "tool", "name": "g"}},
      "tool_choice.name", "'g'"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "sometimes"}},
@@ -179,7 +187,9 @@ def test_bad_messages_requests_name_the_field(body, param, fragment):
     with pytest.raises(ApiError) as e:
         parse_messages(body)
     assert e.value.status == 400 and e.value.param == param
-    assert param in e.value.message and fragment in e.value.message
+    head, _, last = param.rpartition(".")  # "tools[0] 'f': parameters ..." names it too
+    assert param in e.value.message or (head in e.value.message and f": {last} " in e.value.message)
+    assert fragment in e.value.message
     body = anthropic_error_body(e.value)
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
 

@@ -17,6 +17,7 @@ Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}`` bodie
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -242,25 +243,29 @@ def parse_messages(body: Any) -> MessagesRequest:
 
 
 def _checked_chat(chat: dict[str, Any], origins: list[str]) -> ChatRequest:
-    """parse_chat over the translated body; an error it finds is renamed to the Messages field."""
+    """parse_chat over the translated body; an error it finds is renamed to the Messages field it came from
+    (``messages[i]`` to the item it was made of, ``tools[i].function.parameters`` to ``tools[i].input_schema``)."""
     try:
         return parse_chat(chat)
     except ApiError as e:
-        param = e.param or ""
-        renamed = param
-        if param.startswith("messages["):
-            index, _, rest = param[len("messages["):].partition("]")
-            renamed = origins[int(index)] + rest if index.isdigit() and int(index) < len(origins) else "messages"
-        elif param.startswith("tools[") and ".function.parameters" in param:
-            renamed = param.replace(".function.parameters", ".input_schema")
-        elif param.startswith("tools[") and ".function." in param:
-            renamed = param.replace(".function.", ".")
-        elif param == "stop":
-            renamed = "stop_sequences"
-        elif param.startswith("response_format"):
-            renamed = "output_config.format"
-        message = e.message.replace(param, renamed) if param else e.message
-        raise ApiError(message, status=e.status, type=e.type, param=renamed or None, code=e.code) from None
+        message, param = e.message, e.param or ""
+        if param in ("tools", "tool_choice"):  # the turn layer names the tool at the message's start
+            head = message.split(" ", 1)[0].rstrip(":")
+            param = head if head.startswith(param) else param
+            if param.startswith("tools[") and ": parameters is not a valid JSON Schema" in message:
+                message = message.replace(": parameters is not", ": input_schema is not")
+                param += ".input_schema"
+        renames = [(".function.parameters", ".input_schema"), (".function.", ".")]
+        m = re.match(r"messages\[(\d+)\]", param)
+        if m:
+            i = int(m.group(1))
+            renames.append((m.group(0), origins[i] if i < len(origins) else "messages"))
+        for field_name, ours in {"stop": "stop_sequences", "response_format": "output_config.format"}.items():
+            if param.startswith(field_name):
+                renames.append((field_name, ours))
+        for theirs, ours in renames:
+            message, param = message.replace(theirs, ours), param.replace(theirs, ours)
+        raise ApiError(message, status=e.status, type=e.type, param=param or None, code=e.code) from None
 
 
 # -- the answer ------------------------------------------------------------------------------------------

@@ -88,8 +88,10 @@ class ChatTurn:
         self.job = job
 
     @classmethod
-    def start(cls, ctx: ServerContext, req: ChatRequest) -> ChatTurn:
-        """Render, tokenize and submit ``req``; ApiError (400, 429) when that fails."""
+    def start(cls, ctx: ServerContext, req: ChatRequest, prefill: str = "") -> ChatTurn:
+        """Render, tokenize and submit ``req``; ApiError (400, 429) when that fails. ``prefill``: text
+        the reply starts with (Anthropic's last assistant message), put after the rendered prompt; the
+        reply continues it and does not repeat it."""
         model = ctx.model
         params = req.params
         ctx.check_model(params.model)
@@ -111,7 +113,7 @@ class ChatTurn:
             def constraint():  # type: ignore[no-untyped-def]
                 return plan.constraint(model.tokenizer)
 
-        ids = model.tokenize(plan.prompt, add_special=False)  # the template writes BOS itself
+        ids = model.tokenize(plan.prompt + prefill, add_special=False)  # the template writes BOS itself
         job = ctx.submit([ids], params, constraint=constraint)
         return cls(ctx, req, plan, ids, job)
 

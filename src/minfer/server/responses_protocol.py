@@ -18,6 +18,7 @@ the whole conversation in ``input``), and every response says ``"store": false``
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -244,23 +245,29 @@ def parse_responses(body: Any) -> ResponsesRequest:
 
 
 def _checked_chat(chat: dict[str, Any], origins: list[str]) -> ChatRequest:
-    """parse_chat over the translated body; an error it finds is renamed to the Responses field."""
+    """parse_chat over the translated body; an error it finds is renamed to the Responses field it came from
+    (``messages[i]`` to the item it was made of, ``tools[i].function.parameters`` to ``tools[i].parameters``)."""
     try:
         return parse_chat(chat)
     except ApiError as e:
-        param = e.param or ""
-        renamed = param
-        if param.startswith("messages["):
-            index, _, rest = param[len("messages["):].partition("]")
-            renamed = origins[int(index)] if index.isdigit() and int(index) < len(origins) else "input"
-        elif param.startswith("tools[") and ".function." in param:
-            renamed = param.replace(".function.", ".")
-        elif param == "max_tokens":
-            renamed = "max_output_tokens"
-        elif param.startswith("response_format"):
-            renamed = "text.format"
-        message = e.message.replace(param, renamed) if param else e.message
-        raise ApiError(message, status=e.status, type=e.type, param=renamed or None, code=e.code) from None
+        message, param = e.message, e.param or ""
+        if param in ("tools", "tool_choice"):  # the turn layer names the tool at the message's start
+            head = message.split(" ", 1)[0].rstrip(":")
+            param = head if head.startswith(param) else param
+            if param.startswith("tools[") and ": parameters is not a valid JSON Schema" in message:
+                message = message.replace(": parameters is not", ": parameters is not")
+                param += ".parameters"
+        renames = [(".function.parameters", ".parameters"), (".function.", ".")]
+        m = re.match(r"messages\[(\d+)\]", param)
+        if m:
+            i = int(m.group(1))
+            renames.append((m.group(0), origins[i] if i < len(origins) else "input"))
+        for field_name, ours in {"max_tokens": "max_output_tokens", "response_format": "text.format"}.items():
+            if param.startswith(field_name):
+                renames.append((field_name, ours))
+        for theirs, ours in renames:
+            message, param = message.replace(theirs, ours), param.replace(theirs, ours)
+        raise ApiError(message, status=e.status, type=e.type, param=param or None, code=e.code) from None
 
 
 # -- the answer ------------------------------------------------------------------------------------------

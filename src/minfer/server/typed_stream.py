@@ -11,16 +11,9 @@ from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
 
+from minfer.runtime.chat import ChatDelta, ChatMessage, ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStart
 from minfer.server.jobs import Job
 from minfer.server.protocol import ApiError
-from minfer.server.turns import (
-    ChatDelta,
-    ChatMessage,
-    ContentDelta,
-    ReasoningDelta,
-    ToolCallDelta,
-    ToolCallStart,
-)
 
 Events = list[dict[str, Any]]
 

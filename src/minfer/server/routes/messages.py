@@ -10,9 +10,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from minfer.server.anthropic_protocol import MessageBuilder, parse_messages
+from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.context import ServerContext
 from minfer.server.errors import anthropic_error_body
-from minfer.server.turns import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.typed_stream import Events, feed_delta, feed_message, typed_stream
 
 

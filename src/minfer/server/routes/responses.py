@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.context import ServerContext
 from minfer.server.responses_protocol import ResponseBuilder, parse_responses
-from minfer.server.turns import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.typed_stream import Events, feed_delta, feed_message, typed_stream
 
 
