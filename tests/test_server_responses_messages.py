@@ -53,11 +53,21 @@ def chat_answer(oai, messages, max_tokens):
 # -- Responses -------------------------------------------------------------------------------------------
 
 
-def test_responses_create_is_the_chat_answer(oai):
-    r = oai.responses.create(model="smollm2", instructions="You are terse.", input=QUESTION,
-                             max_output_tokens=40, temperature=0)
-    text, finish, usage = chat_answer(oai, [{"role": "system", "content": "You are terse."},
-                                            {"role": "user", "content": QUESTION}], 40)
+TERSE = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": QUESTION}]
+FUNCTION = {"type": "function", **WEATHER_TOOL}
+FORCED = {"type": "function", "name": "get_weather"}
+WEATHER_Q = "What is the weather like in Paris today?"
+
+
+@pytest.fixture(scope="module")
+def whole_response(oai):
+    return oai.responses.create(model="smollm2", instructions="You are terse.", input=QUESTION,
+                                max_output_tokens=24, temperature=0)
+
+
+def test_responses_create_is_the_chat_answer(oai, whole_response):
+    r = whole_response
+    text, finish, usage = chat_answer(oai, TERSE, 24)
     assert r.output_text == text and "Paris" in text
     assert r.object == "response" and r.model == "smollm2" and r.id.startswith("resp_")
     assert r.status == ("incomplete" if finish == "length" else "completed")
@@ -66,11 +76,11 @@ def test_responses_create_is_the_chat_answer(oai):
     assert r.instructions == "You are terse." and r.store is False
 
 
-def test_responses_stream_assembles_to_the_whole_response(oai):
-    kw = {"model": "smollm2", "input": [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
-          "max_output_tokens": 40, "temperature": 0}
-    whole = oai.responses.create(**kw)
-    events = list(oai.responses.create(**kw, stream=True))
+def test_responses_stream_assembles_to_the_whole_response(oai, whole_response):
+    events = list(oai.responses.create(model="smollm2", input=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        max_output_tokens=24, temperature=0, stream=True))
     strict = TypeAdapter(ResponseStreamEvent)
     for e in events:  # the SDK parses leniently; the SDK's types, enforced, are the check
         strict.validate_python(e.model_dump(exclude_unset=True))
@@ -79,57 +89,59 @@ def test_responses_stream_assembles_to_the_whole_response(oai):
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds[-1] == ("response.incomplete" if whole_response.status == "incomplete" else "response.completed")
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == whole.output_text == events[-1].response.output_text
-    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    assert deltas == whole_response.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole_response.usage.output_tokens
 
 
 def test_responses_stream_helper_gives_the_final_response(oai):
-    with oai.responses.stream(model="smollm2", input="Say hello.", max_output_tokens=200, temperature=0) as s:
+    with oai.responses.stream(model="smollm2", input="Say hello.", max_output_tokens=60, temperature=0) as s:
         text = "".join(e.delta for e in s if e.type == "response.output_text.delta")
         final = s.get_final_response()
     assert final.status == "completed" and final.output_text == text and text
 
 
-def test_responses_forced_function_call_validates(oai):
-    tool = {"type": "function", **WEATHER_TOOL}
-    for seed_temperature in (0.0, 0.8):
-        r = oai.responses.create(model="smollm2", input="What is the weather like in Paris today?", tools=[tool],
-                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
-                                 temperature=seed_temperature)
+@pytest.fixture(scope="module")
+def forced_response(oai):
+    return oai.responses.create(model="smollm2", input=WEATHER_Q, tools=[FUNCTION], tool_choice=FORCED,
+                                parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+
+
+def test_responses_forced_function_call_validates(oai, forced_response):
+    hot = oai.responses.create(model="smollm2", input=WEATHER_Q, tools=[FUNCTION], tool_choice=FORCED,
+                               parallel_tool_calls=False, max_output_tokens=60, temperature=0.8)
+    for r in (forced_response, hot):
         calls = [o for o in r.output if o.type == "function_call"]
-        assert len(calls) >= 1 and calls[0].name == "get_weather" and calls[0].call_id
+        assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
         jsonschema.validate(json.loads(calls[0].arguments), WEATHER_TOOL["parameters"])
-        assert r.status == "completed"
+        assert r.status == "completed" and r.tools[0].name == "get_weather"
 
 
-def test_responses_streamed_function_call_assembles_to_the_whole_one(oai):
-    kw = {"model": "smollm2", "input": "Weather in Rome?", "tools": [{"type": "function", **WEATHER_TOOL}],
-          "tool_choice": "required", "max_output_tokens": 80, "temperature": 0}
-    whole = oai.responses.create(**kw)
-    events = list(oai.responses.create(**kw, stream=True))
-    call = next(o for o in whole.output if o.type == "function_call")
+def test_responses_streamed_function_call_assembles_to_the_whole_one(oai, forced_response):
+    events = list(oai.responses.create(model="smollm2", input=WEATHER_Q, tools=[FUNCTION], tool_choice=FORCED,
+                                       parallel_tool_calls=False, max_output_tokens=60, temperature=0,
+                                       stream=True))
+    strict = TypeAdapter(ResponseStreamEvent)
+    for e in events:
+        strict.validate_python(e.model_dump(exclude_unset=True))
+    call = next(o for o in forced_response.output if o.type == "function_call")
     added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
     assert added.item.name == call.name
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
                    and e.item_id == added.item.id)
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert args == done.arguments == call.arguments
-    jsonschema.validate(json.loads(args), WEATHER_TOOL["parameters"])
+    assert events[-1].type == "response.completed"
 
 
-def test_responses_function_call_output_round_trip_gets_text(oai):
-    tool = {"type": "function", **WEATHER_TOOL}
-    first = oai.responses.create(model="smollm2", input="What is the weather in Paris?", tools=[tool],
-                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
-                                 temperature=0)
-    call = next(o for o in first.output if o.type == "function_call")
-    history = [{"role": "user", "content": "What is the weather in Paris?"},
-               *[o.model_dump(exclude_none=True) for o in first.output],
+def test_responses_function_call_output_round_trip_gets_text(oai, forced_response):
+    call = next(o for o in forced_response.output if o.type == "function_call")
+    history = [{"role": "user", "content": WEATHER_Q},
+               *[o.model_dump(exclude_none=True) for o in forced_response.output],
                {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}]
-    second = oai.responses.create(model="smollm2", input=history, tools=[tool], tool_choice="none",
-                                  max_output_tokens=60, temperature=0)
+    second = oai.responses.create(model="smollm2", input=history, tools=[FUNCTION], tool_choice="none",
+                                  max_output_tokens=30, temperature=0)
     assert [o.type for o in second.output] == ["message"]
     assert second.output_text.strip()
 
@@ -152,10 +164,9 @@ def test_bad_responses_requests_get_a_400_naming_the_field(server, oai):
 
 
 def test_messages_create_is_the_chat_answer(oai, claude):
-    m = claude.messages.create(model="smollm2", max_tokens=40, system="You are terse.",
+    m = claude.messages.create(model="smollm2", max_tokens=24, system="You are terse.",
                                messages=[{"role": "user", "content": QUESTION}], extra_body=GREEDY)
-    text, finish, usage = chat_answer(oai, [{"role": "system", "content": "You are terse."},
-                                            {"role": "user", "content": QUESTION}], 40)
+    text, finish, usage = chat_answer(oai, TERSE, 24)
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
     assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[finish]
     assert m.usage.input_tokens == usage.prompt_tokens and m.usage.output_tokens == usage.completion_tokens
@@ -163,9 +174,8 @@ def test_messages_create_is_the_chat_answer(oai, claude):
 
 
 def test_messages_stream_events_and_the_stream_helper(claude):
-    kw = {"model": "smollm2", "max_tokens": 40, "messages": [{"role": "user", "content": QUESTION}],
+    kw = {"model": "smollm2", "max_tokens": 24, "messages": [{"role": "user", "content": QUESTION}],
           "extra_body": GREEDY}
-    whole = claude.messages.create(**kw)
     events = list(claude.messages.create(**kw, stream=True))
     strict = TypeAdapter(RawMessageStreamEvent)
     for e in events:
@@ -174,14 +184,13 @@ def test_messages_stream_events_and_the_stream_helper(claude):
     assert kinds[:2] == ["message_start", "content_block_start"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
-    assert text == whole.content[0].text
-    assert events[-2].delta.stop_reason == whole.stop_reason
-    assert events[-2].usage.output_tokens == whole.usage.output_tokens
     with claude.messages.stream(**kw) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
-    assert streamed == final.content[0].text == whole.content[0].text
-    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    assert streamed == final.content[0].text == text and "Paris" in text
+    assert final.stop_reason == events[-2].delta.stop_reason
+    assert final.usage.output_tokens == events[-2].usage.output_tokens
+    assert final.usage.input_tokens == events[0].message.usage.input_tokens
 
 
 def test_messages_stop_sequence_and_prefill(claude):
@@ -195,20 +204,21 @@ def test_messages_stop_sequence_and_prefill(claude):
 def test_messages_forced_tool_use_validates_and_round_trips(claude):
     tool = {"name": WEATHER_TOOL["name"], "description": WEATHER_TOOL["description"],
             "input_schema": WEATHER_TOOL["parameters"]}
-    question = {"role": "user", "content": "What is the weather like in Paris today?"}
-    for temperature in (0.0, 0.8):
-        m = claude.messages.create(model="smollm2", max_tokens=80, tools=[tool], messages=[question],
-                                   tool_choice={"type": "tool", "name": "get_weather"},
-                                   extra_body={"temperature": temperature})
-        uses = [b for b in m.content if b.type == "tool_use"]
-        assert m.stop_reason == "tool_use" and uses and uses[0].name == "get_weather" and uses[0].id
-        jsonschema.validate(uses[0].input, WEATHER_TOOL["parameters"])
-    with claude.messages.stream(model="smollm2", max_tokens=80, tools=[tool], messages=[question],
-                                tool_choice={"type": "any"}, extra_body=GREEDY) as s:
+    question = {"role": "user", "content": WEATHER_Q}
+    m = claude.messages.create(model="smollm2", max_tokens=60, tools=[tool], messages=[question],
+                               tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+                               extra_body={"temperature": 0.8})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id
+    jsonschema.validate(uses[0].input, WEATHER_TOOL["parameters"])
+    with claude.messages.stream(model="smollm2", max_tokens=60, tools=[tool], messages=[question],
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                extra_body=GREEDY) as s:
         streamed = s.get_final_message()
     use = next(b for b in streamed.content if b.type == "tool_use")
-    jsonschema.validate(use.input, WEATHER_TOOL["parameters"])
-    answer = claude.messages.create(model="smollm2", max_tokens=60, tools=[tool], extra_body=GREEDY, messages=[
+    assert streamed.stop_reason == "tool_use"
+    jsonschema.validate(use.input, WEATHER_TOOL["parameters"])  # assembled from the input_json_delta fragments
+    answer = claude.messages.create(model="smollm2", max_tokens=30, tools=[tool], extra_body=GREEDY, messages=[
         question, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in streamed.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                       "content": "18 degrees and sunny"}]}], tool_choice={"type": "none"})
