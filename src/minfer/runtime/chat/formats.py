@@ -90,6 +90,27 @@ def _schema(properties: dict[str, Any], required: Sequence[str]) -> dict[str, An
     return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object that lists ``properties`` and says
+    nothing of others: a forced call writes the declared arguments only (as llama.cpp's grammars and
+    OpenAI's strict mode do). Left open, small models keep inventing properties until ``max_tokens``."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties"):
+            out[key] = {k: closed(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "additionalProperties", "not"):
+            out[key] = closed(value)
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _json_rule(schema: Any) -> str:
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": {"whitespace_pattern": JSON_WS, **schema.get("x-guidance", {})}}
@@ -122,7 +143,7 @@ class ToolFormat:
 def _call_rules(tools: Sequence[ToolSpec], args_key: str) -> tuple[str, list[str]]:
     rules = []
     for i, t in enumerate(tools):
-        schema = _schema({"name": {"const": t.name}, args_key: dict(t.parameters)}, ["name", args_key])
+        schema = _schema({"name": {"const": t.name}, args_key: closed(dict(t.parameters))}, ["name", args_key])
         rules.append(f"call_{i}: {_json_rule(schema)}")
     return " | ".join(f"call_{i}" for i in range(len(tools))), rules
 
@@ -279,12 +300,12 @@ class Mistral(ToolFormat):
         tc = ref("[TOOL_CALLS]")
         if self.args_form:
             args = ref("[ARGS]")
-            rules = [f"call_{i}: {_lark_str(t.name)} {args} args_{i}\nargs_{i}: {_json_rule(dict(t.parameters))}"
-                     for i, t in enumerate(tools)]
+            rules = [f"call_{i}: {_lark_str(t.name)} {args} args_{i}\n"
+                     f"args_{i}: {_json_rule(closed(dict(t.parameters)))}" for i, t in enumerate(tools)]
             alts = " | ".join(f"call_{i}" for i in range(len(tools)))
             start = "block+" if parallel else "block"
             return "\n".join(["%llguidance {}", f"start: {start}", f"block: {tc} call", f"call: {alts}", *rules]) + "\n"
-        items = [_schema({"name": {"const": t.name}, "arguments": dict(t.parameters)}, ["name", "arguments"])
+        items = [_schema({"name": {"const": t.name}, "arguments": closed(dict(t.parameters))}, ["name", "arguments"])
                  for t in tools]
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
         if not parallel:
@@ -319,7 +340,7 @@ class Generic(ToolFormat):
         return out
 
     def grammar(self, tools: Sequence[ToolSpec], parallel: bool, ref: TokenRef) -> str:
-        items = [_schema({"name": {"const": t.name}, "arguments": dict(t.parameters)}, ["name", "arguments"])
+        items = [_schema({"name": {"const": t.name}, "arguments": closed(dict(t.parameters))}, ["name", "arguments"])
                  for t in tools]
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
         if not parallel:

@@ -12,8 +12,7 @@ endpoint alike:
 * **tools in the system prompt.** Otherwise minfer describes the tools itself
   (:func:`generic_tools_prompt`, appended to the system message or written as one) and the reply is
   read in the ``generic`` format. Assistant calls in the history are written in that format, and
-  ``tool`` results become user turns (``{"tool_response": {"name": ..., "content": ...}}``), which any
-  template can render.
+  ``tool`` results become user turns (``get_weather returned: <content>``), which any template can render.
 * **tool_choice.** ``auto``: the model decides, its calls are parsed. ``none``: the tools are not shown
   and nothing is parsed. ``required`` / a named function: decoding is constrained (llguidance) to the
   call grammar of the format, every tool's arguments to its schema; one call, or one or more with
@@ -192,8 +191,8 @@ def _generic_history(messages: list[dict[str, Any]], tools_text: str | None) -> 
             text = m["content"]
             m = {"role": "assistant", "content": f"{text}\n{calls}" if text else calls}
         elif m["role"] == "tool":
-            response = {"name": m.get("name", ""), "content": m["content"]}
-            m = {"role": "user", "content": json.dumps({"tool_response": response}, ensure_ascii=False)}
+            name = m.get("name") or "the function"
+            m = {"role": "user", "content": f"{name} returned: {m['content']}"}
         out.append(m)
     if tools_text is not None:
         if out[0]["role"] == "system":
