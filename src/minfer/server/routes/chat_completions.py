@@ -63,7 +63,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 "choices": [{"index": c.index, "message": c.message.to_openai(),
                              "logprobs": chat_logprobs(ctx, c.logprobs) if want_logprobs else None,
                              "finish_reason": c.finish_reason} for c in choices],
-                "usage": turn.usage(),
+                "usage": turn.usage(), **ctx.timings(turn.job, params),
             })
         extra = {"usage": None} if params.include_usage else {}
 
@@ -79,6 +79,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             else:
                 assert isinstance(event, TurnFinished)
                 choice = {"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}
+                return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra,
+                        **ctx.timings(turn.job, params, turn.job.choices[event.index])}
             return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra}
 
         async def body() -> AsyncIterator[bytes]:
