@@ -37,12 +37,12 @@ def server(smollm2_path):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def claude(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
 
 
 def chat_answer(oai, messages, max_tokens):
