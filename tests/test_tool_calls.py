@@ -371,3 +371,13 @@ def test_forced_call_grammars(fmt, good, smollm2_tokenizer):
     m, _ = parse(fmt, good, step=1, incremental=True)
     assert calls(m) == [("get_current_temperature", {"location": "Paris"})]
     jsonschema.validate(json.loads(m.tool_calls[0].arguments), WEATHER["function"]["parameters"])
+
+
+def test_serve_reasoning_format_flag():
+    from minfer.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "smollm2"]).reasoning_format == "deepseek"
+    assert parser.parse_args(["serve", "smollm2", "--reasoning-format", "none"]).reasoning_format == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "smollm2", "--reasoning-format", "loud"])
