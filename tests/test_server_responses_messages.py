@@ -171,6 +171,9 @@ def test_messages_create_is_the_chat_answer(oai, claude):
     assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[finish]
     assert m.usage.input_tokens == usage.prompt_tokens and m.usage.output_tokens == usage.completion_tokens
     assert m.role == "assistant" and m.type == "message" and m.model == "smollm2"
+    counted = claude.messages.count_tokens(model="smollm2", system="You are terse.",
+                                           messages=[{"role": "user", "content": QUESTION}])
+    assert counted.input_tokens == m.usage.input_tokens
 
 
 def test_messages_stream_events_and_the_stream_helper(claude):

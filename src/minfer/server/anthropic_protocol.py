@@ -201,10 +201,11 @@ def _output_format(config: Any) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": dict(fmt["schema"])}}
 
 
-def parse_messages(body: Any) -> MessagesRequest:
+def parse_messages(body: Any, count_only: bool = False) -> MessagesRequest:
+    """``count_only``: the body of ``/v1/messages/count_tokens``, which has no ``max_tokens``."""
     if not isinstance(body, Mapping):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
-    max_tokens = body.get("max_tokens")
+    max_tokens = body.get("max_tokens", 1 if count_only else None)
     if max_tokens is None:
         raise _err("is required", "max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:

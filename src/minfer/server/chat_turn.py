@@ -87,6 +87,20 @@ class ChatTurn:
         self.prompt_ids = prompt_ids
         self.job = job
 
+    @staticmethod
+    def plan(ctx: ServerContext, req: ChatRequest) -> ChatPlan:
+        """The rendered prompt and what it asks of decoding (ApiError 400 when it cannot be rendered)."""
+        model = ctx.model
+        options = req.options
+        if options.reasoning_format is None:
+            options = dataclasses.replace(options, reasoning_format=ctx.config.reasoning_format)
+        if model.chat_template is None:
+            raise ApiError(f"{model.path} has no chat template, so it cannot answer chat requests")
+        try:
+            return plan_chat(model.chat_template, model.tokenizer, req.messages, options)
+        except MinferError as e:
+            raise api_error(e) from None
+
     @classmethod
     def start(cls, ctx: ServerContext, req: ChatRequest, prefill: str = "") -> ChatTurn:
         """Render, tokenize and submit ``req``; ApiError (400, 429) when that fails. ``prefill``: text
@@ -95,19 +109,11 @@ class ChatTurn:
         model = ctx.model
         params = req.params
         ctx.check_model(params.model)
-        options = req.options
-        if options.reasoning_format is None:
-            options = dataclasses.replace(options, reasoning_format=ctx.config.reasoning_format)
-        if model.chat_template is None:
-            raise ApiError(f"{model.path} has no chat template, so it cannot answer chat requests")
-        try:
-            plan = plan_chat(model.chat_template, model.tokenizer, req.messages, options)
-        except MinferError as e:
-            raise api_error(e) from None
+        plan = cls.plan(ctx, req)
         constraint = None
         if plan.grammar is not None:
             if params.grammar is not None or params.json_schema is not None:
-                raise ApiError(f"tool_choice {options.choice.mode!r} cannot be combined with 'grammar' or "
+                raise ApiError(f"tool_choice {req.options.choice.mode!r} cannot be combined with 'grammar' or "
                                "'response_format'", param="tool_choice")
 
             def constraint():  # type: ignore[no-untyped-def]

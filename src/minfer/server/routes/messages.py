@@ -1,6 +1,7 @@
 """Anthropic's ``POST /v1/messages``: one chat turn on the engine, answered as a message or as its
 stream events (:mod:`minfer.server.anthropic_protocol` translates both ways); errors in Anthropic's
-body shape (``errors.error_response`` answers every error under ``/v1/messages`` so)."""
+body shape (``errors.error_response`` answers every error under ``/v1/messages`` so).
+``POST /v1/messages/count_tokens``: the prompt's token count, nothing generated."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from minfer.server.typed_stream import Events, feed_delta, feed_message, typed_s
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        req = parse_messages(await ctx.read_json(request), count_only=True)
+        prompt = ChatTurn.plan(ctx, req.chat).prompt + req.prefill
+        return JSONResponse({"input_tokens": len(ctx.model.tokenize(prompt, add_special=False))})
+
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         req = parse_messages(await ctx.read_json(request))
