@@ -22,6 +22,15 @@ from minfer.formats.tokenizer import Tokenizer
 from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
 from minfer.pull import resolve_model
+from minfer.runtime.chat import (
+    ChatDelta,
+    ChatOptions,
+    ChatPlan,
+    MessageBuilder,
+    parse_tool_choice,
+    parse_tools,
+    plan_chat,
+)
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
 from minfer.runtime.engine import EmbeddingRequest, EngineConfig, GenerationRequest, build_engine
@@ -315,12 +324,76 @@ class Model:
         *,
         stream: bool = False,
         stop: str | Sequence[str] = (),
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_format: str | None = None,
         **sampling: Any,
-    ) -> str | Iterator[str]:
-        """The assistant's reply to ``messages`` rendered with the model's own chat template."""
-        prompt = self.render_chat(messages)
-        # the template writes BOS itself when the model wants one
-        return self.generate(prompt, max_tokens, stream=stream, stop=stop, add_special=False, **sampling)
+    ) -> Any:
+        """The assistant's reply to ``messages`` rendered with the model's own chat template.
+
+        Plain chat (no ``tools``, no ``reasoning_format``): the reply's text, or with ``stream`` an
+        iterator of text pieces. With ``tools`` (OpenAI's function tools) or ``reasoning_format``
+        (``"deepseek"`` splits ``<think>...</think>`` off, ``"none"`` leaves it): a
+        :class:`~minfer.runtime.chat.ChatMessage` (``content``, ``reasoning_content``, ``tool_calls``),
+        or with ``stream`` an iterator of its deltas (``ContentDelta``, ``ReasoningDelta``,
+        ``ToolCallStart``, ``ToolCallDelta``). ``tool_choice``: ``"auto"`` (default with tools),
+        ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``; the last two
+        constrain decoding so the call's arguments validate against the tool's schema. Messages may hold
+        assistant ``tool_calls`` and ``tool`` results. ``template_kwargs`` reach the template
+        (``enable_thinking=False``). See :mod:`minfer.runtime.chat.prompt`.
+        """
+        if tools is None and reasoning_format is None and tool_choice is None:
+            prompt = self.render_chat(messages, **(template_kwargs or {}))
+            # the template writes BOS itself when the model wants one
+            return self.generate(prompt, max_tokens, stream=stream, stop=stop, add_special=False, **sampling)
+        plan = self.plan_chat(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                              template_kwargs=template_kwargs, reasoning_format=reasoning_format)
+        json_schema = sampling.pop("json_schema", None)
+        grammar = sampling.pop("grammar", None)
+        if plan.grammar is not None and (grammar is not None or json_schema is not None):
+            raise BadRequestError("a forced tool call (tool_choice) cannot be combined with grammar or json_schema")
+        ids = self.tokenize(plan.prompt, add_special=False)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        constraint = plan.constraint(self.tokenizer) if plan.grammar is not None else self.constraint(grammar,
+                                                                                                      json_schema)
+        request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, constraint=constraint)
+        self.last_stats = request.stats
+        self.engine.cancel_all()
+        steps = self.engine.run(request)
+        parser = plan.parser()
+
+        def deltas() -> Iterator[ChatDelta]:
+            for step in steps:
+                yield from parser.feed(step.text)
+            yield from parser.finish()
+
+        if stream:
+            return deltas()
+        builder = MessageBuilder()
+        builder.add(deltas())
+        return builder.message()
+
+    def plan_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_format: str | None = None,
+    ) -> ChatPlan:
+        """The prepared turn (prompt, forced-call grammar, reply parser) :meth:`chat` generates from."""
+        if self.chat_template is None:
+            self.render_chat(messages)  # raises: no template
+        assert self.chat_template is not None
+        specs = parse_tools(tools)
+        options = ChatOptions(specs, parse_tool_choice(tool_choice, specs), bool(parallel_tool_calls),
+                              dict(template_kwargs or {}), reasoning_format)
+        return plan_chat(self.chat_template, self.tokenizer, messages, options)
 
     def conversation(self, system: str | None = None, seed: int | None = None, **sampling: Any) -> Conversation:
         """A multi-turn chat that keeps its KV cache between turns (see :class:`Conversation`)."""
@@ -328,11 +401,12 @@ class Model:
             raise BadRequestError("a conversation needs a model loaded with one slot (the default engine)")
         return Conversation(self, system, seed=seed, **sampling)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
         if self.chat_template is None:
             where = "tokenizer_config.json chat_template" if self.transformer.hf else "tokenizer.chat_template"
             raise BadRequestError(f"{self.path} has no chat template ({where})")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
     # -- evaluation -------------------------------------------------------------------------------
 

@@ -29,6 +29,9 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      help="requests that may wait for a free sequence; beyond it: 429 (default: 64)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $MINFER_API_KEY)")
     srv.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
+    srv.add_argument("--reasoning-format", choices=["none", "deepseek"], default="deepseek",
+                     help="deepseek: a chat reply's <think>...</think> goes to message.reasoning_content; "
+                     "none: it stays in the content (default: deepseek)")
     srv.add_argument("--strict-model", action="store_true",
                      help="refuse requests whose 'model' is not this model's name (default: any name is served)")
     srv.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
@@ -70,7 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,
-                       cors_origins=parse_origins(args.cors_origins), slots=args.slots))
+                       cors_origins=parse_origins(args.cors_origins), slots=args.slots,
+                       reasoning_format=args.reasoning_format))
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
@@ -217,10 +218,17 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.builtin = builtin
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            self.variables: frozenset[str] = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.exceptions.TemplateSyntaxError as err:
             raise FormatError(f"chat template is not valid jinja (line {err.lineno}): {err.message}") from None
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders tool definitions (its source reads the ``tools`` variable)."""
+        return "tools" in self.variables
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer) -> ChatTemplate | None:

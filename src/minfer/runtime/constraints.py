@@ -48,7 +48,7 @@ from minfer.errors import BadRequestError, ModelError
 
 __all__ = ["Constraint", "TokenizerVocab", "JSON_WHITESPACE", "apply_bitmask"]
 
-Param = Literal["grammar", "json_schema"]
+Param = Literal["grammar", "json_schema", "tools"]
 
 
 class TokenizerVocab(Protocol):
@@ -233,12 +233,13 @@ class Constraint:
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_grammar(cls, gbnf: str, vocab: TokenizerVocab) -> Constraint:
+    def from_grammar(cls, gbnf: str, vocab: TokenizerVocab, param: Param = "grammar") -> Constraint:
         """A constraint to a GBNF grammar (llama.cpp's format; the start rule is ``root``).
 
         A grammar starting with ``%llguidance`` is taken as llguidance's Lark dialect, as llama.cpp
         does when built with llguidance. Raises :class:`BadRequestError` ("grammar: ...")
-        for a grammar that does not parse or that llguidance refuses.
+        for a grammar that does not parse or that llguidance refuses (``param`` names what the grammar
+        came from in messages: the tool-call grammar of a chat request says "tools").
         """
         if not isinstance(gbnf, str):
             raise BadRequestError(f"grammar: must be a string, got {type(gbnf).__name__}")
@@ -248,8 +249,8 @@ class Constraint:
             lark = gbnf if gbnf.lstrip().startswith("%llguidance") else _gbnf_to_lark(gbnf)
         except Exception as e:  # the converter raises bare Exceptions for undefined rules and the like
             # Its messages locate the problem: "<why> at line N, '<before>' ^ '<after>'".
-            raise BadRequestError(f"grammar: {_one_line(str(e))}") from None
-        return cls._build(llguidance.LLMatcher.grammar_from_lark(lark), vocab, "grammar")
+            raise BadRequestError(f"{param}: {_one_line(str(e))}") from None
+        return cls._build(llguidance.LLMatcher.grammar_from_lark(lark), vocab, param)
 
     @classmethod
     def from_json_schema(cls, schema: str | dict[str, Any] | None, vocab: TokenizerVocab) -> Constraint:

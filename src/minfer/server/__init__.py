@@ -34,6 +34,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
     quantize: str | None = None  # q8_0 / q4_k: quantize float weight matrices at load
+    reasoning_format: str = "deepseek"  # "none": <think> blocks stay in the content
     pooling: str | None = None  # embeddings: mean / cls / last / none; None: the model's (GGUF pooling_type, else mean)
     normalize: bool = True  # L2-normalise pooled embeddings (--no-normalize: off)
     strict_model: bool = False  # refuse requests naming another model
@@ -114,6 +115,7 @@ def serve(opts: ServeOptions) -> None:
     config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key,
                           strict_model=opts.strict_model, pooling=pooling, normalize=opts.normalize,
                           cors_origins=opts.cors_origins, slots_endpoint=opts.slots,
+                          reasoning_format=opts.reasoning_format,
                           max_body_size=opts.max_body_size, log_format=opts.log_format)
     access_log.configure(opts.log_format)
     errors_to_stderr()

@@ -31,11 +31,20 @@ from minfer.server.cors import with_cors
 from minfer.server.errors import install_error_handlers
 from minfer.server.middleware import AuthAndCount, CatchAll
 from minfer.server.openapi import document_errors
-from minfer.server.routes import chat_completions, completions, embeddings, llama_native, service, tokens
+from minfer.server.routes import (
+    chat_completions,
+    completions,
+    embeddings,
+    llama_native,
+    messages,
+    responses,
+    service,
+    tokens,
+)
 
 __all__ = ["MinferApp", "ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native)
+ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, responses, messages)
 
 
 class MinferApp:
@@ -70,7 +79,7 @@ def create_app(
             ctx.parser_pool.shutdown(cancel_futures=True)
 
     app = FastAPI(title="minfer", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_error_handlers(app)
+    install_error_handlers(app)  # (Anthropic's error bodies under /v1/messages: errors.error_response)
     for group in ROUTE_GROUPS:
         group.register(app, ctx)
     document_errors(app)

@@ -40,6 +40,7 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     retry_after_seconds: int = 1
+    reasoning_format: str = "deepseek"  # how chat replies' <think> blocks are answered (--reasoning-format)
     strict_model: bool = False  # refuse a request's "model" unless it names this model (else any name is fine)
     pooling: Pooling | None = None  # embeddings' pooling; None: the model's own (GGUF pooling_type, else mean)
     normalize: bool = True  # L2-normalise pooled embeddings
@@ -119,10 +120,13 @@ class ServerContext:
         self.check_text_fits([text], param)
         return await self.off_loop(self.model.tokenize, text, add_special, size=len(text))
 
-    def submit(self, prompts: Sequence[list[int]], params: GenerationParams, *, ignore_eos: bool = False,
+    def submit(self, prompts: Sequence[list[int]], params: GenerationParams,
+               constraint: Callable[[], Any] | None = None, *, ignore_eos: bool = False,
                reuse_prefix: bool = True) -> Job:
-        """Queue ``params.n`` sequences per prompt; the job's queue receives their events. ``ignore_eos``:
-        end-of-generation tokens do not stop them; ``reuse_prefix=False``: no cached prefix is reused."""
+        """Queue ``params.n`` sequences per prompt; the job's queue receives their events. ``constraint``
+        makes each sequence's constraint (default: from ``params.grammar`` / ``params.json_schema``);
+        ``ignore_eos``: end-of-generation tokens do not stop them; ``reuse_prefix=False``: no cached prefix
+        is reused."""
         self.pump.loop = asyncio.get_running_loop()  # the loop exists only once the server runs
         job = Job(self.pump)
         note_job(job, sum(len(p) for p in prompts) * params.n)
@@ -133,11 +137,12 @@ class ServerContext:
                     index = len(job.choices)
                     seed = None if params.seed is None else params.seed + j
                     sampler = model.sampler(**params.sampling, seed=seed)
-                    constraint = model.constraint(params.grammar, params.json_schema)
+                    c = constraint() if constraint is not None else model.constraint(params.grammar,
+                                                                                      params.json_schema)
                     job.choices.append(Choice(index, p))
                     job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
                                                           stop=params.stop, logprobs=params.logprobs,
-                                                          constraint=constraint,
+                                                          constraint=c,
                                                           stop_ids=frozenset() if ignore_eos else None,
                                                           reuse_prefix=reuse_prefix))
             self.scheduler.submit(job.requests)
@@ -252,6 +257,11 @@ class ServerContext:
                 job.cancel()  # a no-op when every sequence finished; frees the slots when the client left
 
         return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def event_stream(self, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+        """Server-sent events from ready-made ``chunks`` (an endpoint's formatted events)."""
+        return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- answers ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ their headers (a 405 says ``Allow``), and anything else is a 500 whose body says
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,12 +23,28 @@ from minfer.server.protocol import ApiError
 
 log = logging.getLogger("minfer.server")
 
+# the paths whose errors are Anthropic's {"type": "error", "error": {"type", "message"}} bodies
+ANTHROPIC_PATHS = ("/v1/messages",)
+
 HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: ApiError, path: str = "") -> JSONResponse:
+    """The error as a JSON answer: OpenAI's body, or Anthropic's under the Anthropic routes."""
+    body = anthropic_error_body(e) if path.startswith(ANTHROPIC_PATHS) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+# Anthropic's error type for each HTTP status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(e: ApiError) -> dict[str, Any]:
+    kind = ANTHROPIC_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
 def internal_error() -> ApiError:
@@ -60,26 +77,27 @@ def install_error_handlers(app: FastAPI) -> None:
     """The one conversion of every exception a request raises into its answer."""
 
     @app.exception_handler(ApiError)
-    async def on_api_error(_request: Request, e: ApiError) -> JSONResponse:
-        return error_response(e)
+    async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e, request.url.path)
 
     @app.exception_handler(MinferError)
-    async def on_minfer_error(_request: Request, e: MinferError) -> JSONResponse:
-        return error_response(api_error(e))
+    async def on_minfer_error(request: Request, e: MinferError) -> JSONResponse:
+        return error_response(api_error(e), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = HTTP_ERROR_TYPES.get(e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error")
-        return error_response(ApiError(str(e.detail), status=e.status_code, type=kind, headers=e.headers))
+        return error_response(ApiError(str(e.detail), status=e.status_code, type=kind, headers=e.headers),
+                              request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
-        return error_response(ApiError(message, param=where))
+        return error_response(ApiError(message, param=where), request.url.path)
 
     @app.exception_handler(Exception)
-    async def on_anything_else(_request: Request, _e: Exception) -> JSONResponse:
+    async def on_anything_else(request: Request, _e: Exception) -> JSONResponse:
         # Starlette re-raises after answering; the outermost middleware logs it (once) and swallows it.
-        return error_response(internal_error())
+        return error_response(internal_error(), request.url.path)

@@ -86,9 +86,9 @@ class AuthAndCount:
 
         try:
             if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
-                e = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
-                             code="invalid_api_key")
-                await error_response(e)(scope, receive, counting_send)
+                e = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                             status=401, code="invalid_api_key")
+                await error_response(e, path)(scope, receive, counting_send)
                 return
             size = self._content_length(scope)
             if size is not None and size > self.max_body_size:
@@ -126,10 +126,14 @@ class AuthAndCount:
         return None
 
     def _authorized(self, scope: Scope) -> bool:
+        expected = (self.api_key or "").encode()
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, key = value.partition(b" ")
                 # bytes, not str: compare_digest refuses non-ASCII strings (a TypeError, a 500)
-                expected = (self.api_key or "").encode()
-                return scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), expected)
+                if scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), expected):
+                    return True
+            # Anthropic's clients send the key as x-api-key (the Messages API); any route takes either header
+            elif name == b"x-api-key" and secrets.compare_digest(value.strip(), expected):
+                return True
         return False

@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minfer.errors import BadRequestError
+from minfer.runtime.chat import (
+    REASONING_FORMATS,
+    ChatOptions,
+    check_json_schema,
+    check_messages,
+    parse_tool_choice,
+    parse_tools,
+)
 from minfer.runtime.sampling.params import PARAMS
 
 MAX_N = 16
@@ -66,8 +74,12 @@ class GenerationParams:
 
 @dataclass
 class ChatRequest:
+    """A chat request: checked messages (see :func:`minfer.runtime.chat.check_messages`), its sampling and
+    output settings, and what it asks of the chat turn (tools, tool choice, template variables)."""
+
     messages: list[dict[str, Any]]
     params: GenerationParams
+    options: ChatOptions = field(default_factory=ChatOptions)
 
 
 @dataclass
@@ -322,29 +334,29 @@ def _response_format(fmt: Any) -> Any:
     if kind == "text":
         return None
     if kind == "json_object":
-        return True
+        # llama.cpp's server also takes {"type": "json_object", "schema": {...}}
+        schema = fmt.get("schema")
+        if schema is None:
+            return True
+        _check_schema(schema, "response_format.schema")
+        return dict(schema) or True
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
             raise ApiError("'response_format.json_schema' must be an object with a 'schema' object",
                            param="response_format.json_schema")
-        return dict(spec.get("schema") or {}) or True
+        schema = spec.get("schema") or {}
+        _check_schema(schema, "response_format.json_schema.schema")
+        return dict(schema) or True
     raise ApiError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                    param="response_format.type")
 
 
-def _message_text(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(f"messages[{i}].content: only text parts are supported, got {part!r}",
-                               param=f"messages[{i}].content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+def _check_schema(schema: Any, param: str) -> None:
+    try:
+        check_json_schema(schema, f"'{param}'")
+    except BadRequestError as e:
+        raise ApiError(str(e), param=param) from None
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -354,21 +366,45 @@ def parse_chat(body: Any) -> ChatRequest:
         raise ApiError("'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list of messages", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ApiError(f"messages[{i}] must be an object with 'role' and 'content'", param=f"messages[{i}]")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(f"messages[{i}].role must be 'system', 'developer', 'user' or 'assistant', got {role!r}",
-                           param=f"messages[{i}].role")
-        if "content" not in m or m["content"] is None:
-            raise ApiError(f"messages[{i}].content is required", param=f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": _message_text(m["content"], i)})
-    for unsupported in ("tools", "functions"):
-        if r.body.get(unsupported):
-            raise ApiError(f"'{unsupported}' is not supported by this server", param=unsupported)
-    return ChatRequest(out, _generation_params(r, None, chat=True))
+    try:
+        out = check_messages(messages)
+    except BadRequestError as e:
+        raise ApiError(str(e), param=_field_of(str(e))) from None
+    if r.body.get("functions"):
+        raise ApiError("'functions' is not supported by this server (use 'tools')", param="functions")
+    return ChatRequest(out, _generation_params(r, None, chat=True), chat_options(r.body))
+
+
+def chat_options(body: Mapping[str, Any]) -> ChatOptions:
+    """``tools``, ``tool_choice``, ``parallel_tool_calls``, ``chat_template_kwargs`` and
+    ``reasoning_format`` of a request body (absent: the server's default reasoning format)."""
+    try:
+        tools = parse_tools(body.get("tools"))
+    except BadRequestError as e:
+        raise ApiError(str(e), param="tools") from None
+    try:
+        choice = parse_tool_choice(body.get("tool_choice"), tools)
+    except BadRequestError as e:
+        raise ApiError(str(e), param="tool_choice") from None
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise ApiError(f"'parallel_tool_calls' must be true or false, got {parallel!r}", param="parallel_tool_calls")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reasoning = body.get("reasoning_format")
+    if reasoning is not None and reasoning not in REASONING_FORMATS:
+        raise ApiError(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, got {reasoning!r}",
+                       param="reasoning_format")
+    return ChatOptions(tools, choice, parallel, dict(kwargs), reasoning)
+
+
+def _field_of(message: str) -> str | None:
+    """The field a runtime message starts with ("messages[2].content must be ..." -> "messages[2].content")."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.startswith("messages") else "messages"
 
 
 def parse_completion(body: Any) -> CompletionRequest:

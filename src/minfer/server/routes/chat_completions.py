@@ -1,20 +1,25 @@
-"""OpenAI's ``POST /v1/chat/completions``, whole or streamed."""
+"""OpenAI's ``POST /v1/chat/completions``, whole or streamed: a formatter of :mod:`minfer.server.chat_turn`.
+
+A reply's tool calls are ``message.tool_calls`` (streamed as ``delta.tool_calls[i]``: the id, type and
+name first, then fragments of ``function.arguments``), its reasoning ``message.reasoning_content``
+(``delta.reasoning_content``), as llama-server and vLLM write them.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minfer.runtime.engine import Event, Finished, Started, Token
+from minfer.runtime.chat import ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStart
 from minfer.runtime.sampling import TokenLogprob
-from minfer.server.context import ServerContext, finish_reason
-from minfer.server.jobs import Choice
-from minfer.server.protocol import parse_chat
+from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnEvent, TurnFinished, TurnStarted
+from minfer.server.context import ServerContext, sse
+from minfer.server.protocol import ApiError, parse_chat
 
 
 def chat_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -27,50 +32,66 @@ def chat_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> dict[str
                         for x in items]}
 
 
-def register(app: FastAPI, ctx: ServerContext) -> None:
-    model = ctx.model
+def delta_body(event: TurnDelta) -> dict[str, Any]:
+    """The ``delta`` of one streamed chunk."""
+    d = event.delta
+    if isinstance(d, ContentDelta):
+        return {"content": d.text}
+    if isinstance(d, ReasoningDelta):
+        return {"reasoning_content": d.text}
+    if isinstance(d, ToolCallStart):
+        return {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
+                                "function": {"name": d.name, "arguments": ""}}]}
+    if isinstance(d, ToolCallDelta):
+        return {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments}}]}
+    return {}
 
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_chat(await ctx.read_json(request))
         params = req.params
-        ctx.check_model(params.model)
-        ctx.check_text_fits(m["content"] for m in req.messages)
-        prompt = await ctx.off_loop(model.render_chat, req.messages, size=sum(len(m["content"]) for m in req.messages))
-        ids = await ctx.tokenize(prompt, add_special=False, param="messages")
-        job = ctx.submit([ids], params)
+        turn = ChatTurn.start(ctx, req)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": now, "model": ctx.config.model_id, "system_fingerprint": "minfer"}
+        want_logprobs = params.logprobs is not None
         if not params.stream:
-            await ctx.collect(job, request)
+            choices = await turn.result(request)
             return JSONResponse({
                 **base, "object": "chat.completion",
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                             "logprobs": chat_logprobs(ctx, c.logprobs) if params.logprobs is not None else None,
-                             "finish_reason": finish_reason(c)} for c in job.choices],
-                "usage": ctx.usage(job, [ids]), **ctx.timings(job, params),
+                "choices": [{"index": c.index, "message": c.message.to_openai(),
+                             "logprobs": chat_logprobs(ctx, c.logprobs) if want_logprobs else None,
+                             "finish_reason": c.finish_reason} for c in choices],
+                "usage": turn.usage(), **ctx.timings(turn.job, params),
             })
         extra = {"usage": None} if params.include_usage else {}
 
-        def chunk(c: Choice, event: Event | None) -> dict[str, Any] | None:
-            if isinstance(event, Started):
-                delta: dict[str, Any] = {"role": "assistant", "content": ""}
-                choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
-            elif isinstance(event, Token):
-                if not event.step.text and event.step.logprob is None:
-                    return None
-                lp = chat_logprobs(ctx, [event.step.logprob]) if event.step.logprob is not None else None
-                choice = {"index": c.index, "delta": {"content": event.step.text}, "logprobs": lp,
+        def chunk(event: TurnEvent) -> dict[str, Any]:
+            lp = None
+            if isinstance(event, TurnStarted):
+                choice = {"index": event.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}
-            elif isinstance(event, Finished):
-                choice = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(c)}
-                return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra,
-                        **ctx.timings(job, params, c)}
+            elif isinstance(event, TurnDelta):
+                if want_logprobs and event.logprobs:
+                    lp = chat_logprobs(ctx, event.logprobs)
+                choice = {"index": event.index, "delta": delta_body(event), "logprobs": lp, "finish_reason": None}
             else:
-                return None
+                assert isinstance(event, TurnFinished)
+                choice = {"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}
+                return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra,
+                        **ctx.timings(turn.job, params, turn.job.choices[event.index])}
             return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra}
 
-        def final() -> dict[str, Any]:
-            return {**base, "object": "chat.completion.chunk", "choices": [], "usage": ctx.usage(job, [ids])}
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for batch in turn.batches():
+                    yield b"".join(sse(chunk(e)) for e in batch)
+            except ApiError as e:
+                yield sse(e.body())
+                return
+            if params.include_usage:
+                yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": turn.usage()})
+            yield b"data: [DONE]\n\n"
 
-        return ctx.stream(job, chunk, final if params.include_usage else None)
+        return ctx.event_stream(body())

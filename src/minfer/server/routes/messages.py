@@ -1,0 +1,55 @@
+"""Anthropic's ``POST /v1/messages``: one chat turn on the engine, answered as a message or as its
+stream events (:mod:`minfer.server.anthropic_protocol` translates both ways); errors in Anthropic's
+body shape (``errors.error_response`` answers every error under ``/v1/messages`` so).
+``POST /v1/messages/count_tokens``: the prompt's token count, nothing generated."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from minfer.server.anthropic_protocol import MessageBuilder, parse_messages
+from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
+from minfer.server.context import ServerContext
+from minfer.server.errors import anthropic_error_body
+from minfer.server.typed_stream import Events, feed_delta, feed_message, typed_stream
+
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        req = parse_messages(await ctx.read_json(request), count_only=True)
+        prompt = ChatTurn.plan(ctx, req.chat).prompt + req.prefill
+        return JSONResponse({"input_tokens": len(ctx.model.tokenize(prompt, add_special=False))})
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        req = parse_messages(await ctx.read_json(request))
+        turn = ChatTurn.start(ctx, req.chat, prefill=req.prefill)
+        builder = MessageBuilder(ctx.config.model_id, len(turn.prompt_ids))
+
+        def finish(reason: str) -> Events:
+            stats = turn.job.choices[0].stats
+            assert stats is not None
+            return builder.finish(reason, stats.stop, stats.generated_tokens)
+
+        if not req.chat.params.stream:
+            choice = (await turn.result(request))[0]
+            feed_message(builder, choice.message)
+            finish(choice.finish_reason)
+            return JSONResponse(builder.message)
+
+        async def events() -> AsyncIterator[Events]:
+            yield builder.start()
+            async for batch in turn.batches():
+                out: Events = []
+                for ev in batch:
+                    if isinstance(ev, TurnDelta) and ev.delta is not None:
+                        out += feed_delta(builder, ev.delta)
+                    elif isinstance(ev, TurnFinished):
+                        out += finish(ev.finish_reason)
+                yield out
+
+        return typed_stream(turn.job, events(), anthropic_error_body)
