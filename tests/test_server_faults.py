@@ -142,7 +142,7 @@ def test_the_access_log_has_one_json_line_per_request(server):
     httpx.get(server.url + "/v1/nope", timeout=5)
     time.sleep(0.2)
     lines = [json.loads(line) for line in server.log if line.startswith("{")]
-    done = [x for x in lines if x["path"] == "/v1/completions" and x["status"] == 200 and x["prompt_tokens"] == 2]
+    done = [x for x in lines if x["path"] == "/v1/completions" and x["status"] == 200 and x["prompt_tokens"] > 0]
     assert done and done[-1]["completion_tokens"] == 3 and done[-1]["method"] == "POST" and done[-1]["ms"] > 0
     assert any(x["path"] == "/v1/nope" and x["status"] == 404 for x in lines)
 
