@@ -1,0 +1,227 @@
+"""Speculative decoding (prompt lookup and a draft model): the output of plain decoding at temperature 0,
+the target's distribution when sampling, and its errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import minfer
+from minfer.errors import BadRequestError, ModelError
+from minfer.runtime.sequence import Continuation, GenerationStats
+from minfer.runtime.speculative import verify
+from minfer.runtime.speculative.lookup import lookup_draft
+from minfer.runtime.speculative.state import Draft
+
+from conftest import fixture_dir
+
+LLAMA = fixture_dir("llama") / "model-f32.gguf"
+LLAMA_Q8 = fixture_dir("llama") / "model-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return minfer.load(LLAMA)
+
+
+# --- prompt lookup ----------------------------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_ngram_and_its_most_recent_occurrence():
+    h = np.array([1, 2, 3, 9, 9, 2, 3, 7, 8, 1, 2, 3])
+    # the trigram 1 2 3 occurred at 0: what followed it
+    assert lookup_draft(h, 4, 3, 1) == ([9, 9, 2, 3], 3)
+    # bigrams only: 2 3 last occurred at 5, followed by 7 8 1 2
+    assert lookup_draft(h, 4, 2, 1) == ([7, 8, 1, 2], 2)
+    assert lookup_draft(h, 2, 2, 2) == ([7, 8], 2)
+    # no earlier 5: nothing
+    assert lookup_draft(np.array([1, 2, 5]), 4, 3, 1) == ([], 0)
+    # a run of one token drafts itself (the occurrence may end right before the last token)
+    assert lookup_draft(np.array([4, 4]), 3, 3, 1) == ([4], 1)
+
+
+# --- the output distribution -----------------------------------------------------------------------
+
+N_SAMPLES = 20_000
+CONTEXT = [0, 17, 93, 41, 250, 41]
+# a chain whose support is small enough for a chi-square over the first two tokens, with a penalty, so
+# that the second token's distribution depends on the first through the history as well as the logits
+PARAMS = dict(temperature=0.9, top_k=6, top_p=1.0, min_p=0.0, repeat_penalty=1.3)
+
+
+class Target:
+    """The llama fixture's logits after CONTEXT + a few tokens (cached), and the chain's distribution."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._rows: dict[tuple[int, ...], np.ndarray] = {}
+
+    def row(self, *tokens: int) -> np.ndarray:
+        key = tuple(tokens)
+        if key not in self._rows:
+            self._rows[key] = self.model.logits(CONTEXT + list(tokens))[-1]
+        return self._rows[key].copy()
+
+    def p(self, *tokens: int) -> dict[int, float]:
+        """The chain's distribution of the token after CONTEXT + tokens (the history holds them)."""
+        s = self.model.sampler(**PARAMS)
+        s.reset(CONTEXT)
+        for t in tokens:
+            s.accept(t)
+        ids, probs = s.distribution(self.row(*tokens))
+        return dict(zip(ids.tolist(), probs.tolist(), strict=True))
+
+    def joint(self) -> dict[tuple[int, int], float]:
+        return {(a, b): pa * pb for a, pa in self.p().items() for b, pb in self.p(a).items()}
+
+
+def continuation(model, sampler, seed: int) -> Continuation:
+    """A fresh sequence after CONTEXT whose draws come from ``seed`` (one sampler reused: building one per
+    sample would dominate the test's time)."""
+    sampler.seed = seed
+    out = Continuation(model.tokenizer, sampler, 2, GenerationStats(), stop_ids=frozenset())
+    out.start(CONTEXT)  # resets the history and the random streams
+    return out
+
+
+def two_tokens_speculative(target: Target, out: Continuation, draft: Draft) -> tuple[int, int]:
+    """The first two tokens when the first pass verifies ``draft`` (2 tokens), as the engine runs it:
+    ``Continuation.verify`` over the rows after the next token and each draft token; a token left to
+    take after a rejection comes from the next (plain) pass."""
+    d0, d1 = draft.tokens
+    steps, _ = out.verify(np.stack([target.row(), target.row(d0), target.row(d0, d1)]), draft)
+    tokens = [s.token for s in steps][:2]
+    if len(tokens) == 1:
+        tokens.append(out.step(target.row(tokens[0])).token)
+    return tokens[0], tokens[1]
+
+
+def chi_square(counts: Counter, expected: dict, n: int) -> tuple[float, float]:
+    """Pearson's chi-square of ``counts`` against ``expected`` probabilities (cells expecting fewer than 5
+    draws pooled into one), and its p-value (scipy); an outcome the target cannot give is (inf, 0)."""
+    if not set(counts) <= set(expected):
+        return float("inf"), 0.0
+    big = [c for c, p in expected.items() if p * n >= 5]
+    small = [c for c in expected if c not in big]
+    obs = [counts[c] for c in big] + ([sum(counts[c] for c in small)] if small else [])
+    exp = [expected[c] * n for c in big] + ([sum(expected[c] for c in small) * n] if small else [])
+    exp = np.array(exp) * (n / sum(exp))  # the float sum of the probabilities is 1 only to rounding
+    stat, p = chisquare(obs, exp)
+    return float(stat), float(p)
+
+
+@pytest.fixture(scope="module")
+def target(llama):
+    return Target(llama)
+
+
+def lookup_draft_of(target: Target) -> Draft:
+    """A point-mass draft: the second most likely first token, then the most likely after it."""
+    first = sorted(target.p().items(), key=lambda kv: -kv[1])
+    d0 = first[1][0]
+    d1 = max(target.p(d0).items(), key=lambda kv: kv[1])[0]
+    return Draft([d0, d1])
+
+
+def draft_model_sampler(target: Target, seed: int):
+    """A draft 'model' whose distribution differs from the target's: the fixture's raw softmax at a higher
+    temperature over its 10 best tokens (some outside the target's 6), drawn from as a draft model is."""
+    rng = np.random.default_rng(seed)
+
+    cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def q_of(*tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if tokens not in cache:
+            row = target.row(*tokens)
+            ids = np.argsort(-row)[:10]
+            w = np.exp((row[ids] - row[ids].max()) / 2.0)
+            cache[tokens] = ids, w / w.sum(), np.cumsum(w / w.sum())
+        return cache[tokens]
+
+    def pick(q: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+        return int(q[0][min(int(np.searchsorted(q[2], rng.random() * q[2][-1], side="right")), len(q[0]) - 1)])
+
+    def draw() -> Draft:
+        q0 = q_of()
+        d0 = pick(q0)
+        q1 = q_of(d0)
+        return Draft([d0, pick(q1)], [q0[:2], q1[:2]])
+
+    return draw
+
+
+def run_samples(target: Target, how: str) -> Counter:
+    model = target.model
+    counts: Counter = Counter()
+    fixed = lookup_draft_of(target)
+    draw = draft_model_sampler(target, 1234)
+    sampler = model.sampler(**PARAMS)
+    for i in range(N_SAMPLES):
+        out = continuation(model, sampler, i)
+        if how == "plain":
+            t0 = out.step(target.row()).token
+            counts[t0, out.step(target.row(t0)).token] += 1
+        elif how == "lookup":
+            counts[two_tokens_speculative(target, out, fixed)] += 1
+        else:
+            counts[two_tokens_speculative(target, out, draw())] += 1
+    return counts
+
+
+@pytest.mark.parametrize("how", ["plain", "lookup", "draft"])
+def test_speculative_samples_follow_the_target_distribution(target, how):
+    expected = target.joint()
+    counts = run_samples(target, how)
+    assert set(counts) <= set(expected), f"outcomes the target cannot give: {set(counts) - set(expected)}"
+    stat, p = chi_square(counts, expected, N_SAMPLES)
+    print(f"{how}: chi-square {stat:.2f} over {len(expected)} cells (pooled below 5 expected), p = {p:.4f}")
+    assert p > 0.01
+
+
+def test_a_broken_acceptance_rule_fails_the_same_test(target, monkeypatch):
+    """Keeping every draft token (no rejection) gives the draft's distribution, and the test sees it."""
+    monkeypatch.setattr(verify, "accept_or_resample", lambda p, draft, q, rng: (draft, True))
+    expected = target.joint()
+    for how in ("lookup", "draft"):
+        stat, p = chi_square(run_samples(target, how), expected, N_SAMPLES)
+        print(f"always accept ({how}): chi-square {stat:.2f}, p = {p:.3g}")
+        assert p < 1e-6
+
+
+# --- temperature 0: the text of plain decoding -------------------------------------------------------
+
+# prompts of the fixtures' tokens: repetitive ones (lookup finds drafts), and ones that are not
+FIXTURE_PROMPTS = [
+    [0, *range(5, 40)] * 2,
+    [0, 7, 8, 9, 7, 8, 9, 7, 8],
+    [0, 100, 200, 300],
+    [0, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12],
+    [0, 300, 301, 302, 303, 304, 305, 300, 301],
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_greedy_text_with_lookup_and_draft_is_the_text_without(arch):
+    path = fixture_dir(arch) / "model-f32.gguf"
+    plain = minfer.load(path)
+    lookup = minfer.load(path, lookup=True, speculative={"draft_max": 4})
+    # a draft model of the same weights in Q8_0 (when the fixture has it) agrees often, never always
+    draft_path = fixture_dir(arch) / "model-q8_0.gguf"
+    drafted = minfer.load(path, draft=draft_path if draft_path.exists() else path,
+                          speculative={"draft_p_min": 0.0, "draft_max": 5})
+    totals = Counter()
+    for ids in FIXTURE_PROMPTS:
+        want = plain.complete(ids, 48, temperature=0, repeat_penalty=1.1)
+        for name, model in (("lookup", lookup), ("draft", drafted)):
+            got = model.complete(ids, 48, temperature=0, repeat_penalty=1.1)
+            assert got.tokens == want.tokens, (name, ids)
+            assert got.finish_reason == want.finish_reason
+            totals[name, "drafted"] += got.stats.drafted_tokens
+            totals[name, "accepted"] += got.stats.accepted_tokens
+            assert got.stats.target_passes < want.stats.target_passes or got.stats.accepted_tokens == 0
+    print(dict(totals))
+    # the paths were exercised: drafts were verified, some kept and some replaced
+    assert totals["draft", "accepted"] > 0 and totals["lookup", "drafted"] > 0
