@@ -1,9 +1,11 @@
 """One sequence's side of speculative decoding: its settings, its token history, its draft length.
 
 The draft length adapts to what the target accepts: a verifying pass of k + 1 tokens costs more than a
-one-token pass on a CPU (SmolLM2, 2 threads: about 1.1x for 2 tokens, 2x for 8), so a draft the target
-keeps rejecting must stay short. After a pass that accepted the whole draft the next one may be twice as
-long (up to ``draft_max``); after a rejection at index m it holds at most m + 1 tokens.
+one-token pass on a CPU (SmolLM2 at 2 threads: a 9-token pass about twice a 1-token one), so a draft the
+target keeps rejecting must stay short. After a pass that accepted the whole draft the next one may be
+twice as long (up to ``draft_max``); after a rejection at index m it holds at most m + 1 tokens. A draft
+rejected at its first token backs off: the sequence decodes plainly for 1, 2, 4 ... up to 16 steps
+before drafting again (free text, where prompt lookup keeps finding one-token matches that fail).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from typing import Any
 from minfer.runtime.sampling import Sampler, SamplingParams
 from minfer.runtime.speculative.lookup import TokenHistory, lookup_draft
 from minfer.runtime.speculative.settings import SpeculativeSettings
+
+
+MAX_BACKOFF = 16
 
 
 class Draft:
@@ -52,10 +57,15 @@ class SequenceSpeculation:
         self.draft_sampler = (draft_sampler(sampler.params, (sampler.seed + 1) % 2**32)
                               if settings.mode == "draft" else None)
         self.k = settings.draft_max
+        self.skip = 0  # steps left to decode without a draft
+        self.backoff = 1  # steps to skip after the next draft rejected whole
 
     def limit(self, room: int) -> int:
         """Tokens the next draft may hold: the adaptive length, within ``room`` (what the sequence may still
-        generate after the next token, and what its context still holds)."""
+        generate after the next token, and what its context still holds); 0 while backing off."""
+        if self.skip:
+            self.skip -= 1
+            return 0
         return max(0, min(self.k, room))
 
     def lookup(self, generated: list[int], k: int) -> Draft | None:
@@ -78,3 +88,7 @@ class SequenceSpeculation:
             self.k = min(2 * max(self.k, 1), self.settings.draft_max)
         else:
             self.k = max(1, accepted + 1)
+        if accepted == 0:
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
+        else:
+            self.backoff = 1
