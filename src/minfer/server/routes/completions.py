@@ -1,0 +1,79 @@
+"""OpenAI's legacy ``POST /v1/completions`` (raw prompts, several per request, ``echo``), whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from minfer.runtime.engine import Event, Finished, Started, Token
+from minfer.runtime.sampling import TokenLogprob
+from minfer.server.context import ServerContext, finish_reason
+from minfer.server.jobs import Choice
+from minfer.server.protocol import parse_completion
+
+
+def completion_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets = []
+    for x in items:
+        offsets.append(offset)
+        offset += len(ctx.token_text(x.token))
+    return {"tokens": [ctx.token_text(x.token) for x in items], "token_logprobs": [x.logprob for x in items],
+            "top_logprobs": [{ctx.token_text(t): v for t, v in x.top_logprobs} for x in items],
+            "text_offset": offsets}
+
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
+    model = ctx.model
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_completion(await ctx.read_json(request))
+        params = req.params
+        ctx.check_model(params.model)
+        prompts = [model.tokenize(p, add_special=True) if isinstance(p, str) else p for p in req.prompts]
+        echo = [(p if isinstance(p, str) else model.detokenize(p)) if req.echo else "" for p in req.prompts]
+        job = ctx.submit(prompts, params)
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "created": now, "model": ctx.config.model_id, "system_fingerprint": "minfer"}
+        if not params.stream:
+            await ctx.collect(job, request)
+            choices = []
+            for c in job.choices:
+                head = echo[c.prompt_index]
+                lp = completion_logprobs(ctx, c.logprobs, len(head)) if params.logprobs is not None else None
+                choices.append({"index": c.index, "text": head + "".join(c.text), "logprobs": lp,
+                                "finish_reason": finish_reason(c)})
+            return JSONResponse({**base, "object": "text_completion", "choices": choices,
+                                 "usage": ctx.usage(job, prompts)})
+        extra = {"usage": None} if params.include_usage else {}
+        offsets = [len(echo[c.prompt_index]) for c in job.choices]
+
+        def chunk(c: Choice, event: Event | None) -> dict[str, Any] | None:
+            if isinstance(event, Started):
+                if not echo[c.prompt_index]:
+                    return None
+                choice = {"index": c.index, "text": echo[c.prompt_index], "logprobs": None, "finish_reason": None}
+            elif isinstance(event, Token):
+                step = event.step
+                if not step.text and step.logprob is None:
+                    return None
+                lp = None
+                if step.logprob is not None:
+                    lp = completion_logprobs(ctx, [step.logprob], offsets[c.index])
+                offsets[c.index] += len(step.text)
+                choice = {"index": c.index, "text": step.text, "logprobs": lp, "finish_reason": None}
+            elif isinstance(event, Finished):
+                choice = {"index": c.index, "text": "", "logprobs": None, "finish_reason": finish_reason(c)}
+            else:
+                return None
+            return {**base, "object": "text_completion", "choices": [choice], **extra}
+
+        def final() -> dict[str, Any]:
+            return {**base, "object": "text_completion", "choices": [], "usage": ctx.usage(job, prompts)}
+
+        return ctx.stream(job, chunk, final if params.include_usage else None)

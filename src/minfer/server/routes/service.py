@@ -1,0 +1,39 @@
+"""The routes a deployment probes: ``/health``, ``/metrics`` (Prometheus), ``/v1/models``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from minfer.server.context import ServerContext
+from minfer.server.protocol import ApiError
+
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        running, waiting = ctx.scheduler.load()
+        return {"status": "ok", "slots_running": running, "slots_waiting": waiting}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        hp = ctx.model.hparams
+        return {"id": ctx.config.model_id, "object": "model", "created": ctx.created, "owned_by": "minfer",
+                "meta": {"architecture": hp.arch, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train,
+                         "n_ctx_per_sequence": ctx.scheduler.slot_context, "parallel": ctx.scheduler.n_slots}}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        if model_id not in ctx.names:
+            raise ApiError(f"the model {model_id!r} does not exist (this server has {ctx.config.model_id!r})",
+                           status=404, type="not_found_error", param="model", code="model_not_found")
+        return model_card()
