@@ -3,20 +3,23 @@ the target's distribution when sampling, and its errors."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import fixture_dir
 from scipy.stats import chisquare
 
 import minfer
+import minfer.errors
 from minfer.errors import BadRequestError, ModelError
 from minfer.runtime.sequence import Continuation, GenerationStats
 from minfer.runtime.speculative import verify
 from minfer.runtime.speculative.lookup import lookup_draft
 from minfer.runtime.speculative.state import Draft
-
-from conftest import fixture_dir
 
 LLAMA = fixture_dir("llama") / "model-f32.gguf"
 LLAMA_Q8 = fixture_dir("llama") / "model-q8_0.gguf"
@@ -225,3 +228,93 @@ def test_greedy_text_with_lookup_and_draft_is_the_text_without(arch):
     print(dict(totals))
     # the paths were exercised: drafts were verified, some kept and some replaced
     assert totals["draft", "accepted"] > 0 and totals["lookup", "drafted"] > 0
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_the_first_differing_token():
+    with pytest.raises(ModelError, match=r"draft model .*gemma3.*at token 0: '<pad>' in the draft, '<\|bos\|>'"):
+        minfer.load(LLAMA, draft=fixture_dir("gemma3") / "model-f32.gguf")
+    # the same first 512 pieces but more of them: the first token only one side has
+    with pytest.raises(ModelError, match=r"at token 512: only the draft has it"):
+        minfer.load(LLAMA, draft=fixture_dir("qwen2") / "model-f32.gguf")
+
+
+def test_bad_speculative_settings_are_refused(llama, tmp_path):
+    with pytest.raises(BadRequestError, match="draft_max must be an integer >= 1, got 0"):
+        minfer.load(LLAMA, lookup=True, speculative={"draft_max": 0})
+    with pytest.raises(BadRequestError, match="draft_max 256 does not fit in the context of 256"):
+        minfer.load(LLAMA, lookup=True, speculative={"draft_max": 256})
+    with pytest.raises(BadRequestError, match="needs a draft model"):
+        llama.generate([0, 5, 6], 4, speculative="draft")
+    with pytest.raises(BadRequestError, match="unknown field 'k'"):
+        llama.generate([0, 5, 6], 4, speculative={"k": 2})
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(LLAMA.read_bytes()[:1000])
+    with pytest.raises(minfer.errors.FormatError, match=r"^draft model: .*cut.gguf: truncated GGUF file"):
+        minfer.load(LLAMA, draft=truncated)
+
+
+def minfer_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minfer", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--draft-max", "0", "--lookup"], "--draft-max must be an integer >= 1, got 0"),
+    (["--lookup", "--draft-max", "300"], "does not fit in the context of 256"),
+    (["--draft", str(fixture_dir("gemma3") / "model-f32.gguf")], "its vocabulary differs from the target's at token 0"),
+    (["--draft", "/nonexistent/draft.gguf"], "draft model: /nonexistent/draft.gguf: no such file"),
+    (["--lookup", "--draft", str(LLAMA_Q8)], "use one of --lookup and --draft"),
+])
+def test_cli_bad_speculative_flags_give_one_line(flags, fragment):
+    r = minfer_cli("run", str(LLAMA), "hello", "-n", "4", *flags)
+    assert r.returncode == 1
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("minfer: error: ") and fragment in lines[0], lines[0]
+
+
+def test_cli_summary_reports_acceptance_and_tokens_per_pass():
+    plain = minfer_cli("run", str(LLAMA), "a b c a b c a b c a b", "-n", "24", "--temp", "0")
+    r = minfer_cli("run", str(LLAMA), "a b c a b c a b c a b", "-n", "24", "--temp", "0", "--draft", str(LLAMA),
+                   "--draft-p-min", "0")
+    assert r.returncode == 0 and plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    summary = r.stderr.strip().splitlines()[-1]
+    # the plain line's form is kept, the speculative part follows "generated N tokens (X t/s)"
+    assert re.search(r"generated 24 tokens \([0-9.]+ t/s\), draft: (\d+)/(\d+) drafted tokens accepted "
+                     r"\(\d+%\), [0-9.]+ tokens per target pass, ", summary), summary
+    assert "drafted" not in plain.stderr
+
+
+# --- SmolLM2 ------------------------------------------------------------------------------------------
+
+SMOLLM2_PROMPTS = [
+    "Repeat exactly: The quick brown fox jumps over the lazy dog, and the dog does not move at all.",
+    "Write a short poem about the sea.",
+    "List the days of the week.",
+    "Correct the spelling: Teh wether is realy nice todday and we are goign to the beech.",
+    "What is the capital of Japan?",
+    "Count from one to fifteen in words.",
+    "Explain what a compiler does in two sentences.",
+    "Repeat this list: apples, pears, plums, cherries, grapes, lemons.",
+    "Translate to French: I like to read books in the evening.",
+    "def add(a, b):\n    return a + b\n\nRewrite this Python function with type hints.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_text_with_lookup_and_draft_is_the_text_without(smollm2_path):
+    plain = minfer.load(smollm2_path, n_ctx=1024, threads=2)
+    lookup = minfer.load(smollm2_path, n_ctx=1024, threads=2, lookup=True)
+    # the same file drafting for itself: the mechanism, not a speed-up (see the README)
+    drafted = minfer.load(smollm2_path, n_ctx=1024, threads=2, draft=smollm2_path, speculative={"draft_max": 4})
+    accepted = Counter()
+    for q in SMOLLM2_PROMPTS:
+        messages = [{"role": "user", "content": q}]
+        want = plain.chat(messages, max_tokens=48, temperature=0)
+        for name, model in (("lookup", lookup), ("draft", drafted)):
+            assert model.chat(messages, max_tokens=48, temperature=0) == want, (name, q)
+            accepted[name] += model.last_stats.accepted_tokens
+    assert accepted["lookup"] > 0 and accepted["draft"] > 0, accepted

@@ -314,7 +314,9 @@ def load_draft(path: str | os.PathLike[str], target: Tokenizer, threads: int) ->
         model = TransformerModel.from_path(resolve_model(path), threads=threads)
         check_vocabulary(target, model.load_tokenizer(), f"draft model {model.path}")
     except MinferError as e:
-        message = str(e) if str(e).startswith("draft model") else f"draft model {path}: {e}"
+        text = str(e)
+        message = text if text.startswith("draft model") else \
+            f"draft model: {text}" if str(path) in text else f"draft model {path}: {text}"
         raise type(e)(message) from None
     return model
 

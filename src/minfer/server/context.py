@@ -14,9 +14,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from minfer.api import Model
-from minfer.errors import MinferError
+from minfer.errors import BadRequestError, MinferError
 from minfer.runtime.engine import Event, Failed, GenerationRequest
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError
+from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.server.errors import api_error, cancelled_error
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.metrics import ServerMetrics
@@ -66,6 +67,14 @@ class ServerContext:
         job = Job(self.pump)
         model = self.model
         try:
+            speculative = None
+            if params.speculative is not None:
+                try:
+                    speculative = resolve_speculative(params.speculative, model.engine.speculative, "'speculative'")
+                    model.engine.check_speculative(speculative)
+                except BadRequestError as e:
+                    message = str(e) if str(e).startswith("'speculative'") else f"'speculative': {e}"
+                    raise ApiError(message, param="speculative") from None
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
                     index = len(job.choices)
@@ -75,7 +84,7 @@ class ServerContext:
                     job.choices.append(Choice(index, p))
                     job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
                                                           stop=params.stop, logprobs=params.logprobs,
-                                                          constraint=constraint))
+                                                          constraint=constraint, speculative=speculative))
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",

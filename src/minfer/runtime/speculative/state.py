@@ -17,7 +17,6 @@ from minfer.runtime.sampling import Sampler, SamplingParams
 from minfer.runtime.speculative.lookup import TokenHistory, lookup_draft
 from minfer.runtime.speculative.settings import SpeculativeSettings
 
-
 MAX_BACKOFF = 16
 
 
