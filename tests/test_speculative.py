@@ -318,3 +318,34 @@ def test_smollm2_greedy_text_with_lookup_and_draft_is_the_text_without(smollm2_p
             assert model.chat(messages, max_tokens=48, temperature=0) == want, (name, q)
             accepted[name] += model.last_stats.accepted_tokens
     assert accepted["lookup"] > 0 and accepted["draft"] > 0, accepted
+
+
+def test_stops_grammar_logprobs_and_max_tokens_behave_as_without(llama):
+    """Drafts that run past a stop string, max_tokens or the end of a grammar are cut where plain decoding
+    stops; logprobs are the model's at each kept token; the grammar masks draft and target."""
+    drafted = minfer.load(LLAMA, draft=LLAMA, speculative={"draft_p_min": 0.0, "draft_max": 6})
+    lookup = minfer.load(LLAMA, lookup=True)
+    ids = [0, *range(5, 30)] * 2
+    text = llama.generate(ids, 30, temperature=0)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cases = [
+        dict(max_tokens=7),
+        dict(max_tokens=30, stop=[stop]),
+        dict(max_tokens=12, logprobs=3),
+        dict(max_tokens=20, grammar='root ::= [a-z ]+ "." | "x"'),
+        dict(max_tokens=20, grammar='root ::= ([a-z]+ " ")+', repeat_penalty=1.2),
+    ]
+    for case in cases:
+        case = dict(case)
+        n = case.pop("max_tokens")
+        want = llama.complete(ids, n, temperature=0, **case)
+        for model in (drafted, lookup):
+            got = model.complete(ids, n, temperature=0, **case)
+            assert (got.text, got.tokens, got.finish_reason) == (want.text, want.tokens, want.finish_reason), case
+            assert got.logprobs == want.logprobs
+            assert got.stats.generated_tokens == want.stats.generated_tokens
+    assert drafted.last_stats.accepted_tokens > 0
+    # the cache keeps only kept tokens: a later prompt sharing them reuses them and nothing stale
+    done = drafted.complete(ids, 20, temperature=0)
+    held = drafted.kv.tokens(0)
+    assert held == (ids + done.tokens)[: len(held)]
