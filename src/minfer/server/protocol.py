@@ -59,6 +59,7 @@ class GenerationParams:
     logprobs: int | None  # None: off; N: the chosen token plus N alternatives
     grammar: str | None
     json_schema: Any  # None, True (any JSON object) or a schema dict
+    timings: bool = False  # llama-server's timings_per_token: answer with its "timings" object too
     speculative: Any = None  # None: the server's; a mode name or an object of SpeculativeSettings fields
 
 
@@ -181,7 +182,7 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
         except BadRequestError as e:
             raise ApiError(str(e), param="speculative") from None
     return GenerationParams(model, max_tokens, n, stream, include_usage, stop, seed, sampling, logprobs, grammar,
-                            json_schema, speculative)
+                            json_schema, timings=r.boolean("timings_per_token"), speculative=speculative)
 
 
 def _sampling_fields(r: _Reader) -> dict[str, Any]:
