@@ -8,6 +8,8 @@ import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "olmo2"]
+# the families of scripts/make_family_fixtures.py (their own test file: tests/test_family_models.py)
+FAMILY_ARCHS = ["granite", "phi3", "gemma2", "qwen3moe", "qwen2moe", "mixtral"]
 
 
 def fixture_dir(arch: str) -> Path:

@@ -103,7 +103,8 @@ def _write_gguf(path, arch="llama", drop=(), reshape=None, extra_kv=None):
 
 def test_unsupported_architecture(tmp_path):
     p = _write_gguf(tmp_path / "m.gguf", arch="mamba")
-    with pytest.raises(ModelError, match="unsupported architecture 'mamba'.*llama, olmo2, qwen2, qwen3"):
+    with pytest.raises(ModelError,
+                       match="unsupported architecture 'mamba'.*llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         TransformerModel.from_gguf(p)
 
 

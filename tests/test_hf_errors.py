@@ -71,7 +71,8 @@ def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
     folder = _folder(tmp_path)
     _edit_config(folder, model_type="mamba")
     _raises(folder, ModelError, r"config\.json: unsupported model_type 'mamba' "
-                                r"\(supported: gemma3_text, llama, olmo2, qwen2, qwen3\)")
+                                r"\(supported: gemma2, gemma3_text, granite, llama, mixtral, olmo2, phi3, qwen2, "
+                                r"qwen2_moe, qwen3, qwen3_moe\)")
 
 
 def test_unsupported_head_class(tmp_path):
@@ -198,9 +199,9 @@ def test_tokenizer_config_naming_an_unknown_token(tmp_path):
 
 def test_unsupported_rope_type(tmp_path):
     folder = _folder(tmp_path)
-    _edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4})
-    _raises(folder, ModelError, r"rope_parameters\.rope_type 'longrope' is not supported \(supported: default, "
-                                r"linear, llama3, yarn\)")
+    _edit_config(folder, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4})
+    _raises(folder, ModelError, r"rope_parameters\.rope_type 'dynamic' is not supported \(supported: default, "
+                                r"linear, llama3, yarn, longrope, su\)")
 
 
 def test_unknown_quantize_type():

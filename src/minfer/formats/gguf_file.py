@@ -48,6 +48,41 @@ class GGUFTensor:
         return int(self.data.nbytes)
 
 
+def tensor_rows(t: GGUFTensor, r0: int, r1: int, name: str) -> GGUFTensor:
+    """Rows ``r0..r1`` of a matrix as a tensor of its own: a view of the same bytes (a fused projection's part)."""
+    return GGUFTensor(name, t.ggml_type, (r1 - r0, *t.shape[1:]), t.data[r0:r1])
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """A mixture-of-experts layer's matrices of one kind, one ``[rows, cols]`` matrix per expert, with the
+    numpy shape ``(n_expert, rows, cols)`` of GGUF's stacked ``ffn_*_exps`` tensors. From a GGUF file each
+    expert is a view of its rows of the stacked tensor; from an HF folder, each expert's own tensor."""
+
+    name: str
+    experts: tuple[GGUFTensor, ...]
+
+    @classmethod
+    def from_stacked(cls, t: GGUFTensor) -> ExpertTensors:
+        if len(t.shape) != 3:
+            raise FormatError(f"tensor {t.name!r} has shape {t.shape}, expected 3-D (experts, rows, columns)")
+        n, rows = t.shape[0], t.shape[1]
+        return cls(t.name, tuple(GGUFTensor(f"{t.name}[{e}]", t.ggml_type, t.shape[1:], t.data[e * rows:(e + 1) * rows])
+                                 for e in range(n)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.experts), *self.experts[0].shape)
+
+    @property
+    def ggml_type(self) -> GGMLType:
+        return self.experts[0].ggml_type
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.experts)
+
+
 class GGUFFile:
     """A parsed GGUF file: ``metadata`` (key -> python value) and ``tensors`` (name -> GGUFTensor)."""
 

@@ -26,6 +26,7 @@ from numba import njit
 
 from minfer.errors import ContextOverflowError, ModelError
 from minfer.formats.block_types import GGMLType, row_nbytes, type_size
+from minfer.formats.iquants import IQUANT_DEQUANTIZERS
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS
 
 
@@ -81,6 +82,7 @@ DEQUANTIZERS: dict[GGMLType, Callable[[np.ndarray, int], np.ndarray]] = {
     GGMLType.Q4_0: _q4_0,
     GGMLType.Q4_1: _q4_1,
     **KQUANT_DEQUANTIZERS,  # the K-quants and Q5 types
+    **IQUANT_DEQUANTIZERS,  # IQ4_NL, IQ4_XS, MXFP4
 }
 
 SUPPORTED_TYPES = tuple(DEQUANTIZERS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from minfer.errors import ModelError
-from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, NormMeta, Op, RopeMeta, ScaleMeta
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, MoeMeta, Node, NormMeta, Op, RopeMeta, ScaleMeta
 
 
 class GraphBuilder:
@@ -111,6 +111,39 @@ class GraphBuilder:
 
     def scale(self, x: Node, factor: float, name: str = "", layer=None) -> Node:
         return self._emit(Op.SCALE, (x,), x.shape, meta=ScaleMeta(float(factor)), name=name, layer=layer)
+
+    def softcap(self, x: Node, cap: float, name: str = "", layer=None) -> Node:
+        return self._emit(Op.SOFTCAP, (x,), x.shape, meta=ScaleMeta(float(cap)), name=name, layer=layer)
+
+    def moe_route(self, logits: Node, meta: MoeMeta, name: str = "") -> Node:
+        """Router logits ``[tokens, n_expert]`` -> ``[tokens, 2 k]``: each token's k experts (ids, best first)
+        and their weights."""
+        if logits.shape[-1] != meta.n_expert or not 0 < meta.n_used <= meta.n_expert:
+            raise ModelError(f"{name}: router width {logits.shape[-1]} cannot choose {meta.n_used} of "
+                             f"{meta.n_expert} experts")
+        return self._emit(Op.MOE_ROUTE, (logits,), (logits.shape[0], 2 * meta.n_used), meta=meta, name=name,
+                          layer=meta.layer)
+
+    def moe_experts(self, x: Node, route: Node, gate: Node, up: Node, down: Node, meta: MoeMeta,
+                    name: str = "", shared: tuple[Node, Node, Node, Node] | None = None) -> Node:
+        """Each token's chosen experts' SwiGLU FFNs ``down_e(silu(gate_e x) * up_e x)``, summed by weight;
+        ``gate``/``up`` are stacks ``[n_expert, n_ff, n_embd]`` and ``down`` ``[n_expert, n_embd, n_ff]``.
+        ``shared``: a shared expert's gate, up and down matrices and its gate vector ``[1, n_embd]``, added as
+        ``sigmoid(g · x) * down_s(silu(gate_s x) * up_s x)`` (Qwen2-MoE)."""
+        n_embd = x.shape[-1]
+        e, n_ff = meta.n_expert, gate.shape[1] if len(gate.shape) == 3 else -1
+        for w, want in ((gate, (e, n_ff, n_embd)), (up, (e, n_ff, n_embd)), (down, (e, n_embd, n_ff))):
+            if tuple(w.shape) != want:
+                raise ModelError(f"{name}: expert weights {w.name!r} have shape {w.shape}, expected {want}")
+        inputs = (x, route, gate, up, down)
+        if shared is not None:
+            sg, su, sd, sgate = shared
+            n_sh = sg.shape[0]
+            for w, want in ((sg, (n_sh, n_embd)), (su, (n_sh, n_embd)), (sd, (n_embd, n_sh)), (sgate, (1, n_embd))):
+                if tuple(w.shape) != want:
+                    raise ModelError(f"{name}: shared expert weight {w.name!r} has shape {w.shape}, expected {want}")
+            inputs += shared
+        return self._emit(Op.MOE_EXPERTS, inputs, x.shape, meta=meta, name=name, layer=meta.layer)
 
     def build(self, output: Node, extras: dict[str, Node] | None = None) -> Graph:
         return Graph(self.nodes, self.inputs, output, dict(extras or {}))

@@ -38,6 +38,12 @@ class Op(StrEnum):
     SCALE = "scale"  # x * a constant factor (Gemma's embedding scale)
     GELU = "gelu"  # tanh-approximated GELU
     GEGLU = "geglu"  # fused: gelu(gate) * up
+    SOFTCAP = "softcap"  # cap * tanh(x / cap): Gemma 2's final logit soft-capping
+    # mixture of experts: MOE_ROUTE turns router logits [tokens, n_expert] into each token's chosen experts and
+    # their weights ([tokens, 2 k]: k expert ids, then their k weights); MOE_EXPERTS runs those experts' SwiGLU
+    # FFNs on the token's row and sums them by weight (its weights are stacks of one matrix per expert)
+    MOE_ROUTE = "moe_route"
+    MOE_EXPERTS = "moe_experts"
 
 
 class RopeStyle(StrEnum):
@@ -89,6 +95,15 @@ class AttnMeta:
     head_dim_v: int
     scale: float
     window: int = 0  # sliding-window layers: token at position p reads positions p - window + 1 .. p; 0 = all
+    softcap: float = 0.0  # scores become softcap * tanh(score / softcap) before the mask (Gemma 2); 0 = off
+
+
+@dataclass(frozen=True)
+class MoeMeta:
+    layer: int
+    n_expert: int
+    n_used: int  # experts per token (top-k)
+    normalize: bool  # the chosen experts' weights renormalized to sum to 1 (Mixtral, Qwen3-MoE's norm_topk_prob)
 
 
 @dataclass(eq=False)

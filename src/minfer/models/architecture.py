@@ -73,10 +73,14 @@ class HFArchitecture:
     # what the family reads from config.json beyond the common fields (Gemma 3: its sliding-window layout,
     # attention scale and local RoPE), applied after them
     extra_hparams: Callable[[Mapping[str, Any], HParams, Path], HParams] | None = None
+    # mixture-of-experts folders: per-expert tensor names after "model.layers.{i}." with "{e}" for the expert
+    # -> the engine's stacked name (``ffn_gate_exps.weight``); the experts of a layer become one stack
+    expert_tensors: Mapping[str, str] = field(default_factory=dict)
+    expert_count_key: str = "num_experts"  # the config.json field holding the number of experts
 
     def __post_init__(self) -> None:
         # the registry hands these out to every caller: read-only views, whatever the module passed
-        for name in ("layer_tensors", "global_tensors", "defaults"):
+        for name in ("layer_tensors", "global_tensors", "defaults", "expert_tensors"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
 
@@ -94,6 +98,7 @@ class Architecture:
     name: str
     rope_style: RopeStyle
     hf: HFArchitecture
+    gguf: bool = True  # GGUF files name this architecture (Mixtral's say "llama": only its HF folders are its own)
     pre_norms: bool = True  # RMSNorm of the residual stream before attention and before the FFN
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
     qk_norm: QKNorm | None = None  # RMSNorm of q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
@@ -106,6 +111,10 @@ class Architecture:
     # what the family reads from GGUF metadata beyond the common keys (Gemma 3: ``<arch>.attention.sliding_window``,
     # and what llama.cpp derives from it), applied after them
     gguf_extra_hparams: Callable[[GGUFFile, HParams], HParams] | None = None
+    # tensors the family stores fused, split into the recipe's (views of the same rows, no copies): Phi-3's
+    # attn_qkv into attn_q/k/v and its gate_up ffn_up into ffn_gate and ffn_up. Gets the tensors by engine
+    # name, the hyperparameters and a describer of a tensor's origin for errors; returns the new tensors
+    split_fused: Callable[[dict[str, Any], HParams, Callable[[str], str]], dict[str, Any]] | None = None
 
     def hparams_from_gguf(self, f: GGUFFile, n_vocab: int) -> HParams:
         """The hyperparameters of a GGUF file of this family: the common keys, then the family's own."""
@@ -133,9 +142,20 @@ class Architecture:
         shapes[p + "attn_output.weight"] = (hp.n_embd, hp.n_head * hp.head_dim_v)
         if self.pre_norms:
             shapes[p + "ffn_norm.weight"] = (hp.n_embd,)
-        shapes[p + "ffn_gate.weight"] = (hp.n_ff, hp.n_embd)
-        shapes[p + "ffn_up.weight"] = (hp.n_ff, hp.n_embd)
-        shapes[p + "ffn_down.weight"] = (hp.n_embd, hp.n_ff)
+        if hp.n_expert:
+            shapes[p + "ffn_gate_inp.weight"] = (hp.n_expert, hp.n_embd)
+            shapes[p + "ffn_gate_exps.weight"] = (hp.n_expert, hp.n_ff_exp, hp.n_embd)
+            shapes[p + "ffn_up_exps.weight"] = (hp.n_expert, hp.n_ff_exp, hp.n_embd)
+            shapes[p + "ffn_down_exps.weight"] = (hp.n_expert, hp.n_embd, hp.n_ff_exp)
+            if hp.n_ff_shexp:
+                shapes[p + "ffn_gate_shexp.weight"] = (hp.n_ff_shexp, hp.n_embd)
+                shapes[p + "ffn_up_shexp.weight"] = (hp.n_ff_shexp, hp.n_embd)
+                shapes[p + "ffn_down_shexp.weight"] = (hp.n_embd, hp.n_ff_shexp)
+                shapes[p + "ffn_gate_inp_shexp.weight"] = (1, hp.n_embd)
+        else:
+            shapes[p + "ffn_gate.weight"] = (hp.n_ff, hp.n_embd)
+            shapes[p + "ffn_up.weight"] = (hp.n_ff, hp.n_embd)
+            shapes[p + "ffn_down.weight"] = (hp.n_embd, hp.n_ff)
         if self.qkv_bias:
             shapes[p + "attn_q.bias"] = (hp.q_width,)
             shapes[p + "attn_k.bias"] = (hp.k_width,)

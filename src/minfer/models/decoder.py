@@ -1,10 +1,15 @@
 """The decoder layer recipe of every architecture here, emitted as a compute graph; what differs between
 families are the flags their modules declare (:class:`~minfer.models.architecture.Architecture`).
 
-    x = embed(tokens)                                          (scaled_embeddings: * sqrt(n_embd))
-    per layer:  h = x + post_n(W_o · attn(rope(norm_qk(W_q·n(x))), rope(norm_qk(W_k·n(x))), W_v·n(x)))
-                x = h + post_n(W_down · (act(W_gate·n(h)) * W_up·n(h)))
-    logits = W_out · n(x[output rows])
+    x = embed(tokens) * embd_scale                             (Gemma: sqrt(n_embd); Granite: its multiplier)
+    per layer:  h = x + r * post_n(W_o · attn(rope(norm_qk(W_q·n(x))), rope(norm_qk(W_k·n(x))), W_v·n(x)))
+                x = h + r * post_n(ffn(n(h)))
+    logits = softcap(W_out · n(x[output rows]) / logit_scale)
+
+``ffn`` is ``W_down · (act(W_gate·y) * W_up·y)``, or with experts (``hp.n_expert`` > 0: Mixtral, Qwen3-MoE)
+the router's chosen experts' SwiGLU FFNs summed by their weights. ``r`` is Granite's residual multiplier
+(1 elsewhere), ``softcap`` Gemma 2's final soft-capping (none elsewhere); attention scores may be
+soft-capped too (``hp.attn_softcap``).
 
 ``n`` is the pre-norm (``pre_norms``; OLMo 2 has none: n(x) = x), ``norm_qk`` the RMSNorm of q and of k
 (``qk_norm``: per head, or over the whole q and k width), ``post_n`` the norm of the attention output and
@@ -24,7 +29,7 @@ from typing import Protocol
 
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.graph.builder import GraphBuilder
-from minfer.graph.ir import AttnMeta, Graph, KVMeta, Node, RopeStyle
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, MoeMeta, Node, RopeStyle
 from minfer.models.architecture import Architecture
 from minfer.models.hparams import HParams
 from minfer.models.rope_scaling import layer_rope_meta
@@ -53,7 +58,8 @@ class DecoderWeights(Protocol):
 def build_decoder_graph(
     model: DecoderWeights, n_tokens: int, n_outputs: int, n_ctx: int, hidden: bool = False
 ) -> Graph:
-    """The forward pass of ``n_tokens`` tokens with the logits of ``n_outputs`` rows.
+    """The forward pass of ``n_tokens`` tokens into a cache of ``n_ctx`` positions, with the logits of
+    ``n_outputs`` rows.
 
     ``hidden``: every token's final-normed hidden state (the output norm's result, before the output
     matmul) is kept as the graph's ``"hidden"`` extra, ``[n_tokens, n_embd]`` (embeddings pool it); the
@@ -92,12 +98,15 @@ def build_decoder_graph(
         if arch.qk_norm is not None:
             q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=arch.qk_norm_width(hp))
             k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=arch.qk_norm_width(hp))
-        q = b.rope(q, positions, layer_rope_meta(hp, model.rope_style, hp.n_head, il), name=p + "q_rope", layer=il)
-        k = b.rope(k, positions, layer_rope_meta(hp, model.rope_style, hp.n_head_kv, il), name=p + "k_rope", layer=il)
+        q_rope = layer_rope_meta(hp, model.rope_style, hp.n_head, il, n_ctx)
+        k_rope = layer_rope_meta(hp, model.rope_style, hp.n_head_kv, il, n_ctx)
+        q = b.rope(q, positions, q_rope, name=p + "q_rope", layer=il)
+        k = b.rope(k, positions, k_rope, name=p + "k_rope", layer=il)
         store = b.kv_store(k, v, rows, KVMeta(il, hp.k_width, hp.v_width), n_ctx, name=p + "kv_store")
         kv = b.kv_load(store, name=p + "kv_load")
         attn_meta = AttnMeta(
-            il, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.attn_scale, hp.layer_window(il)
+            il, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.attn_scale, hp.layer_window(il),
+            hp.attn_softcap,
         )
         a = b.attn(q, kv, positions, rows, attn_meta, name=p + "attn")
         o = b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il)
@@ -107,23 +116,53 @@ def build_decoder_graph(
             x = b.get_rows(x, out_rows, name=p + "residual.rows")
         if arch.post_norms:
             o = norm(o, p + "post_attention_norm.weight", p + "post_attn_norm", il)
+        if hp.residual_scale != 1.0:
+            o = b.scale(o, hp.residual_scale, name=p + "attn_out.residual_scale", layer=il)
         x = b.add(x, o, name=p + "attn_residual", layer=il)
         h = norm(x, p + "ffn_norm.weight", p + "ffn_norm", il) if arch.pre_norms else x
-        gate = b.matmul(h, w(p + "ffn_gate.weight"), name=p + "ffn_gate", layer=il)
-        up = b.matmul(h, w(p + "ffn_up.weight"), name=p + "ffn_up", layer=il)
-        if arch.ffn_act == "gelu":
-            gated = b.gelu(gate, name=p + "ffn_gelu", layer=il)
+        if hp.n_expert:
+            down = moe_ffn(b, w, h, p, il, hp)
         else:
-            gated = b.silu(gate, name=p + "ffn_silu", layer=il)
-        act = b.mul(gated, up, name=p + "ffn_act", layer=il)
-        down = b.matmul(act, w(p + "ffn_down.weight"), name=p + "ffn_down", layer=il)
+            gate = b.matmul(h, w(p + "ffn_gate.weight"), name=p + "ffn_gate", layer=il)
+            up = b.matmul(h, w(p + "ffn_up.weight"), name=p + "ffn_up", layer=il)
+            if arch.ffn_act == "gelu":
+                gated = b.gelu(gate, name=p + "ffn_gelu", layer=il)
+            else:
+                gated = b.silu(gate, name=p + "ffn_silu", layer=il)
+            act = b.mul(gated, up, name=p + "ffn_act", layer=il)
+            down = b.matmul(act, w(p + "ffn_down.weight"), name=p + "ffn_down", layer=il)
         if arch.post_norms:
             down = norm(down, p + "post_ffw_norm.weight", p + "post_ffw_norm", il)
+        if hp.residual_scale != 1.0:
+            down = b.scale(down, hp.residual_scale, name=p + "ffn_out.residual_scale", layer=il)
         x = b.add(x, down, name=p + "ffn_residual", layer=il)
     x = norm(x, "output_norm.weight", "output_norm", None)
     if not hidden:
-        return b.build(b.matmul(x, w(model.output_tensor_name), name="output"))
+        return b.build(_logits(b, w, x, model, hp))
     if n_outputs == 0:
         return b.build(x, {"hidden": x})
     rows = b.get_rows(x, out_rows, name="output_norm.rows") if out_rows is not None else x
-    return b.build(b.matmul(rows, w(model.output_tensor_name), name="output"), {"hidden": x})
+    return b.build(_logits(b, w, rows, model, hp), {"hidden": x})
+
+
+def _logits(b: GraphBuilder, w, x: Node, model: DecoderWeights, hp: HParams) -> Node:
+    """The output matmul, then Granite's logit scale and Gemma 2's soft-capping where the model has them."""
+    logits = b.matmul(x, w(model.output_tensor_name), name="output")
+    if hp.logit_scale != 1.0:
+        logits = b.scale(logits, 1.0 / hp.logit_scale, name="output.logit_scale")
+    if hp.final_softcap > 0:
+        logits = b.softcap(logits, hp.final_softcap, name="output.softcap")
+    return logits
+
+
+def moe_ffn(b: GraphBuilder, w, h: Node, p: str, il: int, hp: HParams) -> Node:
+    """The mixture-of-experts FFN: router logits, the chosen experts and their weights (a node of its own, so
+    the trace shows the routing), then the experts' weighted sum."""
+    meta = MoeMeta(il, hp.n_expert, hp.n_expert_used, hp.expert_weights_norm)
+    logits = b.matmul(h, w(p + "ffn_gate_inp.weight"), name=p + "ffn_router", layer=il)
+    route = b.moe_route(logits, meta, name=p + "ffn_route")
+    shared = None
+    if hp.n_ff_shexp:  # Qwen2-MoE's shared expert, gated per token
+        shared = tuple(w(f"{p}ffn_{k}_shexp.weight") for k in ("gate", "up", "down", "gate_inp"))
+    return b.moe_experts(h, route, w(p + "ffn_gate_exps.weight"), w(p + "ffn_up_exps.weight"),
+                         w(p + "ffn_down_exps.weight"), meta, name=p + "ffn_moe", shared=shared)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from minfer.errors import FormatError, ModelError
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture, HFArchitecture
@@ -205,8 +205,11 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     if tied is None:
         tied = spec.defaults.get("tie_word_embeddings", True)
     n_layer = _Config(cfg, spec, cfg_path).int("num_hidden_layers")
-    tensors: dict[str, GGUFTensor] = {}
+    tensors: dict[str, GGUFTensor | ExpertTensors] = {}
     origin: dict[str, tuple[str, Path]] = {}
+    expert_patterns = [(re.compile(re.escape(k).replace(re.escape("{e}"), r"(\d+)")), k, v)
+                       for k, v in spec.expert_tensors.items()]
+    experts: dict[str, dict[int, GGUFTensor]] = {}  # engine name of a layer's stack -> expert -> its matrix
     for hf_name, info in folder.infos.items():
         if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
             continue  # tied: transformers reads the output projection from the embeddings
@@ -217,6 +220,9 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
             suffix = spec.layer_tensors.get(rest)
             if suffix is not None and il < n_layer:
                 name = f"blk.{il}.{suffix}"
+            if name is None and il < n_layer and _add_expert(hf_name, rest, il, expert_patterns, folder, experts,
+                                                              origin):
+                continue
         if name is None:
             raise ModelError(f"{info.file}: tensor {hf_name!r} has no place in the {spec.model_type} recipe")
         if info.dtype not in SAFETENSORS_TYPES:
@@ -225,6 +231,18 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         t = folder.tensors[hf_name]
         tensors[name] = GGUFTensor(name, t.ggml_type, t.shape, t.data)
         origin[name] = (hf_name, info.file)
+
+    for stack, by_expert in experts.items():
+        n = len(by_expert)
+        if sorted(by_expert) != list(range(n)):
+            missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
+            raise FormatError(f"{origin[stack][1]}: tensor {origin[stack][0].replace('{e}', str(missing[0]))!r} "
+                              f"is missing (experts of one layer are numbered 0..{max(by_expert)})")
+        shapes = {t.shape for t in by_expert.values()}
+        if len(shapes) != 1 or len({t.ggml_type for t in by_expert.values()}) != 1:
+            raise ModelError(f"{origin[stack][1]}: the experts' {origin[stack][0]!r} tensors differ in shape or "
+                             f"dtype ({sorted(shapes)})")
+        tensors[stack] = ExpertTensors(stack, tuple(by_expert[e] for e in range(n)))
 
     embd = tensors.get("token_embd.weight")
     if embd is None:
@@ -250,6 +268,26 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         tensors=tensors,
         origin=origin,
     )
+
+
+def _add_expert(hf_name: str, rest: str, il: int, patterns: list, folder: SafetensorsFolder,
+                experts: dict[str, dict[int, GGUFTensor]], origin: dict[str, tuple[str, Path]]) -> bool:
+    """File a per-expert tensor (``mlp.experts.3.gate_proj.weight``) under its layer's stack; False if it is none."""
+    info = folder.infos[hf_name]
+    for pattern, hf_pattern, stacked in patterns:
+        e = pattern.fullmatch(rest)
+        if e is None:
+            continue
+        if info.dtype not in SAFETENSORS_TYPES:
+            raise ModelError(f"{info.file}: tensor {hf_name!r} has dtype {info.dtype}, not supported "
+                             f"(supported: {', '.join(SAFETENSORS_TYPES)})")
+        stack = f"blk.{il}.{stacked}"
+        t = folder.tensors[hf_name]
+        experts.setdefault(stack, {})[int(e.group(1))] = GGUFTensor(f"{stack}[{e.group(1)}]", t.ggml_type, t.shape,
+                                                                      t.data)
+        origin[stack] = (f"model.layers.{il}.{hf_pattern}", info.file)
+        return True
+    return False
 
 
 def _plus_one(t: GGUFTensor) -> GGUFTensor:

@@ -35,6 +35,18 @@ class HParams:
     rope_freq_base_swa: float = 10000.0
     rope_freq_scale_swa: float = 1.0
     embd_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(n_embd), in float32)
+    residual_scale: float = 1.0  # attention and FFN outputs are multiplied by this before each residual add (Granite)
+    logit_scale: float = 1.0  # logits are divided by this (Granite's logits_scaling)
+    attn_softcap: float = 0.0  # attention scores become cap * tanh(score / cap) before the mask (Gemma 2); 0 = off
+    final_softcap: float = 0.0  # logits become cap * tanh(logit / cap) (Gemma 2); 0 = off
+    # mixture of experts (0 experts: a dense FFN): each token's FFN is the weighted sum of the n_expert_used
+    # experts (SwiGLU FFNs of width n_ff_exp) its router ranks highest, the weights the router's softmax over
+    # all experts, renormalized over the chosen ones when expert_weights_norm
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_norm: bool = False
+    n_ff_shexp: int = 0  # a shared expert every token also runs, gated by sigmoid(w · x) (Qwen2-MoE); 0 = none
 
     def is_swa(self, il: int) -> bool:
         """Whether layer ``il`` is a sliding-window layer."""
@@ -110,6 +122,14 @@ def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
     if n_rot > head_dim_k or n_rot % 2:
         raise ModelError(f"{f.path}: rope.dimension_count {n_rot} must be even and <= head dim {head_dim_k}")
 
+    n_expert = int(f.get(key("expert_count"), 0))
+    n_expert_used = int(f.get(key("expert_used_count"), 0))
+    if n_expert < 0 or (n_expert and not 0 < n_expert_used <= n_expert):
+        raise ModelError(f"{f.path}: {key('expert_used_count')} {n_expert_used} must be between 1 and "
+                         f"{key('expert_count')} {n_expert}")
+    n_ff_exp = int(f.get(key("expert_feed_forward_length"), n_ff)) if n_expert else 0
+    n_ff_shexp = int(f.get(key("expert_shared_feed_forward_length"), 0)) if n_expert else 0
+
     freq_base = float(f.get(key("rope.freq_base"), 10000.0))
     scaling = rope_scaling_from_gguf(f, n_rot, n_ctx_train)
     rms_eps = float(f.require(key("attention.layer_norm_rms_epsilon"), float))
@@ -131,4 +151,10 @@ def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
         rms_eps=rms_eps,
         attn_scale=1.0 / math.sqrt(head_dim_k),
         rope_scaling=scaling,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used if n_expert else 0,
+        n_ff_exp=n_ff_exp,
+        n_ff_shexp=n_ff_shexp,
+        # llama.cpp renormalizes the chosen experts' weights for llama (Mixtral) and qwen3moe files
+        expert_weights_norm=bool(f.get(key("expert_weights_norm"), True)) if n_expert else False,
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minfer.errors import FormatError, ModelError
-from minfer.formats.gguf_file import GGUFFile, GGUFTensor
+from minfer.formats.gguf_file import ExpertTensors, GGUFFile, GGUFTensor
 from minfer.formats.quants import SUPPORTED_TYPES, is_supported
 from minfer.graph.ir import Graph, RopeStyle
 from minfer.models.architecture import Architecture
@@ -46,7 +46,12 @@ class TransformerModel:
         self.arch = arch
         self.hparams = hparams
         self.path: Path = gguf.path if gguf is not None else hf.directory  # type: ignore[union-attr]
-        self.tensors: dict[str, GGUFTensor] = dict(gguf.tensors if gguf is not None else hf.tensors)  # type: ignore[union-attr]
+        self.tensors: dict[str, GGUFTensor | ExpertTensors] = dict(gguf.tensors if gguf is not None else hf.tensors)  # type: ignore[union-attr]
+        if arch.split_fused is not None:
+            self.tensors = arch.split_fused(self.tensors, hparams, self.describe_tensor)
+        for name, t in self.tensors.items():  # GGUF's stacked expert tensors: one view per expert
+            if isinstance(t, GGUFTensor) and len(t.shape) == 3 and name.endswith("_exps.weight"):
+                self.tensors[name] = ExpertTensors.from_stacked(t)
         self._rope_style = rope_style
         self.quantized: str | None = None  # the load-time quantize type, if any
         self.output_tensor_name = "output.weight" if self.has_tensor("output.weight") else "token_embd.weight"
@@ -87,12 +92,16 @@ class TransformerModel:
 
     def quantize(self, qtype: str, threads: int | None = None) -> None:
         """Quantize every float matrix to ``qtype`` (``q8_0`` or ``q4_k``) in memory, as
-        :mod:`minfer.formats.quantize` describes; 1-D tensors (norms, biases) stay as they are."""
+        :mod:`minfer.formats.quantize` describes; 1-D tensors (norms, biases) stay as they are, and each
+        expert's matrix of a mixture of experts is quantized on its own."""
         from minfer.formats.quantize import quantize_tensor, quantize_type
 
         target = quantize_type(qtype)
         for name, t in self.tensors.items():
-            if len(t.shape) == 2:
+            if isinstance(t, ExpertTensors):
+                self.tensors[name] = ExpertTensors(name, tuple(quantize_tensor(e, target, threads=threads)
+                                                               for e in t.experts))
+            elif len(t.shape) == 2:
                 self.tensors[name] = quantize_tensor(t, target, threads=threads)
         self.quantized = qtype.lower()
 
@@ -132,7 +141,18 @@ class TransformerModel:
             shapes.update(self.arch.layer_tensor_shapes(hp, il))
         return shapes
 
+    def _expert_count_field(self) -> str:
+        if self.hf is not None:
+            return f"{self.hf.directory / 'config.json'}: {self.arch.hf.expert_count_key}"
+        return f"{self.arch.name}.expert_count"
+
     def _validate(self) -> None:
+        hp = self.hparams
+        if hp.n_expert:
+            for name, t in self.tensors.items():
+                if name.endswith(("_exps.weight", "ffn_gate_inp.weight")) and t.shape[0] != hp.n_expert:
+                    raise ModelError(f"{self.describe_tensor(name)} holds {t.shape[0]} experts but "
+                                     f"{self._expert_count_field()} is {hp.n_expert}")
         for name, shape in self.expected_shapes().items():
             t = self.tensors.get(name)
             if t is None:

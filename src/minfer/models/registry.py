@@ -19,8 +19,8 @@ from minfer.errors import ModelError
 from minfer.models.architecture import Architecture
 
 
-def architectures() -> Mapping[str, Architecture]:
-    """Every architecture, by GGUF name."""
+def all_architectures() -> Mapping[str, Architecture]:
+    """Every architecture, by name (those that only read HF folders included: Mixtral)."""
     found: dict[str, Architecture] = {}
     for info in pkgutil.iter_modules(models.__path__):
         arch = getattr(importlib.import_module(f"{models.__name__}.{info.name}"), "ARCH", None)
@@ -29,6 +29,11 @@ def architectures() -> Mapping[str, Architecture]:
                 raise RuntimeError(f"{info.name}: architecture {arch.name!r} / {arch.hf.model_type!r} declared twice")
             found[arch.name] = arch
     return MappingProxyType(found)
+
+
+def architectures() -> Mapping[str, Architecture]:
+    """Every architecture GGUF files name, by GGUF name."""
+    return MappingProxyType({name: a for name, a in all_architectures().items() if a.gguf})
 
 
 def get_architecture(name: str, source: str = "") -> Architecture:
@@ -43,7 +48,7 @@ def get_architecture(name: str, source: str = "") -> Architecture:
 
 def architecture_of_model_type(model_type: str, source: str = "") -> Architecture:
     """The architecture whose HF folders carry ``config.json`` ``model_type``; a :class:`ModelError` if none."""
-    by_model_type = {a.hf.model_type: a for a in architectures().values()}
+    by_model_type = {a.hf.model_type: a for a in all_architectures().values()}
     arch = by_model_type.get(model_type)
     if arch is None:
         where = f"{source}: " if source else ""

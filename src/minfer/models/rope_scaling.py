@@ -32,7 +32,7 @@ import numpy as np
 from minfer.errors import FormatError, ModelError
 from minfer.graph.ir import RopeMeta, RopeStyle
 
-SUPPORTED_HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
 SUPPORTED_GGUF_SCALING_TYPES = ("none", "linear", "yarn")
 
 
@@ -40,7 +40,7 @@ SUPPORTED_GGUF_SCALING_TYPES = ("none", "linear", "yarn")
 class RopeScaling:
     """How a model's RoPE frequencies depart from ``1 / base^(2i/n_rot)``; ``kind == "none"`` when they do not."""
 
-    kind: str = "none"  # none | linear | llama3 | yarn
+    kind: str = "none"  # none | linear | llama3 | yarn | longrope
     factor: float = 1.0  # context extension factor (linear / yarn: frequencies divided by it)
     freq_factors: tuple[float, ...] | None = None  # per-pair divisors of the base frequencies (Llama 3)
     n_ctx_orig: int = 0  # the pre-scaling training context (YaRN's correction dims, Llama 3's wavelengths)
@@ -49,6 +49,9 @@ class RopeScaling:
     ext_factor: float = 0.0  # YaRN mix strength (1 for YaRN, 0 otherwise)
     truncate: bool = True  # YaRN: correction dims rounded outwards to whole pairs
     mscale: float = 1.0  # cos/sin magnitude (YaRN attention factor)
+    # LongRoPE (Phi-3's "su"): freq_factors are the short factors, these the long ones, used when the context
+    # exceeds n_ctx_orig (llama.cpp's choice by context size; transformers' by sequence length)
+    long_freq_factors: tuple[float, ...] | None = None
     low_freq_factor: float = 0.0  # Llama 3 parameters, kept for display
     high_freq_factor: float = 0.0
     source: str = ""  # where it was read, for `minfer inspect`
@@ -85,18 +88,29 @@ class RopeScaling:
                 text += f", low/high freq factor {self.low_freq_factor:g}/{self.high_freq_factor:g}"
             if self.n_ctx_orig:
                 text += f", original context {self.n_ctx_orig}"
+        elif self.kind == "longrope":
+            text = (f"longrope, original context {self.n_ctx_orig}, attention factor {self.mscale:.6g} "
+                    f"(long factors beyond the original context)")
         else:
             text = (f"yarn, factor {self.factor:g}, original context {self.n_ctx_orig}, beta fast/slow "
                     f"{self.beta_fast:g}/{self.beta_slow:g}, attention factor {self.mscale:.6g}")
         return f"{text} ({self.source})" if self.source else text
 
 
+    def factors_for(self, n_ctx: int) -> tuple[float, ...] | None:
+        """The per-pair frequency divisors a context of ``n_ctx`` positions uses (LongRoPE: long or short)."""
+        if self.kind == "longrope" and n_ctx > self.n_ctx_orig:
+            return self.long_freq_factors
+        return self.freq_factors
+
+
 def rope_meta(hp: Any, style: RopeStyle, n_head: int, freq_base: float | None = None,
-              freq_scale: float | None = None, scaled: bool = True) -> RopeMeta:
+              freq_scale: float | None = None, scaled: bool = True, n_ctx: int = 0) -> RopeMeta:
     """The RoPE node's meta for a model's hyperparameters (``HParams``), with its scaling applied.
 
     ``freq_base`` / ``freq_scale`` override the model's (layers with their own RoPE, such as Gemma 3's
-    sliding-window ones); ``scaled=False`` leaves the scaling out (those layers are not scaled)."""
+    sliding-window ones); ``scaled=False`` leaves the scaling out (those layers are not scaled); ``n_ctx`` is the
+    context the graph runs in (LongRoPE's long factors apply beyond the original context)."""
     s: RopeScaling = hp.rope_scaling if scaled else RopeScaling()
     base = hp.rope_freq_base if freq_base is None else freq_base
     return RopeMeta(
@@ -106,20 +120,20 @@ def rope_meta(hp: Any, style: RopeStyle, n_head: int, freq_base: float | None = 
         freq_base=base,
         freq_scale=(hp.rope_freq_scale if scaled else 1.0) if freq_scale is None else freq_scale,
         style=style,
-        freq_factors=s.freq_factors,
+        freq_factors=s.factors_for(n_ctx),
         ext_factor=s.ext_factor,
         corr_dims=s.corr_dims(hp.n_rot, base),
         mscale=s.mscale,
     )
 
 
-def layer_rope_meta(hp: Any, style: RopeStyle, n_head: int, il: int) -> RopeMeta:
+def layer_rope_meta(hp: Any, style: RopeStyle, n_head: int, il: int, n_ctx: int = 0) -> RopeMeta:
     """The RoPE meta of layer ``il``: the model's, or for a sliding-window layer (Gemma 3: ``hp.is_swa``) its
     own base and scale, without the model's scaling (which applies to the global layers only)."""
     if hp.is_swa(il):
         return rope_meta(hp, style, n_head, freq_base=hp.rope_freq_base_swa, freq_scale=hp.rope_freq_scale_swa,
                          scaled=False)
-    return rope_meta(hp, style, n_head)
+    return rope_meta(hp, style, n_head, n_ctx=n_ctx)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -276,8 +290,10 @@ def rope_scaling_from_hf(params: Mapping[str, Any], cfg: Mapping[str, Any], n_ro
             raise FormatError(f"{where}: {field}.factor must be positive, got {factor}")
         return RopeScaling(kind="linear", factor=factor, source=source)
 
-    # llama3 and yarn: transformers falls back to these top-level fields for the pre-scaling context
+    # llama3, yarn and longrope: transformers falls back to these top-level fields for the pre-scaling context
     n_ctx_orig = params.get("original_max_position_embeddings")
+    if rope_type in ("longrope", "su") and n_ctx_orig is None:
+        n_ctx_orig = cfg.get("original_max_position_embeddings")
     if rope_type == "yarn" and cfg.get("original_max_position_embeddings") is not None:
         n_ctx_orig = cfg["original_max_position_embeddings"]  # Phi3-style: outside, and it wins
     if n_ctx_orig is None:
@@ -302,6 +318,8 @@ def rope_scaling_from_hf(params: Mapping[str, Any], cfg: Mapping[str, Any], n_ro
         factor = float(cfg["max_position_embeddings"]) / n_ctx_orig
     if not factor > 0:
         raise FormatError(f"{where}: {field}.factor must be positive, got {factor}")
+    if rope_type in ("longrope", "su"):
+        return _longrope_from_hf(params, field, n_rot, factor, n_ctx_orig, num("attention_factor"), where, source)
     attention_factor = num("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = num("mscale"), num("mscale_all_dim")
@@ -321,3 +339,22 @@ def rope_scaling_from_hf(params: Mapping[str, Any], cfg: Mapping[str, Any], n_ro
         mscale=attention_factor,
         source=source,
     )
+
+
+def _longrope_from_hf(params: Mapping[str, Any], field: str, n_rot: int, factor: float, n_ctx_orig: int,
+                      attention_factor: float | None, where: str, source: str) -> RopeScaling:
+    """transformers' ``_compute_longrope_parameters``: per-pair divisors ``short_factor`` / ``long_factor`` and
+    the attention factor sqrt(1 + ln(factor) / ln(n_ctx_orig)) (1 when the context is not extended)."""
+    sets = []
+    for name in ("short_factor", "long_factor"):
+        values = params.get(name)
+        if (not isinstance(values, list) or len(values) != n_rot // 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)):
+            raise FormatError(f"{where}: {field}.{name} must list {n_rot // 2} positive numbers (one per rotating "
+                              f"pair), got {values!r}")
+        # transformers divides by the factors as float32 values
+        sets.append(tuple(float(np.float32(v)) for v in values))
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(n_ctx_orig))
+    return RopeScaling(kind="longrope", factor=factor, freq_factors=sets[0], long_freq_factors=sets[1],
+                       n_ctx_orig=n_ctx_orig, mscale=attention_factor, source=source)

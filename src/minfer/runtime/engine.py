@@ -265,7 +265,7 @@ class Engine:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}"
             )
-        if request.speculative is not None:
+        if isinstance(request, GenerationRequest) and request.speculative is not None:
             self.check_speculative(request.speculative)
 
     def check_speculative(self, settings: SpeculativeSettings) -> None:

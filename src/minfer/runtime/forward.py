@@ -164,7 +164,7 @@ class ForwardRunner:
         # a pure rotation by the position delta: the YaRN magnitude (mscale) is already in the stored rows;
         # each layer with its own frequencies (Gemma's sliding-window layers have another base)
         metas = [
-            replace(layer_rope_meta(hp, self.model.rope_style, hp.n_head_kv, il), mscale=1.0)
+            replace(layer_rope_meta(hp, self.model.rope_style, hp.n_head_kv, il, self.kv.n_ctx), mscale=1.0)
             for il in range(hp.n_layer)
         ]
 

@@ -53,6 +53,7 @@ class BenchReport:
     model_bytes: int
     n_params: int
     weight_bytes_per_token: int
+    expert_bytes_per_token: float = 0.0  # measured by the MoE kernels' byte counter during tg (0: no experts)
     load_s: float = 0.0
     peak_rss_bytes: int = 0
     kv_bytes_per_position: int = 0
@@ -64,7 +65,8 @@ class BenchReport:
         for r in self.records:
             d = asdict(r)
             d.update(model=self.model, load_s=self.load_s, peak_rss_bytes=self.peak_rss_bytes,
-                     weight_bytes_per_token=self.weight_bytes_per_token)
+                     weight_bytes_per_token=self.weight_bytes_per_token,
+                     expert_bytes_per_token=self.expert_bytes_per_token)
             if r.test.startswith("tg") and r.engine == "minfer":
                 d["bandwidth_gb_s"] = self.weight_bytes_per_token * r.tokens_per_s / 1e9
             out.append(d)
@@ -72,11 +74,17 @@ class BenchReport:
 
 
 def weight_bytes_per_token(model: Model) -> int:
-    """Bytes of weights one decode step reads: every tensor, except that the embedding gives one row."""
+    """Bytes of weights one decode step reads: every tensor, except that the embedding gives one row and a
+    mixture of experts' stacks give the experts a token uses (n_expert_used of n_expert, on average)."""
+    from minfer.formats.gguf_file import ExpertTensors
+
     total = 0
+    hp = model.hparams
     for t in model.transformer.tensors.values():
         if t.name == "token_embd.weight" and not model.transformer.tied_output:
             total += t.nbytes // t.shape[0]
+        elif isinstance(t, ExpertTensors):
+            total += t.nbytes * hp.n_expert_used // hp.n_expert
         else:
             total += t.nbytes
     return total
@@ -118,6 +126,9 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                 runs = []
                 for r in range(reps + 1):
                     toks = np.random.default_rng(r).integers(0, vocab, n)
+                    reads = getattr(runner.backend, "expert_reads", None)
+                    if reads is not None:
+                        reads.reset()
                     t1 = time.perf_counter()
                     if kind == "pp":
                         runner.forward(toks, np.arange(n), output_rows=[n - 1])
@@ -127,6 +138,8 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                     dt = time.perf_counter() - t1
                     if r > 0:
                         runs.append(n / dt)
+                    if kind == "tg" and reads is not None and reads.bytes:
+                        report_.expert_bytes_per_token = reads.bytes / n
                 report_.records.append(BenchRecord("minfer", f"{kind}{n}", t, runs))
         model.backend.close()
     assert report_ is not None
@@ -198,7 +211,9 @@ def markdown(report: BenchReport) -> str:
     lines = [
         f"model: {report.model}, {report.model_bytes / 2**20:.1f} MiB, {report.n_params / 1e6:.1f} M params, "
         f"load {report.load_s:.2f} s, peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB, "
-        f"weights read per token {report.weight_bytes_per_token / 2**20:.1f} MiB, "
+        f"weights read per token {report.weight_bytes_per_token / 2**20:.1f} MiB"
+        + (f" (experts measured: {report.expert_bytes_per_token / 2**20:.1f} MiB)" if report.expert_bytes_per_token
+           else "") + ", "
         f"KV (f32) {report.kv_bytes_per_position / 1024:.1f} KiB/position",
         "",
         "| engine | threads | test | t/s | vs minfer |",

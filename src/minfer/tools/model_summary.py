@@ -65,6 +65,15 @@ def summarize(model: TransformerModel) -> dict[str, Any]:
         features.append(f"embeddings x {hp.embd_scale:.6g}")
     if hp.rope_scaling.active:
         features.append(f"rope scaling ({hp.rope_scaling.kind})")
+    if hp.n_expert:
+        norm = ", weights renormalized" if hp.expert_weights_norm else ""
+        shared = f", shared expert of width {hp.n_ff_shexp}" if hp.n_ff_shexp else ""
+        features.append(f"mixture of experts ({hp.n_expert} experts of width {hp.n_ff_exp}, {hp.n_expert_used} per "
+                        f"token{norm}{shared})")
+    if hp.attn_softcap or hp.final_softcap:
+        features.append(f"soft-capping (attention {hp.attn_softcap:g}, logits {hp.final_softcap:g})")
+    if hp.residual_scale != 1.0 or hp.logit_scale != 1.0:
+        features.append(f"residual x {hp.residual_scale:g}, logits / {hp.logit_scale:g}")
     if model.quantized:
         note = ""
         if model.quantized == "q4_k" and ("Q5_0" in types or "F16" in types):

@@ -90,6 +90,10 @@ class Tracer:
                          f'"rms": {math.sqrt(squares / n):.7g}, "nan": {nan}, "inf": {inf}')
             else:
                 stats = f', "min": null, "max": null, "mean": null, "rms": null, "nan": {nan}, "inf": {inf}'
+        if node.op is Op.MOE_ROUTE:  # the routing itself: each token's experts (best first) and their weights
+            k = node.meta.n_used
+            stats += (f', "experts": {json.dumps(s.out[:, :k].astype(int).tolist())}, '
+                      f'"expert_weights": {json.dumps([[round(float(w), 7) for w in row] for row in s.out[:, k:]])}')
         self._file.write(f'{{"call": {self.call}, {prefix}, "us": {seconds * 1e6:.2f}{stats}}}\n')
 
     def logits(self, tokens: np.ndarray, positions: np.ndarray, logits: np.ndarray) -> None:

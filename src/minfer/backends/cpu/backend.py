@@ -26,7 +26,7 @@ from threadpoolctl import ThreadpoolController
 
 from minfer.backends.cpu import reference as ref
 from minfer.errors import BadRequestError
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.quants import GGMLType
 from minfer.graph.ir import Node, Op, RopeMeta, RopeStyle, Take
 
@@ -119,7 +119,21 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     Op.SCALE: lambda node, out, x: ref.scale(x, node.meta.factor, out),
     Op.GELU: lambda node, out, x: ref.gelu(x, out),
     Op.GEGLU: lambda node, out, gate, up: ref.geglu(gate, up, out),
+    Op.SOFTCAP: lambda node, out, x: ref.softcap(x, node.meta.factor, out),
+    Op.MOE_ROUTE: lambda node, out, logits: ref.moe_route(logits, node.meta.n_used, node.meta.normalize, out),
 }
+
+
+class ExpertReads:
+    """What the mixture-of-experts kernels of one backend read: bytes of expert weights, and how many expert
+    matrices (each read once per pass for all the tokens that chose it). Tests and ``minfer bench`` read it."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.experts = 0
+
+    def reset(self) -> None:
+        self.bytes = self.experts = 0
 
 
 class CPUBackend:
@@ -134,10 +148,12 @@ class CPUBackend:
         self._pool: ThreadPoolExecutor | None = None
         self._rope_tables: dict[tuple, Any] = {}
         self._prepared: dict[int, tuple[GGUFTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
+        self.expert_reads = ExpertReads()
         if kernels == "fast":
             from minfer.backends.cpu import (
                 attention,
                 elementwise,
+                iquant_matmul,
                 kquant_matmul,
                 norms,
                 quant_matmul,
@@ -147,6 +163,7 @@ class CPUBackend:
             self._norms, self._ew, self._rope, self._attn = norms, elementwise, rope, attention
             self._qm = quant_matmul
             self._kq = kquant_matmul  # compiled on first use (Q5_0/Q5_1 and the K-quants)
+            self._iq = iquant_matmul  # compiled on first use (IQ4_NL, IQ4_XS, MXFP4)
             for module in (norms, elementwise, rope, attention, quant_matmul):
                 module.warmup()
         elif threads > 1:
@@ -164,7 +181,9 @@ class CPUBackend:
             stack.callback(numba.set_num_threads, previous)
         return stack
 
-    def prepare_weight(self, tensor: GGUFTensor) -> Any:
+    def prepare_weight(self, tensor: GGUFTensor | ExpertTensors) -> Any:
+        if isinstance(tensor, ExpertTensors):  # one prepared matrix per expert
+            return tuple(self.prepare_weight(t) for t in tensor.experts)
         # 1-D tensors (norm gains, biases) and F32 tensors the reference reads are float32 arrays; a 1-D
         # tensor in another type is small, so it is dequantized once. Matrices stay raw blocks.
         if len(tensor.shape) == 1 or (tensor.ggml_type == GGMLType.F32 and self.kernels != "fast"):
@@ -178,6 +197,8 @@ class CPUBackend:
                 prepared = self._qm.prepare(tensor)
             elif self._kq.supports(tensor.ggml_type):
                 prepared = self._kq.prepare(tensor)
+            elif self._iq.supports(tensor.ggml_type):
+                prepared = self._iq.prepare(tensor)
             self._prepared[id(tensor)] = (tensor, prepared)
             return prepared
         return tensor
@@ -201,6 +222,8 @@ class CPUBackend:
         self._rope_table(meta).apply(x, positions, meta.n_head, meta.style is RopeStyle.NEOX, out)
 
     def kernel(self, node: Node) -> Callable[..., None]:
+        if node.op is Op.MOE_EXPERTS:
+            return self._moe_experts_kernel(node)
         if self.kernels == "fast":
             return self._fast_kernel(node)
         if node.op is not Op.MATMUL:
@@ -208,6 +231,34 @@ class CPUBackend:
         if self.kernels == "reference-q8" and node.inputs[1].source.ggml_type in Q8_ACTIVATION_TYPES:
             return lambda node, out, x, w: self._reference_matmul(node, out, ref.round_activations_q8(x), w)
         return self._reference_matmul
+
+    def _matmul_fn(self, w: GGUFTensor) -> Callable[[Any, Any, Any], None]:
+        """``fn(x, w, out)``: the matmul this kernel set runs for a weight of ``w``'s type (an expert's)."""
+        if self.kernels == "fast":
+            if self._qm.supports(w.ggml_type):
+                return self._qm.matmul
+            if self._kq.supports(w.ggml_type):
+                return self._kq.matmul
+            if self._iq.supports(w.ggml_type):
+                return self._iq.matmul
+        q8 = self.kernels == "reference-q8" and w.ggml_type in Q8_ACTIVATION_TYPES
+        return lambda x, w, out: self._reference_matmul(None, out, ref.round_activations_q8(x) if q8 else x, w)
+
+    def _moe_experts_kernel(self, node: Node) -> Callable[..., None]:
+        """The batch's tokens grouped by expert; each chosen expert's three matrices multiplied once for the
+        tokens that chose it, with the matmul kernels of their block type (only those experts' rows are read)."""
+        fns = tuple(self._matmul_fn(i.source.experts[0]) for i in node.inputs[2:5])
+        shared_fns = tuple(self._matmul_fn(i.source) for i in node.inputs[5:])
+        act = self._ew.swiglu if self.kernels == "fast" else ref.swiglu
+        reads = self.expert_reads
+
+        def moe(node: Node, out, x, route, gate, up, down, *shared) -> None:
+            reads.bytes += ref.moe_experts(x, route, gate, up, down, out, fns, act)
+            reads.experts += 3 * len(ref.expert_assignments(route, len(gate)))
+            if shared:
+                reads.bytes += ref.shared_expert(x, *shared, out, shared_fns, act)
+
+        return moe
 
     # -- reference ---------------------------------------------------------------------------------
 
@@ -240,6 +291,8 @@ class CPUBackend:
                 mm = qm.matmul
             elif self._kq.supports(w.ggml_type):
                 mm = self._kq.matmul  # Q5_0/Q5_1 and the K-quants (compiled on first use)
+            elif self._iq.supports(w.ggml_type):
+                mm = self._iq.matmul  # IQ4_NL, IQ4_XS, MXFP4 (compiled on first use)
             else:
                 return self._reference_matmul
             if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
@@ -282,6 +335,9 @@ class CPUBackend:
                     kv.store(k, v, rows)
 
             return kv_store
+        if op is Op.ATTN and meta.softcap > 0:
+            # soft-capped scores (Gemma 2) are not in the compiled kernel yet: the numpy attention runs them
+            return REFERENCE_KERNELS[op]
         if op is Op.ATTN:
             m = meta
 

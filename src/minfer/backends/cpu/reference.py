@@ -40,7 +40,8 @@ def add(x: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
 
 
 def silu(x: np.ndarray, out: np.ndarray) -> None:
-    np.divide(x, 1.0 + np.exp(-x), out=out)
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x < -88: x / inf = -0, silu's limit
+        np.divide(x, 1.0 + np.exp(-x), out=out)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
@@ -67,6 +68,88 @@ def geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
 def scale(x: np.ndarray, s: float, out: np.ndarray) -> None:
     """``x * s``, ``s`` as float32 (Gemma's embedding scale sqrt(n_embd), a float32 multiply as in llama.cpp)."""
     np.multiply(x, np.float32(s), out=out)
+
+
+def softcap(x: np.ndarray, cap: float, out: np.ndarray) -> None:
+    """``cap * tanh(x / cap)`` in float32 steps (Gemma 2's soft-capping, as transformers computes it)."""
+    c = np.float32(cap)
+    np.multiply(np.tanh(x / c), c, out=out)
+
+
+def moe_route(logits: np.ndarray, n_used: int, normalize: bool, out: np.ndarray) -> None:
+    """Each token's ``n_used`` experts and their weights from its router logits ``[tokens, n_expert]``: the
+    softmax over every expert (row max subtracted, float64 sum), the highest probabilities first (a tie goes
+    to the lower expert id), renormalized to sum to 1 over the chosen ones when ``normalize``.
+    ``out[:, :k]`` gets the expert ids (exact in float32), ``out[:, k:]`` their weights."""
+    probs = softmax_rows(logits.astype(np.float32, copy=False))
+    ids = np.argsort(-probs, axis=1, kind="stable")[:, :n_used]
+    w = np.take_along_axis(probs, ids, axis=1)
+    if normalize:
+        w = (w / w.sum(axis=1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    out[:, :n_used] = ids
+    out[:, n_used:] = w
+
+
+def expert_assignments(route: np.ndarray, n_expert: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``(expert, token rows, weight of each)`` for every expert some token of the batch chose, in expert order:
+    the batch grouped by expert, so each expert's weights are read once per pass."""
+    k = route.shape[1] // 2
+    ids = route[:, :k].astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        raise ValueError(f"expert id out of range 0..{n_expert - 1}")
+    out = []
+    for e in np.unique(ids).tolist():
+        rows, slot = np.nonzero(ids == e)
+        out.append((int(e), rows, route[rows, k + slot]))
+    return out
+
+
+def moe_experts(x: np.ndarray, route: np.ndarray, gate, up, down, out: np.ndarray, matmul_fns=None,
+                swiglu_fn=None) -> int:
+    """``out[t] = sum over t's experts e (in expert order) of w_te * down_e(silu(gate_e x_t) * up_e x_t)``.
+
+    ``gate``/``up``/``down`` hold one prepared matrix per expert; ``matmul_fns`` the three ``fn(x, w, out)`` that
+    multiply by one of each kind (default: :func:`matmul`), ``swiglu_fn(gate, up, out)`` the activation (default:
+    :func:`swiglu`).
+    Only the chosen experts' matrices are read, each once for all the tokens that chose it. Returns the
+    bytes of expert weights read."""
+    out[:] = 0.0
+    read = 0
+    mm_gate, mm_up, mm_down = matmul_fns or (matmul, matmul, matmul)
+    act = swiglu_fn or swiglu
+    n_ff = getattr(gate[0], "tensor", gate[0]).shape[0]  # a matrix as the fast kernels prepared it holds its tensor
+    for e, rows, w in expert_assignments(route, len(gate)):
+        xe = np.ascontiguousarray(x[rows])
+        g = np.empty((len(rows), n_ff), np.float32)
+        u = np.empty_like(g)
+        mm_gate(xe, gate[e], g)
+        mm_up(xe, up[e], u)
+        act(g, u, g)
+        d = np.empty((len(rows), out.shape[1]), np.float32)
+        mm_down(g, down[e], d)
+        out[rows] += w[:, None] * d
+        read += sum(int(getattr(getattr(m, "tensor", m), "nbytes", 0)) for m in (gate[e], up[e], down[e]))
+    return read
+
+
+def shared_expert(x: np.ndarray, gate, up, down, gate_inp, out: np.ndarray, matmul_fns=None, swiglu_fn=None) -> int:
+    """``out += sigmoid(gate_inp · x) * down(silu(gate x) * up x)`` for every token (Qwen2-MoE's shared expert,
+    in float32 as transformers computes it); returns the bytes of weights read."""
+    mm_gate, mm_up, mm_down, mm_inp = matmul_fns or (matmul, matmul, matmul, matmul)
+    n_tok, n_ff = x.shape[0], getattr(gate, "tensor", gate).shape[0]
+    g = np.empty((n_tok, n_ff), np.float32)
+    u = np.empty_like(g)
+    mm_gate(x, gate, g)
+    mm_up(x, up, u)
+    (swiglu_fn or swiglu)(g, u, g)
+    d = np.empty_like(out)
+    mm_down(g, down, d)
+    s = np.empty((n_tok, 1), np.float32)
+    mm_inp(x, gate_inp, s)
+    with np.errstate(over="ignore"):
+        s = np.float32(1.0) / (np.float32(1.0) + np.exp(-s))
+    out += s * d
+    return sum(int(getattr(getattr(m, "tensor", m), "nbytes", 0)) for m in (gate, up, down, gate_inp))
 
 
 def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
@@ -214,6 +297,8 @@ def attention(
     kh = k_region[lo:nkv].reshape(n, meta.n_head_kv, meta.head_dim_k).transpose(1, 2, 0)  # [hk, d, s]
     vh = v_region[lo:nkv].reshape(n, meta.n_head_kv, meta.head_dim_v).transpose(1, 0, 2)  # [hk, s, dv]
     scores = np.matmul(qh, kh[:, None]) * np.float32(meta.scale)  # [hk, g, t, s]
+    if meta.softcap > 0:
+        softcap(scores, meta.softcap, scores)
     rows = np.arange(lo, nkv)[None, :]
     masked = rows > positions[:, None]  # [t, s]: the window is the mask
     if meta.window > 0:
