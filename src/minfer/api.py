@@ -24,11 +24,11 @@ from minfer.pull import resolve_model
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
 from minfer.runtime.engine import EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.forward import ForwardRunner
+from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.perplexity import PerplexityResult, perplexity
 from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
-from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.kv_cache import KVCache
 from minfer.trace.dump import Dumper
 from minfer.trace.explorer import ForwardTrace, TraceCapture
 from minfer.trace.tracer import Tracer

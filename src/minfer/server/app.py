@@ -28,11 +28,11 @@ from minfer.server.context import ServerConfig, ServerContext
 from minfer.server.errors import error_response
 from minfer.server.middleware import AuthAndCount
 from minfer.server.protocol import ApiError
-from minfer.server.routes import chat_completions, completions, service
+from minfer.server.routes import chat_completions, completions, page, service, trace
 
 __all__ = ["ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions)
+ROUTE_GROUPS = (service, chat_completions, completions, page, trace)
 
 
 def create_app(
