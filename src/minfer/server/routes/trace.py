@@ -8,8 +8,9 @@ cache of its own. Runs are kept newest first, at most :data:`MAX_RUNS`; each one
 (a forward pass, a re-capture, the logit lens) runs on the engine's thread between two decode steps, one
 at a time, so it never races a generation for the backend.
 
-``POST /trace/api/runs`` ``{"prompt": str}`` or ``{"messages": [...]}`` (a chat exchange, rendered with
-the chat template, the answer included), optional ``"cache_type"``: the run's summary with its ``id``.
+``POST /trace/api/runs`` ``{"prompt": str}``, ``{"messages": [...]}`` (a chat exchange, rendered with
+the chat template, the answer included) or ``{"tokens": [ids]}``, optional ``"cache_type"``: the run's
+summary with its ``id``.
 ``GET /trace/api/runs/{id}``, ``.../layers/{L}/graph``, ``.../nodes/{node}?rows=a:b&cols=c:d``,
 ``.../layers/{L}/attention/{head}?rows=a:b``, ``.../lens?positions=a:b``; ``GET /trace/api/compare?a=&b=``.
 """
@@ -104,11 +105,19 @@ def _run_body(model: Model, body: Any) -> tuple[list[int], str | None, str]:
     cache_type = body.get("cache_type")
     if cache_type is not None and not isinstance(cache_type, str):
         raise ApiError("'cache_type' must be a string (f32, f16, q8_0)", param="cache_type")
-    prompt, messages = body.get("prompt"), body.get("messages")
-    if (prompt is None) == (messages is None):
-        raise ApiError("give exactly one of 'prompt' (a string) or 'messages' (a chat exchange)")
+    prompt, messages, tokens = body.get("prompt"), body.get("messages"), body.get("tokens")
+    if sum(x is not None for x in (prompt, messages, tokens)) != 1:
+        raise ApiError("give exactly one of 'prompt' (a string), 'messages' (a chat exchange) or 'tokens' (ids)")
     try:
-        if messages is not None:
+        if tokens is not None:
+            if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+                raise ApiError("'tokens' must be a non-empty list of token ids", param="tokens")
+            bad = next((t for t in tokens if not 0 <= t < model.hparams.n_vocab), None)
+            if bad is not None:
+                raise ApiError(f"token id {bad} is outside the vocabulary (0..{model.hparams.n_vocab - 1})",
+                               param="tokens")
+            ids, what = list(tokens), "token ids"
+        elif messages is not None:
             if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages):
@@ -129,7 +138,7 @@ def _run_body(model: Model, body: Any) -> tuple[list[int], str | None, str]:
 
 
 def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[Request], Awaitable[Any]]) -> None:
-    """The ``/trace/api`` routes over ``service``."""
+    """The ``/trace/api`` routes over ``service`` (``read_json``: the body of a request, or a 400)."""
 
     @app.post("/trace/api/runs")
     async def new_run(request: Request) -> dict[str, Any]:
