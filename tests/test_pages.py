@@ -46,7 +46,7 @@ class Watched:
         self.errors: list[str] = []
         self.blocked: list[str] = []
         self.page = context.new_page()  # type: ignore[attr-defined]
-        self.page.on("console", lambda m: self.errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+        self.page.on("console", lambda m: self.errors.append(f"console: {m.text}") if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
 
     def clean(self) -> None:
@@ -106,6 +106,15 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+def wait_js(page: object, expression: str, timeout: float = 60_000) -> None:
+    """Poll ``expression`` with page.evaluate until it is truthy (wait_for_function evaluates strings in
+    the page, which the page's Content-Security-Policy rightly refuses)."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        time.sleep(0.05)
+
+
 def give_key(page: object) -> None:
     dialog = page.get_by_role("dialog")  # type: ignore[attr-defined]
     dialog.get_by_label("API key").fill(KEY)
@@ -127,7 +136,7 @@ def test_chat_streams_stops_and_keeps_the_conversation(server: ServerProcess, co
     page = w.page
     page.goto(server.url + "/")
     give_key(page)  # asked once: /v1/models answered 401
-    page.wait_for_function("document.getElementById('model-name').textContent.includes('SmolLM2')")
+    wait_js(page, "document.getElementById('model-name').textContent.includes('SmolLM2')")
     page.get_by_text("Settings").click()
     page.get_by_label("Temperature").fill("0")
     page.get_by_label("Max tokens").fill("24")
@@ -148,7 +157,7 @@ def test_chat_streams_stops_and_keeps_the_conversation(server: ServerProcess, co
         ask(page, "Write a very long story about a lighthouse keeper, with many chapters.")
         page.wait_for_selector("#conversation[aria-busy='true']", timeout=30_000)
         second = answers.nth(1)
-        page.wait_for_function(
+        wait_js(page,
             "document.querySelectorAll('article.assistant .content')[1]?.textContent.length > 40", timeout=60_000)
         page.get_by_role("button", name="Stop").click()
         wait_idle(page, 30_000)
@@ -190,9 +199,9 @@ def test_inspect_shows_weights_whose_weighted_v_is_the_engine_output(server: Ser
     page.get_by_role("link", name="Inspect").first.click()
     page.wait_for_selector("body[data-ready='1']", timeout=120_000)
     page.get_by_label("Layer", exact=True).select_option("3")
-    page.wait_for_function("window.minferExplorer.attention && window.minferExplorer.attention.layer === 3")
+    wait_js(page, "window.minferExplorer.attention && window.minferExplorer.attention.layer === 3")
     page.get_by_label("Head", exact=True).select_option("2")
-    page.wait_for_function("window.minferExplorer.attention.layer === 3 && window.minferExplorer.attention.head === 2")
+    wait_js(page, "window.minferExplorer.attention.layer === 3 && window.minferExplorer.attention.head === 2")
     got = page.evaluate("""() => { const A = window.minferExplorer.attention;
         return {run: window.minferExplorer.run, attn: A.nodes.attn.id, rows: A.rows, keys: A.keys, kv_head: A.kv_head,
                 weights: {shape: A.weights.shape, data: Array.from(A.weights.data)},
@@ -216,7 +225,7 @@ def test_inspect_shows_weights_whose_weighted_v_is_the_engine_output(server: Ser
     page.screenshot(path=str(ARTIFACTS / "explorer-layer3-head2.png"), full_page=True)
     # the logit lens: the last layer's prediction is the model's own
     page.get_by_role("button", name="Show the lens").click()
-    page.wait_for_function("window.minferExplorer.lens !== null", timeout=120_000)
+    wait_js(page, "window.minferExplorer.lens !== null", timeout=120_000)
     lens = page.evaluate("window.minferExplorer.lens")
     assert [cell[0][0] for cell in lens["layers"][-1]] == lens["model_top"]
     w.clean()
@@ -256,7 +265,7 @@ def test_explorer_paints_a_512_token_trace_fast(server: ServerProcess, context: 
     missing = [i for i in range(30) if i not in memory["held_layers"]]
     t0 = time.perf_counter()
     page.get_by_label("Layer", exact=True).select_option(str(missing[-1] if missing else 29))
-    page.wait_for_function(f"window.minferExplorer.attention.layer === {missing[-1] if missing else 29}",
+    wait_js(page, f"window.minferExplorer.attention.layer === {missing[-1] if missing else 29}",
                            timeout=120_000)
     record("explorer_512_layer_switch_seconds", round(time.perf_counter() - t0, 2))
     w.clean()
@@ -273,7 +282,7 @@ def test_compare_f32_with_q8_0_cache_names_where_they_part(server: ServerProcess
     page.wait_for_selector("body[data-ready='1']", timeout=60_000)
     page.get_by_label("or trace these tokens again with cache type").select_option("q8_0")
     page.get_by_role("button", name="Trace and compare").click()
-    page.wait_for_function("window.minferExplorer.compare !== null", timeout=120_000)
+    wait_js(page, "window.minferExplorer.compare !== null", timeout=120_000)
     verdict = page.locator("#compare-verdict").inner_text()
     first = page.evaluate("window.minferExplorer.compare.first")
     record("compare_f32_q8_0", {"verdict": verdict, "first": first})

@@ -37,9 +37,20 @@ function askKey(message) {
   });
 }
 
-// fetch with the key; on 401 ask for it once and try again.
+function keyRequired() {
+  const meta = document.querySelector('meta[name="minfer-key"]');
+  return meta !== null && meta.content === "required";
+}
+
+let asking = null;  // one question at a time, whatever the number of calls waiting for it
+
+// fetch with the key: asked first when the server says it wants one and none is saved, and again on a 401.
 async function apiFetch(url, options) {
   options = options || {};
+  if (keyRequired() && !localStorage.getItem(KEY_STORE)) {
+    asking = asking || askKey("This server wants an API key.").finally(() => { asking = null; });
+    await asking;
+  }
   for (let attempt = 0; ; attempt++) {
     const headers = Object.assign({}, options.headers || {}, authHeaders());
     const r = await fetch(url, Object.assign({}, options, {headers}));

@@ -23,11 +23,16 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
 HEADERS = {"Content-Security-Policy": CSP, "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 
 
-def register_pages(app: FastAPI, chat: bool = True) -> None:
-    """``/`` (the chat, or the explorer where ``chat`` is False), ``/trace`` and ``/static/``."""
+def register_pages(app: FastAPI, chat: bool = True, key_required: bool = False) -> None:
+    """``/`` (the chat, or the explorer where ``chat`` is False), ``/trace`` and ``/static/``. With
+    ``key_required`` the pages ask for the key before their first API call (not after a 401 the browser
+    would log as an error); a refused key still brings the question back."""
 
     def page(name: str) -> HTMLResponse:
-        return HTMLResponse((PAGE_DIR / name).read_text(encoding="utf-8"), headers=HEADERS)
+        text = (PAGE_DIR / name).read_text(encoding="utf-8")
+        text = text.replace('<meta name="minfer-key" content="">',
+                            f'<meta name="minfer-key" content="{"required" if key_required else ""}">')
+        return HTMLResponse(text, headers=HEADERS)
 
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
@@ -45,4 +50,4 @@ def register_pages(app: FastAPI, chat: bool = True) -> None:
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
-    register_pages(app, chat=True)
+    register_pages(app, chat=True, key_required=ctx.config.api_key is not None)
