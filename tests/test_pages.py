@@ -280,7 +280,7 @@ def test_compare_f32_with_q8_0_cache_names_where_they_part(server: ServerProcess
     page.add_init_script(f"localStorage.setItem('minfer.apiKey', '{KEY}')")
     page.goto(f"{server.url}/trace?run={run['id']}")
     page.wait_for_selector("body[data-ready='1']", timeout=60_000)
-    page.get_by_label("or trace these tokens again with cache type").select_option("q8_0")
+    page.get_by_label("Cache type to compare with", exact=True).select_option("q8_0")
     page.get_by_role("button", name="Trace and compare").click()
     wait_js(page, "window.minferExplorer.compare !== null", timeout=120_000)
     verdict = page.locator("#compare-verdict").inner_text()
