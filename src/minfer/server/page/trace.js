@@ -34,38 +34,48 @@ function showTip(e, text) {
   t.style.top = (e.clientY + 10) + "px";
 }
 
-function color(v, lo, hi, sequential) {
-  if (!isFinite(v)) return [215, 215, 215];
-  if (sequential) {
+// Writes the colour of value v into img at byte k: white to blue for weights (sequential), blue-white-red
+// around 0 otherwise, grey where not finite.
+function paint(px, k, v, lo, hi, sequential) {
+  let r, g, b;
+  if (!isFinite(v)) { r = g = b = 215; }
+  else if (sequential) {
     const a = hi > lo ? (v - lo) / (hi - lo) : 0;
-    return [255 - 215 * a, 255 - 160 * a, 255 - 60 * a];
+    r = 255 - 215 * a; g = 255 - 160 * a; b = 255 - 60 * a;
+  } else {
+    const m = Math.max(-lo, hi) || 1;
+    const a = Math.max(-1, Math.min(1, v / m));
+    if (a >= 0) { r = 255; g = b = 255 - 200 * a; } else { r = g = 255 + 200 * a; b = 255; }
   }
-  const m = Math.max(Math.abs(lo), Math.abs(hi)) || 1;
-  const a = Math.max(-1, Math.min(1, v / m));
-  return a >= 0 ? [255, 255 - 200 * a, 255 - 200 * a] : [255 + 200 * a, 255 + 200 * a, 255];
+  px[k] = r; px[k + 1] = g; px[k + 2] = b; px[k + 3] = 255;
 }
 
 // A matrix as a canvas, one cell per value, exact values on hover.
-// opts: name, rowAxis, colAxis, rowLabel(i), colLabel(j), masked(i, j), sequential, note
+// opts: name, rowAxis, colAxis, rowLabel(i), colLabel(j), masked(i, j), maskLabel, sequential, note
 function heatmap(title, m, opts) {
   opts = opts || {};
   const [r, c] = m.shape.length === 2 ? m.shape : [1, m.shape[0]];
+  const masked = opts.masked;
   let lo = Infinity, hi = -Infinity;
   for (let i = 0; i < r; i++) for (let j = 0; j < c; j++) {
-    if (opts.masked && opts.masked(i, j)) continue;
+    if (masked && masked(i, j)) continue;
     const v = m.data[i * c + j];
-    if (isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+    if (v < lo) lo = v;
+    if (v > hi) hi = v;
   }
+  if (!isFinite(lo)) lo = 0;
+  if (!isFinite(hi)) hi = 0;
   const canvas = el("canvas", {width: String(c), height: String(r), "data-name": opts.name || title,
     role: "img", "aria-label": title + " [" + r + ", " + c + "]"});
-  const img = canvas.getContext("2d").createImageData(c, r);
+  const g2 = canvas.getContext("2d");
+  const img = g2.createImageData(c, r);
+  const px = img.data;
   for (let i = 0; i < r; i++) for (let j = 0; j < c; j++) {
-    const v = m.data[i * c + j];
-    const rgb = opts.masked && opts.masked(i, j) ? [200, 200, 200] : color(v, lo, hi, opts.sequential);
     const k = 4 * (i * c + j);
-    img.data[k] = rgb[0]; img.data[k + 1] = rgb[1]; img.data[k + 2] = rgb[2]; img.data[k + 3] = 255;
+    if (masked && masked(i, j)) { px[k] = px[k + 1] = px[k + 2] = 200; px[k + 3] = 255; }
+    else paint(px, k, m.data[i * c + j], lo, hi, opts.sequential);
   }
-  canvas.getContext("2d").putImageData(img, 0, 0);
+  g2.putImageData(img, 0, 0);
   // each axis scaled on its own: a [12, 576] activation reads as well as a [512, 512] score matrix
   const cw = Math.max(1, Math.min(24, Math.floor(576 / c))), ch = Math.max(1, Math.min(24, Math.floor(320 / r)));
   canvas.style.width = (c * cw) + "px";
@@ -82,7 +92,7 @@ function heatmap(title, m, opts) {
   });
   canvas.addEventListener("mouseleave", hideTip);
   const meta = el("div", {class: "meta"}, "[" + r + ", " + c + "] " + (opts.rowAxis || "row") + " × " + (opts.colAxis || "col") +
-    (isFinite(lo) ? " · min " + fmtNum(lo) + " · max " + fmtNum(hi) : "") + (opts.note ? " · " + opts.note : ""));
+    " · min " + fmtNum(lo) + " · max " + fmtNum(hi) + (opts.note ? " · " + opts.note : ""));
   const wrap = el("div", {class: "heat", "data-heatmap": opts.name || title}, el("h3", {}, title), canvas, meta);
   if (r <= 6 && c <= 6) {  // small enough to read every value
     const t = el("table", {class: "data values"});
@@ -264,7 +274,9 @@ async function showAttention() {
   const s = X.summary;
   const n = s.tokens.length;
   const q = new URLSearchParams();
-  if (n > 256) q.set("rows", (n - 256) + ":" + n);  // the last queries, against every key they see
+  const want = $("attn-rows").value.trim();
+  if (want) q.set("rows", want);
+  else if (n > 128) q.set("rows", (n - 128) + ":" + n);  // the last queries, against every key they see
   let a;
   try { a = await apiJSON(`${API}/runs/${X.run}/layers/${layer}/attention/${head}?${q}`); }
   catch (e) { box.textContent = ""; box.append(el("p", {class: "error"}, e.message)); return; }
@@ -387,12 +399,14 @@ async function refreshRuns(selected) {
   return list;
 }
 
-async function showLayer() {
+async function showLayer(withNode) {
   const layer = +$("layer").value;
   $("graph-layer").textContent = String(layer);
+  const attention = showAttention();  // fetched while the graph is drawn
   X.graph = await apiJSON(`${API}/runs/${X.run}/layers/${layer}/graph`);
   drawGraph(X.graph);
-  await showAttention();
+  const attnNode = X.graph.nodes.find((n) => n.op === "attn");
+  await Promise.all([attention, withNode && attnNode ? showNode(attnNode.id) : null]);
 }
 
 async function openRun(id) {
@@ -412,10 +426,7 @@ async function openRun(id) {
   for (let i = 0; i < s.n_layer; i++) ls.append(el("option", {value: String(i), selected: i === wantLayer ? "" : null}, String(i)));
   const g = s.n_head / s.n_head_kv;
   for (let h = 0; h < s.n_head; h++) hs.append(el("option", {value: String(h)}, `${h} (kv ${Math.floor(h / g)})`));
-  await refreshRuns(id);
-  await showLayer();
-  const attnNode = X.graph.nodes.find((n) => n.op === "attn");
-  if (attnNode) await showNode(attnNode.id);
+  await Promise.all([refreshRuns(id), showLayer(true)]);
   if (X.painted === null) {
     X.painted = performance.now();
     performance.mark("explorer-painted");
@@ -448,6 +459,7 @@ async function start() {
   window.addEventListener("error", (e) => status("error: " + e.message));
   $("layer").addEventListener("change", () => showLayer().catch((e) => status("error: " + e.message)));
   $("head").addEventListener("change", () => showAttention().catch((e) => status("error: " + e.message)));
+  $("attn-rows").addEventListener("change", () => showAttention().catch((e) => status("error: " + e.message)));
   $("run").addEventListener("change", () => openRun($("run").value).catch((e) => status("error: " + e.message)));
   $("new-run").addEventListener("submit", async (e) => {
     e.preventDefault();
