@@ -113,12 +113,13 @@ def _serve_model(args: argparse.Namespace, model: object, prompt: str) -> int:
     name = model.path.name  # type: ignore[attr-defined]
     first = model.trace_forward(ids, description=f"{name}, {model.cache_type} cache, prompt ({len(ids)} tokens)")  # type: ignore[attr-defined]
     service = TraceService.on_thread(model)  # type: ignore[arg-type]
+    rid = service.add(first)
     if args.compare_cache_type:
         other = model.trace_forward(ids, cache_type=args.compare_cache_type,  # type: ignore[attr-defined]
                                     description=f"{name}, {args.compare_cache_type} cache, prompt ({len(ids)} tokens)")
         service.add(other)
     dumps = {f"dump:{d}": DumpRun(d) for d in args.compare_dump}
-    serve_explorer(service, first, ExplorerOptions(host=args.host, port=args.port), dumps)
+    serve_explorer(service, rid, ExplorerOptions(host=args.host, port=args.port), dumps)
     return 0
 
 
@@ -131,7 +132,8 @@ def _serve_example(args: argparse.Namespace) -> int:
 
     e = LEARNING_2X2
     trace = example_trace(np.array(e["q"]), np.array(e["k"]), np.array(e["v"]), list(e["labels"]))
-    serve_explorer(TraceService.on_thread(None), trace, ExplorerOptions(host=args.host, port=args.port))
+    service = TraceService.on_thread(None)
+    serve_explorer(service, service.add(trace), ExplorerOptions(host=args.host, port=args.port))
     return 0
 
 

@@ -21,7 +21,7 @@ from minfer.server.errors import error_response
 from minfer.server.protocol import ApiError
 from minfer.server.routes.page import register_pages
 from minfer.server.routes.trace import TraceService, register_explorer
-from minfer.trace.explorer import DumpRun, ForwardTrace
+from minfer.trace.explorer import DumpRun
 
 
 def create_explorer_app(service: TraceService) -> FastAPI:
@@ -54,13 +54,12 @@ class ExplorerOptions:
     log_level: str = "warning"
 
 
-def serve_explorer(service: TraceService, first: ForwardTrace | None, opts: ExplorerOptions,
+def serve_explorer(service: TraceService, rid: str | None, opts: ExplorerOptions,
                    dumps: dict[str, DumpRun] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; ``first``, if given, is the run the printed address opens."""
+    """Serve until SIGINT/SIGTERM; ``rid``, if given, is the run the printed address opens."""
     import uvicorn
 
     service.dumps.update(dumps or {})
-    rid = service.add(first) if first is not None else None
     sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

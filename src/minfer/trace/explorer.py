@@ -38,7 +38,8 @@ from minfer.graph.ir import Graph, Node, Op
 from minfer.graph.plan import Step
 from minfer.trace.tracer import array_stats
 
-DEFAULT_BUDGET = 512 << 20  # bytes of held tensors per trace (MINFER_TRACE_MEMORY overrides)
+# bytes of held tensors (MINFER_TRACE_MEMORY overrides): a 512-token SmolLM2 pass, all 30 layers, takes 675 MiB
+DEFAULT_BUDGET = 768 << 20
 ATTENTION_CHECK_TOL = 1e-5  # reference vs fused kernel, relative to the largest |O| of the head (at least 1)
 MAX_CELLS = 256  # a tensor view is at most this many rows and columns (strided beyond)
 HISTOGRAM_BINS = 48
@@ -293,6 +294,11 @@ class ForwardTrace:
             if layer in capture.kv_read:
                 self.kv_read[layer] = capture.kv_read[layer]
 
+    def drop_oldest_layer(self) -> None:
+        """Let the least recently used held layer go (it is captured again when asked for)."""
+        old, _ = self.layers.popitem(last=False)
+        self.kv_read.pop(old, None)
+
     def ensure_layer(self, layer: int) -> dict[int, np.ndarray]:
         """The full tensors of ``layer``, captured again (evicting the least recently used layers) if needed."""
         if not 0 <= layer < self.hparams.n_layer:
@@ -303,8 +309,7 @@ class ForwardTrace:
             return held
         need = self.layer_bytes(layer)
         while self.layers and self.held_bytes() + need > max(self.budget, need + self.fixed_bytes()):
-            old, _ = self.layers.popitem(last=False)
-            self.kv_read.pop(old, None)
+            self.drop_oldest_layer()
         capture = self.recapture({layer})
         self.recaptures += 1
         self._take(capture, {layer})

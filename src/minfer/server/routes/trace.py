@@ -2,9 +2,12 @@
 fetched on demand.
 
 A run is one prompt (or a chat exchange) traced by :meth:`minfer.api.Model.trace_forward` on a plan and
-cache of its own. Runs are kept newest first, at most :data:`MAX_RUNS`; each one keeps its tensors within
-``MINFER_TRACE_MEMORY`` bytes (:mod:`minfer.trace.explorer`), so the server's trace memory is bounded by
-``MAX_RUNS`` times that (``GET /trace/api/runs`` says what each run holds). Everything that touches a run
+cache of its own. Each run keeps its tensors within ``MINFER_TRACE_MEMORY`` bytes (default 768 MiB, see
+:mod:`minfer.trace.explorer`), and the server keeps at most :data:`MAX_RUNS` runs whose memory (tensors,
+plan and cache) adds up to no more than that budget: older runs let their held layers go first (captured
+again when asked), then whole runs go, oldest first; the newest is always kept. So the trace memory of a
+server is bounded by one budget plus the newest run's plan and cache
+(``GET /trace/api/runs`` says what each run holds). Everything that touches a run
 (a forward pass, a re-capture, the logit lens) runs on the engine's thread between two decode steps, one
 at a time, so it never races a generation for the backend.
 
@@ -60,7 +63,24 @@ class TraceService:
         self.runs[rid] = trace
         while len(self.runs) > MAX_RUNS:
             self.runs.popitem(last=False)
+        self.trim()
         return rid
+
+    def trim(self) -> None:
+        """Keep the runs within one budget: the older runs let their held layers go first (they capture
+        them again when asked), then whole runs go, oldest first; the newest run always stays."""
+        if not self.runs:
+            return
+        budget = next(reversed(self.runs.values())).budget
+        for trace in list(self.runs.values())[:-1]:
+            while self.bytes() > budget and trace.layers:
+                trace.drop_oldest_layer()
+        while len(self.runs) > 1 and self.bytes() > budget:
+            self.runs.popitem(last=False)
+
+    def bytes(self) -> int:
+        """What the runs hold: their tensors, plans and caches."""
+        return sum(t.held_bytes() + t.arena_bytes for t in self.runs.values())
 
     def get(self, rid: str) -> ForwardTrace:
         trace = self.runs.get(rid)
@@ -71,7 +91,7 @@ class TraceService:
 
     async def do(self, fn: Callable[[], T]) -> T:
         try:
-            return await self.on_engine(fn)
+            return await self.on_engine(lambda: (fn(), self.trim())[0])
         except ApiError:
             raise
         except MinferError as e:
@@ -155,7 +175,7 @@ def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[
     async def list_runs() -> dict[str, Any]:
         return {"runs": [{"id": rid, "description": t.description, "n_tokens": len(t.tokens),
                           "cache_type": t.cache_type, "memory": t.memory()} for rid, t in service.runs.items()],
-                "max_runs": MAX_RUNS, "dumps": sorted(service.dumps)}
+                "max_runs": MAX_RUNS, "held_bytes": service.bytes(), "dumps": sorted(service.dumps)}
 
     @app.get("/trace/api/runs/{rid}")
     async def one_run(rid: str) -> dict[str, Any]:
