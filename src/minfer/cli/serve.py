@@ -12,7 +12,8 @@ from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
 def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``serve`` and ``pull`` (``add_parser``: the ``add_parser`` of the subcommands action)."""
     srv = add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
-                     description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics.")
+                     description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, "
+                     "the chat page at / and the trace explorer at /trace.")
     add_model_argument(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
