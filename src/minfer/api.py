@@ -17,16 +17,18 @@ import numpy as np
 from minfer.backends.cpu.backend import CPUBackend
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.formats.chat_template import ChatTemplate
+from minfer.formats.fim import FimTokens, find_fim_tokens
 from minfer.formats.tokenizer import Tokenizer
 from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
 from minfer.pull import resolve_model
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
-from minfer.runtime.engine import EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.engine import EmbeddingRequest, EngineConfig, GenerationRequest, build_engine
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.perplexity import PerplexityResult, perplexity
+from minfer.runtime.pooling import Pooling, check_pooling, model_pooling
 from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.trace.dump import Dumper
@@ -167,6 +169,87 @@ class Model:
                                  budget, arena)
         trace.description = description or f"{self.path.name}, {kv.cache_type} cache"
         return trace
+
+    # -- embeddings ------------------------------------------------------------------------------
+
+    @property
+    def pooling(self) -> Pooling:
+        """The pooling embeddings get by default: the GGUF's ``<arch>.pooling_type``, else ``mean``."""
+        if self.transformer.gguf is None:
+            return "mean"
+        return model_pooling(self.transformer.metadata, self.hparams.arch)
+
+    def embed_inputs(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """The token ids of each input: a string, a list of strings, a list of token ids or a list of such
+        lists (strings are tokenized with the model's special tokens, BOS included where it wants one)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        items = list(texts)
+        if not items:
+            raise BadRequestError("the input is empty: give a string, token ids, or a list of them")
+        if all(_is_token(t) for t in items):
+            items = [items]  # one list of token ids
+        out: list[list[int]] = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                if not item:
+                    raise BadRequestError(f"input {i} is an empty string (nothing to embed)")
+                ids = self.tokenize(item, add_special=True)
+            elif isinstance(item, Sequence) and all(_is_token(t) for t in item):
+                ids = list(item)
+            else:
+                raise BadRequestError(f"input {i} is neither a string nor a list of token ids: {item!r:.60}")
+            if not ids:
+                raise BadRequestError(f"input {i} is empty (no tokens to embed)")
+            out.append(ids)
+        return out
+
+    def embed(
+        self,
+        texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling: Pooling | None = None,
+        normalize: bool = True,
+    ) -> np.ndarray | list[np.ndarray]:
+        """Embeddings of ``texts`` (see :meth:`embed_inputs`): ``[n_inputs, n_embd]`` float32, pooled from
+        the final-normed hidden states (``pooling``: ``mean`` over every position, BOS included, ``cls``
+        the first, ``last`` the last; default :attr:`pooling`), L2-normalised unless ``normalize=False``.
+        ``pooling="none"``: a list of ``[n_tokens, n_embd]`` arrays, one vector per token, not normalised."""
+        pooling = check_pooling(pooling) if pooling is not None else self.pooling
+        requests = [EmbeddingRequest(ids, pooling, normalize) for ids in self.embed_inputs(texts)]
+        self.engine.cancel_all()  # one caller at a time, as for generation
+        vectors = self.engine.embed(requests)
+        return vectors if pooling == "none" else np.stack(vectors)
+
+    # -- fill in the middle ------------------------------------------------------------------------
+
+    @property
+    def fim_tokens(self) -> FimTokens | None:
+        """The fill-in-the-middle tokens (GGUF ``tokenizer.ggml.fim_*_token_id``, else by their texts), or None."""
+        if not hasattr(self, "_fim"):
+            self._fim = find_fim_tokens(self.transformer.metadata, self.tokenizer.backend.token_to_id,
+                                        self.hparams.n_vocab)
+        return self._fim
+
+    def infill_prompt(self, prefix: str, suffix: str, prompt: str = "",
+                      extra: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """The token ids of a fill-in-the-middle prompt, laid out as llama-server's ``/infill`` does: the
+        ``extra`` (filename, text) chunks first (repo-level, with the repository and file-separator tokens
+        when the model has them, else their text as is), then ``<PRE>prefix<SUF>suffix<MID>prompt``."""
+        fim = self.fim_tokens
+        if fim is None:
+            raise BadRequestError(f"{self.path} has no fill-in-the-middle tokens (prefix, suffix, middle), so it "
+                                  "cannot infill")
+        enc = lambda text: self.tokenize(text, add_special=False)  # noqa: E731
+        ids: list[int] = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
+        if fim.rep is not None and fim.sep is not None:
+            ids += [fim.rep, *enc("myproject\n")]
+            for filename, text in extra:
+                ids += [fim.sep, *enc(filename + "\n"), *enc(text)]
+            ids += [fim.sep, *enc("filename\n")]
+        else:
+            for _, text in extra:
+                ids += enc(text)
+        return [*ids, fim.pre, *enc(prefix), fim.suf, *enc(suffix), fim.mid, *enc(prompt)]
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -311,6 +394,9 @@ class Model:
             if bar is not None:
                 bar.close()
 
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int | np.integer) and not isinstance(t, bool)
 
 
 def load(

@@ -12,7 +12,9 @@ from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
 def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``serve`` and ``pull`` (``add_parser``: the ``add_parser`` of the subcommands action)."""
     srv = add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
-                     description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, "
+                     description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, "
+                     "/v1/models, also without /v1), llama-server's native endpoints (/completion, /infill, "
+                     "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics; "
                      "the chat page at / and the trace explorer at /trace.")
     add_model_argument(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -28,6 +30,17 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      help="requests that may wait for a free sequence; beyond it: 429 (default: 64)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $MINFER_API_KEY)")
     srv.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
+    srv.add_argument("--strict-model", action="store_true",
+                     help="refuse requests whose 'model' is not this model's name (default: any name is served)")
+    srv.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
+                     help="embeddings pooling (default: the GGUF's pooling_type, else mean); none: one vector "
+                     "per token, on /embedding only")
+    srv.add_argument("--no-normalize", dest="normalize", action="store_false",
+                     help="do not L2-normalise pooled embeddings")
+    srv.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",
+                     help="let browsers on ORIGIN call the API (repeatable or comma-separated; '*': any origin; "
+                     "default: no CORS)")
+    srv.add_argument("--slots", action="store_true", help="serve GET /slots (each slot's state)")
     add_threads_flag(srv)
     add_cache_type_flag(srv)
     add_quantize_flag(srv)
@@ -45,11 +58,14 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minfer.server import ServeOptions, serve
+    from minfer.server.cors import parse_origins
 
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
-                       log_level=args.log_level, quantize=args.quantize))
+                       log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
+                       normalize=args.normalize, strict_model=args.strict_model,
+                       cors_origins=parse_origins(args.cors_origins), slots=args.slots))
     return 0
 
 

@@ -42,7 +42,8 @@ def allocate(graph: Graph) -> Allocation:
     for step, node in enumerate(graph.nodes):
         for i in node.inputs:
             last_use[i.id] = step
-    last_use[graph.output.id] = len(graph.nodes)  # the output outlives the run
+    for kept in (graph.output, *graph.extras.values()):
+        last_use[kept.id] = len(graph.nodes)  # the outputs outlive the run
 
     slot_of: dict[int, int] = {}
     sizes: list[int] = []

@@ -112,8 +112,8 @@ class GraphBuilder:
     def scale(self, x: Node, factor: float, name: str = "", layer=None) -> Node:
         return self._emit(Op.SCALE, (x,), x.shape, meta=ScaleMeta(float(factor)), name=name, layer=layer)
 
-    def build(self, output: Node) -> Graph:
-        return Graph(self.nodes, self.inputs, output)
+    def build(self, output: Node, extras: dict[str, Node] | None = None) -> Graph:
+        return Graph(self.nodes, self.inputs, output, dict(extras or {}))
 
     @staticmethod
     def _check_broadcast(x: Node, y: Node, name: str) -> None:

@@ -27,8 +27,10 @@ def fuse(graph: Graph, quantized_input: Callable[[Any], bool] | None = None) -> 
     dropped: set[int] = set()
     new_nodes: list[Node] = []
 
+    kept_ids = {graph.output.id, *(n.id for n in graph.extras.values())}
+
     def sole_consumer(n: Node) -> bool:
-        return len(consumers[n.id]) == 1 and n is not graph.output
+        return len(consumers[n.id]) == 1 and n.id not in kept_ids
 
     for node in graph.nodes:
         inputs = tuple(replaced.get(i.id, i) for i in node.inputs)
@@ -48,7 +50,8 @@ def fuse(graph: Graph, quantized_input: Callable[[Any], bool] | None = None) -> 
         new_nodes.append(new)
 
     kept = [n for n in new_nodes if n.id not in dropped]
-    fused_graph = Graph(kept, graph.inputs, replaced[graph.output.id])
+    fused_graph = Graph(kept, graph.inputs, replaced[graph.output.id],
+                        {k: replaced[v.id] for k, v in graph.extras.items()})
     if quantized_input is not None:
         fused_graph = _share_quantized_inputs(fused_graph, quantized_input)
     return _renumber(fused_graph)
@@ -76,8 +79,8 @@ def _share_quantized_inputs(graph: Graph, quantized_input: Callable[[Any], bool]
                 nodes.append(q)
             n = replace(n, inputs=(*n.inputs, q))
         nodes.append(n)
-    output = next(n for n in nodes if n.id == graph.output.id)
-    return Graph(nodes, graph.inputs, output)
+    by_id = {n.id: n for n in nodes}
+    return Graph(nodes, graph.inputs, by_id[graph.output.id], {k: by_id[v.id] for k, v in graph.extras.items()})
 
 
 def _renumber(graph: Graph) -> Graph:
@@ -89,4 +92,4 @@ def _renumber(graph: Graph) -> Graph:
         mapping[n.id] = new
         nodes.append(new)
     inputs = {k: mapping[v.id] for k, v in graph.inputs.items()}
-    return Graph(nodes, inputs, mapping[graph.output.id])
+    return Graph(nodes, inputs, mapping[graph.output.id], {k: mapping[v.id] for k, v in graph.extras.items()})

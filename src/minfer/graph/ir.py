@@ -112,11 +112,14 @@ class Node:
 
 @dataclass
 class Graph:
-    """Nodes in build order plus the named inputs and the output node."""
+    """Nodes in build order plus the named inputs and the output node. ``extras`` are further named
+    results a caller reads after the run (e.g. the final-normed hidden states for embeddings): their
+    buffers outlive the run like the output's, and fusion never folds them away."""
 
     nodes: list[Node]
     inputs: dict[str, Node]
     output: Node
+    extras: dict[str, Node] = field(default_factory=dict)
 
     def compute_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.op not in (Op.INPUT, Op.WEIGHT)]

@@ -108,6 +108,7 @@ class Plan:
             if n.op not in (Op.INPUT, Op.WEIGHT)
         ]
         self.output = views[graph.output.id]
+        self.extras: dict[str, np.ndarray] = {k: views[v.id] for k, v in graph.extras.items()}
 
     def run(self, on_step: Callable[[Step, float], None] | None = None) -> np.ndarray:
         """Execute every step in build order; ``on_step(step, seconds)`` (the trace) sees each step after

@@ -14,7 +14,8 @@ Sliding-window layers attend to the last ``hp.sliding_window`` positions with th
 
 Positions are an input, and so are the KV cache rows the tokens' K/V land in: the same graph serves
 prefill, decode, continuation and several sequences in one batch. Only the rows named by
-the ``output_rows`` input reach the output matmul (the last layer's FFN runs on them alone too).
+the ``output_rows`` input reach the output matmul (the last layer's FFN runs on them alone too, unless
+the pass also wants every row's final-normed hidden state for embeddings).
 """
 
 from __future__ import annotations
@@ -49,14 +50,24 @@ class DecoderWeights(Protocol):
     def has_tensor(self, name: str) -> bool: ...
 
 
-def build_decoder_graph(model: DecoderWeights, n_tokens: int, n_outputs: int, n_ctx: int) -> Graph:
+def build_decoder_graph(
+    model: DecoderWeights, n_tokens: int, n_outputs: int, n_ctx: int, hidden: bool = False
+) -> Graph:
+    """The forward pass of ``n_tokens`` tokens with the logits of ``n_outputs`` rows.
+
+    ``hidden``: every token's final-normed hidden state (the output norm's result, before the output
+    matmul) is kept as the graph's ``"hidden"`` extra, ``[n_tokens, n_embd]`` (embeddings pool it); the
+    last layer then runs on every row, and ``n_outputs`` may be 0 (no logits: the output is the hidden
+    states themselves)."""
     hp, arch = model.hparams, model.arch
+    if n_outputs < (0 if hidden else 1) or n_outputs > n_tokens:
+        raise ValueError(f"{n_outputs} output rows for {n_tokens} tokens")
     b = GraphBuilder()
     w = lambda name: b.weight(model.tensor(name))  # noqa: E731
     tokens = b.input("tokens", n_tokens)
     positions = b.input("positions", n_tokens)
     rows = b.input("rows", n_tokens)  # each token's KV cache row (its sequence's base + its position)
-    out_rows = b.input("output_rows", n_outputs) if n_outputs != n_tokens else None
+    out_rows = b.input("output_rows", n_outputs) if 0 < n_outputs != n_tokens else None
     eps = hp.rms_eps
 
     def norm(x: Node, gain: str, name: str, layer: int | None, width: int | None = None) -> Node:
@@ -90,7 +101,7 @@ def build_decoder_graph(model: DecoderWeights, n_tokens: int, n_outputs: int, n_
         )
         a = b.attn(q, kv, positions, rows, attn_meta, name=p + "attn")
         o = b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il)
-        if out_rows is not None and il == hp.n_layer - 1:
+        if out_rows is not None and not hidden and il == hp.n_layer - 1:
             # from here on only the rows whose logits are wanted matter
             o = b.get_rows(o, out_rows, name=p + "attn_out.rows")
             x = b.get_rows(x, out_rows, name=p + "residual.rows")
@@ -110,5 +121,9 @@ def build_decoder_graph(model: DecoderWeights, n_tokens: int, n_outputs: int, n_
             down = norm(down, p + "post_ffw_norm.weight", p + "post_ffw_norm", il)
         x = b.add(x, down, name=p + "ffn_residual", layer=il)
     x = norm(x, "output_norm.weight", "output_norm", None)
-    logits = b.matmul(x, w(model.output_tensor_name), name="output")
-    return b.build(logits)
+    if not hidden:
+        return b.build(b.matmul(x, w(model.output_tensor_name), name="output"))
+    if n_outputs == 0:
+        return b.build(x, {"hidden": x})
+    rows = b.get_rows(x, out_rows, name="output_norm.rows") if out_rows is not None else x
+    return b.build(b.matmul(rows, w(model.output_tensor_name), name="output"), {"hidden": x})

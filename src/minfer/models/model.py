@@ -151,8 +151,8 @@ class TransformerModel:
                     f"(supported: {supported})"
                 )
 
-    def build_graph(self, n_tokens: int, n_outputs: int, n_ctx: int) -> Graph:
-        return build_decoder_graph(self, n_tokens, n_outputs, n_ctx)
+    def build_graph(self, n_tokens: int, n_outputs: int, n_ctx: int, hidden: bool = False) -> Graph:
+        return build_decoder_graph(self, n_tokens, n_outputs, n_ctx, hidden)
 
     @property
     def weight_bytes(self) -> int:

@@ -8,7 +8,10 @@ to sequence ``seq_ids[i]`` at position ``positions[i]``, so prefill, decode and 
 graph, and one attention call per layer serves them all (each token reads its own sequence's rows).
 
 Requests join with :meth:`Engine.add` (a free slot, see :mod:`minfer.runtime.slots`) and leave between
-steps (finished, cancelled). :meth:`Engine.run` drives the steps on the caller's thread until one
+steps (finished, cancelled). An :class:`EmbeddingRequest` runs in the same passes: its prompt is
+evaluated chunk by chunk beside the other sequences' work, with no sampling; the pass also keeps every
+token's final-normed hidden state, which :mod:`minfer.runtime.pooling` pools into its vector, and the
+slot is released once the last chunk is in. :meth:`Engine.run` drives the steps on the caller's thread until one
 request ends (the API); :class:`minfer.runtime.scheduler.BatchScheduler` drives them from a queue on a
 thread of its own (the server).
 
@@ -35,6 +38,7 @@ import numpy as np
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.models.model import TransformerModel
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
+from minfer.runtime.pooling import Pooler, Pooling
 from minfer.runtime.sampling import Sampler, sample_rows
 from minfer.runtime.sampling import warm_up as warm_up_sampling
 from minfer.runtime.sequence import Continuation, GenerationStats, TokenStep
@@ -58,9 +62,10 @@ def batch_buckets(batch_size: int) -> list[int]:
 
 @dataclass
 class Started:
-    """The request got a slot; ``cached_tokens`` prompt tokens were reused from the cache."""
+    """The request got slot ``slot``; ``cached_tokens`` prompt tokens were reused from the cache."""
 
     cached_tokens: int
+    slot: int = field(default=-1, compare=False)  # which slot: informative, not part of what happened
 
 
 @dataclass
@@ -83,7 +88,16 @@ class Failed:
     error: Exception
 
 
-Event = Started | Token | Finished | Failed
+@dataclass
+class Embedded:
+    """The last event of an embedding request: its vector ``[n_embd]`` (``[n_tokens, n_embd]`` with pooling
+    ``none``); ``stats.prompt_tokens`` counts the tokens evaluated."""
+
+    vector: np.ndarray
+    stats: GenerationStats
+
+
+Event = Started | Token | Finished | Failed | Embedded
 
 
 @dataclass(eq=False)
@@ -100,6 +114,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] | None = None  # None: the tokenizer's end-of-generation tokens
     context_shift: bool = False  # at the end of the slot, drop the oldest half after n_keep positions
     n_keep: int = 0
+    reuse_prefix: bool = True  # False: evaluate the whole prompt (llama-server's cache_prompt: false)
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -107,6 +122,28 @@ class GenerationRequest:
     def cancel(self) -> None:
         """Stop generating (thread-safe); the slot is freed before the next forward pass."""
         self.cancelled.set()
+
+
+@dataclass(eq=False)
+class EmbeddingRequest:
+    """One sequence to embed: every token evaluated (no cached prefix: each position's hidden state is
+    needed), none sampled. ``emit`` gets ``Started`` then ``Embedded`` (or ``Failed``, or ``Finished``
+    with reason "cancelled")."""
+
+    prompt_ids: Seq[int]
+    pooling: Pooling = "mean"
+    normalize: bool = True
+    emit: Callable[[Event], None] = lambda event: None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Stop (thread-safe); the slot is freed before the next forward pass."""
+        self.cancelled.set()
+
+
+Request = GenerationRequest | EmbeddingRequest
 
 
 @dataclass
@@ -125,7 +162,9 @@ class EngineHooks:
 @dataclass
 class _Batch:
     """One forward pass's inputs: token i of sequence ``seqs[i]`` at ``positions[i]``; the rows of
-    ``outputs`` are sampled for ``sampled`` (in order); the first ``n_real`` tokens are not padding."""
+    ``outputs`` are sampled for ``sampled`` (in order); the first ``n_real`` tokens are not padding.
+    ``pooled``: the embedding sequences' chunks, (sequence, first token index, length): the pass keeps
+    every token's hidden state for them."""
 
     tokens: list[int]
     positions: list[int]
@@ -133,13 +172,14 @@ class _Batch:
     outputs: list[int]
     sampled: list[_Running]
     n_real: int
+    pooled: list[tuple[_Running, int, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class _Running:
-    request: GenerationRequest
+    request: Request
     slot: int
-    out: Continuation
+    out: Continuation | None  # None for an embedding, which has ``pool`` instead
     cached: int  # prompt tokens reused from the cache
     n_done: int  # prompt tokens in the cache so far
     next_token: int | None = None  # sampled, to be evaluated at ``pos`` in the next pass
@@ -147,6 +187,7 @@ class _Running:
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    pool: Pooler | None = None
 
 
 class Engine:
@@ -193,7 +234,7 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def check(self, request: GenerationRequest) -> None:
+    def check(self, request: Request) -> None:
         """Refuse a request this engine can never serve (thread-safe: reads only sizes). A bad id is
         refused here: inside a shared forward pass it would fail every sequence of the pass."""
         prompt = request.prompt_ids
@@ -209,9 +250,16 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}"
             )
 
-    def add(self, request: GenerationRequest) -> None:
+    def add(self, request: Request) -> None:
         """Give ``request`` a free slot (reusing the cached prefix it shares) and emit ``Started``."""
         self.check(request)
+        if isinstance(request, EmbeddingRequest):
+            slot, _ = self.slots.take(request.prompt_ids, reuse=False)
+            request.stats.prompt_tokens = len(request.prompt_ids)
+            pool = Pooler(request.pooling, request.normalize)
+            self.running = [*self.running, _Running(request, slot, None, cached=0, n_done=0, pool=pool)]
+            request.emit(Started(0, slot))
+            return
         prompt = list(request.prompt_ids)
         room = self.slots.capacity - len(prompt) + 1  # the first token comes from the prompt's last logits
         max_tokens = request.max_tokens
@@ -219,10 +267,10 @@ class Engine:
             max_tokens = room
         out = Continuation(self.tokenizer, request.sampler, max_tokens, request.stats, request.stop_ids,
                            request.stop, request.logprobs, request.constraint)
-        slot, cached = self.slots.take(prompt)
+        slot, cached = self.slots.take(prompt, reuse=request.reuse_prefix)
         out.start(prompt)
         self.running = [*self.running, _Running(request, slot, out, cached=cached, n_done=cached)]
-        request.emit(Started(cached))
+        request.emit(Started(cached, slot))
 
     def cancel_all(self) -> None:
         """End every running sequence now (reason "cancelled")."""
@@ -255,6 +303,40 @@ class Engine:
         self.add(request)
         return self._drive(request, events)
 
+    def embed(self, requests: Seq[EmbeddingRequest]) -> list[np.ndarray]:
+        """Embed ``requests`` on the calling thread (as many at a time as there are free slots, sharing
+        passes with whatever else runs): their vectors in order. Raises what failed one of them."""
+        out: dict[int, np.ndarray] = {}
+        errors: list[Exception] = []
+        pending = list(enumerate(requests))
+        added: list[EmbeddingRequest] = []
+        try:
+            while len(out) < len(requests):
+                if errors:
+                    raise errors[0]
+                while pending and self.n_free:
+                    i, r = pending.pop(0)
+
+                    def emit(event: Event, i: int = i) -> None:
+                        if isinstance(event, Embedded):
+                            out[i] = event.vector
+                        elif isinstance(event, Failed):
+                            errors.append(event.error)
+                        elif isinstance(event, Finished):
+                            errors.append(BadRequestError("the embedding was cancelled"))
+
+                    r.emit = emit
+                    self.add(r)
+                    added.append(r)
+                if len(out) < len(requests) and not errors and not self.step():
+                    raise RuntimeError("the engine has nothing to run for embeddings that have not ended")
+        finally:
+            if len(out) < len(requests):
+                for r in added:
+                    r.cancel()
+                self._drop_cancelled()
+        return [out[i] for i in range(len(requests))]
+
     def _drive(self, request: GenerationRequest, events: list[Event]) -> Iterator[TokenStep]:
         ended = False
         try:
@@ -281,16 +363,25 @@ class Engine:
     def step(self) -> bool:
         """Assemble one batch, run one forward pass, sample, advance. False when there was nothing to run."""
         self._drop_cancelled()
-        for run in [r for r in self.running if r.out.done]:  # max_tokens 0
+        for run in [r for r in self.running if r.out is not None and r.out.done]:  # max_tokens 0
             self._finish(run)
         batch = self._assemble()
         if batch is None:
             return False
         sampled = batch.sampled
         t0 = time.perf_counter()
-        logits = self.runner.forward(batch.tokens, batch.positions, output_rows=batch.outputs,
-                                     seq_ids=batch.seqs)[: len(sampled)]
+        if batch.pooled:
+            out, hidden = self.runner.forward_hidden(batch.tokens, batch.positions, batch.outputs, batch.seqs)
+            logits = out[: len(sampled)] if out is not None else np.empty((0, self.runner.model.hparams.n_vocab))
+        else:
+            logits = self.runner.forward(batch.tokens, batch.positions, output_rows=batch.outputs,
+                                         seq_ids=batch.seqs)[: len(sampled)]
         t1 = time.perf_counter()
+        for run, start, n in batch.pooled:
+            assert run.pool is not None
+            run.pool.add(hidden[start : start + n])
+            if run.n_done == len(run.request.prompt_ids):
+                self._embedded(run, t1)
         for run in sampled:
             if run.next_token is None:
                 run.request.stats.prefill_seconds = t1 - run.started_at
@@ -308,6 +399,7 @@ class Engine:
         seqs: list[int] = []
         outputs: list[int] = []
         sampled: list[_Running] = []
+        pooled: list[tuple[_Running, int, int]] = []
         for run in self.running:
             if run.next_token is not None:
                 outputs.append(len(tokens))
@@ -326,7 +418,9 @@ class Engine:
             seqs.extend([run.slot] * chunk)
             run.n_done += chunk
             budget -= chunk
-            if run.n_done == len(prompt):
+            if run.pool is not None:  # an embedding: its hidden states, no logits
+                pooled.append((run, len(tokens) - chunk, chunk))
+            elif run.n_done == len(prompt):
                 outputs.append(len(tokens) - 1)
                 sampled.append(run)
         if not tokens:
@@ -334,14 +428,16 @@ class Engine:
         n_real, n_out = len(tokens), len(outputs)
         if self._pad_seq is None:
             one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
-            return _Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, n_real)
+            return _Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, n_real, pooled)
         pad = self._bucket(n_real) - n_real
         tokens += [0] * pad
         positions += [0] * pad
         seqs += [self._pad_seq] * pad
-        spare = outputs[-1] if outputs else 0  # a pass of prompt chunks only still gets one (unused) output row
-        outputs += [spare] * (self._bucket(max(n_out, 1)) - n_out)
-        return _Batch(tokens, positions, seqs, outputs, sampled, n_real)
+        if n_out or not pooled:
+            # a pass of prompt chunks only still gets one (unused) output row; one with embeddings needs none
+            spare = outputs[-1] if outputs else 0
+            outputs += [spare] * (self._bucket(max(n_out, 1)) - n_out)
+        return _Batch(tokens, positions, seqs, outputs, sampled, n_real, pooled)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self._buckets if b >= n)
@@ -380,6 +476,8 @@ class Engine:
         if self.batch_size is None:
             return
         n_slots = self.slots.n_slots
+        # a full pass that also keeps every hidden state (embeddings in the batch) needs a little more
+        self.runner.reserve(self.batch_size, self._bucket(min(n_slots, self.batch_size)), hidden=True)
         self.runner.plan(self.batch_size, self._bucket(min(n_slots, self.batch_size)))
         self.runner.arena.commit()
         for n in range(1, n_slots + 1):
@@ -430,7 +528,26 @@ class Engine:
         for run in [r for r in self.running if r.request.cancelled.is_set()]:
             self._finish(run, "cancelled")
 
+    def _embedded(self, run: _Running, now: float) -> None:
+        assert run.pool is not None
+        stats = run.request.stats
+        stats.prefill_seconds, stats.finish_reason = now - run.started_at, "stop"
+        try:
+            vector = run.pool.result()
+        except Exception as e:  # noqa: BLE001 - this request only
+            run.request.emit(Failed(e))
+        else:
+            if self.hooks.on_finished:
+                self.hooks.on_finished(stats, 0)
+            run.request.emit(Embedded(vector, stats))
+        self._release(run)
+
     def _finish(self, run: _Running, reason: str | None = None) -> None:
+        if run.out is None:  # an embedding ended before its vector (cancelled)
+            run.request.stats.finish_reason = reason or "cancelled"
+            run.request.emit(Finished(run.request.stats, 0))
+            self._release(run)
+            return
         tail = run.out.finish(reason)
         if tail is not None:
             run.request.emit(Token(tail))

@@ -1,6 +1,7 @@
 """Forward passes: build (or reuse) the graph for a batch shape, bind it, run it.
 
-One graph per (tokens, outputs) shape: build -> fusion -> allocation -> plan. Plans are kept for the
+One graph per (tokens, outputs, hidden) shape: build -> fusion -> allocation -> plan (``hidden``: the pass
+also keeps every token's final-normed hidden state, for embeddings). Plans are kept for the
 shapes seen recently (decode reuses the one-token plan every step); their activation buffers come from
 one :class:`~minfer.graph.plan.BufferArena` (the plans run one at a time).
 """
@@ -39,28 +40,42 @@ class ForwardRunner:
         self.kv = kv
         # minfer.trace observers (Tracer, Dumper): see every executed node, then each call's logits
         self.observers = list(observers)
-        self._plans: OrderedDict[tuple[int, int], Plan] = OrderedDict()
+        # keyed (tokens, outputs), and (tokens, outputs, "hidden") for the passes that keep hidden states
+        self._plans: OrderedDict[tuple[int, int] | tuple[int, int, str], Plan] = OrderedDict()
         # a batching server sees many batch shapes; the plans share their activation buffers (they run
         # one at a time), so memory is that of the largest plan whatever the number of plans
         self.max_plans = max_plans
         self.arena = BufferArena()
 
-    def plan(self, n_tokens: int, n_outputs: int) -> Plan:
-        key = (n_tokens, n_outputs)
+    def plan(self, n_tokens: int, n_outputs: int, hidden: bool = False) -> Plan:
+        key: tuple[int, int] | tuple[int, int, str] = (
+            (n_tokens, n_outputs, "hidden") if hidden else (n_tokens, n_outputs)
+        )
         plan = self._plans.get(key)
         if plan is None:
-            quantized_input = getattr(self.backend, "quantized_input", None)
-            graph = fuse(self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx), quantized_input)
-            grown = self.arena.grown
-            plan = Plan(graph, self.backend, self.kv.layers, arena=self.arena)
-            if self.arena.grown != grown:  # the older plans hold arrays the arena has replaced: let them go
-                self._plans.clear()
+            plan = self._build(n_tokens, n_outputs, hidden)
             self._plans[key] = plan
             if len(self._plans) > self.max_plans:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
         return plan
+
+    def _build(self, n_tokens: int, n_outputs: int, hidden: bool) -> Plan:
+        quantized_input = getattr(self.backend, "quantized_input", None)
+        graph = self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx, hidden=True) if hidden else \
+            self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx)
+        graph = fuse(graph, quantized_input)
+        grown = self.arena.grown
+        plan = Plan(graph, self.backend, self.kv.layers, arena=self.arena)
+        if self.arena.grown != grown:  # the older plans hold arrays the arena has replaced: let them go
+            self._plans.clear()
+        return plan
+
+    def reserve(self, n_tokens: int, n_outputs: int, hidden: bool = False) -> None:
+        """Size the buffer arena for a pass of this shape without keeping its plan (a warm-up, so that a
+        later pass of that shape does not grow the memory)."""
+        self._build(n_tokens, n_outputs, hidden)
 
     def forward(
         self,
@@ -75,6 +90,32 @@ class ForwardRunner:
         sequence's cache row for the position, and it attends to the sequence's positions 0..its own.
         Several sequences may share one call (they must not interleave within a sequence's positions).
         """
+        logits, _ = self._run(tokens, positions, output_rows, seq_ids, hidden=False)
+        assert logits is not None
+        return logits
+
+    def forward_hidden(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        output_rows: Sequence[int] | np.ndarray,
+        seq_ids: Sequence[int] | np.ndarray | int = 0,
+    ) -> tuple[np.ndarray | None, np.ndarray]:
+        """As :meth:`forward`, and also every token's final-normed hidden state ``[n_tokens, n_embd]``
+        (the output norm's result, before the output matmul): (logits of ``output_rows`` or None when
+        it is empty, hidden states), fresh arrays."""
+        logits, hidden = self._run(tokens, positions, output_rows, seq_ids, hidden=True)
+        assert hidden is not None
+        return logits, hidden
+
+    def _run(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        output_rows: Sequence[int] | np.ndarray | None,
+        seq_ids: Sequence[int] | np.ndarray | int,
+        hidden: bool,
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         n = tokens.shape[0]
@@ -94,7 +135,8 @@ class ForwardRunner:
         # a plan with as many outputs as tokens outputs every row in order (it has no output_rows input):
         # any other selection of n rows is taken from that full result afterwards
         reorder = output_rows is not None and out_rows.shape[0] == n and not np.array_equal(out_rows, np.arange(n))
-        plan = self.plan(n, out_rows.shape[0])
+        n_out = out_rows.shape[0]
+        plan = self.plan(n, n_out, hidden)
         plan.inputs["tokens"][:] = tokens
         plan.inputs["positions"][:] = positions
         plan.inputs["rows"][:] = rows
@@ -102,16 +144,19 @@ class ForwardRunner:
             plan.inputs["output_rows"][:] = out_rows
         with self.backend.running():
             if not self.observers:
-                logits = plan.run().copy()
+                out = plan.run()
             else:
                 observers = self.observers
-                logits = plan.run(lambda s, t: [o.step(s, t) for o in observers]).copy()
-                for o in observers:
+                out = plan.run(lambda s, t: [o.step(s, t) for o in observers])
+            logits = out.copy() if n_out else None
+            states = plan.extras["hidden"].copy() if hidden else None
+            if self.observers and logits is not None:
+                for o in self.observers:
                     o.logits(tokens, positions, logits)
-        if reorder:
+        if reorder and logits is not None:
             logits = logits[out_rows]
         self._record(tokens, positions, seq_ids)
-        return logits
+        return logits, states
 
     def shift_context(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Drop ``n_discard`` positions of ``seq`` after the first ``n_keep``; later K rows are re-rotated."""

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from minfer.errors import BadRequestError, MinferError
-from minfer.runtime.engine import Engine, EngineHooks, Failed, Finished, GenerationRequest
+from minfer.runtime.engine import Engine, EngineHooks, Failed, Finished, Request
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import KVCache
 
@@ -32,7 +32,8 @@ class ShuttingDownError(MinferError):
 
 
 class BatchScheduler:
-    """Serve :class:`~minfer.runtime.engine.GenerationRequest` s from a bounded queue on a padded ``engine``.
+    """Serve :class:`~minfer.runtime.engine.GenerationRequest` s (and ``EmbeddingRequest`` s, which share
+    the passes) from a bounded queue on a padded ``engine``.
 
     ``max_queue``: requests waiting for a slot beyond which :meth:`submit` raises :class:`QueueFullError`.
     """
@@ -42,7 +43,7 @@ class BatchScheduler:
             raise BadRequestError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._waiting: collections.deque[Request] = collections.deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._accepting = True
@@ -98,7 +99,7 @@ class BatchScheduler:
         finally:
             self._finished.set()
 
-    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+    def submit(self, requests: Sequence[Request]) -> None:
         """Queue requests (all or none): the engine's refusal of one that can never run, or QueueFullError
         when they do not fit in the waiting queue."""
         for r in requests:

@@ -55,16 +55,17 @@ class Slots:
     def n_free(self) -> int:
         return self.n_slots - len(self._busy)
 
-    def take(self, prompt: Sequence[int]) -> tuple[int, int]:
+    def take(self, prompt: Sequence[int], reuse: bool = True) -> tuple[int, int]:
         """A free slot for ``prompt`` and how many of its first tokens that slot now holds (reused from this
         slot or copied from another). The last prompt token is always left to evaluate: its logits are
-        needed. The prompt fits in a slot (the engine checked it)."""
+        needed. The prompt fits in a slot (the engine checked it). ``reuse=False`` (an embedding, which
+        needs every position evaluated): the free slot holding the fewest tokens, emptied."""
         free = [s for s in range(self.n_slots) if s not in self._busy]
         if not free:
             raise BadRequestError(f"all {self.n_slots} slots are taken")
         limit = len(prompt) - 1
         best_src, best_n = -1, 0
-        for s in range(self.n_slots):
+        for s in range(self.n_slots) if reuse else ():
             n = common_prefix(self.kv.tokens(s), prompt, limit)
             if n > best_n or (n == best_n and n > 0 and s in free and best_src not in free):
                 best_src, best_n = s, n

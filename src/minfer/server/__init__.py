@@ -34,6 +34,11 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
     quantize: str | None = None  # q8_0 / q4_k: quantize float weight matrices at load
+    pooling: str | None = None  # embeddings: mean / cls / last / none; None: the model's (GGUF pooling_type, else mean)
+    normalize: bool = True  # L2-normalise pooled embeddings (--no-normalize: off)
+    strict_model: bool = False  # refuse requests naming another model
+    cors_origins: tuple[str, ...] = ()  # --cors-origin: origins browsers may call from ("*": any)
+    slots: bool = False  # GET /slots
 
 
 def serve(opts: ServeOptions) -> None:
@@ -42,6 +47,7 @@ def serve(opts: ServeOptions) -> None:
 
     from minfer.api import load
     from minfer.runtime.engine import EngineConfig
+    from minfer.runtime.pooling import check_pooling
     from minfer.runtime.scheduler import BatchScheduler
     from minfer.server.app import ServerConfig, create_app
 
@@ -61,7 +67,10 @@ def serve(opts: ServeOptions) -> None:
     gc.collect()
     gc.freeze()
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
-    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key)
+    pooling = check_pooling(opts.pooling) if opts.pooling is not None else model.pooling  # a bad one fails now
+    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key,
+                          strict_model=opts.strict_model, pooling=pooling, normalize=opts.normalize,
+                          cors_origins=opts.cors_origins, slots_endpoint=opts.slots)
     app = create_app(model, scheduler, config, shutdown_timeout=0.0, start_scheduler=False)
 
     sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)

@@ -24,15 +24,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minfer.api import Model
 from minfer.runtime.scheduler import BatchScheduler
+from minfer.server.aliases import V1Alias
 from minfer.server.context import ServerConfig, ServerContext
+from minfer.server.cors import with_cors
 from minfer.server.errors import error_response
 from minfer.server.middleware import AuthAndCount
 from minfer.server.protocol import ApiError
-from minfer.server.routes import chat_completions, completions, page, service, trace
+from minfer.server.routes import (
+    chat_completions,
+    completions,
+    embeddings,
+    llama_native,
+    page,
+    service,
+    tokens,
+    trace,
+)
 
 __all__ = ["ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions, page, trace)
+ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, page, trace)
 
 
 def create_app(
@@ -66,4 +77,6 @@ def create_app(
     for group in ROUTE_GROUPS:
         group.register(app, ctx)
     endpoints = {path for route in app.routes if "{" not in (path := getattr(route, "path", "{"))}
-    return AuthAndCount(app, config.api_key, ctx.metrics, endpoints)
+    # outside in: CORS (a preflight is answered before the key check), the /v1-less aliases, the key check
+    return with_cors(V1Alias(AuthAndCount(app, config.api_key, ctx.metrics, endpoints), app.routes),
+                     config.cors_origins)

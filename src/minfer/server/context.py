@@ -15,12 +15,14 @@ from fastapi.responses import StreamingResponse
 
 from minfer.api import Model
 from minfer.errors import MinferError
-from minfer.runtime.engine import Event, Failed, GenerationRequest
+from minfer.runtime.engine import EmbeddingRequest, Event, Failed, GenerationRequest
+from minfer.runtime.pooling import Pooling
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError
 from minfer.server.errors import api_error, cancelled_error
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.metrics import ServerMetrics
 from minfer.server.protocol import ApiError, GenerationParams
+from minfer.server.timings import timings
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,11 @@ class ServerConfig:
     model_id: str
     api_key: str | None = None
     retry_after_seconds: int = 1
+    strict_model: bool = False  # refuse a request's "model" unless it names this model (else any name is fine)
+    pooling: Pooling | None = None  # embeddings' pooling; None: the model's own (GGUF pooling_type, else mean)
+    normalize: bool = True  # L2-normalise pooled embeddings
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); empty: no CORS headers
+    slots_endpoint: bool = False  # GET /slots (llama-server's --slots)
 
 
 @dataclass
@@ -49,7 +56,9 @@ class ServerContext:
     # -- requests --------------------------------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
+        """One model is served, so any name reaches it (as llama-server and ollama answer), unless the
+        server was started with ``--strict-model``."""
+        if name is not None and self.config.strict_model and name not in self.names:
             raise ApiError(f"the model {name!r} does not exist (this server has {self.config.model_id!r})",
                            param="model", code="model_not_found")
 
@@ -60,8 +69,10 @@ class ServerContext:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(f"the request body is not valid JSON: {e}") from None
 
-    def submit(self, prompts: Sequence[list[int]], params: GenerationParams) -> Job:
-        """Queue ``params.n`` sequences per prompt; the job's queue receives their events."""
+    def submit(self, prompts: Sequence[list[int]], params: GenerationParams, *, ignore_eos: bool = False,
+               reuse_prefix: bool = True) -> Job:
+        """Queue ``params.n`` sequences per prompt; the job's queue receives their events. ``ignore_eos``:
+        end-of-generation tokens do not stop them; ``reuse_prefix=False``: no cached prefix is reused."""
         self.pump.loop = asyncio.get_running_loop()  # the loop exists only once the server runs
         job = Job(self.pump)
         model = self.model
@@ -75,7 +86,29 @@ class ServerContext:
                     job.choices.append(Choice(index, p))
                     job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
                                                           stop=params.stop, logprobs=params.logprobs,
-                                                          constraint=constraint))
+                                                          constraint=constraint,
+                                                          stop_ids=frozenset() if ignore_eos else None,
+                                                          reuse_prefix=reuse_prefix))
+            self.scheduler.submit(job.requests)
+        except QueueFullError as e:
+            raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
+        except MinferError as e:
+            raise api_error(e) from None
+        return job
+
+    @property
+    def pooling(self) -> Pooling:
+        return self.config.pooling or self.model.pooling
+
+    def submit_embeddings(self, prompts: Sequence[list[int]], pooling: Pooling, normalize: bool) -> Job:
+        """Queue one embedding sequence per prompt (they share the scheduler's passes with generation)."""
+        self.pump.loop = asyncio.get_running_loop()
+        job = Job(self.pump)
+        for p, ids in enumerate(prompts):
+            job.choices.append(Choice(p, p))
+            job.requests.append(EmbeddingRequest(ids, pooling, normalize, job.emitter(p)))
+        try:
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
@@ -107,9 +140,10 @@ class ServerContext:
                 raise cancelled_error()
 
     def stream(self, job: Job, chunk: Callable[[Choice, Event | None], dict[str, Any] | None],
-               final_usage: Callable[[], dict[str, Any]] | None) -> StreamingResponse:
+               final_usage: Callable[[], dict[str, Any]] | None, done: bool = True) -> StreamingResponse:
         """Server-sent events: ``chunk`` turns each event into a body (or None to send nothing), then the
-        usage chunk when asked, then ``[DONE]``; an error ends the stream with an error event."""
+        usage chunk when asked, then ``[DONE]`` (unless ``done`` is False: llama-server's native streams
+        end with their last chunk); an error ends the stream with an error event."""
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -135,7 +169,8 @@ class ServerContext:
                         yield b"".join(out)
                 if final_usage is not None:
                     yield sse(final_usage())
-                yield b"data: [DONE]\n\n"
+                if done:
+                    yield b"data: [DONE]\n\n"
             finally:
                 job.cancel()  # a no-op when every sequence finished; frees the slots when the client left
 
@@ -150,6 +185,14 @@ class ServerContext:
         cached = sum(next(c.cached_tokens for c in job.choices if c.prompt_index == i) for i in range(len(prompts)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def timings(self, job: Job, params: GenerationParams, choice: Choice | None = None) -> dict[str, Any]:
+        """``{"timings": ...}``, llama-server's timings of ``choice`` (default: the job's first sequence),
+        when the request asked for them (``timings_per_token``); else nothing."""
+        c = choice or job.choices[0]
+        if not params.timings or c.stats is None:
+            return {}
+        return {"timings": timings(c.stats, c.cached_tokens)}
 
     def token_text(self, token: int) -> str:
         return self.model.tokenizer.token_bytes(token).decode("utf-8", errors="replace")

@@ -11,7 +11,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minfer.runtime.engine import Event, Failed, Finished, GenerationRequest, Started, Token
+import numpy as np
+
+from minfer.runtime.engine import Embedded, Event, Failed, Finished, Request, Started, Token
 from minfer.runtime.sampling import TokenLogprob
 from minfer.runtime.sequence import GenerationStats
 
@@ -26,7 +28,9 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stats: GenerationStats | None = None
     cached_tokens: int = 0
+    slot: int = -1  # the slot it runs in
     error: Exception | None = None
+    embedding: np.ndarray | None = None  # an embedding request's vector
 
     @property
     def finished(self) -> bool:
@@ -84,7 +88,7 @@ class Job:
     def __init__(self, pump: EventPump) -> None:
         self.pump = pump
         self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.requests: list[GenerationRequest] = []
+        self.requests: list[Request] = []
         self.choices: list[Choice] = []
 
     def emitter(self, index: int) -> Callable[[Event], None]:
@@ -100,7 +104,7 @@ class Job:
     def apply(self, index: int, event: Event) -> Choice:
         c = self.choices[index]
         if isinstance(event, Started):
-            c.cached_tokens = event.cached_tokens
+            c.cached_tokens, c.slot = event.cached_tokens, event.slot
         elif isinstance(event, Token):
             c.text.append(event.step.text)
             if event.step.logprob is not None:
@@ -109,6 +113,8 @@ class Job:
             c.stats, c.cached_tokens = event.stats, event.cached_tokens
         elif isinstance(event, Failed):
             c.error = event.error
+        elif isinstance(event, Embedded):
+            c.stats, c.embedding = event.stats, event.vector
         return c
 
     @property

@@ -55,6 +55,7 @@ class GenerationParams:
     logprobs: int | None  # None: off; N: the chosen token plus N alternatives
     grammar: str | None
     json_schema: Any  # None, True (any JSON object) or a schema dict
+    timings: bool = False  # llama-server's timings_per_token: answer with its "timings" object too
 
 
 @dataclass
@@ -170,7 +171,7 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
     if grammar is not None and json_schema is not None:
         raise ApiError("'grammar' and 'response_format' cannot be used together", param="grammar")
     return GenerationParams(model, max_tokens, n, stream, include_usage, stop, seed, sampling, logprobs, grammar,
-                            json_schema)
+                            json_schema, timings=r.boolean("timings_per_token"))
 
 
 def _sampling_fields(r: _Reader) -> dict[str, Any]:

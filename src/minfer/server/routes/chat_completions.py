@@ -52,7 +52,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
                              "logprobs": chat_logprobs(ctx, c.logprobs) if params.logprobs is not None else None,
                              "finish_reason": finish_reason(c)} for c in job.choices],
-                "usage": ctx.usage(job, [ids]),
+                "usage": ctx.usage(job, [ids]), **ctx.timings(job, params),
             })
         extra = {"usage": None} if params.include_usage else {}
 
@@ -68,6 +68,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                           "finish_reason": None}
             elif isinstance(event, Finished):
                 choice = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(c)}
+                return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra,
+                        **ctx.timings(job, params, c)}
             else:
                 return None
             return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra}

@@ -49,7 +49,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 choices.append({"index": c.index, "text": head + "".join(c.text), "logprobs": lp,
                                 "finish_reason": finish_reason(c)})
             return JSONResponse({**base, "object": "text_completion", "choices": choices,
-                                 "usage": ctx.usage(job, prompts)})
+                                 "usage": ctx.usage(job, prompts), **ctx.timings(job, params)})
         extra = {"usage": None} if params.include_usage else {}
         offsets = [len(echo[c.prompt_index]) for c in job.choices]
 
@@ -69,6 +69,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 choice = {"index": c.index, "text": step.text, "logprobs": lp, "finish_reason": None}
             elif isinstance(event, Finished):
                 choice = {"index": c.index, "text": "", "logprobs": None, "finish_reason": finish_reason(c)}
+                return {**base, "object": "text_completion", "choices": [choice], **extra,
+                        **ctx.timings(job, params, c)}
             else:
                 return None
             return {**base, "object": "text_completion", "choices": [choice], **extra}

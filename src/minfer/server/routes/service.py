@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,10 +22,15 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def prometheus() -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    transformer = ctx.model.transformer
+    n_params = sum(int(math.prod(t.shape)) for t in transformer.tensors.values())
+
     def model_card() -> dict[str, Any]:
         hp = ctx.model.hparams
+        # llama-server's meta (n_vocab, n_ctx_train, n_embd, n_params, size) and this server's own
         return {"id": ctx.config.model_id, "object": "model", "created": ctx.created, "owned_by": "minfer",
                 "meta": {"architecture": hp.arch, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train,
+                         "n_embd": hp.n_embd, "n_params": n_params, "size": transformer.weight_bytes,
                          "n_ctx_per_sequence": ctx.scheduler.slot_context, "parallel": ctx.scheduler.n_slots}}
 
     @app.get("/v1/models")
