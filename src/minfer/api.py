@@ -34,6 +34,8 @@ from minfer.runtime.chat import (
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
 from minfer.runtime.engine import EmbeddingRequest, EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.forward import ForwardRunner
+from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.perplexity import PerplexityResult, perplexity
 from minfer.runtime.pooling import Pooling, check_pooling, model_pooling
 from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
@@ -42,6 +44,7 @@ from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.runtime.speculative.draft_model import check_vocabulary
 from minfer.trace.dump import Dumper
+from minfer.trace.explorer import ForwardTrace, TraceCapture
 from minfer.trace.tracer import Tracer
 
 DEFAULT_N_CTX = 4096
@@ -151,6 +154,38 @@ class Model:
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
         return self.runner.forward(ids, range(len(ids)))
+
+    def trace_forward(
+        self, token_ids: Sequence[int], cache_type: str | None = None, budget: int | None = None,
+        description: str = "",
+    ) -> ForwardTrace:
+        """One forward pass of a fresh sequence, held for the trace explorer (:mod:`minfer.trace.explorer`).
+
+        It runs on a plan and KV cache of its own (``cache_type``: this model's by default; another one
+        to compare), sharing the weights and backend, so it never touches a generation's cache; call it
+        from the thread that runs the engine. ``budget``: bytes of full tensors kept (``MINFER_TRACE_MEMORY``)."""
+        ids = list(token_ids)
+        if not ids:
+            raise BadRequestError("no tokens to trace")
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
+        kv = KVCache(self.hparams, len(ids), cache_type or self.cache_type)
+        runner = ForwardRunner(self.transformer, self.backend, kv, max_plans=1)
+        plan = runner.plan(len(ids), len(ids))
+
+        def execute(capture: TraceCapture) -> None:
+            runner.observers = [capture]
+            try:
+                runner.forward(ids, range(len(ids)))
+            finally:
+                runner.observers = []
+
+        arena = sum(a.nbytes for a in plan.pool) + kv.nbytes
+        trace = ForwardTrace.run(plan.graph, self.hparams, ids, [self.tokenizer.decode([t]) for t in ids],
+                                 kv.cache_type, self.path.name, execute, lambda t: self.tokenizer.decode([t]),
+                                 budget, arena)
+        trace.description = description or f"{self.path.name}, {kv.cache_type} cache"
+        return trace
 
     # -- embeddings ------------------------------------------------------------------------------
 

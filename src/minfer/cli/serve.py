@@ -21,7 +21,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv = add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                      description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, "
                      "/v1/models, also without /v1), llama-server's native endpoints (/completion, /infill, "
-                     "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics.")
+                     "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics; "
+                     "the chat page at / and the trace explorer at /trace.")
     add_model_argument(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")

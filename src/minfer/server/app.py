@@ -36,14 +36,17 @@ from minfer.server.routes import (
     embeddings,
     llama_native,
     messages,
+    page,
     responses,
     service,
     tokens,
+    trace,
 )
 
 __all__ = ["ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, responses, messages)
+ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, responses, messages, page,
+                trace)
 
 
 def create_app(
