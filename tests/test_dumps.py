@@ -46,8 +46,12 @@ def test_compare_dumps_pinpoints_a_wrong_rope_layout(tmp_path):
     assert first is not None and first["name"] == "blk.0.q_rope" and first["op"] == "rope"
     r = subprocess.run([sys.executable, "-m", "minfer", "compare-dumps", str(tmp_path / "good"),
                         str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # the runs part: non-zero, so a script or CI notices
     assert r.stdout.strip().splitlines()[-1].endswith("blk.0.q_rope (rope)")
+    same = subprocess.run([sys.executable, "-m", "minfer", "compare-dumps", str(tmp_path / "good"),
+                           str(tmp_path / "good")], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0, same.stderr
+    assert same.stdout.strip().splitlines()[-1].startswith("all ")
 
 
 def test_compare_dumps_of_a_non_dump_folder_is_a_clear_error(tmp_path):

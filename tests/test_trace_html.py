@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -116,3 +117,24 @@ def test_gemma3_page_shows_sliding_windows(tmp_path):
     page.write_text(render(data))
     dom = chromium("--dump-dom", page.as_uri())
     assert '<div id="errors"></div>' in dom and "sliding window of 6" in dom
+
+
+def test_static_page_caps_its_inline_data_and_says_what_it_left_out(tmp_path):
+    model = minfer.load(fixture_dir("qwen3") / "model-f32.gguf", n_ctx=64)
+    data = trace_page_data(model, "The capital of France is Paris.", layers=[1], heads=[0, 2], max_positions=3)
+    assert [x["layer"] for x in data["layers"]] == [1] and [h["head"] for h in data["layers"][0]["heads"]] == [0, 2]
+    assert np.array(data["layers"][0]["heads"][0]["weights"]).shape == (3, 3)
+    assert len(data["omitted"]) == 3 and "positions 3.." in data["omitted"][2]
+    small = trace_page_data(model, "The capital of France is Paris.", max_cells=1)  # the default cap, squeezed
+    assert [x["layer"] for x in small["layers"]] == [0] and "2 of 3 layers" in small["omitted"][0]
+    out = tmp_path / "t.html"
+    r = subprocess.run([sys.executable, "-m", "minfer", "trace", str(fixture_dir("qwen3") / "model-f32.gguf"),
+                        "Hello world", "--html", str(out), "--layers", "0-1", "--heads", "1", "--positions", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "left out: the attention of 1 of 3 layers" in r.stdout and "Left out of this page" not in r.stdout
+    dom = chromium("--dump-dom", out.as_uri())
+    assert '<div id="errors"></div>' in dom and "Left out of this page" in dom
+    r = subprocess.run([sys.executable, "-m", "minfer", "trace", str(fixture_dir("qwen3") / "model-f32.gguf"),
+                        "Hello", "--html", str(out), "--layers", "7"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "layer 7 is outside 0..2" in r.stderr and "Traceback" not in r.stderr

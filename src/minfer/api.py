@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from minfer.backends.cpu.backend import CPUBackend
-from minfer.errors import BadRequestError, ContextOverflowError
+from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.formats.chat_template import ChatTemplate
 from minfer.formats.fim import FimTokens, find_fim_tokens
 from minfer.formats.tokenizer import Tokenizer
@@ -34,11 +34,17 @@ from minfer.runtime.chat import (
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
 from minfer.runtime.engine import EmbeddingRequest, EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.forward import ForwardRunner
+from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.perplexity import PerplexityResult, perplexity
 from minfer.runtime.pooling import Pooling, check_pooling, model_pooling
 from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
+from minfer.runtime.speculative import SpeculativeSettings
+from minfer.runtime.speculative import resolve as resolve_speculative
+from minfer.runtime.speculative.draft_model import check_vocabulary
 from minfer.trace.dump import Dumper
+from minfer.trace.explorer import ForwardTrace, TraceCapture
 from minfer.trace.tracer import Tracer
 
 DEFAULT_N_CTX = 4096
@@ -78,6 +84,9 @@ class Model:
         dump_filter: str | None = None,
         quantize: str | None = None,
         engine_config: EngineConfig | None = None,
+        draft: str | os.PathLike[str] | None = None,
+        lookup: bool = False,
+        speculative: SpeculativeSettings | Mapping[str, Any] | None = None,
     ) -> None:
         if n_ctx is not None and (not isinstance(n_ctx, int) or n_ctx < 1):
             raise BadRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
@@ -103,8 +112,10 @@ class Model:
         dump_filter = dump_filter or os.environ.get("MINFER_DUMP_FILTER")
         self.dumper = Dumper(dump_dir, dump_filter) if dump_dir else None
         observers = [o for o in (self.tracer, self.dumper) if o is not None]
+        settings = speculative_settings(draft, lookup, speculative)
+        self.draft = load_draft(draft, self.tokenizer, threads) if draft is not None else None
         self.engine = build_engine(self.transformer, self.backend, self.tokenizer, n_ctx, cache_type,
-                                   engine_config or EngineConfig(), observers)
+                                   engine_config or EngineConfig(), observers, settings, self.draft)
         self.runner = self.engine.runner
         self.kv = self.engine.kv
         self.last_stats: GenerationStats | None = None
@@ -143,6 +154,38 @@ class Model:
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
         return self.runner.forward(ids, range(len(ids)))
+
+    def trace_forward(
+        self, token_ids: Sequence[int], cache_type: str | None = None, budget: int | None = None,
+        description: str = "",
+    ) -> ForwardTrace:
+        """One forward pass of a fresh sequence, held for the trace explorer (:mod:`minfer.trace.explorer`).
+
+        It runs on a plan and KV cache of its own (``cache_type``: this model's by default; another one
+        to compare), sharing the weights and backend, so it never touches a generation's cache; call it
+        from the thread that runs the engine. ``budget``: bytes of full tensors kept (``MINFER_TRACE_MEMORY``)."""
+        ids = list(token_ids)
+        if not ids:
+            raise BadRequestError("no tokens to trace")
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
+        kv = KVCache(self.hparams, len(ids), cache_type or self.cache_type)
+        runner = ForwardRunner(self.transformer, self.backend, kv, max_plans=1)
+        plan = runner.plan(len(ids), len(ids))
+
+        def execute(capture: TraceCapture) -> None:
+            runner.observers = [capture]
+            try:
+                runner.forward(ids, range(len(ids)))
+            finally:
+                runner.observers = []
+
+        arena = sum(a.nbytes for a in plan.pool) + kv.nbytes
+        trace = ForwardTrace.run(plan.graph, self.hparams, ids, [self.tokenizer.decode([t]) for t in ids],
+                                 kv.cache_type, self.path.name, execute, lambda t: self.tokenizer.decode([t]),
+                                 budget, arena)
+        trace.description = description or f"{self.path.name}, {kv.cache_type} cache"
+        return trace
 
     # -- embeddings ------------------------------------------------------------------------------
 
@@ -248,6 +291,7 @@ class Model:
         add_special: bool = True,
         context_shift: bool = False,
         n_keep: int = 0,
+        speculative: str | Mapping[str, Any] | SpeculativeSettings | None = None,
         **sampling: Any,
     ) -> Iterator[TokenStep]:
         """Generate step by step: each :class:`TokenStep` has the token, the text it releases and, with
@@ -256,13 +300,17 @@ class Model:
         ``grammar``: a GBNF grammar the output must follow; ``json_schema``: a JSON Schema (dict or JSON
         text) the output must validate against, or ``True`` for any JSON object. ``context_shift``: when
         the context fills up, drop the oldest half after the first ``n_keep`` tokens instead of failing.
+        ``speculative``: this call's speculative decoding, ``"off"``, ``"lookup"``, ``"draft"`` (a model
+        loaded with ``draft=``) or a mapping of :class:`SpeculativeSettings` fields; default: the model's.
+        Stats (``last_stats``) count the drafted and accepted tokens.
         """
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, logprobs=logprobs,
                                     constraint=self.constraint(grammar, json_schema), context_shift=context_shift,
-                                    n_keep=n_keep)
+                                    n_keep=n_keep, speculative=resolve_speculative(
+                                        speculative, self.engine.speculative) if speculative is not None else None)
         self.last_stats = request.stats
         # one caller at a time: a stream left unfinished ends here. The prompt is placed now (a bad one
         # fails where the call is made), reusing the prefix the cache already holds.
@@ -438,6 +486,36 @@ def _is_token(t: Any) -> bool:
     return isinstance(t, int | np.integer) and not isinstance(t, bool)
 
 
+def speculative_settings(
+    draft: object, lookup: bool, speculative: SpeculativeSettings | Mapping[str, Any] | None
+) -> SpeculativeSettings:
+    """The engine's default speculative decoding from ``load``'s arguments: a draft model drafts, else
+    ``lookup=True`` looks up; ``speculative`` adds the limits (or the mode itself)."""
+    if draft is not None and lookup:
+        raise BadRequestError("use either a draft model or prompt lookup as the default, not both")
+    mode = "draft" if draft is not None else "lookup" if lookup else None
+    if isinstance(speculative, SpeculativeSettings):
+        return speculative if mode is None else speculative.updated({"mode": mode})
+    fields = dict(speculative or {})
+    if mode is not None:
+        fields.setdefault("mode", mode)
+    return SpeculativeSettings().updated(fields)
+
+
+def load_draft(path: str | os.PathLike[str], target: Tokenizer, threads: int) -> TransformerModel:
+    """The draft model at ``path`` (a GGUF file, an HF folder or a known name), its vocabulary checked
+    against the target's ``tokenizer``; any failure is one line naming the draft."""
+    try:
+        model = TransformerModel.from_path(resolve_model(path), threads=threads)
+        check_vocabulary(target, model.load_tokenizer(), f"draft model {model.path}")
+    except MinferError as e:
+        text = str(e)
+        message = text if text.startswith("draft model") else \
+            f"draft model: {text}" if str(path) in text else f"draft model {path}: {text}"
+        raise type(e)(message) from None
+    return model
+
+
 def load(
     path: str | os.PathLike[str] | None = None,
     n_ctx: int | None = None,
@@ -449,6 +527,9 @@ def load(
     dump_filter: str | None = None,
     quantize: str | None = None,
     engine_config: EngineConfig | None = None,
+    draft: str | os.PathLike[str] | None = None,
+    lookup: bool = False,
+    speculative: SpeculativeSettings | Mapping[str, Any] | None = None,
 ) -> Model:
     """Load a model: a GGUF file, a Hugging Face model folder (config.json, safetensors, tokenizer.json), or
     a known model name such as ``"smollm2"`` (pulled on first use).
@@ -464,7 +545,12 @@ def load(
     (comma-separated shell patterns; ``MINFER_DUMP_DIR`` / ``MINFER_DUMP_FILTER`` set them too; see
     :mod:`minfer.trace.dump`). ``engine_config``: the engine's slots and batches (one sequence by
     default; ``minfer serve`` asks for several, see :class:`~minfer.runtime.engine.EngineConfig`).
+
+    Speculative decoding (see :mod:`minfer.runtime.speculative`): ``lookup=True`` drafts by prompt lookup,
+    ``draft=PATH`` with a draft model (a smaller model with the same vocabulary); ``speculative``: the
+    limits (``{"draft_max": 8, "draft_min": 0, "draft_p_min": 0.5, "ngram_max": 3, "ngram_min": 1}``).
+    Greedy output is the text of plain decoding; sampled output has the same distribution.
     """
     return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
                  trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize,
-                 engine_config=engine_config)
+                 engine_config=engine_config, draft=draft, lookup=lookup, speculative=speculative)

@@ -12,9 +12,12 @@ from minfer.cli.options import (
     add_model_argument,
     add_model_flags,
     add_sampling_flags,
+    add_speculative_flags,
     constraint_kwargs,
     model_and_prompt,
     sampling_kwargs,
+    speculative_kwargs,
+    speculative_summary,
 )
 from minfer.errors import MinferError
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
@@ -38,6 +41,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     add_model_and_prompt_arguments(run)
     add_sampling_flags(run)
     add_model_flags(run)
+    add_speculative_flags(run)
     run.add_argument("--chat", action="store_true", help="treat PROMPT as a user message in the model's chat template")
     run.add_argument("--system", default=None, help="system message (with --chat)")
     run.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
@@ -57,6 +61,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     chat.add_argument("--load", default=None, metavar="FILE", help="resume a saved session")
     add_sampling_flags(chat)
     add_model_flags(chat)
+    add_speculative_flags(chat)
     chat.set_defaults(handler=cmd_chat)
 
 
@@ -65,7 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     model_ref, prompt = model_and_prompt(args)
     model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
-                        trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter, quantize=args.quantize)
+                        trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter, quantize=args.quantize,
+                        **speculative_kwargs(args))
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
@@ -99,7 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if stats is not None and not args.quiet:
         print(
             f"minfer: prompt {stats.prompt_tokens} tokens ({stats.prefill_tokens_per_s:.1f} t/s), "
-            f"generated {stats.generated_tokens} tokens ({stats.decode_tokens_per_s:.1f} t/s), "
+            f"generated {stats.generated_tokens} tokens ({stats.decode_tokens_per_s:.1f} t/s)"
+            f"{speculative_summary(stats)}, "
             f"{time.perf_counter() - t0:.2f} s, finish: {stats.finish_reason}",
             file=sys.stderr,
         )
@@ -126,7 +133,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.logprobs is not None:
         raise MinferError("--logprobs is printed by `minfer run`, not in the chat")
     model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
-                        quantize=args.quantize)
+                        quantize=args.quantize, **speculative_kwargs(args))
     sampling = sampling_kwargs(args)
     conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)
     turn = dict(stop=args.stop, context_shift=args.context_shift, n_keep=args.keep, **constraint_kwargs(args))

@@ -36,6 +36,10 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                        help="also run llama.cpp (llama-cpp-python) and HF transformers on the same file")
     bench.add_argument("--peer-python", action="append", default=[], metavar="ENGINE=PYTHON",
                        help="interpreter that has a peer installed, e.g. transformers=/opt/refenv/bin/python")
+    bench.add_argument("--lookup", action="store_true",
+                       help="also generate through the engine without and with prompt lookup (gen<N> tests)")
+    bench.add_argument("--draft", default=None, metavar="MODEL",
+                       help="also generate without and with this draft model (gen<N> tests)")
     bench.set_defaults(handler=cmd_bench)
 
 
@@ -84,6 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peers[engine] = python
     threads = _int_list(args.threads, "--threads") if args.threads else [default_threads()]
     report = bench(resolve_model(args.model), _int_list(args.n_prompt, "-p"), _int_list(args.n_gen, "-n"),
-                   threads, args.repetitions, compare=args.compare, peer_python=peers, quantize=args.quantize)
+                   threads, args.repetitions, compare=args.compare, peer_python=peers, quantize=args.quantize,
+                   lookup=args.lookup, draft=args.draft)
     print(json.dumps(report.to_json(), indent=1) if args.json else markdown(report))
     return 0

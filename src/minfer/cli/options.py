@@ -103,3 +103,51 @@ def constraint_kwargs(args: argparse.Namespace) -> dict:
                     from None
         return {"json_schema": text}
     return {"json_schema": True} if args.json else {}
+
+
+_SPECULATIVE_FLAGS = {"draft_max": "--draft-max", "draft_min": "--draft-min", "draft_p_min": "--draft-p-min",
+                      "ngram_max": "--lookup-ngram"}
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding: prompt lookup or a draft model, and the limits of a draft."""
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--lookup", action="store_true",
+                   help="prompt lookup: draft the next tokens from earlier text of the prompt and the output")
+    s.add_argument("--lookup-ngram", type=int, default=None, metavar="N",
+                   help="n-gram lengths prompt lookup tries, N down to 1 (default: 3)")
+    s.add_argument("--draft", default=None, metavar="MODEL",
+                   help="draft model (GGUF file, HF folder or known name) with the target's vocabulary")
+    s.add_argument("--draft-max", type=int, default=None, metavar="K", help="tokens a draft holds at most (default: 8)")
+    s.add_argument("--draft-min", type=int, default=None, metavar="N",
+                   help="a shorter draft is not verified (default: 0)")
+    s.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                   help="the draft model stops when its best token's probability is below P (default: 0.5)")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    """``load``'s ``draft``, ``lookup`` and ``speculative`` from the flags, each value checked (the error names
+    the flag)."""
+    from minfer.errors import BadRequestError
+    from minfer.runtime.speculative import SpeculativeSettings
+
+    fields = {f: getattr(args, f if f != "ngram_max" else "lookup_ngram") for f in _SPECULATIVE_FLAGS}
+    fields = {f: v for f, v in fields.items() if v is not None}
+    if args.lookup and args.draft:
+        raise MinferError("use one of --lookup and --draft")
+    try:
+        SpeculativeSettings(**fields)
+    except BadRequestError as e:
+        message = str(e)
+        for field, flag in _SPECULATIVE_FLAGS.items():
+            message = message.replace(field, flag)
+        raise MinferError(message) from None
+    return {"draft": args.draft, "lookup": args.lookup, "speculative": fields}
+
+
+def speculative_summary(stats) -> str:
+    """``, lookup: 52/60 drafted tokens accepted (87%), 3.41 tokens per target pass`` (empty without drafting)."""
+    if stats.speculative == "off":
+        return ""
+    return (f", {stats.speculative}: {stats.accepted_tokens}/{stats.drafted_tokens} drafted tokens accepted "
+            f"({stats.acceptance_rate:.0%}), {stats.tokens_per_pass:.2f} tokens per target pass")

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from minfer.cli.options import add_cache_type_flag, add_model_argument, add_quantize_flag, add_threads_flag
+from minfer.cli.options import (
+    add_cache_type_flag,
+    add_model_argument,
+    add_quantize_flag,
+    add_speculative_flags,
+    add_threads_flag,
+    speculative_kwargs,
+)
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
 
 
@@ -14,7 +21,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv = add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                      description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, "
                      "/v1/models, also without /v1), llama-server's native endpoints (/completion, /infill, "
-                     "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics.")
+                     "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics; "
+                     "the chat page at / and the trace explorer at /trace.")
     add_model_argument(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
@@ -46,6 +54,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     add_threads_flag(srv)
     add_cache_type_flag(srv)
     add_quantize_flag(srv)
+    add_speculative_flags(srv)
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -74,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,
                        cors_origins=parse_origins(args.cors_origins), slots=args.slots,
-                       reasoning_format=args.reasoning_format))
+                       reasoning_format=args.reasoning_format, **speculative_kwargs(args)))
     return 0
 
 

@@ -1,20 +1,41 @@
-"""``minfer trace`` (one forward pass as an HTML page) and ``minfer compare-dumps`` (two dump folders, node by node)."""
+"""``minfer trace`` (one forward pass: the explorer served, or one HTML page) and ``minfer compare-dumps`` (two
+dump folders, node by node)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 
-from minfer.cli.options import add_model_and_prompt_arguments, add_quantize_flag, model_and_prompt
+from minfer.cli.options import add_cache_type_flag, add_quantize_flag, add_threads_flag
 from minfer.errors import MinferError
+
+EXAMPLES = ("attention-2x2",)
 
 
 def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``trace`` and ``compare-dumps`` (``add_parser``: the ``add_parser`` of the subcommands action)."""
-    tr = add_parser("trace", help="one forward pass of a prompt as a self-contained HTML page")
-    add_model_and_prompt_arguments(tr)
-    tr.add_argument("--html", required=True, metavar="FILE", help="where to write the page")
+    tr = add_parser("trace", help="one forward pass of a prompt: the explorer (--serve) or one HTML page (--html)",
+                    description="Trace one forward pass. --serve opens the trace explorer (tensors fetched as the "
+                    "page needs them); --html writes one self-contained page, its inline data capped.")
+    tr.add_argument("args", nargs="*", metavar="[MODEL] PROMPT", help="the model (optional) and the prompt")
+    out = tr.add_mutually_exclusive_group(required=True)
+    out.add_argument("--html", metavar="FILE", help="write one self-contained page to FILE")
+    out.add_argument("--serve", action="store_true", help="serve the trace explorer (no chat) and print its address")
+    tr.add_argument("--example", choices=EXAMPLES, default=None,
+                    help="--serve a hand-made example instead of a model (attention-2x2: the learning page's one)")
+    tr.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on (default: 127.0.0.1)")
+    tr.add_argument("--port", type=int, default=8081, help="--serve: port, 0 = any free one (default: 8081)")
+    tr.add_argument("--compare-cache-type", choices=["f32", "f16", "q8_0"], default=None,
+                    help="--serve: also trace the prompt with this KV cache type, to compare")
+    tr.add_argument("--compare-dump", action="append", default=[], metavar="DIR",
+                    help="--serve: a dump folder (minfer run --dump-dir) to compare with (repeatable)")
+    tr.add_argument("--layers", default=None, help="--html: layers whose attention the page inlines (e.g. 0,3,5-7)")
+    tr.add_argument("--heads", default=None, help="--html: query heads inlined (default: all)")
+    tr.add_argument("--positions", type=int, default=64,
+                    help="--html: the first N positions of the attention matrices (default: 64)")
     tr.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None, help="context size")
+    add_cache_type_flag(tr)
+    add_threads_flag(tr)
     add_quantize_flag(tr)
     tr.set_defaults(handler=cmd_trace)
 
@@ -26,19 +47,88 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     cmp.set_defaults(handler=cmd_compare_dumps)
 
 
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    """``0,3,5-7`` -> [0, 3, 5, 6, 7]."""
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            a, sep, b = part.strip().partition("-")
+            out.extend(range(int(a), int(b) + 1) if sep else [int(a)])
+    except ValueError:
+        raise MinferError(f"{flag} takes numbers and ranges like 0,3,5-7, got {text!r}") from None
+    return out
+
+
+def _model_and_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
+    if not args.args:
+        raise MinferError("trace needs a PROMPT ([MODEL] PROMPT), or --serve --example NAME")
+    if len(args.args) > 2:
+        raise MinferError(f"trace takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
+    return (None, args.args[0]) if len(args.args) == 1 else (args.args[0], args.args[1])
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import minfer
     from minfer.formats.atomic import write_atomically
+
+    if args.example is not None:
+        if not args.serve or args.args:
+            raise MinferError("--example is served alone: minfer trace --serve --example NAME (no model, no prompt)")
+        return _serve_example(args)
+    model_ref, prompt = _model_and_prompt(args)
+    model = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize, cache_type=args.cache_type,
+                        threads=args.threads)
+    if args.serve:
+        return _serve_model(args, model, prompt)
     from minfer.trace.html import render, trace_page_data
 
-    model_ref, prompt = model_and_prompt(args)
-    model = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize)
+    if args.positions < 1:
+        raise MinferError(f"--positions must be >= 1, got {args.positions}")
+    data = trace_page_data(model, prompt, layers=_int_list(args.layers, "--layers"),
+                           heads=_int_list(args.heads, "--heads"), max_positions=args.positions)
     out = Path(args.html)
     # atomically: a full disk or a kill leaves the user's old page as it was, never half a page
-    write_atomically(out, render(trace_page_data(model, prompt)).encode("utf-8"), what="trace page")
+    write_atomically(out, render(data).encode("utf-8"), what="trace page")
     print(out)
+    for what in data["omitted"]:
+        print(f"left out: {what}")
+    return 0
+
+
+def _serve_model(args: argparse.Namespace, model: object, prompt: str) -> int:
+    from minfer.server.explorer_app import ExplorerOptions, serve_explorer
+    from minfer.server.routes.trace import TraceService
+    from minfer.trace.explorer import DumpRun
+
+    ids = model.tokenize(prompt)  # type: ignore[attr-defined]
+    name = model.path.name  # type: ignore[attr-defined]
+    first = model.trace_forward(ids, description=f"{name}, {model.cache_type} cache, prompt ({len(ids)} tokens)")  # type: ignore[attr-defined]
+    service = TraceService.on_thread(model)  # type: ignore[arg-type]
+    rid = service.add(first)
+    if args.compare_cache_type:
+        other = model.trace_forward(ids, cache_type=args.compare_cache_type,  # type: ignore[attr-defined]
+                                    description=f"{name}, {args.compare_cache_type} cache, prompt ({len(ids)} tokens)")
+        service.add(other)
+    dumps = {f"dump:{d}": DumpRun(d) for d in args.compare_dump}
+    serve_explorer(service, rid, ExplorerOptions(host=args.host, port=args.port), dumps)
+    return 0
+
+
+def _serve_example(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from minfer.server.explorer_app import ExplorerOptions, serve_explorer
+    from minfer.server.routes.trace import TraceService
+    from minfer.trace.explorer import LEARNING_2X2, example_trace
+
+    e = LEARNING_2X2
+    trace = example_trace(np.array(e["q"]), np.array(e["k"]), np.array(e["v"]), list(e["labels"]))
+    service = TraceService.on_thread(None)
+    serve_explorer(service, service.add(trace), ExplorerOptions(host=args.host, port=args.port))
     return 0
 
 
@@ -62,4 +152,4 @@ def cmd_compare_dumps(args: argparse.Namespace) -> int:
         print(f"all {len(rows)} nodes agree within {args.tol:g}")
     else:
         print(f"first divergence: call {first['call']}, node {first['node']} {first['name']} ({first['op']})")
-    return 0
+    return 0 if first is None else 1  # scripts and CI can tell that two runs part

@@ -339,6 +339,16 @@ class Constraint:
         if not m.consume_token(token):
             raise BadRequestError(f"{self._param}: {_one_line(m.get_error())}")
 
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (none of them an end-of-generation token): a draft model
+        advances the grammar over its draft to mask the next draft token, then hands it back."""
+        if n and not self._matcher.rollback(n):
+            raise BadRequestError(f"{self._param}: {_one_line(self._matcher.get_error())}")
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the grammar allows in a row from here (the state is left unchanged)."""
+        return int(self._matcher.validate_tokens(tokens)) if tokens and not self._ended else 0
+
     def is_finished(self) -> bool:
         """Whether the output is complete and nothing may follow but an end-of-generation token."""
         return self._matcher.is_stopped()

@@ -43,6 +43,9 @@ from minfer.runtime.sampling import Sampler, sample_rows
 from minfer.runtime.sampling import warm_up as warm_up_sampling
 from minfer.runtime.sequence import Continuation, GenerationStats, TokenStep
 from minfer.runtime.slots import Slots, slots_kv_cache
+from minfer.runtime.speculative import SpeculativeSettings
+from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
+from minfer.runtime.speculative.state import Draft, SequenceSpeculation
 
 EndOfContext = Literal["error", "length"]
 
@@ -114,6 +117,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] | None = None  # None: the tokenizer's end-of-generation tokens
     context_shift: bool = False  # at the end of the slot, drop the oldest half after n_keep positions
     n_keep: int = 0
+    speculative: SpeculativeSettings | None = None  # None: the engine's
     reuse_prefix: bool = True  # False: evaluate the whole prompt (llama-server's cache_prompt: false)
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -154,6 +158,7 @@ class EngineHooks:
     on_token_gap: Callable[[float], None] | None = None  # seconds between two tokens of one sequence
     on_finished: Callable[[GenerationStats, int], None] | None = None  # stats, cached prompt tokens
     on_step: Callable[[int, int, float], None] | None = None  # tokens evaluated, sequences sampled, seconds
+    on_verified: Callable[[int, int], None] | None = None  # speculative decoding: tokens drafted, accepted
     # end of each scheduler iteration, once its events were emitted: a consumer that buffers events (the
     # server's event pump) hands them over then, one wake-up for the whole step
     after_events: Callable[[], None] | None = None
@@ -163,6 +168,7 @@ class EngineHooks:
 class _Batch:
     """One forward pass's inputs: token i of sequence ``seqs[i]`` at ``positions[i]``; the rows of
     ``outputs`` are sampled for ``sampled`` (in order); the first ``n_real`` tokens are not padding.
+    ``drafts``: for each sampled sequence its draft, verified by 1 + its length rows (None: one row).
     ``pooled``: the embedding sequences' chunks, (sequence, first token index, length): the pass keeps
     every token's hidden state for them."""
 
@@ -172,6 +178,7 @@ class _Batch:
     outputs: list[int]
     sampled: list[_Running]
     n_real: int
+    drafts: list[Draft | None] | None = None  # None: no sequence has a draft this pass
     pooled: list[tuple[_Running, int, int]] = field(default_factory=list)
 
 
@@ -187,6 +194,7 @@ class _Running:
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    spec: SequenceSpeculation | None = None
     pool: Pooler | None = None
 
 
@@ -209,6 +217,8 @@ class Engine:
         batch_size: int | None = None,
         end_of_context: EndOfContext = "error",
         hooks: EngineHooks | None = None,
+        speculative: SpeculativeSettings | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
@@ -228,6 +238,12 @@ class Engine:
             self.slots = Slots(runner, self.kv.n_seq - 1)
             self._pad_seq = self.kv.n_seq - 1
             self._buckets = batch_buckets(batch_size)
+        # speculative decoding: what a request without its own settings gets, and the draft model if any
+        self.speculative = speculative or SpeculativeSettings()
+        self.draft = draft
+        if draft is not None and (draft.capacity != self.slots.capacity or draft.kv.n_seq < self.slots.n_slots):
+            raise BadRequestError("the draft model's cache does not match the engine's slots")
+        self.check_speculative(self.speculative)
         # replaced, never mutated: another thread may read a consistent list at any time (metrics)
         self.running: list[_Running] = []
         self._steps = 0
@@ -249,6 +265,14 @@ class Engine:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}"
             )
+        if isinstance(request, GenerationRequest) and request.speculative is not None:
+            self.check_speculative(request.speculative)
+
+    def check_speculative(self, settings: SpeculativeSettings) -> None:
+        """Refuse settings this engine cannot serve: a draft model it does not have, a draft too long."""
+        if settings.mode == "draft" and self.draft is None:
+            raise BadRequestError("speculative mode 'draft' needs a draft model (load the model with a draft)")
+        settings.check_context(self.slots.capacity)
 
     def add(self, request: Request) -> None:
         """Give ``request`` a free slot (reusing the cached prefix it shares) and emit ``Started``."""
@@ -269,7 +293,10 @@ class Engine:
                            request.stop, request.logprobs, request.constraint)
         slot, cached = self.slots.take(prompt, reuse=request.reuse_prefix)
         out.start(prompt)
-        self.running = [*self.running, _Running(request, slot, out, cached=cached, n_done=cached)]
+        settings = request.speculative or self.speculative
+        spec = SequenceSpeculation(settings, prompt, request.sampler) if settings.on else None
+        request.stats.speculative = settings.mode if spec is not None and spec.enabled else "off"
+        self.running = [*self.running, _Running(request, slot, out, cached=cached, n_done=cached, spec=spec)]
         request.emit(Started(cached, slot))
 
     def cancel_all(self) -> None:
@@ -365,17 +392,17 @@ class Engine:
         self._drop_cancelled()
         for run in [r for r in self.running if r.out is not None and r.out.done]:  # max_tokens 0
             self._finish(run)
-        batch = self._assemble()
+        batch = self._assemble(self._draft())
         if batch is None:
             return False
         sampled = batch.sampled
         t0 = time.perf_counter()
         if batch.pooled:
             out, hidden = self.runner.forward_hidden(batch.tokens, batch.positions, batch.outputs, batch.seqs)
-            logits = out[: len(sampled)] if out is not None else np.empty((0, self.runner.model.hparams.n_vocab))
+            logits = out if out is not None else np.empty((0, self.runner.model.hparams.n_vocab))
         else:
             logits = self.runner.forward(batch.tokens, batch.positions, output_rows=batch.outputs,
-                                         seq_ids=batch.seqs)[: len(sampled)]
+                                         seq_ids=batch.seqs)
         t1 = time.perf_counter()
         for run, start, n in batch.pooled:
             assert run.pool is not None
@@ -383,30 +410,127 @@ class Engine:
             if run.n_done == len(run.request.prompt_ids):
                 self._embedded(run, t1)
         for run in sampled:
+            run.request.stats.target_passes += 1
             if run.next_token is None:
                 run.request.stats.prefill_seconds = t1 - run.started_at
         self._steps += 1
         if self.hooks.on_step:
             self.hooks.on_step(batch.n_real, len(sampled), t1 - t0)
-        for run, row, token in zip(sampled, logits, self._sample(sampled, logits), strict=True):
-            self._advance(run, row, token)
+        if batch.drafts is None:  # plain decoding: one row per sequence
+            logits = logits[: len(sampled)]
+            for run, row, token in zip(sampled, logits, self._sample(sampled, logits), strict=True):
+                self._advance(run, row, token)
+            return True
+        first = np.cumsum([0] + [1 + (len(d.tokens) if d is not None else 0) for d in batch.drafts])
+        plain = [i for i, d in enumerate(batch.drafts) if d is None]
+        plain_rows = logits[first[plain]] if plain else logits[:0]
+        picks = dict(zip(plain, self._sample([sampled[i] for i in plain], plain_rows), strict=True))
+        for i, (run, draft) in enumerate(zip(sampled, batch.drafts, strict=True)):
+            if draft is None:
+                self._advance(run, logits[first[i]], picks[i])
+            else:
+                self._verify(run, logits[first[i] : first[i + 1]], draft)
         return True
 
-    def _assemble(self) -> _Batch | None:
-        """Every running sequence's next token, then as much waiting prompt as the budget allows."""
+    # -- speculative decoding ------------------------------------------------------------------------
+
+    def _draft(self) -> dict[int, Draft] | None:
+        """This step's drafts of the decoding sequences that speculate (by index in ``running``)."""
+        jobs: list[tuple[int, DraftJob]] = []
+        drafts: dict[int, Draft] = {}
+        budget = None if self.batch_size is None else self.batch_size - sum(
+            1 for r in self.running if r.next_token is not None)
+        for i, run in enumerate(self.running):
+            spec = run.spec
+            if spec is None or not spec.enabled or run.next_token is None:
+                continue
+            out = run.out
+            # a pass emits at most 1 + k tokens; the draft's positions pos+1..pos+k must fit in the slot
+            room = min(out.max_tokens - out.stats.generated_tokens - 1, self.slots.capacity - 1 - run.pos)
+            if budget is not None:
+                room = min(room, budget)
+            k = spec.limit(room)
+            if k < max(1, spec.settings.draft_min):
+                continue
+            if spec.settings.mode == "lookup":
+                draft = spec.lookup(out.stats.tokens, k)
+                if draft is not None and out.constraint is not None:  # the grammar's allowed prefix only
+                    draft = spec.kept(Draft(draft.tokens[: out.constraint.valid_prefix(draft.tokens)]))
+                if draft is not None:
+                    drafts[i] = draft
+                    if budget is not None:
+                        budget -= len(draft.tokens)
+            else:
+                assert spec.draft_sampler is not None
+                context = self.kv.tokens(run.slot)[: run.pos] + [run.next_token]
+                jobs.append((i, DraftJob(run.slot, context, k, spec.draft_sampler, spec.settings.draft_p_min,
+                                         out.stop_ids, out.constraint)))
+                if budget is not None:
+                    budget -= k
+        if jobs:
+            assert self.draft is not None
+            for (i, _), draft in zip(jobs, self.draft.propose([job for _, job in jobs]), strict=True):
+                if draft is not None:
+                    kept = self.running[i].spec.kept(draft)  # type: ignore[union-attr]
+                    if kept is not None:
+                        drafts[i] = kept
+        return drafts or None
+
+    def _verify(self, run: _Running, rows: np.ndarray, draft: Draft) -> None:
+        """The target's rows after the next token and each draft token (see ``Continuation.verify``): the
+        draft tokens it keeps, then its own token in place of the first rejected one or after them all."""
+        k = len(draft.tokens)
+        accepted = 0
+        try:
+            steps, accepted = run.out.verify(rows, draft)
+        except Exception as e:  # noqa: BLE001 - e.g. a constraint with no allowed token: this request only
+            run.request.emit(Failed(e))
+            self._release(run)
+            return
+        finally:
+            # the cache holds the next token and the kept draft tokens; the rows after them are stale
+            self.kv.truncate(run.slot, run.pos + 1 + accepted)
+            stats = run.request.stats
+            stats.drafted_tokens += k
+            stats.accepted_tokens += accepted
+            assert run.spec is not None
+            run.spec.verified(k, accepted)
+            if self.hooks.on_verified:
+                self.hooks.on_verified(k, accepted)
+        for step in steps:
+            self._emit(run, step)
+        if run.out.done:
+            self._finish(run)
+            return
+        last = steps[-1]
+        assert last is not None and last.token is not None
+        self._move_on(run, last.token, run.pos + len(steps))
+
+    def _assemble(self, drafts: dict[int, Draft] | None = None) -> _Batch | None:
+        """Every running sequence's next token (and its draft, if any), then as much waiting prompt as the
+        budget allows."""
         tokens: list[int] = []
         positions: list[int] = []
         seqs: list[int] = []
         outputs: list[int] = []
         sampled: list[_Running] = []
+        drafted: list[Draft | None] = []
         pooled: list[tuple[_Running, int, int]] = []
-        for run in self.running:
+        for i, run in enumerate(self.running):
             if run.next_token is not None:
                 outputs.append(len(tokens))
                 sampled.append(run)
                 tokens.append(run.next_token)
                 positions.append(run.pos)
                 seqs.append(run.slot)
+                draft = drafts.get(i) if drafts else None
+                drafted.append(draft)
+                if draft is not None:  # each draft token is evaluated after the one before, its row sampled
+                    k = len(draft.tokens)
+                    outputs.extend(range(len(tokens), len(tokens) + k))
+                    tokens.extend(draft.tokens)
+                    positions.extend(range(run.pos + 1, run.pos + 1 + k))
+                    seqs.extend([run.slot] * k)
         budget = self._prompt_budget(len(tokens))
         for run in self.running:
             if run.next_token is not None or budget <= 0:
@@ -423,12 +547,14 @@ class Engine:
             elif run.n_done == len(prompt):
                 outputs.append(len(tokens) - 1)
                 sampled.append(run)
+                drafted.append(None)
         if not tokens:
             return None
         n_real, n_out = len(tokens), len(outputs)
+        spec = drafted if drafts else None
         if self._pad_seq is None:
             one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
-            return _Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, n_real, pooled)
+            return _Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, n_real, spec, pooled)
         pad = self._bucket(n_real) - n_real
         tokens += [0] * pad
         positions += [0] * pad
@@ -437,7 +563,7 @@ class Engine:
             # a pass of prompt chunks only still gets one (unused) output row; one with embeddings needs none
             spare = outputs[-1] if outputs else 0
             outputs += [spare] * (self._bucket(max(n_out, 1)) - n_out)
-        return _Batch(tokens, positions, seqs, outputs, sampled, n_real, pooled)
+        return _Batch(tokens, positions, seqs, outputs, sampled, n_real, spec, pooled)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self._buckets if b >= n)
@@ -491,6 +617,16 @@ class Engine:
             run.request.emit(Failed(e))
             self._release(run)
             return
+        self._emit(run, step)
+        if run.out.done:
+            self._finish(run)
+            return
+        assert step is not None and step.token is not None
+        # the token just sampled is evaluated next, right after the prompt or the token before it
+        self._move_on(run, step.token, len(run.request.prompt_ids) if run.next_token is None else run.pos + 1)
+
+    def _emit(self, run: _Running, step: TokenStep | None) -> bool:
+        """Hand a token's step to the request (with its timings); whether the sequence goes on after it."""
         now = time.perf_counter()
         hooks = self.hooks
         if run.first_token_at is None:
@@ -503,12 +639,10 @@ class Engine:
         run.request.stats.decode_seconds = now - run.first_token_at
         if step is not None:
             run.request.emit(Token(step))
-        if run.out.done:
-            self._finish(run)
-            return
-        assert step is not None and step.token is not None
-        # the token just sampled is evaluated next, right after the prompt or the token before it
-        next_pos = len(run.request.prompt_ids) if run.next_token is None else run.pos + 1
+        return not run.out.done
+
+    def _move_on(self, run: _Running, token: int, next_pos: int) -> None:
+        """``token`` is evaluated in the next pass, at ``next_pos`` (or after a context shift)."""
         if next_pos >= self.slots.capacity:
             if run.request.context_shift:
                 next_pos = self.slots.shift(run.slot, run.request.n_keep, next_pos)
@@ -522,7 +656,7 @@ class Engine:
                 )))
                 self._release(run)
                 return
-        run.next_token, run.pos = step.token, next_pos
+        run.next_token, run.pos = token, next_pos
 
     def _drop_cancelled(self) -> None:
         for run in [r for r in self.running if r.request.cancelled.is_set()]:
@@ -580,10 +714,18 @@ def build_engine(
     cache_type: str | None = None,
     config: EngineConfig = EngineConfig(),
     observers: Seq[Any] = (),
+    speculative: SpeculativeSettings | None = None,
+    draft_model: TransformerModel | None = None,
 ) -> Engine:
     """The KV cache, the forward runner and the engine over them: the one construction that
-    ``minfer.load`` and ``minfer serve`` share."""
+    ``minfer.load`` and ``minfer serve`` share. ``draft_model`` (its vocabulary checked by the caller)
+    drafts into a cache of its own with the same slots; ``speculative``: what requests get by default."""
     warm_up_sampling()
     kv = slots_kv_cache(model.hparams, n_ctx, config.n_slots, cache_type, scratch=config.batch_size is not None)
-    runner = ForwardRunner(model, backend, kv, observers, max_plans=config.max_plans)
-    return Engine(runner, tokenizer, config.batch_size, config.end_of_context)
+    # a verifying pass has 1 + draft length tokens: an unpadded engine sees up to draft_max more shapes
+    spare = 0 if speculative is None or not speculative.on or config.batch_size is not None else speculative.draft_max
+    runner = ForwardRunner(model, backend, kv, observers, max_plans=config.max_plans + spare)
+    draft = None
+    if draft_model is not None:
+        draft = DraftModel(draft_model, backend, kv.capacity, config.n_slots, cache_type)
+    return Engine(runner, tokenizer, config.batch_size, config.end_of_context, speculative=speculative, draft=draft)

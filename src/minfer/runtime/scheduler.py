@@ -13,7 +13,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 from minfer.errors import BadRequestError, MinferError
 from minfer.runtime.engine import Engine, EngineHooks, Failed, Finished, Request
@@ -49,6 +51,8 @@ class BatchScheduler:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._finished = threading.Event()
+        # work that must run on the engine's thread between two steps (a traced forward pass)
+        self._calls: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
 
     @property
     def metrics(self) -> EngineHooks:
@@ -112,6 +116,17 @@ class BatchScheduler:
             self._waiting.extend(requests)
             self._wake.notify()
 
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn()`` on the engine's thread between two steps (never during one), e.g. a traced forward
+        pass sharing the backend; its result or exception comes back through the future."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._stopping or not self._accepting:
+                raise ShuttingDownError("the server is shutting down")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
     def load(self) -> tuple[int, int]:
         """(running, waiting) sequences right now."""
         with self._lock:
@@ -154,12 +169,22 @@ class BatchScheduler:
         engine = self.engine
         while True:
             with self._lock:
-                while not self._stopping and not engine.running and not self._waiting:
+                while not self._stopping and not engine.running and not self._waiting and not self._calls:
                     self._wake.wait(1.0)  # a timeout lets signal handlers run when this is the main thread
-                if self._stopping and not engine.running and not self._waiting:
+                calls = list(self._calls)
+                self._calls.clear()
+                if self._stopping and not engine.running and not self._waiting and not calls:
                     return
                 self._drop_cancelled_waiting()
                 self._admit()
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - the caller gets it through the future
+                        future.set_exception(e)
+            if calls and not engine.running:
+                continue
             try:
                 engine.step()
             except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, never the server

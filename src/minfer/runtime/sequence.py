@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.runtime.sampling import Sampler, TokenLogprob
+from minfer.runtime.sampling import Sampler, TokenLogprob, token_logprobs
+from minfer.runtime.speculative import verify
+from minfer.runtime.speculative.state import Draft
 from minfer.runtime.stop import StopMatcher
 
 
@@ -37,6 +39,12 @@ class GenerationStats:
     finish_reason: str = ""  # "stop" (end-of-generation token, stop string, grammar done), "length"
     stop: str | None = None  # the stop string that ended generation, if one did
     tokens: list[int] = field(default_factory=list)
+    # speculative decoding: tokens drafted, those the target kept, and the target passes that sampled
+    # this sequence (each gives one token, or several where a draft was kept)
+    speculative: str = "off"
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_passes: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -47,6 +55,16 @@ class GenerationStats:
         # the first generated token comes out of prefill; decode steps are the rest
         steps = max(self.generated_tokens - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of the drafted tokens the target kept (0 without drafts)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Generated tokens per target pass that sampled the sequence (1 without speculation)."""
+        return self.generated_tokens / self.target_passes if self.target_passes else 0.0
 
 
 class Continuation:
@@ -99,7 +117,6 @@ class Continuation:
         """Pick the next token from ``logits``; its step, or None for an end-of-generation token.
         Afterwards ``done`` says whether the sequence has finished (``stats.finish_reason`` says why).
         ``token``: what this sequence's sampler already drew from these logits (see ``samples_alone``)."""
-        stats = self.stats
         if token is not None and not self.samples_alone:
             raise ValueError("a token drawn outside the continuation needs one without constraint or logprobs")
         if self.constraint is not None:
@@ -109,6 +126,48 @@ class Continuation:
             token = self.sampler.sample(logits)
         elif token is None:
             token, lp = self.sampler.sample_with_logprobs(logits, self.logprobs)
+        return self._take(token, lp)
+
+    def draft_step(
+        self, logits: np.ndarray, draft: int, q: verify.Distribution | None
+    ) -> tuple[TokenStep | None, bool]:
+        """Speculative decoding: the token at a position the drafter proposed ``draft`` for (drawn from ``q``,
+        None for a point mass on it), and whether it is the draft. ``logits`` are the target's at this
+        position; the constraint masks them and the sampler's whole chain gives the distribution the rule
+        (:func:`~minfer.runtime.speculative.verify.accept_or_resample`) keeps or replaces the draft with. At
+        temperature 0 the token is the sampler's own pick. Then as ``step``."""
+        if self.constraint is not None:
+            self.constraint.mask_logits(logits)
+        if self.sampler.params.greedy:
+            token = self.sampler.sample(logits)
+            accepted = token == draft
+        else:
+            token, accepted = verify.accept_or_resample(self.sampler.distribution(logits), draft, q,
+                                                        self.sampler.draw_rng)
+        lp = None if self.logprobs is None else token_logprobs(logits, token, self.logprobs)
+        return self._take(token, lp), accepted
+
+    def verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[TokenStep | None], int]:
+        """Speculative decoding: the steps of a verifying pass and how many draft tokens they kept.
+        ``rows[j]`` are the target's logits after the next token and ``draft.tokens[:j]`` (``1 + k`` rows
+        for ``k`` tokens). Each draft token is kept or replaced (``draft_step``) until one is replaced or
+        the sequence ends; after a draft kept whole the last row gives one more token. Tokens past a stop
+        or ``max_tokens`` are never taken, and the constraint and the sampler's history advance over the
+        tokens taken only."""
+        steps: list[TokenStep | None] = []
+        accepted = 0
+        for j, token in enumerate(draft.tokens):
+            step, kept = self.draft_step(rows[j], token, draft.dist(j))
+            steps.append(step)
+            accepted += kept
+            if self.done or not kept:
+                return steps, accepted
+        steps.append(self.step(rows[len(draft.tokens)]))
+        return steps, accepted
+
+    def _take(self, token: int, lp: TokenLogprob | None) -> TokenStep | None:
+        """The sequence goes on with ``token``: history, constraint, text, stops."""
+        stats = self.stats
         self.sampler.accept(token)
         stats.tokens.append(token)
         stats.generated_tokens += 1

@@ -35,6 +35,9 @@ class ServeOptions:
     log_level: str = "warning"
     quantize: str | None = None  # q8_0 / q4_k: quantize float weight matrices at load
     reasoning_format: str = "deepseek"  # "none": <think> blocks stay in the content
+    draft: str | None = None  # speculative decoding: a draft model (requests use it by default)
+    lookup: bool = False  # speculative decoding: prompt lookup by default
+    speculative: dict | None = None  # SpeculativeSettings fields (draft_max, ...)
     pooling: str | None = None  # embeddings: mean / cls / last / none; None: the model's (GGUF pooling_type, else mean)
     normalize: bool = True  # L2-normalise pooled embeddings (--no-normalize: off)
     strict_model: bool = False  # refuse requests naming another model
@@ -102,7 +105,8 @@ def serve(opts: ServeOptions) -> None:
     engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",
                                  max_plans=MAX_PLANS)
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
-                 cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config)
+                 cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config,
+                 draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative)
     scheduler = BatchScheduler(model.engine, max_queue=opts.queue_size)
     model.engine.warm_up()
     # Everything loaded so far (the model, the tokenizer's tables, the plans) lives as long as the server:

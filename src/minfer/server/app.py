@@ -37,14 +37,17 @@ from minfer.server.routes import (
     embeddings,
     llama_native,
     messages,
+    page,
     responses,
     service,
     tokens,
+    trace,
 )
 
 __all__ = ["MinferApp", "ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, responses, messages)
+ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, responses, messages, page,
+                trace)
 
 
 class MinferApp:

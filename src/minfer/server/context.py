@@ -16,10 +16,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from minfer.api import Model
-from minfer.errors import MinferError
+from minfer.errors import BadRequestError, MinferError
 from minfer.runtime.engine import EmbeddingRequest, Event, Failed, GenerationRequest
 from minfer.runtime.pooling import Pooling
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError
+from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.server.access_log import note_job
 from minfer.server.errors import api_error, cancelled_error, internal_error
 from minfer.server.jobs import Choice, EventPump, Job
@@ -132,6 +133,14 @@ class ServerContext:
         note_job(job, sum(len(p) for p in prompts) * params.n)
         model = self.model
         try:
+            speculative = None
+            if params.speculative is not None:
+                try:
+                    speculative = resolve_speculative(params.speculative, model.engine.speculative, "'speculative'")
+                    model.engine.check_speculative(speculative)
+                except BadRequestError as e:
+                    message = str(e) if str(e).startswith("'speculative'") else f"'speculative': {e}"
+                    raise ApiError(message, param="speculative") from None
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
                     index = len(job.choices)
@@ -144,7 +153,7 @@ class ServerContext:
                                                           stop=params.stop, logprobs=params.logprobs,
                                                           constraint=c,
                                                           stop_ids=frozenset() if ignore_eos else None,
-                                                          reuse_prefix=reuse_prefix))
+                                                          reuse_prefix=reuse_prefix, speculative=speculative))
             self.scheduler.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",

@@ -45,6 +45,12 @@ class ServerMetrics:
         self.batch_tokens = Histogram("minfer_batch_tokens", "tokens evaluated per forward pass",
                                       buckets=BATCH_BUCKETS, registry=reg)
         self.forward_seconds = Counter("minfer_forward_seconds", "time spent in forward passes", registry=reg)
+        self.drafted = Counter("minfer_speculative_drafted_tokens", "draft tokens verified by the target",
+                               registry=reg)
+        self.accepted = Counter("minfer_speculative_accepted_tokens", "draft tokens the target kept", registry=reg)
+        self.target_passes = Counter("minfer_target_passes",
+                                     "target passes that sampled a finished sequence, summed over sequences "
+                                     "(generated_tokens / target_passes: tokens per pass)", registry=reg)
 
     def batch_hooks(self) -> EngineHooks:
         return EngineHooks(
@@ -52,12 +58,18 @@ class ServerMetrics:
             on_token_gap=self.itl.observe,
             on_finished=self._finished,
             on_step=self._step,
+            on_verified=self._verified,
         )
+
+    def _verified(self, drafted: int, accepted: int) -> None:
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def _finished(self, stats: GenerationStats, cached: int) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.cached_tokens.inc(cached)
         self.generated_tokens.inc(stats.generated_tokens)
+        self.target_passes.inc(stats.target_passes)
         self.finished.labels(stats.finish_reason or "unknown").inc()
 
     def _step(self, n_tokens: int, n_sequences: int, seconds: float) -> None:

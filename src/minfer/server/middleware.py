@@ -23,6 +23,9 @@ from minfer.server.metrics import ServerMetrics
 from minfer.server.protocol import ApiError
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the key (load balancers probe them)
+# the pages and their static files load without the key: they ask for it once and send it on API calls
+OPEN_PAGE_PATHS = frozenset({"/", "/trace", "/favicon.ico"})
+OPEN_PAGE_PREFIX = "/static/"
 
 log = logging.getLogger("minfer.server")
 
@@ -85,7 +88,7 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            if self.api_key is not None and not _open(path) and not self._authorized(scope):
                 e = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                              status=401, code="invalid_api_key")
                 await error_response(e, path)(scope, receive, counting_send)
@@ -137,3 +140,7 @@ class AuthAndCount:
             elif name == b"x-api-key" and secrets.compare_digest(value.strip(), expected):
                 return True
         return False
+
+
+def _open(path: str) -> bool:
+    return path in OPEN_PATHS or path in OPEN_PAGE_PATHS or path.startswith(OPEN_PAGE_PREFIX)

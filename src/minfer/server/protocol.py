@@ -4,6 +4,8 @@ A bad field raises :class:`ApiError` (HTTP 400) whose message and ``param`` name
 API reports it. Sampling fields that OpenAI does not have but llama.cpp's server does (``top_k``,
 ``min_p``, ``repeat_penalty``, ``top_n_sigma``, ...) are accepted under the same names: every
 ``SamplingParams`` field its metadata marks as a request field, checked as the metadata says.
+``speculative`` (minfer's own) sets the request's speculative decoding: ``"off"``, ``"lookup"``,
+``"draft"`` or ``{"mode": ..., "draft_max": K, ...}`` (:class:`SpeculativeSettings` fields).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from minfer.runtime.chat import (
     parse_tools,
 )
 from minfer.runtime.sampling.params import PARAMS
+from minfer.runtime.speculative import SpeculativeSettings
+from minfer.runtime.speculative import resolve as resolve_speculative
 
 MAX_N = 16
 MAX_JSON_DEPTH = 64  # deeper bodies are refused: no request needs them, and recursive code would overflow
@@ -70,6 +74,7 @@ class GenerationParams:
     grammar: str | None
     json_schema: Any  # None, True (any JSON object) or a schema dict
     timings: bool = False  # llama-server's timings_per_token: answer with its "timings" object too
+    speculative: Any = None  # None: the server's; a mode name or an object of SpeculativeSettings fields
 
 
 @dataclass
@@ -282,8 +287,14 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
     json_schema = _response_format(r.get("response_format"))
     if grammar is not None and json_schema is not None:
         raise ApiError("'grammar' and 'response_format' cannot be used together", param="grammar")
+    speculative = r.get("speculative")
+    if speculative is not None:
+        try:  # the fields checked here; the server's own settings fill in the rest when it is submitted
+            resolve_speculative(speculative, SpeculativeSettings(), "'speculative'")
+        except BadRequestError as e:
+            raise ApiError(str(e), param="speculative") from None
     return GenerationParams(model, max_tokens, n, stream, include_usage, stop, seed, sampling, logprobs, grammar,
-                            json_schema, timings=r.boolean("timings_per_token"))
+                            json_schema, timings=r.boolean("timings_per_token"), speculative=speculative)
 
 
 def _sampling_fields(r: _Reader) -> dict[str, Any]:

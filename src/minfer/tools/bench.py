@@ -1,7 +1,11 @@
 """``minfer bench``: llama-bench style throughput of prompt processing (pp) and generation (tg).
 
 pp<N>: N random tokens evaluated from position 0 in one forward pass. tg<N>: N random tokens evaluated
-one at a time at positions 0..N-1 (what a decode loop does, without sampling). Each test runs once to
+one at a time at positions 0..N-1 (what a decode loop does, without sampling). With ``--lookup`` or
+``--draft MODEL``: gen<N> and gen<N>+lookup (or +draft), at most N tokens generated greedily through the
+engine for a prompt that asks the model to repeat a paragraph of about 120 tokens (the case prompt lookup
+is made for), without and with speculative decoding, with the acceptance rate and the tokens per target
+pass. Each test runs once to
 warm up, then ``repetitions`` times; tokens/s are reported as mean and standard deviation over runs.
 Peers (``--compare``) run the same workload on the same file in child processes, after minfer, so
 minfer's peak RSS is its own.
@@ -34,6 +38,8 @@ class BenchRecord:
     runs: list[float]
     tokens_per_s: float = 0.0
     stddev: float = 0.0
+    acceptance_rate: float | None = None  # speculative tests: drafted tokens the target kept
+    tokens_per_pass: float | None = None
 
     def __post_init__(self) -> None:
         if self.runs:
@@ -141,6 +147,50 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
     return report_
 
 
+REPEAT_PROMPT = (
+    "Repeat the following paragraph exactly, word for word:\n\n"
+    "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
+    "climbed the narrow stairs, trimmed the wick, and polished the great glass lens until it shone. Ships "
+    "passing through the dangerous strait relied on its steady beam to find the safe channel between the "
+    "rocks. When the keeper grew too old to climb, his daughter took over the work, and she kept the light "
+    "burning through storms, fog, and the long winter nights. Today the lighthouse is a museum, but its lamp "
+    "is still lit every evening."
+)
+
+
+def run_speculative(model_path: str | Path, gens: Sequence[int], threads: Sequence[int], reps: int,
+                    report: BenchReport, lookup: bool = False, draft: str | Path | None = None,
+                    quantize: str | None = None) -> None:
+    """gen<N> without and with speculative decoding (runs alternate, so that both see the same load)."""
+    mode = "draft" if draft is not None else "lookup"
+    for t in threads:
+        model = Model(model_path, threads=t, quantize=quantize, draft=draft, lookup=lookup and draft is None)
+        prompt = REPEAT_PROMPT
+        if model.chat_template is not None:
+            prompt = model.render_chat([{"role": "user", "content": REPEAT_PROMPT}])
+        ids = model.tokenize(prompt, add_special=model.chat_template is None)
+        for n in gens:
+            runs: dict[str, list[float]] = {"off": [], mode: []}
+            spec = {"drafted": 0, "accepted": 0, "passes": 0, "tokens": 0}
+            for r in range(reps + 1):
+                for which in ("off", mode):
+                    done = model.complete(ids, n, temperature=0, speculative=which)
+                    st = done.stats
+                    if r > 0:
+                        runs[which].append(st.generated_tokens / (st.prefill_seconds + st.decode_seconds))
+                        if which != "off":
+                            spec["drafted"] += st.drafted_tokens
+                            spec["accepted"] += st.accepted_tokens
+                            spec["passes"] += st.target_passes
+                            spec["tokens"] += st.generated_tokens
+            report.records.append(BenchRecord("minfer", f"gen{n}", t, runs["off"]))
+            report.records.append(BenchRecord(
+                "minfer", f"gen{n}+{mode}", t, runs[mode],
+                acceptance_rate=spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0,
+                tokens_per_pass=spec["tokens"] / spec["passes"] if spec["passes"] else 0.0))
+        model.backend.close()
+
+
 def run_peer(engine: str, model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int],
              reps: int, python: str) -> dict[str, Any]:
     script = Path(__file__).with_name("bench_peers.py")
@@ -174,6 +224,8 @@ def markdown(report: BenchReport) -> str:
         ratio = ""
         if r.engine != "minfer" and (r.test, r.threads) in ours and r.tokens_per_s:
             ratio = f"{ours[(r.test, r.threads)] / r.tokens_per_s:.2f}x"
+        if r.acceptance_rate is not None:
+            ratio = f"acceptance {r.acceptance_rate:.0%}, {r.tokens_per_pass:.2f} tokens/pass"
         lines.append(f"| {r.engine} | {r.threads} | {r.test} | {r.tokens_per_s:.2f} ± {r.stddev:.2f} | {ratio} |")
     tg = [r for r in report.records if r.engine == "minfer" and r.test.startswith("tg")]
     for r in tg:
@@ -189,13 +241,17 @@ def markdown(report: BenchReport) -> str:
 
 
 def bench(model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int], reps: int,
-          compare: bool = False, peer_python: dict[str, str] | None = None, quantize: str | None = None) -> BenchReport:
-    """Run the tests; with ``compare`` also the peers (``peer_python`` maps an engine to its interpreter)."""
+          compare: bool = False, peer_python: dict[str, str] | None = None, quantize: str | None = None,
+          lookup: bool = False, draft: str | Path | None = None) -> BenchReport:
+    """Run the tests; with ``compare`` also the peers (``peer_python`` maps an engine to its interpreter);
+    with ``lookup`` or ``draft`` also generation without and with speculative decoding."""
     if reps < 1:
         raise BadRequestError(f"repetitions must be >= 1, got {reps}")
     if any(n < 1 for n in [*prompts, *gens]) or any(t < 1 for t in threads):
         raise BadRequestError("test sizes and thread counts must be positive")
     report = run_minfer(model_path, prompts, gens, threads, reps, quantize=quantize)
+    if lookup or draft is not None:
+        run_speculative(model_path, gens, threads, reps, report, lookup=lookup, draft=draft, quantize=quantize)
     if compare:
         for engine in ("llama.cpp", "transformers"):
             python = (peer_python or {}).get(engine, sys.executable)

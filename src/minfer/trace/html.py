@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from minfer.errors import BadRequestError
 from minfer.graph.ir import Op
 from minfer.graph.plan import Step
 from minfer.trace.tracer import array_stats
@@ -63,32 +64,63 @@ class Capture:
         pass
 
 
-def trace_page_data(model: Any, prompt: str, top: int = 5) -> dict[str, Any]:
-    """Run ``prompt`` through ``model`` once (a fresh sequence) and collect what the page shows."""
+DEFAULT_MAX_CELLS = 500_000  # attention cells inlined by default (4 matrices per head): about 10 MB of page
+DEFAULT_MAX_POSITIONS = 64
+
+
+def trace_page_data(
+    model: Any, prompt: str, top: int = 5, layers: list[int] | None = None, heads: list[int] | None = None,
+    max_positions: int | None = DEFAULT_MAX_POSITIONS, max_cells: int = DEFAULT_MAX_CELLS,
+) -> dict[str, Any]:
+    """Run ``prompt`` through ``model`` once (a fresh sequence) and collect what the page shows.
+
+    The attention matrices grow with the square of the prompt, so the page inlines only some of them:
+    ``layers`` and ``heads`` (default: every head of the first layers that fit in ``max_cells`` cells) and
+    the first ``max_positions`` query and key positions (None: all). ``omitted`` says what was left out."""
     from minfer.graph import printing
     from minfer.graph.fusion import fuse
 
     ids = model.tokenize(prompt)
+    hp = model.hparams
+    for what, chosen, n in (("layer", layers, hp.n_layer), ("head", heads, hp.n_head)):
+        bad = [i for i in chosen or [] if not 0 <= i < n]
+        if bad:
+            raise BadRequestError(f"{what} {bad[0]} is outside 0..{n - 1}")
+    if max_positions is not None and max_positions < 1:
+        raise BadRequestError(f"max_positions must be >= 1, got {max_positions}")
+    n_pos = len(ids) if max_positions is None else min(len(ids), max_positions)
+    heads = list(range(hp.n_head)) if heads is None else sorted(set(heads))
+    if layers is None:
+        per_layer = len(heads) * n_pos * n_pos * 4
+        layers = list(range(max(1, min(hp.n_layer, max_cells // max(per_layer, 1)))))
+    layers = sorted(set(layers))
     capture = Capture()
     model.runner.observers.append(capture)
     try:
         logits = model.logits(ids)
     finally:
         model.runner.observers.remove(capture)
-    hp = model.hparams
     labels = [model.tokenizer.decode([t]) for t in ids]
     group = hp.n_head // hp.n_head_kv
-    layers = []
-    for il in range(hp.n_layer):
+    shown = []
+    for il in layers:
         p = f"blk.{il}."
-        q = capture.outputs[p + "q_rope"].reshape(len(ids), hp.n_head, hp.head_dim_k)
-        k = capture.outputs[p + "k_rope"].reshape(len(ids), hp.n_head_kv, hp.head_dim_k)
+        q = capture.outputs[p + "q_rope"].reshape(len(ids), hp.n_head, hp.head_dim_k)[:n_pos]
+        k = capture.outputs[p + "k_rope"].reshape(len(ids), hp.n_head_kv, hp.head_dim_k)[:n_pos]
         v_name = p + "v.bias" if p + "v.bias" in capture.outputs else p + "v"
-        v = capture.outputs[v_name].reshape(len(ids), hp.n_head_kv, hp.head_dim_v)
+        v = capture.outputs[v_name].reshape(len(ids), hp.n_head_kv, hp.head_dim_v)[:n_pos]
         window = hp.layer_window(il)
-        heads = [attention_intermediates(q[:, h], k[:, h // group], v[:, h // group], hp.attn_scale, window)
-                 for h in range(hp.n_head)]
-        layers.append({"heads": heads, "window": window})
+        per_head = [attention_intermediates(q[:, h], k[:, h // group], v[:, h // group], hp.attn_scale, window)
+                    | {"head": h} for h in heads]
+        shown.append({"layer": il, "heads": per_head, "window": window})
+    omitted = []
+    if len(layers) < hp.n_layer:
+        omitted.append(f"the attention of {hp.n_layer - len(layers)} of {hp.n_layer} layers (shown: "
+                       f"{', '.join(map(str, layers))}; pick others with --layers)")
+    if len(heads) < hp.n_head:
+        omitted.append(f"{hp.n_head - len(heads)} of {hp.n_head} heads (--heads)")
+    if n_pos < len(ids):
+        omitted.append(f"positions {n_pos}..{len(ids) - 1} of the attention matrices (--positions)")
     top_tokens = []
     for row in logits:
         best = np.argsort(-row, kind="stable")[:top]
@@ -97,17 +129,18 @@ def trace_page_data(model: Any, prompt: str, top: int = 5) -> dict[str, Any]:
     graph["nodes"] = [n for n in graph["nodes"] if n["layer"] in (0, None) and n["op"] not in ("weight",)]
     return {
         "model": model.path.name, "prompt": prompt, "tokens": labels, "n_head": hp.n_head, "n_head_kv": hp.n_head_kv,
-        "head_dim": hp.head_dim_k, "scale": hp.attn_scale, "layers": layers, "stats": capture.stats,
-        "top_tokens": top_tokens, "graph": graph,
+        "head_dim": hp.head_dim_k, "scale": hp.attn_scale, "layers": shown, "stats": capture.stats,
+        "top_tokens": top_tokens, "graph": graph, "omitted": omitted,
     }
 
 
 def example_page_data(q: np.ndarray, k: np.ndarray, v: np.ndarray, labels: list[str]) -> dict[str, Any]:
     """Page data for a hand-made single-head example (the learning page's 2x2 one, say)."""
     scale = 1.0 / math.sqrt(q.shape[1])
+    head = attention_intermediates(q, k, v, scale) | {"head": 0}
     return {"model": "example", "prompt": " ".join(labels), "tokens": labels, "n_head": 1, "n_head_kv": 1,
-            "head_dim": q.shape[1], "scale": scale, "layers": [{"heads": [attention_intermediates(q, k, v, scale)]}],
-            "stats": [], "top_tokens": [], "graph": {"nodes": []}}
+            "head_dim": q.shape[1], "scale": scale, "layers": [{"layer": 0, "heads": [head]}],
+            "stats": [], "top_tokens": [], "graph": {"nodes": []}, "omitted": []}
 
 
 def render(data: dict[str, Any]) -> str:

@@ -1,0 +1,93 @@
+"""One sequence's side of speculative decoding: its settings, its token history, its draft length.
+
+The draft length adapts to what the target accepts: a verifying pass of k + 1 tokens costs more than a
+one-token pass on a CPU (SmolLM2 at 2 threads: a 9-token pass about twice a 1-token one), so a draft the
+target keeps rejecting must stay short. After a pass that accepted the whole draft the next one may be
+twice as long (up to ``draft_max``); after a rejection at index m it holds at most m + 1 tokens. A draft
+rejected at its first token backs off: the sequence decodes plainly for 1, 2, 4 ... up to 16 steps
+before drafting again (free text, where prompt lookup keeps finding one-token matches that fail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from minfer.runtime.sampling import Sampler, SamplingParams
+from minfer.runtime.speculative.lookup import TokenHistory, lookup_draft
+from minfer.runtime.speculative.settings import SpeculativeSettings
+
+MAX_BACKOFF = 16
+
+
+class Draft:
+    """Tokens a drafter proposes for one sequence, with the distribution each was drawn from (None: a
+    point mass, as prompt lookup's)."""
+
+    __slots__ = ("tokens", "q")
+
+    def __init__(self, tokens: list[int], q: list[Any] | None = None) -> None:
+        self.tokens = tokens
+        self.q = q
+
+    def dist(self, j: int) -> Any:
+        return None if self.q is None else self.q[j]
+
+
+def draft_sampler(params: SamplingParams, seed: int) -> Sampler:
+    """The chain a draft model samples its tokens with: the target's temperature, truncations and bias,
+    without the steps that need a history or carry state (penalties, DRY, XTC, mirostat). Any chain keeps
+    the output's distribution (the acceptance rule corrects for it); one close to the target's keeps more
+    drafts."""
+    plain = replace(params, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, dry_multiplier=0.0,
+                    xtc_probability=0.0, mirostat=0, seed=seed)
+    return Sampler(plain)
+
+
+class SequenceSpeculation:
+    """Drafting for one running sequence: what its settings allow, its history and its next draft length."""
+
+    def __init__(self, settings: SpeculativeSettings, prompt: list[int], sampler: Sampler) -> None:
+        self.settings = settings
+        # mirostat picks by its own rule with state (mu), not from a distribution the rule can test
+        self.enabled = settings.on and not sampler.params.mirostat
+        self.history = TokenHistory(prompt) if settings.mode == "lookup" else None
+        self.n_prompt = len(prompt)
+        self.draft_sampler = (draft_sampler(sampler.params, (sampler.seed + 1) % 2**32)
+                              if settings.mode == "draft" else None)
+        self.k = settings.draft_max
+        self.skip = 0  # steps left to decode without a draft
+        self.backoff = 1  # steps to skip after the next draft rejected whole
+
+    def limit(self, room: int) -> int:
+        """Tokens the next draft may hold: the adaptive length, within ``room`` (what the sequence may still
+        generate after the next token, and what its context still holds); 0 while backing off."""
+        if self.skip:
+            self.skip -= 1
+            return 0
+        return max(0, min(self.k, room))
+
+    def lookup(self, generated: list[int], k: int) -> Draft | None:
+        """Prompt lookup's draft after the tokens generated so far (the history catches up on them)."""
+        assert self.history is not None
+        have = self.history.n - self.n_prompt
+        if len(generated) > have:
+            self.history.extend(generated[have:])
+        s = self.settings
+        tokens, _ = lookup_draft(self.history.tokens, k, s.ngram_max, s.ngram_min)
+        return self.kept(Draft(tokens)) if tokens else None
+
+    def kept(self, draft: Draft) -> Draft | None:
+        """The draft, or None where it is shorter than ``draft_min``."""
+        return draft if draft.tokens and len(draft.tokens) >= self.settings.draft_min else None
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """The target kept ``accepted`` of ``drafted`` tokens: the next draft's length follows."""
+        if accepted == drafted:
+            self.k = min(2 * max(self.k, 1), self.settings.draft_max)
+        else:
+            self.k = max(1, accepted + 1)
+        if accepted == 0:
+            self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
+        else:
+            self.backoff = 1

@@ -1,0 +1,231 @@
+"""The trace explorer's JSON endpoints (``/trace/api/...``): forward passes held on the server, their tensors
+fetched on demand.
+
+A run is one prompt (or a chat exchange) traced by :meth:`minfer.api.Model.trace_forward` on a plan and
+cache of its own. Each run keeps its tensors within ``MINFER_TRACE_MEMORY`` bytes (default 768 MiB, see
+:mod:`minfer.trace.explorer`), and the server keeps at most :data:`MAX_RUNS` runs whose memory (tensors,
+plan and cache) adds up to no more than that budget: older runs let their held layers go first (captured
+again when asked), then whole runs go, oldest first; the newest is always kept. So the trace memory of a
+server is bounded by one budget plus the newest run's plan and cache
+(``GET /trace/api/runs`` says what each run holds). Everything that touches a run
+(a forward pass, a re-capture, the logit lens) runs on the engine's thread between two decode steps, one
+at a time, so it never races a generation for the backend.
+
+``POST /trace/api/runs`` ``{"prompt": str}``, ``{"messages": [...]}`` (a chat exchange, rendered with
+the chat template, the answer included) or ``{"tokens": [ids]}``, optional ``"cache_type"``: the run's
+summary with its ``id``.
+``GET /trace/api/runs/{id}``, ``.../layers/{L}/graph``, ``.../nodes/{node}?rows=a:b&cols=c:d``,
+``.../layers/{L}/attention/{head}?rows=a:b``, ``.../lens?positions=a:b``; ``GET /trace/api/compare?a=&b=``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+
+from minfer.api import Model
+from minfer.errors import MinferError
+from minfer.server.context import ServerContext
+from minfer.server.errors import api_error
+from minfer.server.protocol import ApiError
+from minfer.trace.explorer import DumpRun, ForwardTrace, compare
+
+MAX_RUNS = 4
+MAX_LENS_POSITIONS = 64
+T = TypeVar("T")
+
+
+@dataclass
+class TraceService:
+    """The runs a server holds, and where their work runs (``on_engine``: a callable's result, awaited)."""
+
+    model: Model | None
+    on_engine: Callable[[Callable[[], Any]], Awaitable[Any]]
+    runs: OrderedDict[str, ForwardTrace] = field(default_factory=OrderedDict)
+    dumps: dict[str, DumpRun] = field(default_factory=dict)  # dump folders named on the command line
+    counter: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    @classmethod
+    def on_thread(cls, model: Model | None) -> TraceService:
+        """A service whose work runs on one worker thread (``minfer trace --serve``: no engine running)."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="minfer-trace")
+        return cls(model, lambda fn: asyncio.wrap_future(pool.submit(fn)))
+
+    def add(self, trace: ForwardTrace) -> str:
+        rid = f"r{next(self.counter)}"
+        self.runs[rid] = trace
+        while len(self.runs) > MAX_RUNS:
+            self.runs.popitem(last=False)
+        self.trim()
+        return rid
+
+    def trim(self) -> None:
+        """Keep the runs within one budget: the older runs let their held layers go first (they capture
+        them again when asked), then whole runs go, oldest first; the newest run always stays."""
+        if not self.runs:
+            return
+        budget = next(reversed(self.runs.values())).budget
+        for trace in list(self.runs.values())[:-1]:
+            while self.bytes() > budget and trace.layers:
+                trace.drop_oldest_layer()
+        while len(self.runs) > 1 and self.bytes() > budget:
+            self.runs.popitem(last=False)
+
+    def bytes(self) -> int:
+        """What the runs hold: their tensors, plans and caches."""
+        return sum(t.held_bytes() + t.arena_bytes for t in self.runs.values())
+
+    def get(self, rid: str) -> ForwardTrace:
+        trace = self.runs.get(rid)
+        if trace is None:
+            raise ApiError(f"no trace run {rid!r} (this server keeps the last {MAX_RUNS})", status=404,
+                           type="not_found_error", param="id")
+        return trace
+
+    async def do(self, fn: Callable[[], T]) -> T:
+        try:
+            return await self.on_engine(lambda: (fn(), self.trim())[0])
+        except ApiError:
+            raise
+        except MinferError as e:
+            raise api_error(e) from None
+
+
+def _span(raw: str | None, what: str) -> tuple[int, int] | None:
+    if raw is None or raw == "":
+        return None
+    a, sep, b = raw.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(a), int(b)
+    except ValueError:
+        raise ApiError(f"{what} must look like START:STOP (integers), got {raw!r}", param=what) from None
+
+
+def _int(raw: str | None, what: str, default: int) -> int:
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ApiError(f"{what} must be an integer, got {raw!r}", param=what) from None
+
+
+def _run_body(model: Model, body: Any) -> tuple[list[int], str | None, str]:
+    if not isinstance(body, dict):
+        raise ApiError("the body must be a JSON object with 'prompt' or 'messages'")
+    cache_type = body.get("cache_type")
+    if cache_type is not None and not isinstance(cache_type, str):
+        raise ApiError("'cache_type' must be a string (f32, f16, q8_0)", param="cache_type")
+    prompt, messages, tokens = body.get("prompt"), body.get("messages"), body.get("tokens")
+    if sum(x is not None for x in (prompt, messages, tokens)) != 1:
+        raise ApiError("give exactly one of 'prompt' (a string), 'messages' (a chat exchange) or 'tokens' (ids)")
+    try:
+        if tokens is not None:
+            if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+                raise ApiError("'tokens' must be a non-empty list of token ids", param="tokens")
+            bad = next((t for t in tokens if not 0 <= t < model.hparams.n_vocab), None)
+            if bad is not None:
+                raise ApiError(f"token id {bad} is outside the vocabulary (0..{model.hparams.n_vocab - 1})",
+                               param="tokens")
+            ids, what = list(tokens), "token ids"
+        elif messages is not None:
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise ApiError("'messages' must be a list of {role, content} objects with string fields",
+                               param="messages")
+            last = messages[-1]["role"]
+            text = model.render_chat(messages, add_generation_prompt=last != "assistant")
+            ids = model.tokenize(text, add_special=False)
+            what = f"chat exchange of {len(messages)} messages"
+        else:
+            if not isinstance(prompt, str) or not prompt:
+                raise ApiError("'prompt' must be a non-empty string", param="prompt")
+            ids = model.tokenize(prompt)
+            what = "prompt"
+    except MinferError as e:
+        raise api_error(e) from None
+    return ids, cache_type, what
+
+
+def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[Request], Awaitable[Any]]) -> None:
+    """The ``/trace/api`` routes over ``service`` (``read_json``: the body of a request, or a 400)."""
+
+    @app.post("/trace/api/runs")
+    async def new_run(request: Request) -> dict[str, Any]:
+        model = service.model
+        if model is None:
+            raise ApiError("this explorer serves a hand-made example only (no model loaded)", status=400)
+        ids, cache_type, what = _run_body(model, await read_json(request))
+        description = f"{model.path.name}, {cache_type or model.cache_type} cache, {what} ({len(ids)} tokens)"
+        trace = await service.do(lambda: model.trace_forward(ids, cache_type=cache_type, description=description))
+        rid = service.add(trace)
+        return {"id": rid, **await service.do(trace.summary)}
+
+    @app.get("/trace/api/runs")
+    async def list_runs() -> dict[str, Any]:
+        return {"runs": [{"id": rid, "description": t.description, "n_tokens": len(t.tokens),
+                          "cache_type": t.cache_type, "memory": t.memory()} for rid, t in service.runs.items()],
+                "max_runs": MAX_RUNS, "held_bytes": service.bytes(), "dumps": sorted(service.dumps)}
+
+    @app.get("/trace/api/runs/{rid}")
+    async def one_run(rid: str) -> dict[str, Any]:
+        trace = service.get(rid)
+        return {"id": rid, **await service.do(trace.summary)}
+
+    @app.get("/trace/api/runs/{rid}/layers/{layer}/graph")
+    async def layer_graph(rid: str, layer: int) -> dict[str, Any]:
+        trace = service.get(rid)
+        return await service.do(lambda: trace.layer_graph(layer))
+
+    @app.get("/trace/api/runs/{rid}/nodes/{node}")
+    async def node_tensor(rid: str, node: int, request: Request) -> dict[str, Any]:
+        trace = service.get(rid)
+        q = request.query_params
+        rows, cols = _span(q.get("rows"), "rows"), _span(q.get("cols"), "cols")
+        max_rows, max_cols = _int(q.get("max_rows"), "max_rows", 256), _int(q.get("max_cols"), "max_cols", 256)
+        return await service.do(lambda: trace.tensor_view(node, rows, cols, max_rows, max_cols))
+
+    @app.get("/trace/api/runs/{rid}/layers/{layer}/attention/{head}")
+    async def attention(rid: str, layer: int, head: int, request: Request) -> dict[str, Any]:
+        trace = service.get(rid)
+        rows = _span(request.query_params.get("rows"), "rows")
+        return await service.do(lambda: trace.attention(layer, head, rows))
+
+    @app.get("/trace/api/runs/{rid}/lens")
+    async def lens(rid: str, request: Request) -> dict[str, Any]:
+        trace = service.get(rid)
+        n = len(trace.tokens)
+        span = _span(request.query_params.get("positions"), "positions") or (max(0, n - 16), n)
+        if span[1] - span[0] > MAX_LENS_POSITIONS:
+            raise ApiError(f"at most {MAX_LENS_POSITIONS} positions at once, asked for {span[1] - span[0]}",
+                           param="positions")
+        return await service.do(lambda: trace.lens(range(*span)))
+
+    @app.get("/trace/api/compare")
+    async def compare_runs(request: Request) -> dict[str, Any]:
+        q = request.query_params
+        a = service.get(q.get("a", ""))
+        b_name = q.get("b", "")
+        b: ForwardTrace | DumpRun = service.dumps[b_name] if b_name in service.dumps else service.get(b_name)
+        try:
+            tol = float(q.get("tol", "1e-4"))
+        except ValueError:
+            raise ApiError(f"tol must be a number, got {q.get('tol')!r}", param="tol") from None
+        all_nodes = q.get("all") in ("1", "true")
+        return await service.do(lambda: compare(a, b, tol, all_nodes))
+
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
+    """On ``minfer serve``: traces run on the engine's thread between decode steps."""
+    service = TraceService(ctx.model, lambda fn: asyncio.wrap_future(ctx.scheduler.call(fn)))
+    register_explorer(app, service, ctx.read_json)

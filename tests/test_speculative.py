@@ -1,0 +1,351 @@
+"""Speculative decoding (prompt lookup and a draft model): the output of plain decoding at temperature 0,
+the target's distribution when sampling, and its errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+from conftest import fixture_dir
+from scipy.stats import chisquare
+
+import minfer
+import minfer.errors
+from minfer.errors import BadRequestError, ModelError
+from minfer.runtime.sequence import Continuation, GenerationStats
+from minfer.runtime.speculative import verify
+from minfer.runtime.speculative.lookup import lookup_draft
+from minfer.runtime.speculative.state import Draft
+
+LLAMA = fixture_dir("llama") / "model-f32.gguf"
+LLAMA_Q8 = fixture_dir("llama") / "model-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return minfer.load(LLAMA)
+
+
+# --- prompt lookup ----------------------------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_ngram_and_its_most_recent_occurrence():
+    h = np.array([1, 2, 3, 9, 9, 2, 3, 7, 8, 1, 2, 3])
+    # the trigram 1 2 3 occurred at 0: what followed it
+    assert lookup_draft(h, 4, 3, 1) == ([9, 9, 2, 3], 3)
+    # bigrams only: 2 3 last occurred at 5, followed by 7 8 1 2
+    assert lookup_draft(h, 4, 2, 1) == ([7, 8, 1, 2], 2)
+    assert lookup_draft(h, 2, 2, 2) == ([7, 8], 2)
+    # no earlier 5: nothing
+    assert lookup_draft(np.array([1, 2, 5]), 4, 3, 1) == ([], 0)
+    # a run of one token drafts itself (the occurrence may end right before the last token)
+    assert lookup_draft(np.array([4, 4]), 3, 3, 1) == ([4], 1)
+
+
+# --- the output distribution -----------------------------------------------------------------------
+
+N_SAMPLES = 20_000
+CONTEXT = [0, 17, 93, 41, 250, 41]
+# a chain whose support is small enough for a chi-square over the first two tokens, with a penalty, so
+# that the second token's distribution depends on the first through the history as well as the logits
+PARAMS = dict(temperature=0.9, top_k=6, top_p=1.0, min_p=0.0, repeat_penalty=1.3)
+
+
+class Target:
+    """The llama fixture's logits after CONTEXT + a few tokens (cached), and the chain's distribution."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._rows: dict[tuple[int, ...], np.ndarray] = {}
+
+    def row(self, *tokens: int) -> np.ndarray:
+        key = tuple(tokens)
+        if key not in self._rows:
+            self._rows[key] = self.model.logits(CONTEXT + list(tokens))[-1]
+        return self._rows[key].copy()
+
+    def p(self, *tokens: int) -> dict[int, float]:
+        """The chain's distribution of the token after CONTEXT + tokens (the history holds them)."""
+        s = self.model.sampler(**PARAMS)
+        s.reset(CONTEXT)
+        for t in tokens:
+            s.accept(t)
+        ids, probs = s.distribution(self.row(*tokens))
+        return dict(zip(ids.tolist(), probs.tolist(), strict=True))
+
+    def joint(self) -> dict[tuple[int, int], float]:
+        return {(a, b): pa * pb for a, pa in self.p().items() for b, pb in self.p(a).items()}
+
+
+def continuation(model, sampler, seed: int) -> Continuation:
+    """A fresh sequence after CONTEXT whose draws come from ``seed`` (one sampler reused: building one per
+    sample would dominate the test's time)."""
+    sampler.seed = seed
+    out = Continuation(model.tokenizer, sampler, 2, GenerationStats(), stop_ids=frozenset())
+    out.start(CONTEXT)  # resets the history and the random streams
+    return out
+
+
+def two_tokens_speculative(target: Target, out: Continuation, draft: Draft) -> tuple[int, int]:
+    """The first two tokens when the first pass verifies ``draft`` (2 tokens), as the engine runs it:
+    ``Continuation.verify`` over the rows after the next token and each draft token; a token left to
+    take after a rejection comes from the next (plain) pass."""
+    d0, d1 = draft.tokens
+    steps, _ = out.verify(np.stack([target.row(), target.row(d0), target.row(d0, d1)]), draft)
+    tokens = [s.token for s in steps][:2]
+    if len(tokens) == 1:
+        tokens.append(out.step(target.row(tokens[0])).token)
+    return tokens[0], tokens[1]
+
+
+def chi_square(counts: Counter, expected: dict, n: int) -> tuple[float, float]:
+    """Pearson's chi-square of ``counts`` against ``expected`` probabilities (cells expecting fewer than 5
+    draws pooled into one), and its p-value (scipy); an outcome the target cannot give is (inf, 0)."""
+    if not set(counts) <= set(expected):
+        return float("inf"), 0.0
+    big = [c for c, p in expected.items() if p * n >= 5]
+    small = [c for c in expected if c not in big]
+    obs = [counts[c] for c in big] + ([sum(counts[c] for c in small)] if small else [])
+    exp = [expected[c] * n for c in big] + ([sum(expected[c] for c in small) * n] if small else [])
+    exp = np.array(exp) * (n / sum(exp))  # the float sum of the probabilities is 1 only to rounding
+    stat, p = chisquare(obs, exp)
+    return float(stat), float(p)
+
+
+@pytest.fixture(scope="module")
+def target(llama):
+    return Target(llama)
+
+
+def lookup_draft_of(target: Target) -> Draft:
+    """A point-mass draft: the second most likely first token, then the most likely after it."""
+    first = sorted(target.p().items(), key=lambda kv: -kv[1])
+    d0 = first[1][0]
+    d1 = max(target.p(d0).items(), key=lambda kv: kv[1])[0]
+    return Draft([d0, d1])
+
+
+def draft_model_sampler(target: Target, seed: int):
+    """A draft 'model' whose distribution differs from the target's: the fixture's raw softmax at a higher
+    temperature over its 10 best tokens (some outside the target's 6), drawn from as a draft model is."""
+    rng = np.random.default_rng(seed)
+
+    cache: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def q_of(*tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if tokens not in cache:
+            row = target.row(*tokens)
+            ids = np.argsort(-row)[:10]
+            w = np.exp((row[ids] - row[ids].max()) / 2.0)
+            cache[tokens] = ids, w / w.sum(), np.cumsum(w / w.sum())
+        return cache[tokens]
+
+    def pick(q: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+        return int(q[0][min(int(np.searchsorted(q[2], rng.random() * q[2][-1], side="right")), len(q[0]) - 1)])
+
+    def draw() -> Draft:
+        q0 = q_of()
+        d0 = pick(q0)
+        q1 = q_of(d0)
+        return Draft([d0, pick(q1)], [q0[:2], q1[:2]])
+
+    return draw
+
+
+def run_samples(target: Target, how: str) -> Counter:
+    model = target.model
+    counts: Counter = Counter()
+    fixed = lookup_draft_of(target)
+    draw = draft_model_sampler(target, 1234)
+    sampler = model.sampler(**PARAMS)
+    for i in range(N_SAMPLES):
+        out = continuation(model, sampler, i)
+        if how == "plain":
+            t0 = out.step(target.row()).token
+            counts[t0, out.step(target.row(t0)).token] += 1
+        elif how == "lookup":
+            counts[two_tokens_speculative(target, out, fixed)] += 1
+        else:
+            counts[two_tokens_speculative(target, out, draw())] += 1
+    return counts
+
+
+@pytest.mark.parametrize("how", ["plain", "lookup", "draft"])
+def test_speculative_samples_follow_the_target_distribution(target, how):
+    expected = target.joint()
+    counts = run_samples(target, how)
+    assert set(counts) <= set(expected), f"outcomes the target cannot give: {set(counts) - set(expected)}"
+    stat, p = chi_square(counts, expected, N_SAMPLES)
+    print(f"{how}: chi-square {stat:.2f} over {len(expected)} cells (pooled below 5 expected), p = {p:.4f}")
+    assert p > 0.01
+
+
+def test_a_broken_acceptance_rule_fails_the_same_test(target, monkeypatch):
+    """Keeping every draft token (no rejection) gives the draft's distribution, and the test sees it."""
+    monkeypatch.setattr(verify, "accept_or_resample", lambda p, draft, q, rng: (draft, True))
+    expected = target.joint()
+    for how in ("lookup", "draft"):
+        stat, p = chi_square(run_samples(target, how), expected, N_SAMPLES)
+        print(f"always accept ({how}): chi-square {stat:.2f}, p = {p:.3g}")
+        assert p < 1e-6
+
+
+# --- temperature 0: the text of plain decoding -------------------------------------------------------
+
+# prompts of the fixtures' tokens: repetitive ones (lookup finds drafts), and ones that are not
+FIXTURE_PROMPTS = [
+    [0, *range(5, 40)] * 2,
+    [0, 7, 8, 9, 7, 8, 9, 7, 8],
+    [0, 100, 200, 300],
+    [0, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12],
+    [0, 300, 301, 302, 303, 304, 305, 300, 301],
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_greedy_text_with_lookup_and_draft_is_the_text_without(arch):
+    path = fixture_dir(arch) / "model-f32.gguf"
+    plain = minfer.load(path)
+    lookup = minfer.load(path, lookup=True, speculative={"draft_max": 4})
+    # a draft model of the same weights in Q8_0 (when the fixture has it) agrees often, never always
+    draft_path = fixture_dir(arch) / "model-q8_0.gguf"
+    drafted = minfer.load(path, draft=draft_path if draft_path.exists() else path,
+                          speculative={"draft_p_min": 0.0, "draft_max": 5})
+    totals = Counter()
+    for ids in FIXTURE_PROMPTS:
+        want = plain.complete(ids, 48, temperature=0, repeat_penalty=1.1)
+        for name, model in (("lookup", lookup), ("draft", drafted)):
+            got = model.complete(ids, 48, temperature=0, repeat_penalty=1.1)
+            assert got.tokens == want.tokens, (name, ids)
+            assert got.finish_reason == want.finish_reason
+            totals[name, "drafted"] += got.stats.drafted_tokens
+            totals[name, "accepted"] += got.stats.accepted_tokens
+            assert got.stats.target_passes < want.stats.target_passes or got.stats.accepted_tokens == 0
+    print(dict(totals))
+    # the paths were exercised: drafts were verified, some kept and some replaced
+    assert totals["draft", "accepted"] > 0 and totals["lookup", "drafted"] > 0
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_the_first_differing_token():
+    with pytest.raises(ModelError, match=r"draft model .*gemma3.*at token 0: '<pad>' in the draft, '<\|bos\|>'"):
+        minfer.load(LLAMA, draft=fixture_dir("gemma3") / "model-f32.gguf")
+    # the same first 512 pieces but more of them: the first token only one side has
+    with pytest.raises(ModelError, match=r"at token 512: only the draft has it"):
+        minfer.load(LLAMA, draft=fixture_dir("qwen2") / "model-f32.gguf")
+
+
+def test_bad_speculative_settings_are_refused(llama, tmp_path):
+    with pytest.raises(BadRequestError, match="draft_max must be an integer >= 1, got 0"):
+        minfer.load(LLAMA, lookup=True, speculative={"draft_max": 0})
+    with pytest.raises(BadRequestError, match="draft_max 256 does not fit in the context of 256"):
+        minfer.load(LLAMA, lookup=True, speculative={"draft_max": 256})
+    with pytest.raises(BadRequestError, match="needs a draft model"):
+        llama.generate([0, 5, 6], 4, speculative="draft")
+    with pytest.raises(BadRequestError, match="unknown field 'k'"):
+        llama.generate([0, 5, 6], 4, speculative={"k": 2})
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(LLAMA.read_bytes()[:1000])
+    with pytest.raises(minfer.errors.FormatError, match=r"^draft model: .*cut.gguf: truncated GGUF file"):
+        minfer.load(LLAMA, draft=truncated)
+
+
+def minfer_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minfer", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--draft-max", "0", "--lookup"], "--draft-max must be an integer >= 1, got 0"),
+    (["--lookup", "--draft-max", "300"], "does not fit in the context of 256"),
+    (["--draft", str(fixture_dir("gemma3") / "model-f32.gguf")], "its vocabulary differs from the target's at token 0"),
+    (["--draft", "/nonexistent/draft.gguf"], "draft model: /nonexistent/draft.gguf: no such file"),
+    (["--lookup", "--draft", str(LLAMA_Q8)], "use one of --lookup and --draft"),
+])
+def test_cli_bad_speculative_flags_give_one_line(flags, fragment):
+    r = minfer_cli("run", str(LLAMA), "hello", "-n", "4", *flags)
+    assert r.returncode == 1
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("minfer: error: ") and fragment in lines[0], lines[0]
+
+
+def test_cli_summary_reports_acceptance_and_tokens_per_pass():
+    plain = minfer_cli("run", str(LLAMA), "a b c a b c a b c a b", "-n", "24", "--temp", "0")
+    r = minfer_cli("run", str(LLAMA), "a b c a b c a b c a b", "-n", "24", "--temp", "0", "--draft", str(LLAMA),
+                   "--draft-p-min", "0")
+    assert r.returncode == 0 and plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    summary = r.stderr.strip().splitlines()[-1]
+    # the plain line's form is kept, the speculative part follows "generated N tokens (X t/s)"
+    assert re.search(r"generated 24 tokens \([0-9.]+ t/s\), draft: (\d+)/(\d+) drafted tokens accepted "
+                     r"\(\d+%\), [0-9.]+ tokens per target pass, ", summary), summary
+    assert "drafted" not in plain.stderr
+
+
+# --- SmolLM2 ------------------------------------------------------------------------------------------
+
+SMOLLM2_PROMPTS = [
+    "Repeat exactly: The quick brown fox jumps over the lazy dog, and the dog does not move at all.",
+    "Write a short poem about the sea.",
+    "List the days of the week.",
+    "Correct the spelling: Teh wether is realy nice todday and we are goign to the beech.",
+    "What is the capital of Japan?",
+    "Count from one to fifteen in words.",
+    "Explain what a compiler does in two sentences.",
+    "Repeat this list: apples, pears, plums, cherries, grapes, lemons.",
+    "Translate to French: I like to read books in the evening.",
+    "def add(a, b):\n    return a + b\n\nRewrite this Python function with type hints.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_text_with_lookup_and_draft_is_the_text_without(smollm2_path):
+    plain = minfer.load(smollm2_path, n_ctx=1024, threads=2)
+    lookup = minfer.load(smollm2_path, n_ctx=1024, threads=2, lookup=True)
+    # the same file drafting for itself: the mechanism, not a speed-up (see the README)
+    drafted = minfer.load(smollm2_path, n_ctx=1024, threads=2, draft=smollm2_path, speculative={"draft_max": 4})
+    accepted = Counter()
+    for q in SMOLLM2_PROMPTS:
+        messages = [{"role": "user", "content": q}]
+        want = plain.chat(messages, max_tokens=48, temperature=0)
+        for name, model in (("lookup", lookup), ("draft", drafted)):
+            assert model.chat(messages, max_tokens=48, temperature=0) == want, (name, q)
+            accepted[name] += model.last_stats.accepted_tokens
+    assert accepted["lookup"] > 0 and accepted["draft"] > 0, accepted
+
+
+def test_stops_grammar_logprobs_and_max_tokens_behave_as_without(llama):
+    """Drafts that run past a stop string, max_tokens or the end of a grammar are cut where plain decoding
+    stops; logprobs are the model's at each kept token; the grammar masks draft and target."""
+    drafted = minfer.load(LLAMA, draft=LLAMA, speculative={"draft_p_min": 0.0, "draft_max": 6})
+    lookup = minfer.load(LLAMA, lookup=True)
+    ids = [0, *range(5, 30)] * 2
+    text = llama.generate(ids, 30, temperature=0)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cases = [
+        dict(max_tokens=7),
+        dict(max_tokens=30, stop=[stop]),
+        dict(max_tokens=12, logprobs=3),
+        dict(max_tokens=20, grammar='root ::= [a-z ]+ "." | "x"'),
+        dict(max_tokens=20, grammar='root ::= ([a-z]+ " ")+', repeat_penalty=1.2),
+    ]
+    for case in cases:
+        case = dict(case)
+        n = case.pop("max_tokens")
+        want = llama.complete(ids, n, temperature=0, **case)
+        for model in (drafted, lookup):
+            got = model.complete(ids, n, temperature=0, **case)
+            assert (got.text, got.tokens, got.finish_reason) == (want.text, want.tokens, want.finish_reason), case
+            assert got.logprobs == want.logprobs
+            assert got.stats.generated_tokens == want.stats.generated_tokens
+    assert drafted.last_stats.accepted_tokens > 0
+    # the cache keeps only kept tokens: a later prompt sharing them reuses them and nothing stale
+    done = drafted.complete(ids, 20, temperature=0)
+    held = drafted.kv.tokens(0)
+    assert held == (ids + done.tokens)[: len(held)]
