@@ -17,13 +17,13 @@ Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}`` bodie
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from minfer.server.protocol import ApiError, ChatRequest, parse_chat
+from minfer.server.protocol import ApiError, ChatRequest
+from minfer.server.translated_chat import parse_translated_chat
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -240,33 +240,10 @@ def parse_messages(body: Any, count_only: bool = False) -> MessagesRequest:
     for key in ("model", "temperature", "top_p", "top_k"):
         if body.get(key) is not None:
             chat[key] = body[key]
-    return MessagesRequest(_checked_chat(chat, [where for _, where in messages]), prefill)
-
-
-def _checked_chat(chat: dict[str, Any], origins: list[str]) -> ChatRequest:
-    """parse_chat over the translated body; an error it finds is renamed to the Messages field it came from
-    (``messages[i]`` to the item it was made of, ``tools[i].function.parameters`` to ``tools[i].input_schema``)."""
-    try:
-        return parse_chat(chat)
-    except ApiError as e:
-        message, param = e.message, e.param or ""
-        if param in ("tools", "tool_choice"):  # the turn layer names the tool at the message's start
-            head = message.split(" ", 1)[0].rstrip(":")
-            param = head if head.startswith(param) else param
-            if param.startswith("tools[") and ": parameters is not a valid JSON Schema" in message:
-                message = message.replace(": parameters is not", ": input_schema is not")
-                param += ".input_schema"
-        renames = [(".function.parameters", ".input_schema"), (".function.", ".")]
-        m = re.match(r"messages\[(\d+)\]", param)
-        if m:
-            i = int(m.group(1))
-            renames.append((m.group(0), origins[i] if i < len(origins) else "messages"))
-        for field_name, ours in {"stop": "stop_sequences", "response_format": "output_config.format"}.items():
-            if param.startswith(field_name):
-                renames.append((field_name, ours))
-        for theirs, ours in renames:
-            message, param = message.replace(theirs, ours), param.replace(theirs, ours)
-        raise ApiError(message, status=e.status, type=e.type, param=param or None, code=e.code) from None
+    chat_request = parse_translated_chat(chat, [where for _, where in messages], schema_field="input_schema",
+                                         messages_field="messages",
+                                         renames={"stop": "stop_sequences", "response_format": "output_config.format"})
+    return MessagesRequest(chat_request, prefill)
 
 
 # -- the answer ------------------------------------------------------------------------------------------

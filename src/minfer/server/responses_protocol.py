@@ -18,7 +18,6 @@ the whole conversation in ``input``), and every response says ``"store": false``
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -26,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minfer.runtime.sampling.params import PARAMS
-from minfer.server.protocol import ApiError, ChatRequest, parse_chat
+from minfer.server.protocol import ApiError, ChatRequest
+from minfer.server.translated_chat import parse_translated_chat
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 # the fields of the body that are accepted and only echoed (or have no meaning for a local server)
@@ -241,33 +241,9 @@ def parse_responses(body: Any) -> ResponsesRequest:
     if "max_tokens" in chat and isinstance(chat["max_tokens"], int) and chat["max_tokens"] < 1:
         raise _err(f"must be >= 1, got {chat['max_tokens']}", "max_output_tokens")
     origins = [where for _, where in messages]
-    return ResponsesRequest(_checked_chat(chat, origins), body, tools, choice_echo, parallel, text)
-
-
-def _checked_chat(chat: dict[str, Any], origins: list[str]) -> ChatRequest:
-    """parse_chat over the translated body; an error it finds is renamed to the Responses field it came from
-    (``messages[i]`` to the item it was made of, ``tools[i].function.parameters`` to ``tools[i].parameters``)."""
-    try:
-        return parse_chat(chat)
-    except ApiError as e:
-        message, param = e.message, e.param or ""
-        if param in ("tools", "tool_choice"):  # the turn layer names the tool at the message's start
-            head = message.split(" ", 1)[0].rstrip(":")
-            param = head if head.startswith(param) else param
-            if param.startswith("tools[") and ": parameters is not a valid JSON Schema" in message:
-                message = message.replace(": parameters is not", ": parameters is not")
-                param += ".parameters"
-        renames = [(".function.parameters", ".parameters"), (".function.", ".")]
-        m = re.match(r"messages\[(\d+)\]", param)
-        if m:
-            i = int(m.group(1))
-            renames.append((m.group(0), origins[i] if i < len(origins) else "input"))
-        for field_name, ours in {"max_tokens": "max_output_tokens", "response_format": "text.format"}.items():
-            if param.startswith(field_name):
-                renames.append((field_name, ours))
-        for theirs, ours in renames:
-            message, param = message.replace(theirs, ours), param.replace(theirs, ours)
-        raise ApiError(message, status=e.status, type=e.type, param=param or None, code=e.code) from None
+    chat_request = parse_translated_chat(chat, origins, schema_field="parameters", messages_field="input",
+                                         renames={"max_tokens": "max_output_tokens", "response_format": "text.format"})
+    return ResponsesRequest(chat_request, body, tools, choice_echo, parallel, text)
 
 
 # -- the answer ------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from fastapi.responses import StreamingResponse
 
 from minfer.runtime.chat import ChatDelta, ChatMessage, ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStart
+from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.jobs import Job
 from minfer.server.protocol import ApiError
 
@@ -21,6 +22,8 @@ Events = list[dict[str, Any]]
 class Builder(Protocol):
     """The answer being built (:class:`~minfer.server.responses_protocol.ResponseBuilder`,
     :class:`~minfer.server.anthropic_protocol.MessageBuilder`): each call returns the events it causes."""
+
+    def start(self) -> Events: ...
 
     def text(self, delta: str) -> Events: ...
 
@@ -50,6 +53,20 @@ def feed_message(builder: Builder, message: ChatMessage) -> None:
     for call in message.tool_calls:
         builder.tool_call(call.id, call.name)
         builder.arguments(call.arguments)
+
+
+async def turn_events(turn: ChatTurn, builder: Builder, finish: Callable[[str], Events]) -> AsyncIterator[Events]:
+    """A streamed turn as the builder's events: its start, each delta, then what ``finish`` (given the
+    finish reason) adds; one batch per batch of the turn's events."""
+    yield builder.start()
+    async for batch in turn.batches():
+        out: Events = []
+        for ev in batch:
+            if isinstance(ev, TurnDelta) and ev.delta is not None:
+                out += feed_delta(builder, ev.delta)
+            elif isinstance(ev, TurnFinished):
+                out += finish(ev.finish_reason)
+        yield out
 
 
 def sse_event(event: dict[str, Any]) -> bytes:

@@ -5,16 +5,14 @@ body shape (``errors.error_response`` answers every error under ``/v1/messages``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from minfer.server.anthropic_protocol import MessageBuilder, parse_messages
-from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
+from minfer.server.chat_turn import ChatTurn
 from minfer.server.context import ServerContext
 from minfer.server.errors import anthropic_error_body
-from minfer.server.typed_stream import Events, feed_delta, feed_message, typed_stream
+from minfer.server.typed_stream import Events, feed_message, turn_events, typed_stream
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
@@ -41,15 +39,4 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             finish(choice.finish_reason)
             return JSONResponse(builder.message)
 
-        async def events() -> AsyncIterator[Events]:
-            yield builder.start()
-            async for batch in turn.batches():
-                out: Events = []
-                for ev in batch:
-                    if isinstance(ev, TurnDelta) and ev.delta is not None:
-                        out += feed_delta(builder, ev.delta)
-                    elif isinstance(ev, TurnFinished):
-                        out += finish(ev.finish_reason)
-                yield out
-
-        return typed_stream(turn.job, events(), anthropic_error_body)
+        return typed_stream(turn.job, turn_events(turn, builder, finish), anthropic_error_body)

@@ -3,15 +3,13 @@ typed stream events (:mod:`minfer.server.responses_protocol` translates both way
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
+from minfer.server.chat_turn import ChatTurn
 from minfer.server.context import ServerContext
 from minfer.server.responses_protocol import ResponseBuilder, parse_responses
-from minfer.server.typed_stream import Events, feed_delta, feed_message, typed_stream
+from minfer.server.typed_stream import Events, feed_message, turn_events, typed_stream
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
@@ -32,15 +30,4 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             finish(choice.finish_reason)
             return JSONResponse(builder.response)
 
-        async def events() -> AsyncIterator[Events]:
-            yield builder.start()
-            async for batch in turn.batches():
-                out: Events = []
-                for ev in batch:
-                    if isinstance(ev, TurnDelta) and ev.delta is not None:
-                        out += feed_delta(builder, ev.delta)
-                    elif isinstance(ev, TurnFinished):
-                        out += finish(ev.finish_reason)
-                yield out
-
-        return typed_stream(turn.job, events(), builder.error)
+        return typed_stream(turn.job, turn_events(turn, builder, finish), builder.error)
