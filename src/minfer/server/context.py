@@ -24,8 +24,9 @@ from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.server.access_log import note_job
 from minfer.server.errors import api_error, cancelled_error, internal_error
 from minfer.server.jobs import Choice, EventPump, Job
+from minfer.server.json_body import parse_body
 from minfer.server.metrics import ServerMetrics
-from minfer.server.protocol import ApiError, GenerationParams, parse_body
+from minfer.server.protocol import ApiError, GenerationParams
 from minfer.server.timings import timings
 
 T = TypeVar("T")
@@ -83,7 +84,7 @@ class ServerContext:
                            param="model", code="model_not_found")
 
     async def read_json(self, request: Request) -> Any:
-        """The body as checked JSON (:func:`~minfer.server.protocol.parse_body`). A large one is parsed on a
+        """The body as checked JSON (:func:`~minfer.server.json_body.parse_body`). A large one is parsed on a
         thread, a very large one in a helper process: ``json.loads`` holds the GIL for all of its run (0.1 s
         for 10 MB on a quiet core, seconds on a busy machine), which would stall the scheduler thread's
         decode steps and with them every stream."""
