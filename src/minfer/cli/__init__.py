@@ -1,4 +1,4 @@
-"""The ``minfer`` command: run, chat, serve, inspect, perplexity, bench, trace, pull.
+"""The ``minfer`` command: run, chat, serve, inspect, perplexity, bench, trace, pull, warmup.
 
 Each module of this package registers its subcommands (``add_parsers``) with their handler (``handler`` default);
 the handlers import what they run (the model, the server) when called, so ``minfer --help`` stays quick.
@@ -13,8 +13,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from minfer.cli import generate, inspection, measure, serve, tracing
+from minfer.cli import generate, inspection, measure, serve, tracing, warmup
 from minfer.errors import MinferError
+
+
+# the subcommands that run kernels (the others never import numba, whose import alone takes ~1 s)
+COMPILING_COMMANDS = frozenset({"run", "chat", "perplexity", "bench", "serve", "trace", "warmup"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Run GGUF and Hugging Face language models on the CPU.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for group in (generate, inspection, measure, tracing, serve):  # the order `minfer --help` lists them in
+    for group in (generate, inspection, measure, tracing, serve, warmup):  # the order `minfer --help` lists them in
         group.add_parsers(sub.add_parser)
     return parser
 
@@ -38,6 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
         args = run_parser.parse_intermixed_args(argv[argv.index("run") + 1 :], argparse.Namespace(command="run"))
     try:
+        if args.command in COMPILING_COMMANDS:  # these run kernels: say so when one is compiled
+            from minfer.cli.compile_notice import compile_notices
+
+            with compile_notices(sys.stderr):
+                return args.handler(args)
         return args.handler(args)
     except MinferError as e:
         print(f"minfer: error: {e}", file=sys.stderr)

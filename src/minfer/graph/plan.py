@@ -83,6 +83,10 @@ class Plan:
         by_size = sorted(range(len(alloc.slot_sizes)), key=lambda i: -alloc.slot_sizes[i])
         rank = {slot: k for k, slot in enumerate(by_size)}
         self.pool = [take(("slot", rank[i]), n, np.float32) for i, n in enumerate(alloc.slot_sizes)]
+        # a backend that compiles its kernels ahead of their first call learns here which ones this plan runs
+        prepare_kernels = getattr(backend, "prepare_kernels", None)
+        if prepare_kernels is not None:
+            prepare_kernels(graph.nodes, kv_layers)
         n_buffers = 0
         self.inputs: dict[str, np.ndarray] = {}
         views: dict[int, Any] = {}

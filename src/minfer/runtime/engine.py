@@ -40,6 +40,7 @@ from minfer.models.model import TransformerModel
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
 from minfer.runtime.pooling import Pooler, Pooling
 from minfer.runtime.sampling import Sampler, sample_rows
+from minfer.runtime.sampling import compile_jobs as sampling_compile_jobs
 from minfer.runtime.sampling import warm_up as warm_up_sampling
 from minfer.runtime.sequence import Continuation, GenerationStats, TokenStep
 from minfer.runtime.slots import Slots, slots_kv_cache
@@ -720,7 +721,14 @@ def build_engine(
     """The KV cache, the forward runner and the engine over them: the one construction that
     ``minfer.load`` and ``minfer serve`` share. ``draft_model`` (its vocabulary checked by the caller)
     drafts into a cache of its own with the same slots; ``speculative``: what requests get by default."""
-    warm_up_sampling()
+    batched = config.n_slots > 1 or config.batch_size is not None  # batches that mix sequences
+    compiler = getattr(backend, "compiler", None)
+    if compiler is not None:  # compiled with the first plan's kernels, in one announced batch
+        compiler.need(sampling_compile_jobs(batched))
+        if batched:
+            backend.will_batch_sequences()
+    else:
+        warm_up_sampling()
     kv = slots_kv_cache(model.hparams, n_ctx, config.n_slots, cache_type, scratch=config.batch_size is not None)
     # a verifying pass has 1 + draft length tokens: an unpadded engine sees up to draft_max more shapes
     spare = 0 if speculative is None or not speculative.on or config.batch_size is not None else speculative.draft_max

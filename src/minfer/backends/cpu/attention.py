@@ -55,6 +55,7 @@ from minfer.backends.cpu.simd import (
 from minfer.errors import ContextOverflowError
 
 # (module constants are compiled into the kernels: changing one at run time has no effect)
+I64 = np.int64
 # attention work unit: the query heads of one kv head (or a subset) over this many consecutive tokens
 ATTN_TOKEN_BLOCK = 16
 # attention key block: K/V rows used by every (token, head) pair of a unit while they sit in L1
@@ -389,7 +390,7 @@ def _attn_task(
         t1 = min(q.shape[0], t0 + ATTN_TOKEN_BLOCK)
         _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
     elif phase == 2:
-        _attn_softmax(sc, u, 0, max_len)
+        _attn_softmax(sc, I64(u), I64(0), max_len)  # the signature _attn_unit's call compiles
     else:
         g = u // n_chunks
         c = u % n_chunks
@@ -403,7 +404,7 @@ def _attn_task(
             k1 = min(c1, k0 + ATTN_KEY_BLOCK)
             for h in range(g * group, (g + 1) * group):
                 if phase == 1:
-                    _attn_scores(q, 0, h * hdk, kr, g * hdk, k0, k1, hdk, scale32, sc, h)
+                    _attn_scores(q, I64(0), h * hdk, kr, g * hdk, k0, k1, hdk, scale32, sc, h)
                 else:
                     _attn_pv(sc, h, vr, g * hdv, k0, k1, hdv, part, h * n_chunks + c, 0)
 
@@ -451,7 +452,9 @@ def _attn_kernel(
     code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
     if code != -1:
         return code
-    max_len = 0
+    # int64, not the literal 0: numba types the calls below before the loop widens it, and compiling
+    # them once for Literal[int](0) and again for int64 cost ~30% of this kernel's compile time
+    max_len = I64(0)
     for t in range(nt):
         p = positions[t]
         if p < 0 or p >= n_ctx:
@@ -475,9 +478,11 @@ def _attn_kernel(
             return -2
         n_units = n_head_kv * n_chunks
     for u in prange(n_units):
+        # U(u): numba types a prange index int64 where it types the loop and uint64 where it compiles the
+        # parallel body; the same type in both makes _attn_task (and all below it) compile once, not twice
         _attn_task(
             phase,
-            u,
+            U(u),
             n_blocks,
             n_sub,
             per_sub,
@@ -526,8 +531,8 @@ def _attn_rows_kernel(
     if rows.shape[0] != nt:
         return -2
     run_start = np.empty(nt + 1, np.int64)  # runs of tokens with one first row: run_start[i]..run_start[i+1]
-    n_runs = 0
-    max_len = 0
+    n_runs = I64(0)
+    max_len = I64(0)  # int64 from the start: see _attn_kernel
     for t in range(nt):
         p = positions[t]
         r = rows[t]
@@ -539,17 +544,18 @@ def _attn_rows_kernel(
             n_runs += 1
     run_start[n_runs] = nt
     group = n_head // n_head_kv
-    n_blocks_all = 0
+    n_blocks_all = I64(0)
     for i in range(n_runs):
         n_blocks_all += (run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
     n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks_all, n_threads)
     unit_end = np.empty(n_runs, np.int64)  # units of runs 0..i end before unit_end[i]
-    n_units = 0
+    n_units = I64(0)
     for i in range(n_runs):
         n_units += n_head_kv * n_sub * ((run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK)
         unit_end[i] = n_units
     scale32 = F32(scale)
-    for u in prange(n_units):
+    for v in prange(n_units):
+        u = U(v)  # one type for the loop's typing and its parallel body: _attn_unit compiles once (see above)
         i = 0
         while unit_end[i] <= u:
             i += 1

@@ -16,7 +16,7 @@ worker in a fixed order, and BLAS runs single-threaded while plans execute.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from minfer.backends.cpu import kernel_jobs
 from minfer.backends.cpu import reference as ref
+from minfer.compiling import KernelCompiler
 from minfer.errors import BadRequestError
 from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.quants import GGMLType
@@ -94,6 +96,12 @@ def attend_by_sequence(
             out[idx] = o
 
 
+def _one_sequence(positions: np.ndarray, rows: np.ndarray) -> bool:
+    """Whether every token of a batch belongs to one sequence (the same first row)."""
+    starts = rows - positions
+    return bool((starts == starts[0]).all())
+
+
 def _reference_kv_store(node: Node, kv, k, v, rows) -> None:
     if kv.cache_type == "f32":
         ref.kv_store(k, v, rows, kv.k, kv.v, node.meta.layer)
@@ -149,6 +157,9 @@ class CPUBackend:
         self._rope_tables: dict[tuple, Any] = {}
         self._prepared: dict[int, tuple[GGUFTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
         self.expert_reads = ExpertReads()
+        # kernels are compiled when a plan first needs them (prepare_kernels), only those it needs
+        self.compiler = KernelCompiler()
+        self._batched = False
         if kernels == "fast":
             from minfer.backends.cpu import (
                 attention,
@@ -164,10 +175,24 @@ class CPUBackend:
             self._qm = quant_matmul
             self._kq = kquant_matmul  # compiled on first use (Q5_0/Q5_1 and the K-quants)
             self._iq = iquant_matmul  # compiled on first use (IQ4_NL, IQ4_XS, MXFP4)
-            for module in (norms, elementwise, rope, attention, quant_matmul):
-                module.warmup()
         elif threads > 1:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer")
+
+    def will_batch_sequences(self) -> None:
+        """The engine will run batches mixing sequences (a server's): their attention is a kernel of its
+        own, compiled with the first plan's."""
+        self._batched = True
+
+    def prepare_kernels(self, nodes: Sequence[Node], kv_layers: Sequence[Any] = ()) -> None:
+        """Before a plan binds its kernels: compile (or load from numba's cache) those its ``nodes`` run,
+        with the KV cells of ``kv_layers``, together with whatever else was asked of :attr:`compiler` (the
+        sampler's kernels)."""
+        if self.kernels == "fast":
+            self.compiler.need(kernel_jobs.jobs_for(nodes))
+            attends = any(n.op is Op.ATTN and n.meta.softcap == 0 for n in nodes)
+            for cache_type in dict.fromkeys(layer.cache_type for layer in kv_layers) if attends else ():
+                self.compiler.need(kernel_jobs.cache_jobs(cache_type, self._batched))
+        self.compiler.flush()
 
     def running(self) -> AbstractContextManager[Any]:
         """Context in which plans execute: BLAS on one thread, numba on ``threads``."""
@@ -349,9 +374,10 @@ class CPUBackend:
             window = m.window
 
             def attn(node: Node, out, q, kv, positions, rows) -> None:
-                if kv.cache_type != "q8_0" and positions.shape[0] > 1:
+                if kv.cache_type != "q8_0" and positions.shape[0] > 1 and not _one_sequence(positions, rows):
                     # every sequence of the batch in one parallel call, on the regions themselves (f16 cells
-                    # are widened as the kernel loads them)
+                    # are widened as the kernel loads them); one sequence's tokens take the kernel a decode
+                    # step takes (the same bits), so that a single-sequence engine compiles one kernel
                     attention.attention_rows(
                         q, kv.k, kv.v, positions, rows, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v,
                         m.scale, out, window,

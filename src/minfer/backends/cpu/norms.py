@@ -78,6 +78,9 @@ def _rms_norm_kernel(x, gain, has_gain, eps, width, out):
 
 
 _NO_GAIN = np.zeros(1, F32)
+# read-only, as a float32 gain read from a GGUF is (a view of the read-only mapping): plain RMSNorm then
+# shares the fused kernel's compiled specialization instead of needing one of its own
+_NO_GAIN.flags.writeable = False
 
 
 def _rms_norm_error(name: str, code: int, x: np.ndarray, gain: np.ndarray | None, width: int, out: np.ndarray):

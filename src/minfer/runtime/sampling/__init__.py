@@ -27,6 +27,7 @@ server's request field and ``model.generate(...)`` keywords follow from those.
 Not carried over from llama.cpp: dynamic temperature, the infill and adaptive-p samplers.
 """
 
+from minfer.compiling import CompileJob
 from minfer.runtime.sampling import chain_kernel, top_k_kernel
 from minfer.runtime.sampling.batched import sample_rows
 from minfer.runtime.sampling.chain import Sampler
@@ -41,12 +42,32 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "sample_rows",
+    "compile_jobs",
     "token_logprobs",
     "warm_up",
 ]
 
+_HERE = "minfer.runtime.sampling"
+
+
+def compile_jobs(batched: bool = False) -> list[CompileJob]:
+    """The sampler's kernels as compile jobs: top-k over the vocabulary and the default chain (every sampled
+    sequence: one row is a batch of one), and with ``batched`` (a server) the logit-bias cut too."""
+    jobs = [
+        CompileJob("sampling:top-k", f"{_HERE}.top_k_kernel:warmup_positions", "sampling",
+                   (f"{_HERE}.top_k_kernel:top_k_kernel",), 3.5),
+        CompileJob("sampling:chain", f"{_HERE}.chain_kernel:warmup_rows", "sampling",
+                   (f"{_HERE}.chain_kernel:_truncate_one",), 4.0, (1,)),
+    ]
+    if batched:
+        jobs.append(CompileJob("sampling:chain-rows", f"{_HERE}.chain_kernel:warmup_rows", "sampling",
+                               (f"{_HERE}.chain_kernel:_truncate_rows",), 8.0, (2,)))
+        jobs.append(CompileJob("sampling:bias", f"{_HERE}.top_k_kernel:warmup_biased", "sampling",
+                               (f"{_HERE}.top_k_kernel:biased_kernel",), 1.0))
+    return jobs
+
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the sampler's kernels."""
+    """Compile (or load from numba's cache) every sampler kernel, in this process."""
     top_k_kernel.warmup()
     chain_kernel.warmup()

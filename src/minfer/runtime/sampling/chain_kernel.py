@@ -149,6 +149,18 @@ def _truncate_rows(logits, rows, ks, bias_start, bias_tokens, bias_values, top_p
         counts[j] = n
 
 
+@njit(cache=True, nogil=True)
+def _truncate_one(logits, rows, ks, bias_start, bias_tokens, bias_values, top_p, use_min_p, log_min_p, min_keep,
+                  temperature, codes, counts, ids, cum):
+    """``_truncate_rows`` for one row (a lone sequence's step): the same per-row function, without the
+    parallel loop, whose compilation costs about as much as everything it calls."""
+    b0, b1 = bias_start[0], bias_start[1]
+    code, n = _truncate_row(logits[rows[0]], ks[0], bias_tokens[b0:b1], bias_values[b0:b1], top_p[0],
+                            use_min_p[0], log_min_p[0], min_keep[0], temperature[0], ids[0], cum[0])
+    codes[0] = code
+    counts[0] = n
+
+
 def compiles(n_vocab: int, k: int, n_bias: int) -> bool:
     """Whether :func:`truncate_rows` takes a top-k of ``k`` after ``n_bias`` biased tokens over ``n_vocab``
     logits: the compiled top-k's bound must prune (see ``top_k.prunes_well``)."""
@@ -182,14 +194,21 @@ def truncate_rows(
     counts = np.zeros(m, np.int64)
     ids = np.zeros((m, width), np.int64)
     cum = np.zeros((m, width), np.float64)
-    _truncate_rows(logits, rows, ks, bias_start, bias_tokens, bias_values, top_p, use_min_p, log_min_p, min_keep,
-                   temperature, codes, counts, ids, cum)
+    kernel = _truncate_one if m == 1 else _truncate_rows
+    kernel(logits, rows, ks, bias_start, bias_tokens, bias_values, top_p, use_min_p, log_min_p, min_keep,
+           temperature, codes, counts, ids, cum)
     return codes, counts, ids, cum
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) the kernel."""
-    x = np.arange(4 * BLOCK, dtype=np.float32)[None, :]
-    one = np.ones(1)
-    truncate_rows(x, np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(2, np.int64), np.zeros(0, np.int64),
-                  np.zeros(0), 0.5 * one, np.ones(1, np.bool_), -one, np.ones(1, np.int64), one)
+    """Compile (or load from numba's cache) the kernels: one row, and a batch of rows."""
+    warmup_rows(1)
+    warmup_rows(2)
+
+
+def warmup_rows(m: int) -> None:
+    """Compile (or load) the kernel :func:`truncate_rows` runs for ``m`` rows (1: the lone sequence's)."""
+    x = np.arange(4 * BLOCK, dtype=np.float32)[None, :].repeat(m, axis=0)
+    one = np.ones(m)
+    truncate_rows(x, np.arange(m, dtype=np.int64), np.ones(m, np.int64), np.zeros(m + 1, np.int64),
+                  np.zeros(0, np.int64), np.zeros(0), 0.5 * one, np.ones(m, np.bool_), -one, np.ones(m, np.int64), one)

@@ -57,11 +57,88 @@ def _kept(v, threshold):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def _kth_largest(values, k):
+    """The k-th largest of ``values`` (1 <= k <= len, no NaN): a quickselect on a copy, written out rather
+    than ``np.partition``, whose numba implementation (its argument checks sort and format) took about as
+    long to compile as the rest of the sampler."""
+    a = values.copy()
+    want = a.shape[0] - k  # the position the value would take in ascending order
+    lo, hi = 0, a.shape[0] - 1
+    while lo < hi:
+        mid = (lo + hi) // 2  # median of three: sorted or reversed runs stay linear
+        if a[mid] < a[lo]:
+            a[mid], a[lo] = a[lo], a[mid]
+        if a[hi] < a[lo]:
+            a[hi], a[lo] = a[lo], a[hi]
+        if a[hi] < a[mid]:
+            a[hi], a[mid] = a[mid], a[hi]
+        pivot = a[mid]
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while pivot < a[j]:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if want <= j:
+            hi = j
+        elif want >= i:
+            lo = i
+        else:
+            break
+    return a[want]
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _before(key, pos, i, j):
+    """Ranking order: smaller key first (-0.0 equal to 0.0), equal keys by lower position."""
+    return key[i] < key[j] or (key[i] == key[j] and pos[i] < pos[j])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _rank(key, pos):
+    """``order`` such that ``(key[order[r]], pos[order[r]])`` ascend: a bottom-up merge sort, O(n log n)
+    whatever the input (the candidates come in position order: a quicksort met tens of thousands of them
+    nearly sorted, behind a -inf threshold, and took 80 ms)."""
+    n = key.shape[0]
+    order = np.arange(n)
+    tmp = np.empty(n, np.int64)
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid = min(lo + width, n)
+            hi = min(lo + 2 * width, n)
+            i, j, o = lo, mid, lo
+            while i < mid and j < hi:
+                if _before(key, pos, order[j], order[i]):
+                    tmp[o] = order[j]
+                    j += 1
+                else:
+                    tmp[o] = order[i]
+                    i += 1
+                o += 1
+            while i < mid:
+                tmp[o] = order[i]
+                i += 1
+                o += 1
+            while j < hi:
+                tmp[o] = order[j]
+                j += 1
+                o += 1
+        order, tmp = tmp, order
+        width *= 2
+    return order
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def top_k_kernel(x, k, out):
     n = x.shape[0]
     n_blocks = (n + BLOCK - 1) // BLOCK
     block_max = _block_maxima(x, n_blocks)
-    threshold = np.partition(block_max, n_blocks - k)[n_blocks - k]
+    threshold = _kth_largest(block_max, k)
     count = 0
     for b in range(n_blocks):
         if _kept(block_max[b], threshold):
@@ -78,9 +155,7 @@ def top_k_kernel(x, k, out):
                     negated[c] = -(x[i] + np.float32(0.0))  # + 0.0: -0.0 ranks as 0.0
                     pos[c] = i
                     c += 1
-    # stable, and O(n log n) whatever the order (the candidates come in position order: a quicksort met
-    # tens of thousands of them nearly sorted, behind a -inf threshold, and took 80 ms)
-    order = np.argsort(negated, kind="mergesort")
+    order = _rank(negated, pos)
     m = min(k, count)
     for r in range(m):
         out[r] = pos[order[r]]
@@ -183,5 +258,13 @@ def top_k_positions_reference(x: np.ndarray, k: int) -> np.ndarray:
 
 def warmup() -> None:
     """Compile (or load from numba's cache) the kernels."""
+    warmup_positions()
+    warmup_biased()
+
+
+def warmup_positions() -> None:
     top_k_positions(np.arange(2 * BLOCK, dtype=np.float32), 2)
+
+
+def warmup_biased() -> None:
     top_k_biased(np.arange(4 * BLOCK, dtype=np.float32), 1, np.array([0], np.int64), np.array([1.0]))
