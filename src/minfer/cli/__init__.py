@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from minfer.cli import generate, inspection, measure, serve, tracing, warmup
 from minfer.errors import MinferError
 
-
 # the subcommands that run kernels (the others never import numba, whose import alone takes ~1 s)
 COMPILING_COMMANDS = frozenset({"run", "chat", "perplexity", "bench", "serve", "trace", "warmup"})
 
