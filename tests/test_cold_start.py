@@ -130,7 +130,7 @@ def test_a_model_needs_only_its_own_kernels():
     model = TransformerModel.from_path(fixture_dir("llama") / "model-f32.gguf")
     graph = fuse(model.build_graph(4, 1, 64), CPUBackend(kernels="fast").quantized_input)
     names = {j.name for j in kernel_jobs.jobs_for(graph.nodes)}
-    assert "matmul:F32" in names and not any(n.startswith("matmul:Q") for n in names)
+    assert "matmul:float" in names and not any(n.startswith("matmul:Q") or "k-quants" in n for n in names)
     assert not any("gelu" in n for n in names)
     assert {n.split(":")[0] for n in names} >= {"norms", "rope", "elementwise"}
 

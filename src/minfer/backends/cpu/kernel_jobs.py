@@ -179,11 +179,27 @@ _ELEMENTWISE_KERNEL = {"add": "_binary_kernel", "mul": "_binary_kernel", "swiglu
 _ELEMENTWISE_S = {"_binary_kernel": 1.5, "_swiglu_kernel": 1.0, "_geglu_kernel": 1.5, "_scale_kernel": 0.2}
 
 
-def matmul_job(t: GGMLType) -> CompileJob | None:
-    if t not in _MATMUL_KERNELS:
-        return None
-    kernels, estimate = _MATMUL_KERNELS[t]
-    return _job(f"matmul:{t.name}", t.name, kernels, estimate, t.name)
+# weight types whose matmul is one kernel (the type is an argument): one job compiles the family's
+_FAMILY = {
+    **{t: "float" for t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)},
+    **{t: "q5" for t in (GGMLType.Q5_0, GGMLType.Q5_1)},
+    **{t: "k-quants" for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
+    **{t: "iq" for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
+}
+
+
+def matmul_jobs(types: Iterable[GGMLType]) -> list[CompileJob]:
+    """The matmuls of these weight types: one job per kernel family, named after the types it serves."""
+    families: dict[str, list[GGMLType]] = {}
+    for t in types:
+        if t in _MATMUL_KERNELS:
+            families.setdefault(_FAMILY.get(t, t.name), []).append(t)
+    jobs = []
+    for family, ts in families.items():
+        kernels, estimate = _MATMUL_KERNELS[ts[0]]
+        what = ", ".join(sorted({t.name for t in ts}))
+        jobs.append(_job(f"matmul:{family}", what, kernels, estimate, ts[0].name))
+    return jobs
 
 
 def elementwise_job(ops: Iterable[str]) -> CompileJob | None:
@@ -221,7 +237,7 @@ def cache_jobs(cache_type: str, batched: bool = False) -> list[CompileJob]:
         jobs = [_job(f"kv_store:{cache_type}", what, (f"{_ATT}:_kv_store_kernel",), 0.7, cache_type)]
         cells = cache_type
     jobs.append(_job(f"attention:{cells}", "attention" if cells == "f32" else what,
-                     (f"{_ATT}:_attn_kernel",), 16.0, cells))
+                     (f"{_ATT}:_attn_kernel",), 11.0, cells))
     if batched and cache_type != "q8_0":
         jobs.append(_job(f"attention-rows:{cells}", what, (f"{_ATT}:_attn_rows_kernel",), 8.0, cells))
     return jobs
@@ -231,13 +247,14 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
     """The jobs a graph's nodes need, for the fast kernel set (attention and the KV store: :func:`cache_jobs`)."""
     jobs: list[CompileJob | None] = []
     ew: set[str] = set()
+    types: dict[GGMLType, None] = {}
     for node in nodes:
         op = node.op
         if op is Op.MATMUL:
-            jobs.append(matmul_job(node.inputs[1].source.ggml_type))
+            types[node.inputs[1].source.ggml_type] = None
         elif op is Op.MOE_EXPERTS:
-            jobs.extend(matmul_job(i.source.experts[0].ggml_type) for i in node.inputs[2:5])
-            jobs.extend(matmul_job(i.source.ggml_type) for i in node.inputs[5:])
+            types.update(dict.fromkeys(i.source.experts[0].ggml_type for i in node.inputs[2:5]))
+            types.update(dict.fromkeys(i.source.ggml_type for i in node.inputs[5:]))
             ew.add("swiglu")
         elif op is Op.RMS_NORM:
             jobs.append(norms_job("ro"))
@@ -251,12 +268,13 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
         elif op is Op.ROPE:
             jobs.append(rope_job())
     jobs.append(elementwise_job(ew))
+    jobs.extend(matmul_jobs(types))
     return list({j.name: j for j in jobs if j is not None}.values())
 
 
 def all_jobs(cache_types: Iterable[str] = ("f32", "f16", "q8_0")) -> list[CompileJob]:
     """Every fast kernel: each weight type's matmul, every vector op, the caches of ``cache_types``."""
-    jobs = [j for t in _MATMUL_KERNELS if (j := matmul_job(t)) is not None]
+    jobs: list[CompileJob | None] = list(matmul_jobs(_MATMUL_KERNELS))
     jobs += [norms_job("ro"), norms_job("rw"), rope_job()]
     ops = [o for o in _ELEMENTWISE_OP.values() if o not in ("add", "mul")]
     jobs.append(elementwise_job([*ops, *(f"{o}{w}" for o in ("add", "mul") for w in ("", "+ro", "+rw"))]))
