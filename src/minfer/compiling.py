@@ -34,6 +34,7 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from minfer.errors import BadRequestError
@@ -197,8 +198,11 @@ def _compile_batch(cold: Sequence[CompileJob], workers: int) -> None:
 
 def _start_worker(share: Sequence[CompileJob], finished: Any) -> tuple[subprocess.Popen[str], threading.Thread]:
     spec = json.dumps([{"name": j.name, "target": j.target, "args": list(j.args)} for j in share])
+    # the worker must import this very copy of minfer: numba's cache is keyed by the source files' paths
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minfer.compiling", spec],
+        [sys.executable, "-m", "minfer.compiling", spec], env=env,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
 

@@ -158,17 +158,17 @@ _FM = f"{_CPU}.float_matmul"
 _ATT = f"{_CPU}.attention"
 _QUANTIZE = (f"{_QM}:_quantize_serial", f"{_QM}:_quantize_parallel")
 _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
-    GGMLType.Q4_0: ((f"{_QM}:_gemv_q4_0", f"{_QM}:_gemm_q4_0", *_QUANTIZE), 5.0),
+    GGMLType.Q4_0: ((f"{_QM}:_gemv_q4_0", f"{_QM}:_gemm_q4_0", *_QUANTIZE), 6.0),
     GGMLType.Q4_1: ((f"{_QM}:_q4_1_rows8", *_QUANTIZE), 6.0),
-    GGMLType.Q8_0: ((f"{_QM}:_q8_0_rows8", *_QUANTIZE), 3.5),
-    GGMLType.F32: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 5.0),
-    GGMLType.F16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 5.0),
-    GGMLType.BF16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 5.0),
-    GGMLType.Q5_0: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 6.0),
-    GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 6.0),
-    **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel"), 8.0)
+    GGMLType.Q8_0: ((f"{_QM}:_q8_0_rows8", *_QUANTIZE), 3.0),
+    GGMLType.F32: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
+    GGMLType.F16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
+    GGMLType.BF16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
+    GGMLType.Q5_0: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
+    GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
+    **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel"), 11.0)
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
-    **{t: ((f"{_IQ}:_matmul_kernel",), 4.0) for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
+    **{t: ((f"{_IQ}:_matmul_kernel",), 3.5) for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
 }
 _EW = f"{_CPU}.elementwise"
 _ELEMENTWISE_OP = {Op.ADD: "add", Op.MUL: "mul", Op.SWIGLU: "swiglu", Op.SILU: "silu", Op.GEGLU: "geglu",
@@ -212,7 +212,7 @@ def elementwise_job(ops: Iterable[str]) -> CompileJob | None:
 
 
 def norms_job(gain: str) -> CompileJob:
-    return _job(f"norms:{gain}", "norms", (f"{_CPU}.norms:_rms_norm_kernel",), 2.5, gain)
+    return _job(f"norms:{gain}", "norms", (f"{_CPU}.norms:_rms_norm_kernel",), 1.5, gain)
 
 
 def rope_job() -> CompileJob:
@@ -239,7 +239,7 @@ def cache_jobs(cache_type: str, batched: bool = False) -> list[CompileJob]:
     jobs.append(_job(f"attention:{cells}", "attention" if cells == "f32" else what,
                      (f"{_ATT}:_attn_kernel",), 11.0, cells))
     if batched and cache_type != "q8_0":
-        jobs.append(_job(f"attention-rows:{cells}", what, (f"{_ATT}:_attn_rows_kernel",), 8.0, cells))
+        jobs.append(_job(f"attention-rows:{cells}", what, (f"{_ATT}:_attn_rows_kernel",), 6.0, cells))
     return jobs
 
 

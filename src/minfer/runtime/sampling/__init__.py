@@ -57,11 +57,11 @@ def compile_jobs(batched: bool = False) -> list[CompileJob]:
         CompileJob("sampling:top-k", f"{_HERE}.top_k_kernel:warmup_positions", "sampling",
                    (f"{_HERE}.top_k_kernel:top_k_kernel",), 3.5),
         CompileJob("sampling:chain", f"{_HERE}.chain_kernel:warmup_rows", "sampling",
-                   (f"{_HERE}.chain_kernel:_truncate_one",), 4.0, (1,)),
+                   (f"{_HERE}.chain_kernel:_truncate_one",), 5.0, (1,)),
     ]
     if batched:
         jobs.append(CompileJob("sampling:chain-rows", f"{_HERE}.chain_kernel:warmup_rows", "sampling",
-                               (f"{_HERE}.chain_kernel:_truncate_rows",), 8.0, (2,)))
+                               (f"{_HERE}.chain_kernel:_truncate_rows",), 5.0, (2,)))
         jobs.append(CompileJob("sampling:bias", f"{_HERE}.top_k_kernel:warmup_biased", "sampling",
                                (f"{_HERE}.top_k_kernel:biased_kernel",), 1.0))
     return jobs
