@@ -51,20 +51,26 @@ _HERE = "minfer.runtime.sampling"
 
 
 def compile_jobs(batched: bool = False) -> list[CompileJob]:
-    """The sampler's kernels as compile jobs: top-k over the vocabulary and the default chain (every sampled
-    sequence: one row is a batch of one), and with ``batched`` (a server) the logit-bias cut too."""
-    jobs = [
-        CompileJob("sampling:top-k", f"{_HERE}.top_k_kernel:warmup_positions", "sampling",
-                   (f"{_HERE}.top_k_kernel:top_k_kernel",), 3.5),
-        CompileJob("sampling:chain", f"{_HERE}.chain_kernel:warmup_rows", "sampling",
-                   (f"{_HERE}.chain_kernel:_truncate_one",), 5.0, (1,)),
-    ]
+    """The sampler's kernels as compile jobs: top-k over the vocabulary and the default chain of one row
+    (every sampled sequence; one job, since the chain's kernel compiles top-k's inside it), and with
+    ``batched`` (a server) the chain over many rows and the logit-bias cut."""
+    jobs = [CompileJob("sampling", f"{_HERE}:compile_sampler", "sampling",
+                       (f"{_HERE}.top_k_kernel:top_k_kernel", f"{_HERE}.chain_kernel:_truncate_one"), 7.0, (False,))]
     if batched:
-        jobs.append(CompileJob("sampling:chain-rows", f"{_HERE}.chain_kernel:warmup_rows", "sampling",
-                               (f"{_HERE}.chain_kernel:_truncate_rows",), 5.0, (2,)))
-        jobs.append(CompileJob("sampling:bias", f"{_HERE}.top_k_kernel:warmup_biased", "sampling",
-                               (f"{_HERE}.top_k_kernel:biased_kernel",), 1.0))
+        jobs.append(CompileJob("sampling:batched", f"{_HERE}:compile_sampler", "sampling",
+                               (f"{_HERE}.chain_kernel:_truncate_rows", f"{_HERE}.top_k_kernel:biased_kernel"),
+                               6.0, (True,)))
     return jobs
+
+
+def compile_sampler(batched: bool) -> None:
+    """A compile job's body: one sequence's kernels, or (``batched``) those of a batch of rows."""
+    if batched:
+        chain_kernel.warmup_rows(2)
+        top_k_kernel.warmup_biased()
+    else:
+        chain_kernel.warmup_rows(1)
+        top_k_kernel.warmup_positions()
 
 
 def warm_up() -> None:
