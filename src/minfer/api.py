@@ -117,6 +117,7 @@ class Model:
         self.engine = build_engine(self.transformer, self.backend, self.tokenizer, n_ctx, cache_type,
                                    engine_config or EngineConfig(), observers, settings, self.draft)
         self.runner = self.engine.runner
+        self.runner.prepare_kernels()  # a cold cache compiles here, announced, not inside the first answer
         self.kv = self.engine.kv
         self.last_stats: GenerationStats | None = None
 
