@@ -46,19 +46,30 @@ def test_a_saturated_holder_is_passed_over_for_the_least_loaded():
     key = block_hashes(list(range(4 * BLOCK_TOKENS)))
     holder = router.choose(key, loads(a=0, b=0)).replica
     other = "b" if holder == "a" else "a"
-    busy = {holder: ReplicaLoad(4 + 2, 4), other: ReplicaLoad(1, 4)}  # 2 waiting: at the threshold, still it
+    busy = {holder: ReplicaLoad(4 + 2, 4), other: ReplicaLoad(3, 4)}  # 2 waiting: at the threshold, still it
     assert router.choose(key, busy).replica == holder
-    busier = {holder: ReplicaLoad(4 + 3, 4), other: ReplicaLoad(1, 4)}
+    busier = {holder: ReplicaLoad(4 + 3, 4), other: ReplicaLoad(3, 4)}
     d = router.choose(key, busier)
     assert (d.replica, d.kind) == (other, "saturated")
     assert router.choose(key, loads(a=0, b=0)).replica == other  # the prefix now lives there too, most recently
+    # no queue, but a whole replica's slots busier than an idle one: the idle one takes it
+    d = router.choose(key, {other: ReplicaLoad(4, 4), holder: ReplicaLoad(0, 4)})
+    assert (d.replica, d.kind) == (holder, "saturated")
+
+
+def test_a_short_shared_prefix_does_not_pull_requests_to_one_replica():
+    router = PrefixRouter()
+    header = list(range(3 * BLOCK_TOKENS))  # a template's header and default system prompt: 3 blocks
+    picks = [router.choose(block_hashes(header + [1000 + i] * 2 * BLOCK_TOKENS), loads(a=0, b=0)) for i in range(4)]
+    assert [d.kind for d in picks] == ["least_loaded"] * 4
+    assert {d.replica for d in picks} == {"a", "b"}
 
 
 def test_idle_replicas_take_turns_and_dead_ones_are_forgotten():
     router = PrefixRouter()
     picks = [router.choose([], loads(a=0, b=0, c=0)).replica for _ in range(6)]
     assert sorted(picks[:3]) == ["a", "b", "c"] and picks[3:] == picks[:3]
-    key = block_hashes(list(range(2 * BLOCK_TOKENS)))
+    key = block_hashes(list(range(4 * BLOCK_TOKENS)))
     holder = router.choose(key, loads(a=0, b=0)).replica
     router.forget(holder)
     assert router.choose(key, loads(a=0, b=0)).kind == "least_loaded"

@@ -44,8 +44,9 @@ PROBE_SECONDS = 0.5  # how often the replica list and each replica's /health are
 PROBE_TIMEOUT = 5.0
 STALE_SECONDS = 15.0  # a replica whose heartbeat is older is dead (its node went away)
 DEAD_KEPT_SECONDS = 60.0  # a dead replica stays listed in /health this long
-HOP_HEADERS = frozenset({b"host", b"date", b"server", b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade",
-                         b"te", b"trailer", b"proxy-connection"})
+# not passed on: this hop's own (uvicorn writes its date, server and framing headers again)
+HOP_HEADERS = frozenset({b"host", b"date", b"server", b"connection", b"keep-alive", b"transfer-encoding",
+                         b"content-length", b"upgrade", b"te", b"trailer", b"proxy-connection"})
 REPLICA_DEAD = "minfer: replica dead"
 STARTING, READY, DEAD = "starting", "ready", "dead"
 

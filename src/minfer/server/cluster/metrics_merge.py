@@ -28,7 +28,7 @@ def merge(texts: Mapping[str, str]) -> str:
         sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         for sample, labels, value in samples:
             out.append(_line(sample, labels, value))
-            if name not in NOT_SUMMED and not sample.endswith("_created") and len(texts) > 1:
+            if name not in NOT_SUMMED and not sample.endswith("_created"):
                 key = (sample, tuple(sorted((k, v) for k, v in labels.items() if k != "replica")))
                 sums[key] = sums.get(key, 0.0) + value
         for (sample, labels), value in sums.items():

@@ -5,8 +5,10 @@ hash covers blocks 0..i), so two prompts that share their first ``k`` blocks sha
 hashes. The router remembers, for each hash, the replica that most recently served a prompt with it,
 and sends a request to the replica holding its longest known prefix: that replica's KV cache (the
 engine reuses the longest common prefix of any slot) most likely still holds it. When that replica is
-saturated (more than ``queue_threshold`` requests waiting beyond its slots) the request goes to the
-least-loaded replica instead, and so does a request with no known prefix.
+saturated (more than ``queue_threshold`` requests waiting beyond its slots, or a whole replica's slots
+busier than the least-loaded one) the request goes to the least-loaded replica instead, and so does a
+request with no known prefix or one shorter than ``MIN_MATCH_BLOCKS`` (a chat template's header and
+default system prompt are shared by every request: they must not pull every request to one replica).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 BLOCK_TOKENS = 16  # tokens per hashed block
 MAX_BLOCKS = 128  # blocks hashed per prompt: the first 2048 tokens decide the route
+MIN_MATCH_BLOCKS = 4  # a shorter shared prefix (64 tokens) is cheaper to evaluate again than to queue for
 MAX_ENTRIES = 200_000  # remembered hashes (least recently used ones are forgotten first)
 POLICIES = ("prefix", "least-loaded", "random")
 
@@ -81,15 +84,17 @@ class PrefixRouter:
         self._turn += 1
         if self.policy == "random":
             return self._pick(Decision(self._rng.choice(sorted(loads)), "random", 0), hashes)
+        least = self._least_loaded(loads)
         if self.policy == "prefix":
-            for depth in range(len(hashes), 0, -1):
+            for depth in range(len(hashes), MIN_MATCH_BLOCKS - 1, -1):
                 owner = self._owner.get(hashes[depth - 1])
                 if owner is None or owner not in loads:
                     continue
-                if loads[owner].queued <= self.queue_threshold:
+                holder = loads[owner]
+                if holder.queued <= self.queue_threshold and holder.load - loads[least].load < 1.0:
                     return self._pick(Decision(owner, "prefix", depth), hashes)
-                return self._pick(Decision(self._least_loaded(loads), "saturated", 0), hashes)
-        return self._pick(Decision(self._least_loaded(loads), "least_loaded", 0), hashes)
+                return self._pick(Decision(least, "saturated", 0), hashes)
+        return self._pick(Decision(least, "least_loaded", 0), hashes)
 
     def forget(self, replica: str) -> None:
         """``replica`` is gone: its prefixes are nobody's."""
