@@ -70,6 +70,7 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
     from minfer.server.cluster.replica import MinferReplica, Registry
     from minfer.server.cluster.routing_key import PromptKeys
     from minfer.server.http_protocols import http_protocol
+    from minfer.server.middleware import CatchAll
 
     model_path = resolve_model(opts.model)  # pulled here once; replicas on other nodes resolve the same name
     keys = PromptKeys.from_model(model_path)
@@ -123,7 +124,7 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
         access_log.configure(opts.log_format)
         front = Front(config, registry.entries, registry.forget, keys)
         errors_to_stderr()
-        server = uvicorn.Server(uvicorn.Config(front, log_level=opts.log_level, access_log=False,
+        server = uvicorn.Server(uvicorn.Config(CatchAll(front), log_level=opts.log_level, access_log=False,
                                                http=http_protocol(), lifespan="on",
                                                timeout_graceful_shutdown=opts.shutdown_timeout + 2.0))
         how = (f"{ray_opts.autoscale[0]}..{ray_opts.autoscale[1]} replicas" if ray_opts.autoscale

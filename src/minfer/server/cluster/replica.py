@@ -139,7 +139,10 @@ class MinferReplica:
         """Ray Serve's health check: the engine process is alive and answers."""
         if self.proc.poll() is not None:
             raise RuntimeError(f"the engine process exited with {self.proc.returncode}")
-        self.client.get(self.url + "/health").raise_for_status()
+        try:
+            self.client.get(self.url + "/health").raise_for_status()
+        except httpx.TimeoutException:
+            pass  # busy, not dead: a replica is never killed for answering slowly under load
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaler sees (requests reach the engine directly, not through Serve)."""
