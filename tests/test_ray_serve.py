@@ -27,6 +27,8 @@ from server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 READY_TIMEOUT = 600.0  # a first start on a busy 2-core machine compiles kernels in both replicas
 RECOVERY_SECONDS = 120.0
 BASE_SYSTEM = (
@@ -82,7 +84,8 @@ def wait_ready(url: str, n: int, timeout: float) -> dict:
 def cluster(smollm2_path: Path):
     before = ray_processes()
     server = ServerProcess(smollm2_path, ["--ray", "--replicas", "2", "--threads", "1", "--parallel", "4",
-                                          "--ctx-size", "8192", "--host", "127.0.0.1", "--log-format", "off"],
+                                          "--ctx-size", "8192", "--host", "127.0.0.1", "--log-format", "off",
+                                          "--api-key", KEY],
                            startup_timeout=READY_TIMEOUT)
     server.cmd = [c for c in server.cmd]
     with _started(server):
@@ -139,7 +142,7 @@ class _started:
 
 def chat(url: str, messages: list[dict], max_tokens: int = 8, **extra) -> httpx.Response:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=300)
 
 
 def test_health_lists_the_replicas(cluster):
@@ -155,7 +158,7 @@ def test_health_lists_the_replicas(cluster):
 def test_the_openai_client_streamed_and_not(cluster):
     from openai import OpenAI
 
-    client = OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    client = OpenAI(base_url=cluster.url + "/v1", api_key=KEY)
     messages = [{"role": "user", "content": "Name three colours."}]
     whole = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
     text = whole.choices[0].message.content
@@ -170,8 +173,14 @@ def test_the_openai_client_streamed_and_not(cluster):
     assert "".join(parts) == text
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
     # errors are the single server's own: a bad field is a 400 with an OpenAI body
-    r = httpx.post(cluster.url + "/v1/chat/completions", json={"messages": "nope"}, timeout=30)
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={"messages": "nope"}, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # and so is the API key: on the API, on the front's /metrics, and on the engines themselves
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={"messages": messages}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(cluster.url + "/metrics", timeout=30).status_code == 401
+    engine = httpx.get(cluster.url + "/health", timeout=10).json()["replicas"][0]["url"]
+    assert httpx.get(engine + "/v1/models", timeout=30).status_code == 401
 
 
 def test_8_concurrent_requests_equal_their_solo_text(cluster):
@@ -222,7 +231,7 @@ def test_follow_ups_sharing_a_system_prompt_find_it_cached(cluster, record_prope
     print(f"\nfollow-ups with cached_tokens > 200: prefix routing {routed_rate:.0%} {routed}, "
           f"random routing {random_rate:.0%} {randomly}")
     assert routed_rate >= 0.8
-    metrics = httpx.get(cluster.url + "/metrics", timeout=30).text
+    metrics = httpx.get(cluster.url + "/metrics", headers=AUTH, timeout=30).text
     hit_ratio = next(float(line.split()[-1]) for line in metrics.splitlines()
                      if line.startswith("minfer_router_prefix_hit_ratio "))
     assert hit_ratio > 0
@@ -231,7 +240,7 @@ def test_follow_ups_sharing_a_system_prompt_find_it_cached(cluster, record_prope
 
 def test_metrics_are_per_replica_and_summed(cluster):
     assert chat(cluster.url, [{"role": "user", "content": "Hello"}], max_tokens=4).status_code == 200
-    text = httpx.get(cluster.url + "/metrics", timeout=30).text
+    text = httpx.get(cluster.url + "/metrics", headers=AUTH, timeout=30).text
     ids = [r["id"] for r in httpx.get(cluster.url + "/health", timeout=10).json()["replicas"]
            if r["state"] == "ready"]
     values = {}
@@ -248,7 +257,7 @@ def _stream_until_killed(cluster) -> tuple[list[str], str]:
             "max_tokens": 2000, "temperature": 0.8, "stream": True,
             "logit_bias": {"2": -100}}  # (2: SmolLM2's <|im_end|>) the stream keeps going until killed
     lines: list[str] = []
-    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200
         replica = r.headers["x-minfer-replica"]
         pid = next(x["pid"] for x in httpx.get(cluster.url + "/health", timeout=10).json()["replicas"]
@@ -310,7 +319,7 @@ def test_a_replica_killed_during_16_requests_loses_none(cluster):
             if isinstance(r, Exception) or r.status_code != 200]
     assert not lost, lost
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results)  # type: ignore[union-attr]
-    retried = [line for line in httpx.get(cluster.url + "/metrics", timeout=30).text.splitlines()
+    retried = [line for line in httpx.get(cluster.url + "/metrics", headers=AUTH, timeout=30).text.splitlines()
                if line.startswith("minfer_router_retries_total{") and f'replica="{victim["id"]}"' in line]
     assert retried and float(retried[0].split()[-1]) >= 1
     wait_ready(cluster.url, 2, RECOVERY_SECONDS - (time.monotonic() - killed_at))
