@@ -10,7 +10,8 @@ the plain ``minfer serve``; ``--ray --ray-address`` with 1 replica; and with 2 r
 ``bench/server_load.py``'s load (N clients x M streamed chat requests of exactly ``--max-tokens`` tokens)
 against each server in turn, for each concurrency. It reports each server's median token rate, the
 per-round ratios (1 replica behind the front over the plain server: what the front costs; 2 replicas over
-1: what the second replica adds), the front's CPU time per request and per streamed token (from /proc),
+1: what the second replica adds), the front's CPU time while idle and, beyond that, per request and per
+streamed token (from /proc; both figures are the same CPU seconds, divided by requests or by tokens),
 and a small request's latency straight to an engine and through the front. At the end the servers stop
 and ``ray stop`` ends the head.
 """
@@ -60,12 +61,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--small", type=int, default=100, help="small requests per path for the latency figure")
+    ap.add_argument("--idle", type=float, default=20.0, help="seconds the fronts' idle CPU is measured over")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     path = resolve_model(args.model)
     bias = {str(t): -100.0 for t in minfer.load(path, n_ctx=16).tokenizer.eog_ids}
     clients = [int(c) for c in args.clients.split(",")]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # the head and the fronts that join it share the token of ~/.ray/auth_token (Ray's token authentication)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
     port = free_port()
     subprocess.run(["ray", "start", "--head", "--port", str(port), "--num-cpus", "4", "--include-dashboard=false",
                     "--disable-usage-stats"], check=True, env=env, capture_output=True)
@@ -84,6 +87,13 @@ def main() -> None:
                 time.sleep(1)
         for s in servers.values():
             asyncio.run(load_run(s.url, 2, 1, 8, bias))  # warm-up: plans for the common batch shapes
+        # the fronts' CPU while idle (the replica list, the probes, Ray's own threads): taken out of the
+        # per-token figure below
+        idle0 = {n: cpu_seconds(servers[n].proc.pid) for n in ("ray1", "ray2")}  # type: ignore[union-attr]
+        t_idle = time.monotonic()
+        time.sleep(args.idle)
+        idle_rate = {n: (cpu_seconds(servers[n].proc.pid) - idle0[n]) / (time.monotonic() - t_idle)  # type: ignore[union-attr]
+                     for n in idle0}
         rates: dict[str, list[dict[int, float]]] = {name: [] for name in servers}
         front_cpu = {name: 0.0 for name in ("ray1", "ray2")}
         front_tokens = {name: 0.0 for name in ("ray1", "ray2")}
@@ -97,7 +107,7 @@ def main() -> None:
                     cpu0 = cpu_seconds(s.proc.pid)
                     run = asyncio.run(load_run(s.url, c, args.requests, args.max_tokens, bias))
                     if name in front_cpu:
-                        front_cpu[name] += cpu_seconds(s.proc.pid) - cpu0
+                        front_cpu[name] += cpu_seconds(s.proc.pid) - cpu0 - idle_rate[name] * run["seconds"]
                         front_tokens[name] += run["tokens_per_s"] * run["seconds"]
                         front_requests[name] += run["requests"]
                     rates[name][-1][c] = run["tokens_per_s"]
@@ -128,6 +138,7 @@ def main() -> None:
         "ray1_over_plain": {c: ratio("ray1", "plain", c) for c in clients},
         "ray2_over_ray1": {c: ratio("ray2", "ray1", c) for c in clients},
         "ray2_over_plain": {c: ratio("ray2", "plain", c) for c in clients},
+        "front_idle_cpu_share": idle_rate,
         "front_cpu_ms_per_request": {n: 1e3 * front_cpu[n] / max(front_requests[n], 1) for n in front_cpu},
         "front_cpu_us_per_token": {n: 1e6 * front_cpu[n] / max(front_tokens[n], 1) for n in front_cpu},
         "small_request_ms": {"engine_p50": 1e3 * statistics.median(direct),
@@ -142,8 +153,10 @@ def main() -> None:
     for key in ("ray1_over_plain", "ray2_over_ray1", "ray2_over_plain"):
         print(f"{key}: " + "; ".join(f"{c} clients median {statistics.median(v):.2f} (rounds "
                                      + ", ".join(f"{x:.2f}" for x in v) + ")" for c, v in report[key].items()))
-    print("front CPU: " + ", ".join(f"{n}: {report['front_cpu_ms_per_request'][n]:.2f} ms/request, "
-                                    f"{report['front_cpu_us_per_token'][n]:.0f} us/token" for n in front_cpu))
+    print("front CPU idle: " + ", ".join(f"{n}: {100 * v:.1f}% of a core" for n, v in idle_rate.items()))
+    per = [f"{n}: {report['front_cpu_ms_per_request'][n]:.2f} ms/request, "
+           f"{report['front_cpu_us_per_token'][n]:.0f} us/token" for n in front_cpu]
+    print("front CPU under load, idle share taken out: " + ", ".join(per))
     s = report["small_request_ms"]
     print(f"GET /v1/models p50: {s['engine_p50']:.2f} ms straight to the engine, {s['front_p50']:.2f} ms through "
           "the front")
