@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from minfer.server.cluster.autoscale import desired_replicas
+from minfer.server.cluster.autoscale import LOAD_METRIC, LoadPolicy, desired_replicas
 from minfer.server.cluster.front import stream_error
 from minfer.server.cluster.metrics_merge import merge
 from minfer.server.cluster.prefix import BLOCK_TOKENS, PrefixRouter, ReplicaLoad, block_hashes
@@ -119,6 +119,13 @@ def test_the_autoscaling_policy_follows_the_load():
     assert desired_replicas(load=9, target=4, current=1, low=1, high=4) == 3
     assert desired_replicas(load=40, target=4, current=2, low=1, high=4) == 4
     assert desired_replicas(load=0, target=4, current=4, low=1, high=4) == 3  # down one at a time
+    # what Serve's controller calls: the replicas' reported loads summed (measured: 12 requests on one
+    # replica of 4 slots made Serve add the second of --autoscale 1:2)
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(aggregated_metrics={LOAD_METRIC: {"r1": 12.0}}, current_num_replicas=1,
+                          capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=2, policy_state={})
+    assert LoadPolicy(target=4)(ctx) == (2, {})
 
 
 @pytest.mark.slow

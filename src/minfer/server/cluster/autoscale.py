@@ -24,10 +24,16 @@ def desired_replicas(load: float, target: float, current: int, low: int, high: i
     return max(low, min(high, want))
 
 
-def policy(ctx: Any, target: float = 4.0) -> tuple[int, dict[str, Any]]:
-    """Serve's policy function (``AutoscalingContext`` in, the wanted replica count and its state out)."""
-    per_replica = (ctx.aggregated_metrics or {}).get(LOAD_METRIC, {})
-    load = float(sum(per_replica.values()))
-    n = desired_replicas(load, target, ctx.current_num_replicas, ctx.capacity_adjusted_min_replicas,
-                         ctx.capacity_adjusted_max_replicas)
-    return n, ctx.policy_state
+class LoadPolicy:
+    """Serve's policy (a class: Serve makes one with ``policy_kwargs`` and calls it with each
+    ``AutoscalingContext``; Serve pickles this module by value, so it imports nothing of minfer)."""
+
+    def __init__(self, target: float = 4.0) -> None:
+        self.target = target
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        per_replica = (ctx.aggregated_metrics or {}).get(LOAD_METRIC, {})
+        load = float(sum(per_replica.values()))
+        n = desired_replicas(load, self.target, ctx.current_num_replicas, ctx.capacity_adjusted_min_replicas,
+                             ctx.capacity_adjusted_max_replicas)
+        return n, ctx.policy_state

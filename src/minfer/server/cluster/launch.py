@@ -5,7 +5,6 @@ started here is shut down."""
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
@@ -65,7 +64,6 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
 
     from minfer.pull import resolve_model
     from minfer.server import access_log
-    from minfer.server.cluster.autoscale import policy
     from minfer.server.cluster.engine_process import options_to_json
     from minfer.server.cluster.replica import MinferReplica, Registry
     from minfer.server.cluster.routing_key import PromptKeys
@@ -109,7 +107,8 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
             scaling = {"autoscaling_config": {
                 "min_replicas": low, "max_replicas": high, "initial_replicas": low,
                 "upscale_delay_s": 10.0, "downscale_delay_s": 120.0,
-                "policy": {"policy_function": functools.partial(policy, target=float(opts.parallel))}}}
+                "policy": {"policy_function": "minfer.server.cluster.autoscale:LoadPolicy",
+                           "policy_kwargs": {"target": float(opts.parallel)}}}}
         deployment = serve.deployment(
             MinferReplica, name="engine", ray_actor_options={"num_cpus": threads},
             health_check_period_s=2.0, health_check_timeout_s=30.0,
