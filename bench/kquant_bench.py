@@ -1,13 +1,16 @@
 """Benchmark the Q5_0/Q5_1/K-quant matmul kernels against dequantize + numpy, with Q4_1 (quant_matmul) as a yardstick.
 
     python bench/kquant_bench.py [--threads 1 2] [--tokens 1 128] [--seconds 0.3] [--types Q4_K Q6_K ...]
-    python bench/kquant_bench.py --bandwidth [--threads 1 2] [--types Q4_K Q8_0 F16 ...]
+    python bench/kquant_bench.py --bandwidth [--threads 1 2] [--types Q4_K Q8_0 F16 ...] [--cpu-time]
 
-``--bandwidth``: decode (GEMV, one token) as a memory-bound kernel. For each type and each of 2048x2048,
-2048x8192 and 8192x2048, enough distinct copies of the weight to fill BANDWIDTH_WORKING_SET (far past the
-L3, as a decode step's weights are) are multiplied one after another; weight bytes per second over
-the copies, set against the machine's read bandwidth (``minfer.tools.read_bandwidth``, a STREAM-like
-read) measured at the same thread count just before each type. Both are the best of repeated passes.
+``--bandwidth [--cpu-time --threads 1]``: decode (GEMV, one token) as a memory-bound kernel. For
+each type and each of 2048x2048, 2048x8192 and 8192x2048, enough distinct copies of the weight to
+fill BANDWIDTH_WORKING_SET (far past the L3, as a decode step's weights are) are multiplied one after
+another: weight bytes per second over the copies, set against the machine's read bandwidth
+(``minfer.tools.read_bandwidth``, a STREAM-like read) measured at the same thread count just before.
+Both are the best of repeated passes. On a shared machine, wall-clock figures at 2 threads mostly
+measure the other processes (a parallel call waits for its descheduled thread); ``--cpu-time`` times
+one thread in its own CPU seconds instead (memory contention still counts).
 Every type is covered: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, F16 by default (``--types`` picks others).
 
 Shapes (n_out x n_in): SmolLM2-135M's 576x576 (attention), 1536x576 (ffn gate/up), 576x1536 (ffn down),
@@ -152,9 +155,26 @@ def _module(t: GGMLType):
     return km if km.supports(t) else qm
 
 
-def bench_bandwidth(types: list[GGMLType], threads: list[int], seconds: float) -> None:
-    """GEMV weight bytes/s per type, shape and thread count as a fraction of the measured read bandwidth."""
-    from minfer.tools.read_bandwidth import measure_read_bandwidth
+def best_cpu_time(fn: Callable[[], None], seconds: float) -> float:
+    """Minimum CPU seconds of this thread per call: on one numba thread the kernels run on the calling
+    thread, so time spent descheduled (a shared machine) is not counted; memory contention still is."""
+    fn()
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or best == float("inf"):
+        t = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t)
+    return best
+
+
+def bench_bandwidth(types: list[GGMLType], threads: list[int], seconds: float, cpu_time: bool = False) -> None:
+    """GEMV weight bytes/s per type, shape and thread count as a fraction of the measured read bandwidth
+    (``cpu_time``: both measured in CPU time, one thread only)."""
+    from minfer.tools.read_bandwidth import measure_read_bandwidth, read_once
+
+    if cpu_time and threads != [1]:
+        raise SystemExit("--cpu-time measures one thread only: pass --threads 1")
 
     rng = np.random.default_rng(0)
     table: dict[tuple[str, str, int], tuple[float, float]] = {}
@@ -178,9 +198,16 @@ def bench_bandwidth(types: list[GGMLType], threads: list[int], seconds: float) -
                     mod.matmul(x, p, out, xq)
 
             for n_threads in threads:
-                peak = measure_read_bandwidth(n_threads, seconds=seconds)
-                numba.set_num_threads(n_threads)
-                per_pass = best_time(one_pass, max(seconds, 0.5))
+                if cpu_time:
+                    numba.set_num_threads(1)
+                    buf = np.ones(512 * 2**20 // 4, np.float32)
+                    peak = buf.nbytes / best_cpu_time(lambda buf=buf: read_once(buf, 1), seconds)
+                    del buf
+                    per_pass = best_cpu_time(one_pass, max(seconds, 0.5))
+                else:
+                    peak = measure_read_bandwidth(n_threads, seconds=seconds)
+                    numba.set_num_threads(n_threads)
+                    per_pass = best_time(one_pass, max(seconds, 0.5))
                 rate = w.nbytes * copies / per_pass
                 table[(t.name, f"{n_out}x{n_in}", n_threads)] = (rate, rate / peak)
                 print(
@@ -203,12 +230,16 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.3, help="measuring time per row")
     p.add_argument("--types", nargs="+", default=None, choices=sorted({*TYPES, *BANDWIDTH_TYPES}))
     p.add_argument("--bandwidth", action="store_true", help="decode GEMV bytes/s against the read bandwidth")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="with --bandwidth --threads 1: time in this thread's CPU seconds (a shared machine)")
     args = p.parse_args()
     if args.bandwidth:
         qm.warmup()
         km.warmup()
         print(f"x86 AVX2 path: {simd.AVX2}; load {open('/proc/loadavg').read().strip()}")
-        bench_bandwidth([GGMLType[n] for n in args.types or BANDWIDTH_TYPES], args.threads, max(args.seconds, 1.0))
+        bench_bandwidth(
+            [GGMLType[n] for n in args.types or BANDWIDTH_TYPES], args.threads, max(args.seconds, 1.0), args.cpu_time
+        )
         return
     args.types = args.types or TYPES
     t = time.perf_counter()

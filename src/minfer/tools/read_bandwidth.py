@@ -43,6 +43,12 @@ def _read_all(buf, n_slices):
     return part.sum()
 
 
+def read_once(buf: np.ndarray, threads: int) -> float:
+    """One STREAM-like pass over the float32 ``buf`` (its length a multiple of 32 per thread) on
+    ``threads`` slices; the caller times it (and sets numba's thread count)."""
+    return float(_read_all(buf, threads))
+
+
 def measure_read_bandwidth(threads: int = 1, nbytes: int = DEFAULT_BYTES, seconds: float = 1.0) -> float:
     """Bytes per second read from memory by ``threads`` threads: the best of repeated whole-buffer reads
     filling about ``seconds`` (the least disturbed pass on a shared machine). Restores numba's thread
