@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,7 +225,7 @@ class PairedPeer:
 
 def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int],
                reps: int, report: BenchReport | None = None, quantize: str | None = None,
-               peer: PairedPeer | None = None) -> BenchReport:
+               peer: PairedPeer | None = None, progress: Callable[[str], None] | None = None) -> BenchReport:
     n_ctx = max([*prompts, *gens, 1])
     report_ = report
     for t in threads:
@@ -269,6 +269,10 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                         report_.expert_bytes_per_token = reads.bytes / n
                     if peer is not None:
                         peer.run(f"{kind}{n}", t, r, keep=r > 0)
+                    if progress is not None:
+                        theirs = peer.records.get((f"{kind}{n}", t), []) if peer is not None and r > 0 else []
+                        progress(f"{kind}{n} at {t} threads, run {r}/{reps}{' (warm-up)' if r == 0 else ''}: "
+                                 f"minfer {n / dt:.2f} t/s" + (f", llama.cpp {theirs[-1]:.2f} t/s" if theirs else ""))
                 report_.records.append(BenchRecord("minfer", f"{kind}{n}", t, runs))
         model.backend.close()
     assert report_ is not None
@@ -385,7 +389,8 @@ def markdown(report: BenchReport) -> str:
 
 def bench(model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int], reps: int,
           compare: bool = False, peer_python: dict[str, str] | None = None, quantize: str | None = None,
-          lookup: bool = False, draft: str | Path | None = None, measure_machine: bool = True) -> BenchReport:
+          lookup: bool = False, draft: str | Path | None = None, measure_machine: bool = True,
+          progress: Callable[[str], None] | None = None) -> BenchReport:
     """Run the tests; with ``compare`` also the peers (``peer_python`` maps an engine to its interpreter);
     with ``lookup`` or ``draft`` also generation without and with speculative decoding."""
     if reps < 1:
@@ -396,7 +401,8 @@ def bench(model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads
     if compare:
         paired = PairedPeer((peer_python or {}).get("llama.cpp", sys.executable), Path(model_path), prompts, gens)
     try:
-        report = run_minfer(model_path, prompts, gens, threads, reps, quantize=quantize, peer=paired)
+        report = run_minfer(model_path, prompts, gens, threads, reps, quantize=quantize, peer=paired,
+                            progress=progress)
     finally:
         if paired is not None:
             paired.close()
