@@ -67,6 +67,7 @@ class BenchReport:
     load_s: float = 0.0
     peak_rss_bytes: int = 0
     kv_bytes_per_position: int = 0
+    kv_bytes: int = 0  # the KV cache the bench's model allocated (n_ctx = the largest test)
     layer_matmul_params: int = 0  # parameters of the layers' matrices (MoE: the experts a token uses)
     output_params: int = 0  # the output matrix (the embedding when tied)
     attention_flops_unit: int = 0  # 4 x layers x heads x head_dim: attention FLOPs per (query, key) pair
@@ -104,6 +105,7 @@ class BenchReport:
             d = asdict(r)
             d.update(model=self.model, load_s=self.load_s, peak_rss_bytes=self.peak_rss_bytes,
                      model_bytes=self.model_bytes, kv_bytes_per_position=self.kv_bytes_per_position,
+                     kv_bytes=self.kv_bytes,
                      weight_bytes_per_token=self.weight_bytes_per_token,
                      expert_bytes_per_token=self.expert_bytes_per_token, machine=machine)
             d.update(self.against_machine(r))
@@ -245,6 +247,7 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                 layer_matmul_params=layers,
                 output_params=output,
                 attention_flops_unit=4 * hp.n_layer * hp.n_head * hp.head_dim_k,
+                kv_bytes=model.kv.nbytes,
             )
         vocab = model.hparams.n_vocab
         runner = model.runner
@@ -341,9 +344,11 @@ def run_peer(engine: str, model_path: Path, prompts: Sequence[int], gens: Sequen
 
 
 def markdown(report: BenchReport) -> str:
+    overhead = report.peak_rss_bytes - report.model_bytes - report.kv_bytes
     lines = [
         f"model: {report.model}, {report.model_bytes / 2**20:.1f} MiB, {report.n_params / 1e6:.1f} M params, "
-        f"load {report.load_s:.2f} s, peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB, "
+        f"load {report.load_s:.2f} s, peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB (file + KV "
+        f"{report.kv_bytes / 2**20:.0f} MiB + {overhead / 2**20:.0f} MiB), "
         f"weights read per token {report.weight_bytes_per_token / 2**20:.1f} MiB"
         + (f" (experts measured: {report.expert_bytes_per_token / 2**20:.1f} MiB)" if report.expert_bytes_per_token
            else "") + ", "
