@@ -1,19 +1,24 @@
-"""Benchmark the Q5_0/Q5_1/K-quant matmul kernels against dequantize + numpy, with Q4_1 (quant_matmul) as a yardstick;
-with ``--machine``, every fast matmul type against the machine's own measured limits.
+"""Benchmark the Q5_0/Q5_1/K-quant matmul kernels against dequantize + numpy, with Q4_1 (quant_matmul) as a yardstick.
 
     python bench/kquant_bench.py [--threads 1 2] [--tokens 1 128] [--seconds 0.3] [--types Q4_K Q6_K ...]
-    python bench/kquant_bench.py --machine [--threads 1 2] [--tokens 128] [--shapes 2048x2048 8192x2048 ...]
+    python bench/kquant_bench.py --bandwidth [--threads 1 2] [--types Q4_K Q8_0 F16 ...] [--cpu-time]
+    python bench/kquant_bench.py --peak [--threads 1 2] [--tokens 128] [--shapes 2048x2048 ...]
 
-``--machine`` (issue 18's kernel figures): per type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, F16 by default) and
-shape (default 2048x2048, 8192x2048, 2048x8192):
+``--peak``: prefill (GEMM) against the machine's arithmetic. Per type (the ``--bandwidth`` types) and shape
+(the ``--bandwidth`` shapes, or ``--shapes``), GFLOP/s of a ``--tokens``-token matmul (2 x tokens x n_out x
+n_in per call, activations quantized in the call, weights warm in the cache) as a fraction of the float32
+FMA peak measured at the same thread count (``minfer.tools.machine``: independent FMAs vectorized for the
+host; where the CPU has VNNI the int8 dot-product peak is taken as 4x that, printed beside it).
 
-* GEMV (1 token): the read bandwidth the kernel reaches on weights that do not fit in the cache (copies of the
-  matrix, ``--working-set`` MiB in all, default max(256, 4 x L3), one after another as a decode step walks its
-  layers), bytes read = the weight bytes the kernel reads (Q4_1 / Q8_0: their repacked copy), as a fraction of
-  the machine's read bandwidth measured at that thread count (:mod:`minfer.tools.machine`);
-* GEMM (``--tokens`` > 1, default 128): GFLOP/s (2 x tokens x n_out x n_in per call, activations quantized in
-  the call), weights warm in the cache, as a fraction of the measured float32 FMA peak (the integer paths'
-  int8 peak is 4x that where the CPU has VNNI: the fraction printed is of the float32 peak, say so).
+``--bandwidth [--cpu-time --threads 1]``: decode (GEMV, one token) as a memory-bound kernel. For
+each type and each of 2048x2048, 2048x8192 and 8192x2048, enough distinct copies of the weight to
+fill BANDWIDTH_WORKING_SET (far past the L3, as a decode step's weights are) are multiplied one after
+another: weight bytes per second over the copies, set against the machine's read bandwidth
+(``minfer.tools.read_bandwidth``, a STREAM-like read) measured at the same thread count just before.
+Both are the best of repeated passes. On a shared machine, wall-clock figures at 2 threads mostly
+measure the other processes (a parallel call waits for its descheduled thread); ``--cpu-time`` times
+one thread in its own CPU seconds instead (memory contention still counts).
+Every type is covered: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, F16 by default (``--types`` picks others).
 
 Shapes (n_out x n_in): SmolLM2-135M's 576x576 (attention), 1536x576 (ffn gate/up), 576x1536 (ffn down),
 and a 2048x2048 square. K-quant rows must be whole 256-value super-blocks, so K-quants skip the shapes
@@ -49,8 +54,9 @@ from minfer.formats.quants import DEQUANTIZERS
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (2048, 2048)]
 TYPES = ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-MACHINE_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "F16"]
-MACHINE_SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192)]
+BANDWIDTH_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "F16"]
+BANDWIDTH_SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048)]  # (n_out, n_in)
+BANDWIDTH_WORKING_SET = 384 * 2**20  # bytes of distinct weights per pass: ≫ L3
 # byte offsets of each block's f16 scales (set to sane values in random K-quant blocks)
 F16_AT = {
     GGMLType.Q2_K: (80, 82),
@@ -78,15 +84,15 @@ def best_time(fn: Callable[[], None], seconds: float) -> float:
 
 
 def make_weight(t: GGMLType, n_out: int, n_in: int, rng: np.random.Generator) -> GGUFTensor:
-    if t == GGMLType.F16:
-        raw = (rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.05).astype(np.float16).view(np.uint8)
-    elif t in F16_AT:
+    if t in F16_AT:
         nb = n_in // block_size(t)
         raw = rng.integers(0, 256, (n_out, nb, type_size(t)), dtype=np.uint8)
         for off in F16_AT[t]:
             scale = (rng.uniform(0.5, 2.0, (n_out, nb)) * 1e-3).astype(np.float16)
             raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(n_out, nb, 2)
         raw = raw.reshape(n_out, -1)
+    elif t == GGMLType.F16:
+        raw = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float16).view(np.uint8)
     else:
         w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
         raw = gq.quantize(w, t).view(np.uint8).reshape(n_out, -1)
@@ -152,80 +158,111 @@ def print_summary() -> None:
         print(f"{t:<5} {shape:<10}" + "".join(f"{c:>21}" for c in cells))
 
 
-def _kernel(t: GGMLType):
-    """(the module whose matmul runs ``t``, its weight preparation, its activation quantizer or None)."""
-    if qm.supports(t):
-        return qm, qm.prepare, None if t in (GGMLType.F16, GGMLType.F32, GGMLType.BF16) else qm.quantize_activations
-    return km, km.prepare, km.quantize_activations_q8_k if t in F16_AT else qm.quantize_activations
+def _module(t: GGMLType):
+    return km if km.supports(t) else qm
 
 
-def _bytes_read(prepared) -> int:
-    rows8 = getattr(prepared, "rows8", None)
-    return int(rows8.nbytes if rows8 is not None else prepared.flat.nbytes)
+def best_cpu_time(fn: Callable[[], None], seconds: float) -> float:
+    """Minimum CPU seconds of this thread per call: on one numba thread the kernels run on the calling
+    thread, so time spent descheduled (a shared machine) is not counted; memory contention still is."""
+    fn()
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or best == float("inf"):
+        t = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t)
+    return best
 
 
-def gemv_bandwidth(t: GGMLType, n_out: int, n_in: int, working_set: int, seconds: float) -> tuple[float, int]:
-    """(bytes/s a 1-token matmul reads weights at, over copies filling ``working_set`` bytes; weight bytes)."""
+def bench_bandwidth(types: list[GGMLType], threads: list[int], seconds: float, cpu_time: bool = False) -> None:
+    """GEMV weight bytes/s per type, shape and thread count as a fraction of the measured read bandwidth
+    (``cpu_time``: both measured in CPU time, one thread only)."""
+    from minfer.tools.read_bandwidth import measure_read_bandwidth, read_once
+
+    if cpu_time and threads != [1]:
+        raise SystemExit("--cpu-time measures one thread only: pass --threads 1")
+
     rng = np.random.default_rng(0)
-    mod, prep, quant = _kernel(t)
-    w = make_weight(t, n_out, n_in, rng)
-    one = prep(w)
-    nbytes = _bytes_read(one)
-    n_copies = max(1, working_set // nbytes)
-    copies = [one] + [prep(GGUFTensor("w", t, w.shape, w.data.copy())) for _ in range(n_copies - 1)]
-    x = rng.standard_normal((1, n_in)).astype(np.float32)
-    out = np.empty((1, n_out), np.float32)
-    xq = quant(x) if quant is not None else None  # decode shares one quantization across q/k/v and gate/up
+    table: dict[tuple[str, str, int], tuple[float, float]] = {}
+    for t in types:
+        for n_out, n_in in BANDWIDTH_SHAPES:
+            w = make_weight(t, n_out, n_in, rng)
+            copies = max(2, BANDWIDTH_WORKING_SET // w.nbytes)
+            mod = _module(t)
+            prepared = [mod.prepare(GGUFTensor("w", t, w.shape, np.array(w.data))) for _ in range(copies)]
+            x = rng.standard_normal((1, n_in)).astype(np.float32)
+            out = np.empty((1, n_out), np.float32)
+            if t in F16_AT:
+                xq = km.quantize_activations_q8_k(x)
+            elif t == GGMLType.F16:
+                xq = None
+            else:
+                xq = qm.quantize_activations(x)
 
-    def walk() -> None:
-        for c in copies:
-            mod.matmul(x, c, out, xq)
+            def one_pass(prepared=prepared, mod=mod, x=x, out=out, xq=xq) -> None:
+                for p in prepared:
+                    mod.matmul(x, p, out, xq)
 
-    per_walk = best_time(walk, seconds)
-    return nbytes * len(copies) / per_walk, nbytes
+            for n_threads in threads:
+                if cpu_time:
+                    numba.set_num_threads(1)
+                    buf = np.ones(512 * 2**20 // 4, np.float32)
+                    peak = buf.nbytes / best_cpu_time(lambda buf=buf: read_once(buf, 1), seconds)
+                    del buf
+                    per_pass = best_cpu_time(one_pass, max(seconds, 0.5))
+                else:
+                    peak = measure_read_bandwidth(n_threads, seconds=seconds)
+                    numba.set_num_threads(n_threads)
+                    per_pass = best_time(one_pass, max(seconds, 0.5))
+                rate = w.nbytes * copies / per_pass
+                table[(t.name, f"{n_out}x{n_in}", n_threads)] = (rate, rate / peak)
+                print(
+                    f"  {t.name:<5} {n_out}x{n_in} {n_threads} thr: {rate / 1e9:6.2f} GB/s of weights,"
+                    f" read bandwidth {peak / 1e9:6.2f} GB/s -> {rate / peak:6.1%}  ({copies} copies,"
+                    f" {w.nbytes * copies / 2**20:.0f} MiB; load {open('/proc/loadavg').read().split()[0]})"
+                )
+            del prepared
+    print("\nsummary: GEMV bandwidth fraction (weights GB/s / read GB/s at the same thread count)")
+    print(f"{'type':<5}" + "".join(f" {f'{s[0]}x{s[1]} {th}t':>16}" for s in BANDWIDTH_SHAPES for th in threads))
+    for t in types:
+        cells = [table[(t.name, f"{a}x{b}", th)] for a, b in BANDWIDTH_SHAPES for th in threads]
+        print(f"{t.name:<5}" + "".join(f" {f'{r / 1e9:5.1f} {f:5.0%}':>16}" for r, f in cells))
 
 
 def gemm_rate(t: GGMLType, n_out: int, n_in: int, n_tok: int, seconds: float) -> float:
     """FLOP/s of an ``n_tok``-token matmul (activations quantized in the call), weights warm."""
     rng = np.random.default_rng(0)
-    mod, prep, _ = _kernel(t)
-    w = prep(make_weight(t, n_out, n_in, rng))
+    mod = _module(t)
+    w = mod.prepare(make_weight(t, n_out, n_in, rng))
     x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
     out = np.empty((n_tok, n_out), np.float32)
     return 2.0 * n_tok * n_out * n_in / best_time(partial(mod.matmul, x, w, out), seconds)
 
 
-def bench_machine(types: list[GGMLType], shapes: list[tuple[int, int]], threads: list[int], tokens: list[int],
-                  seconds: float, working_set: int) -> list[dict]:
-    """The ``--machine`` tables: GEMV bandwidth fraction and GEMM GFLOP/s against the peak, per type and shape."""
+def bench_peak(types: list[GGMLType], shapes: list[tuple[int, int]], threads: list[int], tokens: list[int],
+               seconds: float) -> list[dict]:
+    """GEMM GFLOP/s per type, shape, token count and thread count against the measured float32 FMA peak."""
     from minfer.tools import machine
 
     name, lanes, vnni = machine.instruction_set(machine.cpu_flags())
     rows = []
     for n_threads in threads:
         numba.set_num_threads(n_threads)
-        bw = machine.measure_read_bandwidth(n_threads)
         peak = machine.measure_fma_peak(n_threads)
-        print(f"\n=== {n_threads} thread(s): measured read bandwidth {bw / 1e9:.1f} GB/s, float32 FMA peak "
-              f"{peak / 1e9:.0f} GFLOP/s ({name}, {lanes} lanes{', VNNI: int8 peak ~4x' if vnni else ''}) ===")
-        print(f"{'type':<5} {'shape':<10} {'weights':>9} {'GEMV GB/s':>10} {'of bw':>6}"
-              + "".join(f" {f'GEMM{n} GFLOP/s':>16} {'of peak':>7}" for n in tokens if n > 1))
+        print(f"\n=== {n_threads} thread(s): float32 FMA peak {peak / 1e9:.0f} GFLOP/s (measured; {name}, "
+              f"{lanes} lanes{f', int8 dot-product peak ~{4 * peak / 1e9:.0f} GOP/s (4x, derived)' if vnni else ''})"
+              f"; load {open('/proc/loadavg').read().split()[0]} ===")
         for t in types:
             for n_out, n_in in shapes:
                 if n_in % block_size(t):
                     continue
-                rate, nbytes = gemv_bandwidth(t, n_out, n_in, working_set, seconds)
-                row_ = {"type": t.name, "shape": f"{n_out}x{n_in}", "threads": n_threads, "weight_bytes": nbytes,
-                        "gemv_bytes_s": rate, "gemv_fraction": rate / bw, "read_bandwidth": bw, "fma_peak": peak}
-                cells = ""
                 for n in tokens:
-                    if n > 1:
-                        g = gemm_rate(t, n_out, n_in, n, seconds)
-                        row_[f"gemm{n}_flop_s"] = g
-                        cells += f" {g / 1e9:16.1f} {g / peak:7.0%}"
-                rows.append(row_)
-                print(f"{t.name:<5} {n_out}x{n_in:<5} {nbytes / 2**20:7.1f}Mi {rate / 1e9:10.1f} {rate / bw:6.0%}"
-                      + cells)
+                    g = gemm_rate(t, n_out, n_in, n, seconds)
+                    rows.append({"type": t.name, "shape": f"{n_out}x{n_in}", "tokens": n, "threads": n_threads,
+                                 "flop_s": g, "peak_flop_s": peak})
+                    print(f"  {t.name:<5} {n_out}x{n_in} {n} tok: {g / 1e9:7.1f} GFLOP/s = {g / peak:5.1%} of the "
+                          "float32 FMA peak" + (f", {g / (4 * peak):5.1%} of int8's" if vnni else ""))
     return rows
 
 
@@ -237,23 +274,29 @@ def _shape(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--tokens", type=int, nargs="+", default=None, help="default: 1 128 (--machine: 128)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="default: 1 128 (--peak: 128)")
     p.add_argument("--seconds", type=float, default=0.3, help="measuring time per row")
-    p.add_argument("--types", nargs="+", default=None, choices=sorted(set(TYPES) | set(MACHINE_TYPES)))
-    p.add_argument("--machine", action="store_true", help="GEMV bandwidth and GEMM GFLOP/s against the machine")
-    p.add_argument("--shapes", nargs="+", type=_shape, default=None, metavar="OUTxIN", help="--machine's shapes")
-    p.add_argument("--working-set", type=int, default=None, metavar="MiB",
-                   help="--machine: GEMV weights walked per pass (default: max(256, 4 x L3))")
+    p.add_argument("--types", nargs="+", default=None, choices=sorted({*TYPES, *BANDWIDTH_TYPES}))
+    p.add_argument("--bandwidth", action="store_true", help="decode GEMV bytes/s against the read bandwidth")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="with --bandwidth --threads 1: time in this thread's CPU seconds (a shared machine)")
+    p.add_argument("--peak", action="store_true", help="prefill GEMM GFLOP/s against the measured FMA peak")
+    p.add_argument("--shapes", nargs="+", type=_shape, default=None, metavar="OUTxIN", help="--peak's shapes")
     args = p.parse_args(argv)
-    if args.machine:
-        from minfer.tools.machine import l3_bytes
-
-        ws = (args.working_set << 20) if args.working_set else max(256 << 20, 4 * l3_bytes())
-        bench_machine([GGMLType[n] for n in args.types or MACHINE_TYPES], args.shapes or MACHINE_SHAPES,
-                      args.threads, args.tokens or [128], args.seconds, ws)
+    if args.peak:
+        bench_peak([GGMLType[n] for n in args.types or BANDWIDTH_TYPES], args.shapes or BANDWIDTH_SHAPES,
+                   args.threads, args.tokens or [128], args.seconds)
         return
-    args.tokens = args.tokens or [1, 128]
+    if args.bandwidth:
+        qm.warmup()
+        km.warmup()
+        print(f"x86 AVX2 path: {simd.AVX2}; load {open('/proc/loadavg').read().strip()}")
+        bench_bandwidth(
+            [GGMLType[n] for n in args.types or BANDWIDTH_TYPES], args.threads, max(args.seconds, 1.0), args.cpu_time
+        )
+        return
     args.types = args.types or TYPES
+    args.tokens = args.tokens or [1, 128]
     t = time.perf_counter()
     qm.warmup()
     km.warmup()

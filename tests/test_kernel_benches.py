@@ -10,20 +10,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import kquant_bench  # noqa: E402
 
 
-def test_machine_tables_on_tiny_shapes(capsys):
-    rows = kquant_bench.bench_machine([kquant_bench.GGMLType[n] for n in ("Q4_K", "Q6_K", "Q8_0", "Q4_1", "F16")],
-                                      [(256, 256)], [1], [8], 0.01, 1 << 20)
-    assert [r["type"] for r in rows] == ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "F16"]
-    for r in rows:
-        assert r["gemv_bytes_s"] > 0 and 0 < r["gemv_fraction"] and r["gemm8_flop_s"] > 0
-        assert r["weight_bytes"] >= 256 * 256 * 4.5 / 8  # at least Q4's 4.5 bits per weight
+def test_gemm_against_the_peak_on_tiny_shapes(capsys):
+    types = [kquant_bench.GGMLType[n] for n in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "F16")]
+    rows = kquant_bench.bench_peak(types, [(256, 256)], [1], [8], 0.01)
+    assert [r["type"] for r in rows] == ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "F16"]
+    assert all(r["flop_s"] > 0 and r["peak_flop_s"] > 0 and r["tokens"] == 8 for r in rows)
     out = capsys.readouterr().out
-    assert "measured read bandwidth" in out and "GEMM8 GFLOP/s" in out
+    assert "float32 FMA peak" in out and "Q4_K  256x256 8 tok" in out
 
 
-def test_cli_runs_both_modes(capsys):
-    kquant_bench.main(["--machine", "--threads", "1", "--shapes", "256x256", "--tokens", "4", "--working-set", "1",
-                       "--seconds", "0.01", "--types", "Q4_0"])
+def test_cli_runs_peak_and_compare_modes(capsys):
+    kquant_bench.main(["--peak", "--threads", "1", "--shapes", "256x256", "--tokens", "4", "--seconds", "0.01",
+                       "--types", "Q5_K"])
     kquant_bench.main(["--threads", "1", "--tokens", "1", "--seconds", "0.01", "--types", "Q6_K"])
     out = capsys.readouterr().out
-    assert "Q4_0  256x256" in out and "summary, GFLOP/s" in out
+    assert "Q5_K  256x256 4 tok" in out and "summary, GFLOP/s" in out

@@ -4,9 +4,9 @@
 they are measured in the same run, at the bench's thread counts, and kept in a :class:`MachineProbe` the run
 owns (no global cache: another run, another load on a shared machine, measures again).
 
-* **Read bandwidth** (STREAM-like "sum"): a float32 buffer of ``max(512 MiB, 8 x L3)`` summed by ``threads``
-  threads (a vectorized numba loop without the GIL), each over a contiguous slice (8 passes, the best taken:
-  bandwidth is an upper bound the machine can reach, and other processes only ever lower it).
+* **Read bandwidth**: :mod:`minfer.tools.read_bandwidth`'s STREAM-like read of a float32 buffer of
+  ``max(512 MiB, 8 x L3)``, each thread summing one contiguous slice in vector registers; the best pass over
+  about a second (bandwidth is an upper bound the machine can reach; other processes only ever lower it).
 * **FMA peak**: each thread runs ``acc = acc * a + b`` over 256 independent float32 accumulators (vectorized
   by LLVM for the host's widest FMA, as the kernels are), 2 FLOPs per element; best of 5.
 * **Instruction set**: from the CPU's flags (``/proc/cpuinfo``): AVX-512 (16 float32 lanes), AVX2 + FMA (8),
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numba
@@ -29,16 +28,6 @@ from numba import njit, prange
 _MIN_BUFFER = 512 << 20
 _FMA_WIDTH = 256  # accumulators per thread: enough independent chains to hide the FMA latency
 _FMA_ITERS = 200_000
-
-
-@njit(cache=True, fastmath=True, nogil=True)
-def _sum(buf):
-    # a plain loop LLVM vectorizes for the host; nogil: one Python thread per slice (a prange reduction
-    # measured slower here than this loop on one thread)
-    s = np.float32(0)
-    for i in range(buf.shape[0]):
-        s += buf[i]
-    return s
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -126,19 +115,11 @@ def _with_threads(threads: int):
     return previous
 
 
-def measure_read_bandwidth(threads: int, nbytes: int | None = None, passes: int = 8) -> float:
-    """Bytes per second ``threads`` threads read from memory (best of ``passes`` full sums of the buffer)."""
-    nbytes = nbytes or max(_MIN_BUFFER, 8 * l3_bytes())
-    buf = np.ones(nbytes // 4, np.float32)  # written once, so the pages are real (not the shared zero page)
-    slices = np.array_split(buf, threads)
-    _sum(buf[: 1 << 16])  # compile / warm
-    best = 0.0
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(passes):
-            t0 = time.perf_counter()
-            list(pool.map(_sum, slices))
-            best = max(best, buf.nbytes / (time.perf_counter() - t0))
-    return best
+def measure_read_bandwidth(threads: int, nbytes: int | None = None, seconds: float = 1.0) -> float:
+    """Bytes per second ``threads`` threads read from memory (read_bandwidth's best pass)."""
+    from minfer.tools.read_bandwidth import measure_read_bandwidth as stream_read
+
+    return stream_read(threads, nbytes=nbytes or max(_MIN_BUFFER, 8 * l3_bytes()), seconds=seconds)
 
 
 def measure_fma_peak(threads: int, tries: int = 5) -> float:
