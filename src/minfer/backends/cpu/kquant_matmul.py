@@ -85,11 +85,15 @@ from minfer.backends.cpu.simd import (
     V8I,
     V16S,
     V32B,
+    VNNI,
     array_data,
     f32x8,
     ir_abs_i8x32,
+    ir_call,
     ir_dot_s8s8,
     ir_dot_u8s8,
+    ir_dpbusd,
+    ir_dpwssd,
     ir_fmadd,
     ir_half_to_float,
     ir_halves4,
@@ -422,7 +426,11 @@ def _make_kstep(t: GGMLType, rows: int, cols: int) -> Intrinsic:
                 for i in range(rows):
                     u, s = decs[i].chunk(k)
                     for j in range(cols):
-                        p = ir_madd(b, ir_maddubs(b, u, a[j]), s)
+                        pairs = ir_maddubs(b, u, a[j])
+                        if cols > 1 and VNNI:  # prefill: the madd and its add in one vpdpwssd (same integers)
+                            sums[i][j] = ir_dpwssd(b, sums[i][j] or ir.Constant(V8I, [0] * 8), pairs, s)
+                            continue
+                        p = ir_madd(b, pairs, s)
                         sums[i][j] = p if sums[i][j] is None else b.add(sums[i][j], p)
             bsums = [ir_load(b, bb, b.add(bo, b.mul(bst, ir.Constant(bst.type, j))), V16S) for j in range(cols)]
             out = list(acc)
@@ -487,7 +495,14 @@ def _make_q5step(t: GGMLType, rows: int, cols: int) -> Intrinsic:
                 else:
                     ms.append(ir_lane(b, dm, 1))
                 for j in range(cols):
-                    if signed:
+                    if cols > 1 and VNNI:  # prefill: one vpdpbusd (Q5_0 with the sign trick), same integers
+                        zero = ir.Constant(V8I, [0] * 8)
+                        if signed:
+                            sa = ir_call(b, "llvm.x86.avx2.psign.b", V32B, [a[j], wv])
+                            dot = ir_dpbusd(b, zero, wabs, sa)
+                        else:
+                            dot = ir_dpbusd(b, zero, u, a[j])
+                    elif signed:
                         dot = ir_dot_s8s8(b, wv, a[j], wabs)
                     else:
                         dot = ir_dot_u8s8(b, u, a[j])
