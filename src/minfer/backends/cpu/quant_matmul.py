@@ -675,11 +675,11 @@ def _q8_rows8_block_vnni(w, neg, au, ao):
     return dpbusd(s, broadcast_4bytes(au, ao + 28), w[7])
 
 
-@njit(inline="always")
+@njit(parallel=True, cache=True)
 def _shifted_activations(aq):
     """The int8 activations + 128 as uint8 (VNNI prefill: vpdpbusd multiplies unsigned by signed)."""
     au = np.empty(aq.shape[0] if VNNI else 0, np.uint8)
-    for i in range(au.shape[0]):
+    for i in prange(au.shape[0]):
         au[i] = np.uint8(np.int32(aq[i]) + 128)
     return au
 
@@ -695,16 +695,16 @@ def _q8_0_row_exact(raw, o, nb, aq, ao, ds, do):
 
 
 @njit(parallel=True, cache=True)
-def _q8_0_rows8(packed, raw, rb, aq, ds, out):
+def _q8_0_rows8(packed, raw, rb, aq, au, ds, out):
     """``out[n_tok, n_out]`` for a Q8_0 weight: ``packed`` from _repack_q8_0 (whole groups of eight rows),
-    ``raw`` the original blocks (rows past the last whole group)."""
+    ``raw`` the original blocks (rows past the last whole group), ``au`` the activations + 128 (VNNI
+    prefill, see _shifted_activations; unused otherwise)."""
     n_tok, n_out = out.shape
     nb = rb // 34
     n_in = nb * QK
     n_groups = n_out // 8
     span = 0 if n_tok == 1 else 8 * min(n_tok, ROWS8_TOKENS)
     acc = np.empty(n_groups * span, np.float32)  # each group's accumulators (one allocation per call)
-    au = _shifted_activations(aq) if n_tok > 1 else np.empty(0, np.uint8)
     flat = out.reshape(-1)
     for g in prange(n_groups):
         o = g * nb * 272
@@ -759,6 +759,9 @@ _ROWS8 = {GGMLType.Q4_1: (_q4_1_rows8, _repack_q4_1), GGMLType.Q8_0: (_q8_0_rows
 def supports(ggml_type: GGMLType) -> bool:
     """Whether :func:`matmul` has a kernel for weights of this type."""
     return ggml_type in SUPPORTED_TYPES
+
+
+_NO_BYTES = np.empty(0, np.uint8)  # decode's (unused) shifted activations
 
 
 class _Prepared:
@@ -834,7 +837,10 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
             xq = quantize_activations(x)
         elif xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
-        if p.rows8 is not None:
+        if p.rows8_kernel is _q8_0_rows8:
+            au = _shifted_activations(xq._q) if n_tok > 1 else _NO_BYTES
+            _q8_0_rows8(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, dst)
+        elif p.rows8 is not None:
             p.rows8_kernel(p.rows8, p.flat, p.rb, xq._q, xq._ds, dst)
         else:
             (_gemv_q4_0 if n_tok == 1 else _gemm_q4_0)(p.flat, p.rb, xq._q, xq._ds, dst)
