@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +17,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 import pytest
+from explorer_process import explorer_process
 from server_process import ServerProcess
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
@@ -297,26 +295,10 @@ def test_compare_f32_with_q8_0_cache_names_where_they_part(server: ServerProcess
 
 def test_learning_page_2x2_example_through_the_explorer_cli(browser: object, context: object) -> None:
     """`minfer trace --serve --example attention-2x2`: Q, K and V shown, and the page's numbers."""
-    proc = subprocess.Popen([sys.executable, "-m", "minfer", "trace", "--serve", "--example", "attention-2x2",
-                             "--port", "0"], stderr=subprocess.PIPE, text=True)
-    try:
-        url: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                m = re.search(r"explorer on (http://\S+)", line)
-                if m:
-                    url.append(m.group(1))
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        assert ready.wait(120) and url, "the explorer did not start"
+    with explorer_process(["--example", "attention-2x2"]) as url:
         w = watched(context)
         page = w.page
-        page.goto(url[0])
+        page.goto(url)
         page.wait_for_selector("body[data-ready='1']", timeout=60_000)
 
         def table(name: str) -> list[list[float]]:
@@ -334,6 +316,3 @@ def test_learning_page_2x2_example_through_the_explorer_cli(browser: object, con
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "explorer-2x2.png"), full_page=True)
         w.clean()
-    finally:
-        proc.terminate()
-        proc.wait(30)

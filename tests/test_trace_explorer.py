@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import base64
-import re
-import subprocess
-import sys
-import threading
 
 import httpx
 import numpy as np
 import pytest
 from conftest import fixture_dir
+from explorer_process import explorer_process
 from server_process import ServerProcess
 
 import minfer
@@ -84,28 +81,9 @@ def test_compare_names_where_a_q8_0_cache_parts_and_a_dump_agrees(qwen3, tmp_pat
 @pytest.fixture(scope="module")
 def explorer() -> str:
     """`minfer trace MODEL PROMPT --serve` on a free port: the explorer alone."""
-    proc = subprocess.Popen([sys.executable, "-m", "minfer", "trace", str(fixture_dir("qwen3") / "model-f32.gguf"),
-                             PROMPT, "--serve", "--port", "0", "--compare-cache-type", "q8_0"],
-                            stderr=subprocess.PIPE, text=True)
-    url: list[str] = []
-    ready = threading.Event()
-
-    def drain() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            m = re.search(r"explorer on (http://\S+)/trace", line)
-            if m:
-                url.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        assert ready.wait(120) and url, "the explorer did not start"
-        yield url[0]
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    args = [str(fixture_dir("qwen3") / "model-f32.gguf"), PROMPT, "--compare-cache-type", "q8_0"]
+    with explorer_process(args) as url:
+        yield url.split("/trace")[0]
 
 
 def test_explorer_routes_serve_tensors_on_demand(explorer):

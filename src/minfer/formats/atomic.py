@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
 
 from minfer.errors import MinferError
 
@@ -56,32 +59,69 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def write_atomically(path: str | os.PathLike[str], data: bytes, what: str = "file") -> None:
-    """``path`` gets ``data`` whole or keeps what it had; a failure is one MinferError naming it
-    ("cannot write the trace page out.html: No space left on device")."""
-    shown = os.fspath(path)
-    target = os.path.realpath(shown)  # through a symlink: the user's link keeps working
+@contextmanager
+def atomic_writer(path: str | os.PathLike[str], failure: str) -> Iterator[BinaryIO]:
+    """A binary file (readable and seekable too) whose content replaces ``path``'s when the block ends
+    without an error; on any error ``path`` keeps what it had and the temporary file is removed. An
+    ``OSError`` becomes one :class:`MinferError`, ``"<failure>: <reason>"``. Through a symlink, what it
+    points to is replaced (the user's link keeps working); a replaced file keeps its mode."""
+    target = os.path.realpath(os.fspath(path))
     remove_stale_temps(target)
-    tmp = temp_path(target)
+    tmp = ""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        tmp = _create_temp(target, failure)
+        with open(tmp, "r+b") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
         try:
             os.chmod(tmp, os.stat(target).st_mode & 0o7777)
         except FileNotFoundError:
             pass
         os.replace(tmp, target)
     except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         if isinstance(e, OSError):
-            raise MinferError(f"cannot write the {what} {shown}: {e.strerror or e}") from None
+            raise MinferError(f"{failure}: {e.strerror or e}") from None
         raise
+    _fsync_dir(os.path.dirname(target) or ".")
+
+
+def write_atomically(path: str | os.PathLike[str], data: bytes, what: str = "file") -> None:
+    """``path`` gets ``data`` whole or keeps what it had; a failure is one MinferError naming it
+    ("cannot write the trace page out.html: No space left on device")."""
+    with atomic_writer(path, f"cannot write the {what} {os.fspath(path)}") as f:
+        view, fd = memoryview(data), f.fileno()
+        while view:  # straight to the descriptor: nothing else is written through f
+            view = view[os.write(fd, view):]
+
+
+def _create_temp(target: str, failure: str) -> str:
+    # In the target's folder, so that os.replace is a rename within one filesystem (atomic). Mode 0o666
+    # minus the umask, like a plain open(); the mode of a file being replaced is copied over afterwards.
+    for _ in range(100):
+        tmp = temp_path(target)
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise MinferError(f"{failure}: no free temporary name in {os.path.dirname(target) or '.'}")
+
+
+def _fsync_dir(directory: str) -> None:
+    # Makes the rename itself durable; not every platform can open a folder (Windows), which is fine.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -37,7 +37,7 @@ then renamed over ``path`` (``os.replace``), and the directory is fsynced. ``pat
 the old file or the complete new one, never a half-written file. ``save_session`` refuses to replace a
 file that is not a whole, intact minfer session (anything the user owns is safe); an empty file may be
 replaced. The temporary name carries the writer's pid: a save killed midway (SIGKILL) leaves one behind,
-and the next save to the same path removes it (:func:`remove_stale_temps`).
+and the next save to the same path removes it (:func:`~minfer.formats.atomic.remove_stale_temps`).
 
 Loading verifies magic, version, lengths, checksum and the header's structure before returning anything:
 a damaged or truncated file raises :class:`~minfer.errors.FormatError` naming the file and the problem,
@@ -53,7 +53,6 @@ import hmac
 import json
 import math
 import os
-import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -61,7 +60,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from minfer.errors import BadRequestError, FormatError, MinferError
-from minfer.formats.atomic import remove_stale_temps
+from minfer.formats.atomic import atomic_writer
 
 FORMAT_VERSION = 1
 MAGIC = b"MINFERSESS"
@@ -119,27 +118,9 @@ def save_session(path: str | os.PathLike[str], data: SessionData) -> None:
     shown = os.fspath(path)
     header, arrays = _encode(data)
     # Replace what a symlink points to, not the link: the user's link keeps working.
-    target = os.path.realpath(shown)
-    _refuse_foreign_file(target, shown)
-    remove_stale_temps(target)
-    directory = os.path.dirname(target) or "."
-    tmp = _create_temp(directory, os.path.basename(target), shown)
-    try:
-        with open(tmp, "r+b") as f:
-            _write(f, header, arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        _copy_mode(target, tmp)
-        os.replace(tmp, target)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise MinferError(f"cannot save session to {shown}: {e.strerror or e}") from e
-        raise
-    _fsync_dir(directory)
+    _refuse_foreign_file(os.path.realpath(shown), shown)
+    with atomic_writer(shown, f"cannot save session to {shown}") as f:
+        _write(f, header, arrays)
 
 
 def _encode(data: SessionData) -> tuple[bytes, list[tuple[dict[str, Any], np.ndarray]]]:
@@ -245,44 +226,6 @@ def _refuse_foreign_file(target: str, shown: str) -> None:
         raise BadRequestError(f"cannot save session to {shown}: it is a directory") from None
     except OSError as e:
         raise MinferError(f"cannot save session to {shown}: {e.strerror or e}") from e
-
-
-def _create_temp(directory: str, base: str, shown: str) -> str:
-    # In the target's directory, so that os.replace is a rename within one filesystem (atomic). Mode 0o666
-    # minus the umask, like a plain open(); _copy_mode then keeps the mode of a file being replaced.
-    for _ in range(100):
-        # the pid in the name lets a later save tell a dead writer's leftovers from a running one's
-        tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-        try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return tmp
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise MinferError(f"cannot save session to {shown}: {e.strerror or e}") from e
-    raise MinferError(f"cannot save session to {shown}: no free temporary name in {directory}")
-
-
-def _copy_mode(target: str, tmp: str) -> None:
-    try:
-        mode = os.stat(target).st_mode
-    except FileNotFoundError:
-        return
-    os.chmod(tmp, mode & 0o7777)
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not every platform can open a directory (Windows), which is fine.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write(f: BinaryIO, header: bytes, arrays: list[tuple[dict[str, Any], np.ndarray]]) -> None:
