@@ -49,7 +49,12 @@ Loop shapes
     Tokens past the last whole tile run the decode step (same operations, same results). One kernel
     serves a whole family, decode and prefill alike (``kind`` picks the decoder; the branch is per block,
     never per value), which keeps the JIT time low (~15 s cold for everything, ~1 s from numba's cache).
-    There is no AVX-512/VNNI formulation yet: the integer dot products are AVX2's (written on a Zen 3).
+    Where the CPU has VNNI (AVX-512 VNNI + VL, or AVX-VNNI: ``simd.VNNI``), the prefill tile's pmaddwd
+    by the scales and its add are one vpdpwssd (Q5_0/Q5_1: pmaddubsw + pmaddwd one vpdpbusd): the same
+    exact integers, so the same bits as the AVX2 sequence and as decode (``tests/test_vnni.py``). That
+    leaves two multiply instructions per 32 products, the floor of this per-lane arithmetic; one
+    vpdpbusd per 32 needs the rows-in-lanes layout of ``bench/q4k_rows8_experiment.py``, whose per
+    super-block integer totals would change decode's arithmetic too.
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
     sharing the activation loads; prefill runs one weight row against 8 tokens, unpacking each weight
     block once per 8 tokens. Q4_1 and Q8_0 run eight rows per register for any number of tokens (one
     pmaddubsw serves eight rows).
+    With VNNI (``simd.VNNI``) the prefill loops use vpdpbusd: Q8_0 on the activations shifted by 128
+    (unsigned) with the 128 Σq of each row's block taken back out, Q4_1 and Q4_0 directly on the
+    nibbles; the same exact integers as the AVX2 sequences, so the same bits (``tests/test_vnni.py``).
     Q4_1 against the row-by-row kernels (kept in the bench as variants): 8 tokens ~20% faster, 2-4
     tokens ~2x, prompts of 64+ tokens ~1.7x; one token 10-20% slower in the matmuls alone (it streams the
     same bytes), which end to end (tg128) was lost in the noise. Q8_0 (SmolLM2's 49152x576 output head,
