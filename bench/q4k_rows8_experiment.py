@@ -220,7 +220,8 @@ def main() -> None:
             gf = 2.0 * n_tok * n_out * n_in / 1e9
             kind = "CPU" if th == 1 else "wall"
             print(f"Q4_K {n_out}x{n_in} {n_tok} tok {th} thr ({kind} time): engine {gf / te:6.1f} GFLOP/s, "
-                  f"rows8 experiment {gf / tn:6.1f} GFLOP/s (x{te / tn:.2f}); max error / Σ|terms|: {rel:.1e} (engine {rel_engine:.1e})")
+                  f"rows8 experiment {gf / tn:6.1f} GFLOP/s (x{te / tn:.2f}); "
+                  f"max error / Σ|terms|: {rel:.1e} (engine {rel_engine:.1e})")
 
 
 if __name__ == "__main__":
