@@ -56,7 +56,7 @@ from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS, k4_scales_mins
 from minfer.formats.quants import GGMLType
 
-T = 8  # tokens per register tile
+T = 4  # tokens per register tile (8 spills: 8 x 3 accumulators do not fit 32 registers)
 SB_BYTES = 1024 + 64 + 128 + 32  # one super-block of 8 rows: quants, scales, min pairs, d and dmin (f16)
 
 
