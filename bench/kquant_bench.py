@@ -1,6 +1,17 @@
 """Benchmark the Q5_0/Q5_1/K-quant matmul kernels against dequantize + numpy, with Q4_1 (quant_matmul) as a yardstick.
 
     python bench/kquant_bench.py [--threads 1 2] [--tokens 1 128] [--seconds 0.3] [--types Q4_K Q6_K ...]
+    python bench/kquant_bench.py --bandwidth [--threads 1 2] [--types Q4_K Q8_0 F16 ...] [--cpu-time]
+
+``--bandwidth [--cpu-time --threads 1]``: decode (GEMV, one token) as a memory-bound kernel. For
+each type and each of 2048x2048, 2048x8192 and 8192x2048, enough distinct copies of the weight to
+fill BANDWIDTH_WORKING_SET (far past the L3, as a decode step's weights are) are multiplied one after
+another: weight bytes per second over the copies, set against the machine's read bandwidth
+(``minfer.tools.read_bandwidth``, a STREAM-like read) measured at the same thread count just before.
+Both are the best of repeated passes. On a shared machine, wall-clock figures at 2 threads mostly
+measure the other processes (a parallel call waits for its descheduled thread); ``--cpu-time`` times
+one thread in its own CPU seconds instead (memory contention still counts).
+Every type is covered: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, F16 by default (``--types`` picks others).
 
 Shapes (n_out x n_in): SmolLM2-135M's 576x576 (attention), 1536x576 (ffn gate/up), 576x1536 (ffn down),
 and a 2048x2048 square. K-quant rows must be whole 256-value super-blocks, so K-quants skip the shapes
@@ -36,6 +47,9 @@ from minfer.formats.quants import DEQUANTIZERS
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (2048, 2048)]
 TYPES = ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+BANDWIDTH_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "F16"]
+BANDWIDTH_SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048)]  # (n_out, n_in)
+BANDWIDTH_WORKING_SET = 384 * 2**20  # bytes of distinct weights per pass: ≫ L3
 # byte offsets of each block's f16 scales (set to sane values in random K-quant blocks)
 F16_AT = {
     GGMLType.Q2_K: (80, 82),
@@ -70,6 +84,8 @@ def make_weight(t: GGMLType, n_out: int, n_in: int, rng: np.random.Generator) ->
             scale = (rng.uniform(0.5, 2.0, (n_out, nb)) * 1e-3).astype(np.float16)
             raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(n_out, nb, 2)
         raw = raw.reshape(n_out, -1)
+    elif t == GGMLType.F16:
+        raw = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float16).view(np.uint8)
     else:
         w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
         raw = gq.quantize(w, t).view(np.uint8).reshape(n_out, -1)
@@ -135,13 +151,97 @@ def print_summary() -> None:
         print(f"{t:<5} {shape:<10}" + "".join(f"{c:>21}" for c in cells))
 
 
+def _module(t: GGMLType):
+    return km if km.supports(t) else qm
+
+
+def best_cpu_time(fn: Callable[[], None], seconds: float) -> float:
+    """Minimum CPU seconds of this thread per call: on one numba thread the kernels run on the calling
+    thread, so time spent descheduled (a shared machine) is not counted; memory contention still is."""
+    fn()
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or best == float("inf"):
+        t = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t)
+    return best
+
+
+def bench_bandwidth(types: list[GGMLType], threads: list[int], seconds: float, cpu_time: bool = False) -> None:
+    """GEMV weight bytes/s per type, shape and thread count as a fraction of the measured read bandwidth
+    (``cpu_time``: both measured in CPU time, one thread only)."""
+    from minfer.tools.read_bandwidth import measure_read_bandwidth, read_once
+
+    if cpu_time and threads != [1]:
+        raise SystemExit("--cpu-time measures one thread only: pass --threads 1")
+
+    rng = np.random.default_rng(0)
+    table: dict[tuple[str, str, int], tuple[float, float]] = {}
+    for t in types:
+        for n_out, n_in in BANDWIDTH_SHAPES:
+            w = make_weight(t, n_out, n_in, rng)
+            copies = max(2, BANDWIDTH_WORKING_SET // w.nbytes)
+            mod = _module(t)
+            prepared = [mod.prepare(GGUFTensor("w", t, w.shape, np.array(w.data))) for _ in range(copies)]
+            x = rng.standard_normal((1, n_in)).astype(np.float32)
+            out = np.empty((1, n_out), np.float32)
+            if t in F16_AT:
+                xq = km.quantize_activations_q8_k(x)
+            elif t == GGMLType.F16:
+                xq = None
+            else:
+                xq = qm.quantize_activations(x)
+
+            def one_pass(prepared=prepared, mod=mod, x=x, out=out, xq=xq) -> None:
+                for p in prepared:
+                    mod.matmul(x, p, out, xq)
+
+            for n_threads in threads:
+                if cpu_time:
+                    numba.set_num_threads(1)
+                    buf = np.ones(512 * 2**20 // 4, np.float32)
+                    peak = buf.nbytes / best_cpu_time(lambda buf=buf: read_once(buf, 1), seconds)
+                    del buf
+                    per_pass = best_cpu_time(one_pass, max(seconds, 0.5))
+                else:
+                    peak = measure_read_bandwidth(n_threads, seconds=seconds)
+                    numba.set_num_threads(n_threads)
+                    per_pass = best_time(one_pass, max(seconds, 0.5))
+                rate = w.nbytes * copies / per_pass
+                table[(t.name, f"{n_out}x{n_in}", n_threads)] = (rate, rate / peak)
+                print(
+                    f"  {t.name:<5} {n_out}x{n_in} {n_threads} thr: {rate / 1e9:6.2f} GB/s of weights,"
+                    f" read bandwidth {peak / 1e9:6.2f} GB/s -> {rate / peak:6.1%}  ({copies} copies,"
+                    f" {w.nbytes * copies / 2**20:.0f} MiB; load {open('/proc/loadavg').read().split()[0]})"
+                )
+            del prepared
+    print("\nsummary: GEMV bandwidth fraction (weights GB/s / read GB/s at the same thread count)")
+    print(f"{'type':<5}" + "".join(f" {f'{s[0]}x{s[1]} {th}t':>16}" for s in BANDWIDTH_SHAPES for th in threads))
+    for t in types:
+        cells = [table[(t.name, f"{a}x{b}", th)] for a, b in BANDWIDTH_SHAPES for th in threads]
+        print(f"{t.name:<5}" + "".join(f" {f'{r / 1e9:5.1f} {f:5.0%}':>16}" for r, f in cells))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
     p.add_argument("--seconds", type=float, default=0.3, help="measuring time per row")
-    p.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
+    p.add_argument("--types", nargs="+", default=None, choices=sorted({*TYPES, *BANDWIDTH_TYPES}))
+    p.add_argument("--bandwidth", action="store_true", help="decode GEMV bytes/s against the read bandwidth")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="with --bandwidth --threads 1: time in this thread's CPU seconds (a shared machine)")
     args = p.parse_args()
+    if args.bandwidth:
+        qm.warmup()
+        km.warmup()
+        print(f"x86 AVX2 path: {simd.AVX2}; load {open('/proc/loadavg').read().strip()}")
+        bench_bandwidth(
+            [GGMLType[n] for n in args.types or BANDWIDTH_TYPES], args.threads, max(args.seconds, 1.0), args.cpu_time
+        )
+        return
+    args.types = args.types or TYPES
     t = time.perf_counter()
     qm.warmup()
     km.warmup()

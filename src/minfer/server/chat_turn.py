@@ -102,7 +102,7 @@ class ChatTurn:
             raise api_error(e) from None
 
     @classmethod
-    def start(cls, ctx: ServerContext, req: ChatRequest, prefill: str = "") -> ChatTurn:
+    async def start(cls, ctx: ServerContext, req: ChatRequest, prefill: str = "") -> ChatTurn:
         """Render, tokenize and submit ``req``; ApiError (400, 429) when that fails. ``prefill``: text
         the reply starts with (Anthropic's last assistant message), put after the rendered prompt; the
         reply continues it and does not repeat it."""
@@ -110,8 +110,8 @@ class ChatTurn:
         params = req.params
         ctx.check_model(params.model)
         # a prompt that cannot fit is refused before the template renders it and the tokenizer reads it
-        ctx.check_text_fits(m.get("content") for m in req.messages if isinstance(m, dict))
-        plan = cls.plan(ctx, req)
+        chars = ctx.check_text_fits(m.get("content") for m in req.messages if isinstance(m, dict))
+        plan = await ctx.off_loop(cls.plan, ctx, req, size=chars)
         constraint = None
         if plan.grammar is not None:
             if params.grammar is not None or params.json_schema is not None:
@@ -121,7 +121,8 @@ class ChatTurn:
             def constraint():  # type: ignore[no-untyped-def]
                 return plan.constraint(model.tokenizer)
 
-        ids = model.tokenize(plan.prompt + prefill, add_special=False)  # the template writes BOS itself
+        prompt = plan.prompt + prefill
+        ids = await ctx.off_loop(model.tokenize, prompt, False, size=len(prompt))  # the template writes BOS itself
         job = ctx.submit([ids], params, constraint=constraint)
         return cls(ctx, req, plan, ids, job)
 

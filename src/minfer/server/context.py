@@ -107,15 +107,17 @@ class ServerContext:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
-    def check_text_fits(self, texts: Iterable[str], param: str = "messages") -> None:
+    def check_text_fits(self, texts: Iterable[str], param: str = "messages") -> int:
         """Refuse text that cannot fit in a sequence's context before any of it is tokenized: no token
-        is longer than the vocabulary's longest, so ``characters / longest`` is a lower bound of its tokens."""
+        is longer than the vocabulary's longest, so ``characters / longest`` is a lower bound of its tokens.
+        Returns the characters counted."""
         chars = sum(len(t) for t in texts if isinstance(t, str))
         least = chars // self._max_token_bytes
         context = self.scheduler.slot_context
         if least > context:
             raise ApiError(f"the prompt has {chars} characters, at least {least} tokens: more than the context "
                            f"of {context} tokens per sequence", param=param, code="context_length_exceeded")
+        return chars
 
     async def tokenize(self, text: str, add_special: bool, param: str = "prompt") -> list[int]:
         """``text``'s token ids, refused early when it cannot fit, tokenized off the loop when large."""

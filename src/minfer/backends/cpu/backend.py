@@ -124,6 +124,37 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
 }
 
 
+def _bound(
+    general: Callable[..., None], direct: Callable[..., Callable[[], None] | None] | None
+) -> Callable[..., None]:
+    """A node's kernel that, once ``general(out, *operands)`` has run (with all its checks) on a set of
+    buffers, runs the call ``direct(out, *operands)`` bound to them while the node is called with those
+    very buffers again: what a plan does every step. The bound call is the same kernel on the same arrays
+    (the same bits); it skips the per-call checks and dispatch, which cost about as much as a small decode
+    matmul. Other buffers take the general path again (and are bound in turn)."""
+    if direct is None:
+        return lambda node, out, *args: general(out, *args)
+    # out and up to three operands last bound, compared by identity (arrays have no plain ==); None: unbound
+    key: list[Any] = [None] * 4
+    call: list[Callable[[], None] | None] = [None]
+
+    def run(node: Node, out, *args) -> None:
+        k = key
+        n = len(args)
+        if (
+            call[0] is not None and k[0] is out and k[1] is args[0]
+            and (k[2] is args[1] if n > 1 else k[2] is None) and (k[3] is args[2] if n > 2 else k[3] is None)
+        ):
+            call[0]()
+            return
+        general(out, *args)
+        bound = direct(out, *args) if n <= 3 else None
+        key[:] = (out, *args, None, None)[:4] if bound is not None else (None,) * 4
+        call[0] = bound
+
+    return run
+
+
 class ExpertReads:
     """What the mixture-of-experts kernels of one backend read: bytes of expert weights, and how many expert
     matrices (each read once per pass for all the tokens that chose it). Tests and ``minfer bench`` read it."""
@@ -295,11 +326,15 @@ class CPUBackend:
                 mm = self._iq.matmul  # IQ4_NL, IQ4_XS, MXFP4 (compiled on first use)
             else:
                 return self._reference_matmul
+            direct = None
+            if mm is not self._iq.matmul:
+                bind = (qm if mm is qm.matmul else self._kq).direct_call
+                direct = lambda out, x, w, xq=None: bind(x, w, out, xq)  # noqa: E731
             if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
-                return lambda node, out, x, w, xq: mm(x, w, out, xq)
-            return lambda node, out, x, w: mm(x, w, out)
+                return _bound(lambda out, x, w, xq: mm(x, w, out, xq), direct)
+            return _bound(lambda out, x, w: mm(x, w, out), direct)
         if op is Op.QUANTIZE:
-            return lambda node, out, x: qm.quantize_activations(x, out)
+            return _bound(lambda out, x: qm.quantize_activations(x, out), lambda out, x: qm.direct_quantize(x, out))
         if op is Op.RMS_NORM_MUL:
             eps, width = meta.eps, meta.width
             return lambda node, out, x, gain: norms.rms_norm_mul(x, gain, eps, width, out)

@@ -105,15 +105,21 @@ def _gemv_float(w, kind, x, out):
     n = x.shape[0]
     n8 = n - n % 8
     n_pass = n_out // 4
+    esize = 4 if kind == _KIND_F32 else 2
     for p in prange(n_pass):
         r0 = 4 * p
         acc0, acc1, acc2, acc3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
         o = r0 * n
-        pf = o + PREFETCH_ROWS * n
+        # ``w`` is raw bytes while ``o`` counts weights: the prefetch runs in bytes. The pass's four rows
+        # are contiguous, so one linear stream PREFETCH_ROWS rows ahead covers them (4 rows x 8 weights:
+        # 64 bytes for f16/bf16, 128 for f32 per iteration). It ran in weights until 2026-12 and so
+        # fetched rows already read: F16 decode streamed ~3x slower than the quantized types.
+        pf = (o + PREFETCH_ROWS * n) * esize
+        step = 32 * esize
         for k in range(0, n8, 8):
-            prefetch(w, pf)  # 4 rows x 8 weights: 64 bytes (f16, bf16) or 128 (f32) per iteration
-            prefetch(w, pf + 16)
-            pf += 32
+            prefetch(w, pf)
+            prefetch(w, pf + step - 64)  # f32: the second line (f16: the same one again)
+            pf += step
             xv = load_f32x8(x, k)
             acc0 = fma_f32x8(acc0, _load_w8(w, kind, o + k), xv)
             acc1 = fma_f32x8(acc1, _load_w8(w, kind, o + n + k), xv)

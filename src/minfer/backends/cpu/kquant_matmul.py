@@ -59,6 +59,7 @@ Loop shapes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -876,6 +877,36 @@ def matmul(
         _matmul_q5(p.kind, p.flat, p.rb, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
         out[...] = dst[:, : p.n_out]
+
+
+def direct_call(
+    x: np.ndarray, w: _Prepared, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None
+) -> Callable[[], None] | None:
+    """What ``matmul(x, w, out, xq)`` runs, bound to these very arrays with none of its checks (see
+    :func:`minfer.backends.cpu.quant_matmul.direct_call`); None where the general path is needed."""
+    if not isinstance(w, _Prepared) or w.padded or w.n_in == 0 or w.n_out == 0 or out.shape[0] == 0:
+        return None
+    if not out.flags.c_contiguous or x.dtype != np.float32 or not x.flags.c_contiguous:
+        return None
+    kind, flat, rb = w.kind, w.flat, w.rb
+    if w.is_k:
+        if xq is None:  # quantized here on every call, as matmul does, into buffers of this call's own
+            own = Q8KActivations(*x.shape)
+            quantize = _q8k_parallel if x.shape[0] >= PARALLEL_QUANTIZE_TOKENS else _q8k_serial
+
+            def run() -> None:
+                quantize(x, own._q, own._d, own._bs)
+                _matmul_k(kind, flat, rb, own._q, own._d, own._bs, out)
+
+            return run
+        if not isinstance(xq, Q8KActivations):
+            return None
+        q, d, bs = xq._q, xq._d, xq._bs
+        return lambda: _matmul_k(kind, flat, rb, q, d, bs, out)
+    if not isinstance(xq, QuantizedActivations):
+        return None
+    q, ds = xq.q_flat, xq.ds_flat
+    return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
 
 
 def warmup() -> None:

@@ -852,6 +852,59 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
         out[...] = dst
 
 
+def direct_call(
+    x: np.ndarray, w: _Prepared, out: np.ndarray, xq: QuantizedActivations | None
+) -> Callable[[], None] | None:
+    """What ``matmul(x, w, out, xq)`` runs, bound to these very arrays with none of its checks: a plan calls
+    each matmul with the same buffers every step, and the checks and dispatch cost ~2-6 µs a call
+    (SmolLM2 makes 211 matmul calls per token). Only for a call that :func:`matmul` has just run on them
+    (so they passed its checks); None where the call needs the general path (a copy of ``x`` or ``out``).
+    The bound call runs the same kernel on the same buffers: the same bits."""
+    if not isinstance(w, _Prepared) or not out.flags.c_contiguous or out.shape[0] == 0 or w.n_out == 0:
+        return None
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        return None
+    if w.float_kind is not None:
+        kernel = float_matmul._gemv_float if out.shape[0] == 1 else float_matmul._gemm_float
+        flat, kind, xf = w.flat, w.float_kind, x.reshape(-1)
+        return lambda: kernel(flat, kind, xf, out)
+    quantize = None
+    if xq is None:  # quantized here on every call, as matmul does, into buffers of this call's own
+        xq = QuantizedActivations(*x.shape)
+        quantize = direct_quantize(x, xq)
+    q, ds = xq._q, xq._ds
+    if w.rows8 is not None:
+        rows8, rows8_kernel, flat, rb = w.rows8, w.rows8_kernel, w.flat, w.rb
+
+        def run() -> None:
+            rows8_kernel(rows8, flat, rb, q, ds, out)
+    else:
+        kernel = _gemv_q4_0 if out.shape[0] == 1 else _gemm_q4_0
+        flat, rb = w.flat, w.rb
+
+        def run() -> None:
+            kernel(flat, rb, q, ds, out)
+    if quantize is None:
+        return run
+
+    def quantize_and_run() -> None:
+        quantize()
+        run()
+
+    return quantize_and_run
+
+
+def direct_quantize(x: np.ndarray, out: QuantizedActivations) -> Callable[[], None] | None:
+    """What ``quantize_activations(x, out)`` runs, bound to these arrays (see :func:`direct_call`); None
+    where it would copy ``x`` or reallocate ``out``."""
+    if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous or out.q.shape != x.shape:
+        return None
+    n_tok, n_in = x.shape
+    kernel = _quantize_parallel if n_tok >= PARALLEL_QUANTIZE_TOKENS else _quantize_serial
+    xf, q, ds = x.reshape(-1), out._q, out._ds
+    return lambda: kernel(xf, q, ds, n_in)
+
+
 def warmup() -> None:
     """Compile (or load from numba's on-disk cache) every kernel, so no call pays for compilation later."""
     rng = np.random.default_rng(0)

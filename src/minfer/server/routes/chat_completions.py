@@ -52,7 +52,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(request: Request) -> Response:
         req = parse_chat(await ctx.read_json(request))
         params = req.params
-        turn = ChatTurn.start(ctx, req)
+        turn = await ChatTurn.start(ctx, req)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": now, "model": ctx.config.model_id, "system_fingerprint": "minfer"}
         want_logprobs = params.logprobs is not None

@@ -27,7 +27,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     async def embed(request: Request, req: EmbeddingsRequest, field: str) -> tuple[Job, list[list[int]]]:
         ctx.check_model(req.model)
-        prompts = [model.tokenize(x, add_special=True) if isinstance(x, str) else x for x in req.inputs]
+        prompts = [await ctx.tokenize(x, True, param=field) if isinstance(x, str) else x for x in req.inputs]
         normalize = ctx.config.normalize if req.normalize is None else req.normalize
         try:
             job = ctx.submit_embeddings(prompts, ctx.pooling, normalize)

@@ -33,7 +33,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     model = ctx.model
     tokenizer = model.tokenizer
 
-    def tokenize(text: str, add_special: bool) -> list[int]:
+    def tokenize(text: str, add_special: bool) -> list[int]:  # called on a worker thread (off_loop below)
+        ctx.check_text_fits([text], "prompt")
         return model.tokenize(text, add_special=add_special)
 
     def sampling_defaults() -> dict[str, Any]:
@@ -125,7 +126,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/completion")
     async def completion(request: Request) -> Response:
-        return await complete(request, parse_native_completion(await ctx.read_json(request), tokenize))
+        body = await ctx.read_json(request)
+        return await complete(request, await ctx.off_loop(parse_native_completion, body, tokenize))
 
     @app.post("/infill")
     async def infill(request: Request) -> Response:
@@ -135,10 +137,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             raise ApiError(f"this model ({ctx.config.model_id}) has no fill-in-the-middle tokens (prefix, suffix, "
                            "middle), so it cannot infill", param="input_prefix", code="fim_not_supported")
         try:
-            ids = model.infill_prompt(fill.prefix, fill.suffix, fill.prompt, fill.extra)
+            ids = await ctx.off_loop(model.infill_prompt, fill.prefix, fill.suffix, fill.prompt, fill.extra)
         except MinferError as e:
             raise api_error(e) from None
-        return await complete(request, parse_native_completion(body, tokenize, prompts=[ids]))
+        return await complete(request, await ctx.off_loop(parse_native_completion, body, tokenize, [ids]))
 
     @app.get("/props")
     async def props() -> dict[str, Any]:

@@ -19,13 +19,15 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         req = parse_messages(await ctx.read_json(request), count_only=True)
-        prompt = ChatTurn.plan(ctx, req.chat).prompt + req.prefill
-        return JSONResponse({"input_tokens": len(ctx.model.tokenize(prompt, add_special=False))})
+        chars = ctx.check_text_fits(m.get("content") for m in req.chat.messages if isinstance(m, dict))
+        prompt = (await ctx.off_loop(ChatTurn.plan, ctx, req.chat, size=chars)).prompt + req.prefill
+        ids = await ctx.off_loop(ctx.model.tokenize, prompt, False, size=len(prompt))
+        return JSONResponse({"input_tokens": len(ids)})
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         req = parse_messages(await ctx.read_json(request))
-        turn = ChatTurn.start(ctx, req.chat, prefill=req.prefill)
+        turn = await ChatTurn.start(ctx, req.chat, prefill=req.prefill)
         builder = MessageBuilder(ctx.config.model_id, len(turn.prompt_ids))
 
         def finish(reason: str) -> Events:

@@ -16,7 +16,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         req = parse_responses(await ctx.read_json(request))
-        turn = ChatTurn.start(ctx, req.chat)
+        turn = await ChatTurn.start(ctx, req.chat)
         builder = ResponseBuilder(req, ctx.config.model_id)
 
         def finish(reason: str) -> Events:

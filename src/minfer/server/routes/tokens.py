@@ -46,8 +46,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         content = body.get("content")
         if not isinstance(content, str):
             raise ApiError(f"'content' must be a string, got {content!r:.60}", param="content")
-        ids = tokenizer.encode(content, add_special=_flag(body, "add_special", False),
-                               parse_special=_flag(body, "parse_special", True))
+        add_special, parse_special = _flag(body, "add_special", False), _flag(body, "parse_special", True)
+        ids = await ctx.off_loop(tokenizer.encode, content, add_special, parse_special, size=len(content))
         if _flag(body, "with_pieces", False):
             return {"tokens": [{"id": t, "piece": piece(t)} for t in ids]}
         return {"tokens": ids}
