@@ -680,11 +680,18 @@ def _q8_rows8_block_vnni(w, neg, au, ao):
 
 
 @njit(parallel=True, cache=True)
-def _shifted_activations(aq):
-    """The int8 activations + 128 as uint8 (VNNI prefill: vpdpbusd multiplies unsigned by signed)."""
-    au = np.empty(aq.shape[0] if VNNI else 0, np.uint8)
+def _shift_activations(aq, au):
+    """``au`` = the int8 activations + 128 as uint8 (VNNI prefill: vpdpbusd multiplies unsigned by signed)."""
     for i in prange(au.shape[0]):
         au[i] = np.uint8(np.int32(aq[i]) + 128)
+
+
+def _shifted_activations(aq: np.ndarray, n_tok: int) -> np.ndarray:
+    """What _q8_0_rows8 takes as ``au``: the shifted activations for a VNNI prefill, else nothing."""
+    if not VNNI or n_tok == 1:
+        return _NO_BYTES
+    au = np.empty(aq.shape[0], np.uint8)
+    _shift_activations(aq, au)
     return au
 
 
@@ -842,7 +849,7 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
         elif xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
         if p.rows8_kernel is _q8_0_rows8:
-            au = _shifted_activations(xq._q) if n_tok > 1 else _NO_BYTES
+            au = _shifted_activations(xq._q, n_tok)
             _q8_0_rows8(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, dst)
         elif p.rows8 is not None:
             p.rows8_kernel(p.rows8, p.flat, p.rb, xq._q, xq._ds, dst)
@@ -873,7 +880,19 @@ def direct_call(
         xq = QuantizedActivations(*x.shape)
         quantize = direct_quantize(x, xq)
     q, ds = xq._q, xq._ds
-    if w.rows8 is not None:
+    if w.rows8_kernel is _q8_0_rows8:
+        rows8, flat, rb = w.rows8, w.flat, w.rb
+        if VNNI and out.shape[0] > 1:  # the activations + 128, made again on every call into one buffer
+            au = np.empty(q.shape[0], np.uint8)
+
+            def run() -> None:
+                _shift_activations(q, au)
+                _q8_0_rows8(rows8, flat, rb, q, au, ds, out)
+        else:
+
+            def run() -> None:
+                _q8_0_rows8(rows8, flat, rb, q, _NO_BYTES, ds, out)
+    elif w.rows8 is not None:
         rows8, rows8_kernel, flat, rb = w.rows8, w.rows8_kernel, w.flat, w.rb
 
         def run() -> None:
