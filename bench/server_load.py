@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -119,7 +120,10 @@ async def load_run(url: str, clients: int, requests: int, max_tokens: int, bias:
 
 
 def rss_mib(server: ServerProcess) -> float:
-    return server.metric("process_resident_memory_bytes") / 2**20
+    """The server's resident memory (a Ray front's: its replicas' engines, summed)."""
+    rss = server.metric("process_resident_memory_bytes") or server.metric("process_resident_memory_bytes",
+                                                                          'replica="all"')
+    return rss / 2**20
 
 
 async def prefix_reuse(url: str, bias: dict[str, float]) -> dict:
@@ -146,6 +150,8 @@ def main() -> None:
     ap.add_argument("--peer-url", help="an OpenAI-compatible server already running on this machine with the "
                     "same model file (e.g. python -m llama_cpp.server --model M --port 8001): every round runs each "
                     "concurrency against it too, right after minfer's, and the report gives minfer's rate over it")
+    ap.add_argument("--server-args", default="", help="more minfer serve flags, e.g. \"--ray --replicas 2 "
+                    "--threads 1\" (the load run against the Ray front)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -155,8 +161,10 @@ def main() -> None:
     server_args = ["--parallel", str(args.parallel), "--ctx-size", str(1024 * args.parallel)]
     if args.threads:
         server_args += ["--threads", str(args.threads)]
-    report: dict = {"model": str(path), "parallel": args.parallel, "max_tokens": args.max_tokens, "runs": []}
-    with ServerProcess(path, server_args) as server:
+    server_args += shlex.split(args.server_args)
+    report: dict = {"model": str(path), "server_args": server_args, "parallel": args.parallel,
+                    "max_tokens": args.max_tokens, "runs": []}
+    with ServerProcess(path, server_args, health_timeout=900 if "--ray" in server_args else 30) as server:
         asyncio.run(load_run(server.url, 2, 1, 8, bias))  # warm-up: plans for the common batch shapes
         concurrencies = [int(x) for x in args.clients.split(",")]
         if args.peer_url:

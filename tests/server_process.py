@@ -19,10 +19,11 @@ class ServerProcess:
     """``with ServerProcess(model, ["--parallel", "8"]) as s: httpx.get(s.url + "/health")``."""
 
     def __init__(self, model: str | Path, args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, health_timeout: float = 30.0) -> None:
         self.cmd = [sys.executable, "-m", "minfer", "serve", str(model), "--port", "0", *args]
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout
+        self.health_timeout = health_timeout  # after the URL: a Ray front answers 200 once a replica is ready
         self.url = ""
         self.log: list[str] = []
         self.proc: subprocess.Popen[str] | None = None
@@ -46,7 +47,7 @@ class ServerProcess:
         if not ready.wait(self.startup_timeout) or not self.url:
             self.stop()
             raise RuntimeError("the server did not start:\n" + "".join(self.log))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.health_timeout
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:

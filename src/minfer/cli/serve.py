@@ -22,7 +22,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, "
                      "/v1/models, also without /v1), llama-server's native endpoints (/completion, /infill, "
                      "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics; "
-                     "the chat page at / and the trace explorer at /trace.")
+                     "the chat page at / and the trace explorer at /trace. With --ray: replicas on Ray Serve behind "
+                     "one endpoint.")
     add_model_argument(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
@@ -64,6 +65,20 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "(default: text)")
     srv.add_argument("--max-body-size", default="8M", metavar="SIZE",
                      help="largest request body, in bytes or with K/M/G; larger ones get 413 (default: 8M)")
+    ray = srv.add_argument_group("replicas on Ray Serve (pip install 'minfer[ray]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve replicas of this server on Ray Serve behind one endpoint, routed by prompt prefix")
+    ray.add_argument("--replicas", type=int, default=2, help="with --ray: replicas (default: 2)")
+    ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                     help="with --ray: let Ray Serve scale the replicas between MIN and MAX by load")
+    ray.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                     help="with --ray: join this Ray cluster ('auto', host:6379); default: start a local one")
+    ray.add_argument("--route-policy", choices=["prefix", "least-loaded", "random"], default="prefix",
+                     help="with --ray: prefix (the replica that last served the prompt's leading blocks), "
+                     "least-loaded, or random (default: prefix)")
+    ray.add_argument("--route-queue-threshold", type=int, default=2, metavar="N",
+                     help="with --ray: a prefix's replica with more than N requests waiting for a slot is "
+                     "passed over for the least-loaded one (default: 2)")
     srv.set_defaults(handler=cmd_serve)
 
     pull = add_parser("pull", help="download a known model into the cache")
@@ -76,14 +91,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minfer.server import ServeOptions, parse_size, serve
     from minfer.server.cors import parse_origins
 
-    serve(ServeOptions(max_body_size=parse_size(args.max_body_size), log_format=args.log_format,
+    opts = ServeOptions(max_body_size=parse_size(args.max_body_size), log_format=args.log_format,
                        model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,
                        cors_origins=parse_origins(args.cors_origins), slots=args.slots,
-                       reasoning_format=args.reasoning_format, **speculative_kwargs(args)))
+                       reasoning_format=args.reasoning_format, **speculative_kwargs(args))
+    if args.ray:
+        from minfer.server.cluster.launch import RayOptions, parse_autoscale, serve_ray
+
+        serve_ray(opts, RayOptions(replicas=args.replicas, address=args.ray_address,
+                                   autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
+                                   route_policy=args.route_policy, queue_threshold=args.route_queue_threshold))
+    else:
+        serve(opts)
     return 0
 
 

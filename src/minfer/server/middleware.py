@@ -88,10 +88,8 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if self.api_key is not None and not _open(path) and not self._authorized(scope):
-                e = ApiError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
-                             status=401, code="invalid_api_key")
-                await error_response(e, path)(scope, receive, counting_send)
+            if self.api_key is not None and not _open(path) and not has_key(scope, self.api_key):
+                await error_response(missing_key_error(), path)(scope, receive, counting_send)
                 return
             size = self._content_length(scope)
             if size is not None and size > self.max_body_size:
@@ -128,18 +126,25 @@ class AuthAndCount:
                     return None
         return None
 
-    def _authorized(self, scope: Scope) -> bool:
-        expected = (self.api_key or "").encode()
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                scheme, _, key = value.partition(b" ")
-                # bytes, not str: compare_digest refuses non-ASCII strings (a TypeError, a 500)
-                if scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), expected):
-                    return True
-            # Anthropic's clients send the key as x-api-key (the Messages API); any route takes either header
-            elif name == b"x-api-key" and secrets.compare_digest(value.strip(), expected):
+
+def missing_key_error() -> ApiError:
+    return ApiError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                    status=401, code="invalid_api_key")
+
+
+def has_key(scope: Scope, api_key: str) -> bool:
+    """Whether the request carries ``api_key`` (also the Ray front's check of its own routes)."""
+    expected = api_key.encode()
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, key = value.partition(b" ")
+            # bytes, not str: compare_digest refuses non-ASCII strings (a TypeError, a 500)
+            if scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), expected):
                 return True
-        return False
+        # Anthropic's clients send the key as x-api-key (the Messages API); any route takes either header
+        elif name == b"x-api-key" and secrets.compare_digest(value.strip(), expected):
+            return True
+    return False
 
 
 def _open(path: str) -> bool:

@@ -1,0 +1,150 @@
+"""``minfer serve MODEL --ray``: join (``--ray-address``) or start a Ray cluster, deploy the replicas on Ray
+Serve, and serve the front (:mod:`.front`) on ``--host``/``--port`` until SIGINT/SIGTERM; then the
+replicas stop (each engine finishes its open requests within ``--shutdown-timeout``) and a cluster
+started here is shut down."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import uuid
+from dataclasses import dataclass, replace
+
+from minfer.errors import BadRequestError
+from minfer.server import ServeOptions, errors_to_stderr
+from minfer.server.cluster.front import Front, FrontConfig
+from minfer.server.cluster.prefix import POLICIES
+
+LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # the replicas pass nothing through Ray's object store
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    replicas: int = 2
+    autoscale: tuple[int, int] | None = None  # (min, max) replicas
+    address: str | None = None  # an existing cluster ("auto", "ray://host:10001", "host:6379"); None: a local one
+    route_policy: str = "prefix"
+    queue_threshold: int = 2
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        raise BadRequestError(f"--autoscale must be MIN:MAX replicas, e.g. 1:4, got {text!r}") from None
+    if not sep or lo < 1 or hi < lo:
+        raise BadRequestError(f"--autoscale must be MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def check(opts: ServeOptions, ray_opts: RayOptions) -> None:
+    if ray_opts.replicas < 1:
+        raise BadRequestError(f"--replicas must be >= 1, got {ray_opts.replicas}")
+    if ray_opts.route_policy not in POLICIES:
+        raise BadRequestError(f"--route-policy must be one of {', '.join(POLICIES)}, got {ray_opts.route_policy!r}")
+    if ray_opts.queue_threshold < 0:
+        raise BadRequestError(f"--route-queue-threshold must be >= 0, got {ray_opts.queue_threshold}")
+    if opts.parallel < 1:
+        raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
+
+
+def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
+    """See the module docstring."""
+    check(opts, ray_opts)
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise BadRequestError("--ray needs Ray Serve: pip install 'minfer[ray]' (or pip install 'ray[serve]')") \
+            from None
+    import uvicorn
+
+    from minfer.pull import resolve_model
+    from minfer.server import access_log
+    from minfer.server.cluster.engine_process import options_to_json
+    from minfer.server.cluster.replica import MinferReplica, Registry
+    from minfer.server.cluster.routing_key import PromptKeys
+    from minfer.server.http_protocols import http_protocol
+    from minfer.server.middleware import CatchAll
+
+    model_path = resolve_model(opts.model)  # pulled here once; replicas on other nodes resolve the same name
+    keys = PromptKeys.from_model(model_path)
+    most = ray_opts.autoscale[1] if ray_opts.autoscale else ray_opts.replicas
+    threads = opts.threads or max(1, (os.cpu_count() or 1) // most)
+    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    # the replicas' access logs are off: the front writes one line per request, with the replica that answered
+    replica_opts = replace(opts, model=str(model_path) if ray_opts.address is None else opts.model, threads=threads,
+                           api_key=api_key, log_format="off")
+
+    sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((opts.host, opts.port))
+    except OSError as e:
+        raise BadRequestError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
+
+    started_cluster = ray_opts.address is None
+    if started_cluster:
+        # a cluster of this machine: room for every replica's threads even when that oversubscribes the cores
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a local cluster reports nowhere
+        ray.init(num_cpus=max(os.cpu_count() or 1, most * threads), include_dashboard=False,
+                 object_store_memory=LOCAL_OBJECT_STORE_BYTES, namespace="minfer", configure_logging=False)
+    else:
+        ray.init(address=ray_opts.address, namespace="minfer", configure_logging=False)
+    run = uuid.uuid4().hex[:8]
+    registry = Registry(run)
+    app_name = f"minfer-{run}"
+    try:
+        serve.start(proxy_location="Disabled")  # the front is the only HTTP entry: no Serve proxy
+        scaling: dict[str, object] = {"num_replicas": ray_opts.replicas}
+        if ray_opts.autoscale is not None:
+            low, high = ray_opts.autoscale
+            scaling = {"autoscaling_config": {
+                "min_replicas": low, "max_replicas": high, "initial_replicas": low,
+                "upscale_delay_s": 10.0, "downscale_delay_s": 120.0,
+                "policy": {"policy_function": "minfer.server.cluster.autoscale:LoadPolicy",
+                           "policy_kwargs": {"target": float(opts.parallel)}}}}
+        deployment = serve.deployment(
+            MinferReplica, name="engine", ray_actor_options={"num_cpus": threads},
+            health_check_period_s=2.0, health_check_timeout_s=30.0,
+            graceful_shutdown_timeout_s=opts.shutdown_timeout + 10.0, **scaling)
+        # a local cluster's engines listen on loopback only; a real cluster's on their node's address
+        app = deployment.bind(run, options_to_json(replica_opts), "127.0.0.1" if started_cluster else None)
+        deployed = threading.Thread(target=_deploy, args=(serve, app, app_name), name="minfer-deploy", daemon=True)
+        deployed.start()  # the front answers /health (replicas starting) while they load
+
+        config = FrontConfig(api_key=api_key, max_body_size=opts.max_body_size, policy=ray_opts.route_policy,
+                             queue_threshold=ray_opts.queue_threshold, log_format=opts.log_format)
+        access_log.configure(opts.log_format)
+        front = Front(config, registry.entries, registry.forget, keys)
+        errors_to_stderr()
+        server = uvicorn.Server(uvicorn.Config(CatchAll(front), log_level=opts.log_level, access_log=False,
+                                               http=http_protocol(), lifespan="on",
+                                               timeout_graceful_shutdown=opts.shutdown_timeout + 2.0))
+        how = (f"{ray_opts.autoscale[0]}..{ray_opts.autoscale[1]} replicas" if ray_opts.autoscale
+               else f"{ray_opts.replicas} replicas")
+        where = "a local Ray cluster" if started_cluster else f"the Ray cluster at {ray_opts.address}"
+        print(f"minfer: serving {opts.alias or model_path.name} on http://{host}:{port} ({how} on {where}, "
+              f"{threads} threads and {opts.parallel} parallel sequences each, {ray_opts.route_policy} routing)"
+              f"{' with an API key' if api_key else ''}", file=sys.stderr, flush=True)
+        server.run(sockets=[sock])  # until SIGINT/SIGTERM (uvicorn's handlers, on this main thread)
+    finally:
+        try:
+            serve.delete(app_name)  # each engine gets its --shutdown-timeout for open requests
+            registry.clear()
+            if started_cluster:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _deploy(serve: object, app: object, name: str) -> None:
+    try:
+        serve.run(app, name=name, route_prefix=None)  # type: ignore[attr-defined]
+    except Exception as e:  # noqa: BLE001 - the front's /health shows it; the log says why
+        print(f"minfer: deploying the replicas failed: {e}", file=sys.stderr, flush=True)
