@@ -2,6 +2,13 @@
 
     python bench/kquant_bench.py [--threads 1 2] [--tokens 1 128] [--seconds 0.3] [--types Q4_K Q6_K ...]
     python bench/kquant_bench.py --bandwidth [--threads 1 2] [--types Q4_K Q8_0 F16 ...] [--cpu-time]
+    python bench/kquant_bench.py --peak [--threads 1 2] [--tokens 128] [--shapes 2048x2048 ...]
+
+``--peak``: prefill (GEMM) against the machine's arithmetic. Per type (the ``--bandwidth`` types) and shape
+(the ``--bandwidth`` shapes, or ``--shapes``), GFLOP/s of a ``--tokens``-token matmul (2 x tokens x n_out x
+n_in per call, activations quantized in the call, weights warm in the cache) as a fraction of the float32
+FMA peak measured at the same thread count (``minfer.tools.machine``: independent FMAs vectorized for the
+host; where the CPU has VNNI the int8 dot-product peak is taken as 4x that, printed beside it).
 
 ``--bandwidth [--cpu-time --threads 1]``: decode (GEMV, one token) as a memory-bound kernel. For
 each type and each of 2048x2048, 2048x8192 and 8192x2048, enough distinct copies of the weight to
@@ -223,16 +230,63 @@ def bench_bandwidth(types: list[GGMLType], threads: list[int], seconds: float, c
         print(f"{t.name:<5}" + "".join(f" {f'{r / 1e9:5.1f} {f:5.0%}':>16}" for r, f in cells))
 
 
-def main() -> None:
+def gemm_rate(t: GGMLType, n_out: int, n_in: int, n_tok: int, seconds: float) -> float:
+    """FLOP/s of an ``n_tok``-token matmul (activations quantized in the call), weights warm."""
+    rng = np.random.default_rng(0)
+    mod = _module(t)
+    w = mod.prepare(make_weight(t, n_out, n_in, rng))
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    out = np.empty((n_tok, n_out), np.float32)
+    return 2.0 * n_tok * n_out * n_in / best_time(partial(mod.matmul, x, w, out), seconds)
+
+
+def bench_peak(types: list[GGMLType], shapes: list[tuple[int, int]], threads: list[int], tokens: list[int],
+               seconds: float) -> list[dict]:
+    """GEMM GFLOP/s per type, shape, token count and thread count against the measured float32 FMA peak."""
+    from minfer.tools import machine
+
+    name, lanes, vnni = machine.instruction_set(machine.cpu_flags())
+    rows = []
+    for n_threads in threads:
+        numba.set_num_threads(n_threads)
+        peak = machine.measure_fma_peak(n_threads)
+        print(f"\n=== {n_threads} thread(s): float32 FMA peak {peak / 1e9:.0f} GFLOP/s (measured; {name}, "
+              f"{lanes} lanes{f', int8 dot-product peak ~{4 * peak / 1e9:.0f} GOP/s (4x, derived)' if vnni else ''})"
+              f"; load {open('/proc/loadavg').read().split()[0]} ===")
+        for t in types:
+            for n_out, n_in in shapes:
+                if n_in % block_size(t):
+                    continue
+                for n in tokens:
+                    g = gemm_rate(t, n_out, n_in, n, seconds)
+                    rows.append({"type": t.name, "shape": f"{n_out}x{n_in}", "tokens": n, "threads": n_threads,
+                                 "flop_s": g, "peak_flop_s": peak})
+                    print(f"  {t.name:<5} {n_out}x{n_in} {n} tok: {g / 1e9:7.1f} GFLOP/s = {g / peak:5.1%} of the "
+                          "float32 FMA peak" + (f", {g / (4 * peak):5.1%} of int8's" if vnni else ""))
+    return rows
+
+
+def _shape(text: str) -> tuple[int, int]:
+    a, _, b = text.lower().partition("x")
+    return int(a), int(b)
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="default: 1 128 (--peak: 128)")
     p.add_argument("--seconds", type=float, default=0.3, help="measuring time per row")
     p.add_argument("--types", nargs="+", default=None, choices=sorted({*TYPES, *BANDWIDTH_TYPES}))
     p.add_argument("--bandwidth", action="store_true", help="decode GEMV bytes/s against the read bandwidth")
     p.add_argument("--cpu-time", action="store_true",
                    help="with --bandwidth --threads 1: time in this thread's CPU seconds (a shared machine)")
-    args = p.parse_args()
+    p.add_argument("--peak", action="store_true", help="prefill GEMM GFLOP/s against the measured FMA peak")
+    p.add_argument("--shapes", nargs="+", type=_shape, default=None, metavar="OUTxIN", help="--peak's shapes")
+    args = p.parse_args(argv)
+    if args.peak:
+        bench_peak([GGMLType[n] for n in args.types or BANDWIDTH_TYPES], args.shapes or BANDWIDTH_SHAPES,
+                   args.threads, args.tokens or [128], args.seconds)
+        return
     if args.bandwidth:
         qm.warmup()
         km.warmup()
@@ -242,6 +296,7 @@ def main() -> None:
         )
         return
     args.types = args.types or TYPES
+    args.tokens = args.tokens or [1, 128]
     t = time.perf_counter()
     qm.warmup()
     km.warmup()

@@ -28,7 +28,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import make_fixtures as mf  # noqa: E402
+import gguf_writing as gw  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, USED, EXPERT_FF, DENSE_FF = 128, 8, 768, 6144
@@ -50,61 +50,55 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    w = gguf.GGUFWriter(str(args.out), "qwen3moe")
-    w.add_name("synthetic-qwen3-30b-a3b-shapes")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    w.add_block_count(args.layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(DENSE_FF)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(EXPERTS)
-    w.add_expert_used_count(USED)
-    w.add_expert_feed_forward_length(EXPERT_FF)
-    tok = mf.tokenizer_gguf_fields(TOKENIZER)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["token_types"])
-    w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    n_vocab = len(tok["tokens"])
-    q8 = gguf.GGMLQuantizationType.Q8_0
+    n_vocab = len(gw.hf_tokenizer_fields(TOKENIZER)["tokens"])
 
-    def matrix(name: str, shape: tuple[int, ...]) -> None:
-        raw = q8_0(rng, shape)
-        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=q8)
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_name("synthetic-qwen3-30b-a3b-shapes")
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+        w.add_block_count(args.layers)
+        w.add_context_length(4096)
+        w.add_embedding_length(HIDDEN)
+        w.add_feed_forward_length(DENSE_FF)
+        w.add_head_count(HEADS)
+        w.add_head_count_kv(KV_HEADS)
+        w.add_key_length(HEAD_DIM)
+        w.add_value_length(HEAD_DIM)
+        w.add_rope_freq_base(1e6)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(USED)
+        w.add_expert_feed_forward_length(EXPERT_FF)
+        gw.add_hf_tokenizer(w, TOKENIZER, bos=0, eos=1)
 
-    def ones(name: str, n: int) -> None:
-        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-
-    matrix("token_embd.weight", (n_vocab, HIDDEN))
-    ones("output_norm.weight", HIDDEN)
-    matrix("output.weight", (n_vocab, HIDDEN))
+    q8, f32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+    tensors = [gw.PlannedTensor("token_embd.weight", (n_vocab, HIDDEN), q8),
+               gw.PlannedTensor("output_norm.weight", (HIDDEN,), f32),
+               gw.PlannedTensor("output.weight", (n_vocab, HIDDEN), q8)]
     for il in range(args.layers):
         p = f"blk.{il}."
-        ones(p + "attn_norm.weight", HIDDEN)
-        matrix(p + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN))
-        matrix(p + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN))
-        matrix(p + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN))
-        ones(p + "attn_q_norm.weight", HEAD_DIM)
-        ones(p + "attn_k_norm.weight", HEAD_DIM)
-        matrix(p + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM))
-        ones(p + "ffn_norm.weight", HIDDEN)
-        w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((EXPERTS, HIDDEN)).astype(np.float32) * 0.05)
-        matrix(p + "ffn_gate_exps.weight", (EXPERTS, EXPERT_FF, HIDDEN))
-        matrix(p + "ffn_up_exps.weight", (EXPERTS, EXPERT_FF, HIDDEN))
-        matrix(p + "ffn_down_exps.weight", (EXPERTS, HIDDEN, EXPERT_FF))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors += [
+            gw.PlannedTensor(p + "attn_norm.weight", (HIDDEN,), f32),
+            gw.PlannedTensor(p + "attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), q8),
+            gw.PlannedTensor(p + "attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), q8),
+            gw.PlannedTensor(p + "attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), q8),
+            gw.PlannedTensor(p + "attn_q_norm.weight", (HEAD_DIM,), f32),
+            gw.PlannedTensor(p + "attn_k_norm.weight", (HEAD_DIM,), f32),
+            gw.PlannedTensor(p + "attn_output.weight", (HIDDEN, HEADS * HEAD_DIM), q8),
+            gw.PlannedTensor(p + "ffn_norm.weight", (HIDDEN,), f32),
+            gw.PlannedTensor(p + "ffn_gate_inp.weight", (EXPERTS, HIDDEN), f32),
+            gw.PlannedTensor(p + "ffn_gate_exps.weight", (EXPERTS, EXPERT_FF, HIDDEN), q8),
+            gw.PlannedTensor(p + "ffn_up_exps.weight", (EXPERTS, EXPERT_FF, HIDDEN), q8),
+            gw.PlannedTensor(p + "ffn_down_exps.weight", (EXPERTS, HIDDEN, EXPERT_FF), q8),
+        ]
+
+    def make(t: gw.PlannedTensor) -> np.ndarray:
+        if t.ggml_type == q8:
+            return q8_0(rng, t.shape)
+        if t.name.endswith("ffn_gate_inp.weight"):
+            return rng.standard_normal(t.shape).astype(np.float32) * 0.05
+        return (1.0 + 0.1 * rng.standard_normal(t.shape[0])).astype(np.float32)
+
+    gw.write_streamed(args.out, "qwen3moe", metadata, tensors, make)
     print(f"{args.out}: {args.out.stat().st_size / 2**20:.0f} MiB, {args.layers} layers")
     return 0
 

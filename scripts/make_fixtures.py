@@ -372,23 +372,11 @@ def hf_to_gguf_tensors(
 
 
 def tokenizer_gguf_fields(tokenizer_json: Path) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` contents (gpt2 BPE) of a byte-level BPE ``tokenizer.json``."""
-    tj = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    vocab: dict[str, int] = dict(tj["model"]["vocab"])
-    special: set[int] = set()
-    for added in tj["added_tokens"]:
-        vocab[added["content"]] = added["id"]
-        if added["special"]:
-            special.add(added["id"])
-    by_id = sorted(vocab.items(), key=lambda kv: kv[1])
-    if [i for _, i in by_id] != list(range(len(by_id))):
-        raise ValueError("tokenizer ids are not contiguous")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-    return {
-        "tokens": [tok for tok, _ in by_id],
-        "token_types": [3 if i in special else 1 for _, i in by_id],  # CONTROL / NORMAL
-        "merges": merges,
-    }
+    """The ``tokenizer.ggml.*`` contents (gpt2 BPE) of a byte-level BPE ``tokenizer.json`` (the shared writer's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gguf_writing import hf_tokenizer_fields
+
+    return hf_tokenizer_fields(tokenizer_json)
 
 
 def write_gguf(

@@ -38,6 +38,7 @@ SCRIPTS = Path(__file__).resolve().parent
 
 def write_f32(path: Path) -> None:
     import gguf
+    import gguf_writing as gw
 
     rng = np.random.default_rng(SEED)
     hd = HIDDEN // HEADS
@@ -49,38 +50,29 @@ def write_f32(path: Path) -> None:
                        p + "attn_output.weight": (HIDDEN, HIDDEN), p + "ffn_norm.weight": (HIDDEN,),
                        p + "ffn_gate.weight": (FFN, HIDDEN), p + "ffn_up.weight": (FFN, HIDDEN),
                        p + "ffn_down.weight": (HIDDEN, FFN)})
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-iq4")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(VOCAB)
-    w.add_rope_dimension_count(hd)
-    tok = mf.tokenizer_gguf_fields(TOKENIZER)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["token_types"])
-    w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_add_bos_token(True)
-    for name, shape in shapes.items():
-        if len(shape) == 1:
-            t = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:
-            t = 0.05 * rng.standard_normal(shape)
-        w.add_tensor(name, t.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_name("tiny-iq4")
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_block_count(LAYERS)
+        w.add_context_length(256)
+        w.add_embedding_length(HIDDEN)
+        w.add_feed_forward_length(FFN)
+        w.add_head_count(HEADS)
+        w.add_head_count_kv(KV_HEADS)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(VOCAB)
+        w.add_rope_dimension_count(hd)
+        gw.add_hf_tokenizer(w, TOKENIZER, bos=0, eos=1, add_bos=True)
+
+    def make(t: gw.PlannedTensor) -> np.ndarray:
+        if len(t.shape) == 1:
+            return (1.0 + 0.1 * rng.standard_normal(t.shape)).astype(np.float32)
+        return (0.05 * rng.standard_normal(t.shape)).astype(np.float32)
+
+    f32 = gguf.GGMLQuantizationType.F32
+    gw.write_streamed(path, "llama", metadata, [gw.PlannedTensor(n, s, f32) for n, s in shapes.items()], make)
 
 
 def llamacpp_logits(python: str, model: Path, seq: list[int], tmp: Path) -> np.ndarray:

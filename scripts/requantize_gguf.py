@@ -16,29 +16,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
+from gguf_writing import copy_fields
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
-
-
-def copy_fields(reader: GGUFReader, writer: GGUFWriter) -> None:
-    for field in reader.fields.values():
-        name = field.name
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # the writer writes the header and the architecture itself
-        vtype = field.types[0]
-        if vtype == GGUFValueType.ARRAY:
-            sub = field.types[1]
-            if sub == GGUFValueType.STRING:
-                value = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-            else:
-                value = [field.parts[i].tolist()[0] for i in field.data]
-            writer.add_array(name, value)
-        elif vtype == GGUFValueType.STRING:
-            writer.add_string(name, bytes(field.parts[field.data[0]]).decode("utf-8"))
-        else:
-            writer.add_key_value(name, field.parts[field.data[0]].tolist()[0], vtype)
 
 
 def main() -> None:

@@ -89,6 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     threads = _int_list(args.threads, "--threads") if args.threads else [default_threads()]
     report = bench(resolve_model(args.model), _int_list(args.n_prompt, "-p"), _int_list(args.n_gen, "-n"),
                    threads, args.repetitions, compare=args.compare, peer_python=peers, quantize=args.quantize,
-                   lookup=args.lookup, draft=args.draft)
+                   lookup=args.lookup, draft=args.draft,
+                   progress=lambda line: print(f"minfer bench: {line}", file=sys.stderr, flush=True))
     print(json.dumps(report.to_json(), indent=1) if args.json else markdown(report))
     return 0

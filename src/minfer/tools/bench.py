@@ -7,8 +7,17 @@ engine for a prompt that asks the model to repeat a paragraph of about 120 token
 is made for), without and with speculative decoding, with the acceptance rate and the tokens per target
 pass. Each test runs once to
 warm up, then ``repetitions`` times; tokens/s are reported as mean and standard deviation over runs.
-Peers (``--compare``) run the same workload on the same file in child processes, after minfer, so
-minfer's peak RSS is its own.
+Peers (``--compare``) run the same workload on the same file in child processes, so minfer's peak RSS is
+its own: llama.cpp alternates with minfer run by run (one child keeps its model loaded, ``bench_peers.py
+--serve``), so both see the same load on a shared machine; transformers runs after minfer.
+
+Against the machine (:mod:`minfer.tools.machine`, measured in the same run at each thread count):
+
+* tg: the bytes of weights one token reads (every matrix once, the embedding one row unless it is also
+  the output) times tokens/s is the read bandwidth the run implies, set against the measured read bandwidth;
+* pp: FLOPs = 2 x (parameters of the layers' matrices) x N + 2 x (output matrix) (logits of the last
+  position only) + attention (QK^T and PV over the causal half: 4 x layers x heads x head_dim x N(N+1)/2),
+  over the run's seconds, set against the measured float32 FMA peak (and, with VNNI, 4x that for int8).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +37,7 @@ import numpy as np
 
 from minfer.api import Model
 from minfer.errors import BadRequestError
+from minfer.tools.machine import MachineProbe
 
 
 @dataclass
@@ -57,18 +67,48 @@ class BenchReport:
     load_s: float = 0.0
     peak_rss_bytes: int = 0
     kv_bytes_per_position: int = 0
+    kv_bytes: int = 0  # the KV cache the bench's model allocated (n_ctx = the largest test)
+    layer_matmul_params: int = 0  # parameters of the layers' matrices (MoE: the experts a token uses)
+    output_params: int = 0  # the output matrix (the embedding when tied)
+    attention_flops_unit: int = 0  # 4 x layers x heads x head_dim: attention FLOPs per (query, key) pair
     records: list[BenchRecord] = field(default_factory=list)
     peers: list[dict[str, Any]] = field(default_factory=list)
+    machine: MachineProbe = field(default_factory=MachineProbe)
+
+    def pp_flops(self, n: int) -> tuple[float, float]:
+        """(matmul FLOPs, attention FLOPs) of a pp<n> run."""
+        matmul = 2.0 * self.layer_matmul_params * n + 2.0 * self.output_params
+        return matmul, self.attention_flops_unit * n * (n + 1) / 2
+
+    def against_machine(self, r: BenchRecord) -> dict[str, float]:
+        """What a record implies: tg the bandwidth and its fraction of the measured one, pp GFLOP/s and theirs
+        of the float32 FMA peak."""
+        if r.tokens_per_s <= 0:
+            return {}
+        n = int(r.test[2:]) if r.test[2:].isdigit() else 0
+        if r.test.startswith("tg"):
+            bw = self.weight_bytes_per_token * r.tokens_per_s
+            measured = self.machine.bandwidth.get(r.threads, 0.0)
+            return {"bandwidth_gb_s": bw / 1e9, "bandwidth_fraction": bw / measured if measured else 0.0}
+        if r.test.startswith("pp") and n:
+            matmul, attention = self.pp_flops(n)
+            seconds = n / r.tokens_per_s
+            peak = self.machine.fma_flops.get(r.threads, 0.0)
+            return {"gflop_s": (matmul + attention) / seconds / 1e9, "matmul_gflop_s": matmul / seconds / 1e9,
+                    "peak_fraction": (matmul + attention) / seconds / peak if peak else 0.0}
+        return {}
 
     def to_json(self) -> list[dict[str, Any]]:
         out = []
+        machine = self.machine.describe()
         for r in self.records:
             d = asdict(r)
             d.update(model=self.model, load_s=self.load_s, peak_rss_bytes=self.peak_rss_bytes,
+                     model_bytes=self.model_bytes, kv_bytes_per_position=self.kv_bytes_per_position,
+                     kv_bytes=self.kv_bytes,
                      weight_bytes_per_token=self.weight_bytes_per_token,
-                     expert_bytes_per_token=self.expert_bytes_per_token)
-            if r.test.startswith("tg") and r.engine == "minfer":
-                d["bandwidth_gb_s"] = self.weight_bytes_per_token * r.tokens_per_s / 1e9
+                     expert_bytes_per_token=self.expert_bytes_per_token, machine=machine)
+            d.update(self.against_machine(r))
             out.append(d)
         return out
 
@@ -90,6 +130,24 @@ def weight_bytes_per_token(model: Model) -> int:
     return total
 
 
+def matmul_params(model: Model) -> tuple[int, int]:
+    """(parameters of the layers' matrices, of the output matrix): MoE stacks count the experts a token uses."""
+    from minfer.formats.gguf_file import ExpertTensors
+
+    hp = model.hparams
+    layers = output = 0
+    for t in model.transformer.tensors.values():
+        n = int(np.prod(t.shape))
+        if t.name in ("output.weight", "token_embd.weight"):
+            if t.name == "output.weight" or model.transformer.tied_output:
+                output += n
+        elif isinstance(t, ExpertTensors):
+            layers += n * hp.n_expert_used // hp.n_expert
+        elif len(t.shape) >= 2:  # projections, FFN matrices, MoE routers
+            layers += n
+    return layers, output
+
+
 def _file_bytes(path: Path) -> int:
     """Size of a model file, or of an HF folder's safetensors files."""
     if path.is_dir():
@@ -101,8 +159,75 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+class PairedPeer:
+    """llama.cpp in a child that keeps its model loaded (``bench_peers.py --serve``) and runs one test on request,
+    so that its runs alternate with minfer's."""
+
+    def __init__(self, python: str, model_path: Path, prompts: Sequence[int], gens: Sequence[int]) -> None:
+        script = Path(__file__).with_name("bench_peers.py")
+        cmd = [python, str(script), "llama.cpp", str(model_path), "--serve", "--prompts",
+               ",".join(map(str, prompts)), "--gens", ",".join(map(str, gens))]
+        self.info: dict[str, Any] = {"engine": "llama.cpp"}
+        self.records: dict[tuple[str, int], list[float]] = {}
+        try:
+            self.proc: subprocess.Popen[str] | None = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            self.proc = None
+            self.info["error"] = str(e)
+            return
+        self.info.update(self._read())
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.close()
+            return {"error": "the llama.cpp child exited"}
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            return {"error": f"unexpected output: {line.strip()[:200]}"}
+
+    @property
+    def ok(self) -> bool:
+        return self.proc is not None and "error" not in self.info
+
+    def run(self, test: str, threads: int, seed: int, keep: bool) -> None:
+        """Run one test in the child; ``keep``: a measured run (not a warm-up)."""
+        if not self.ok:
+            return
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"test": test, "threads": threads, "seed": seed}) + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            self.info["error"] = f"the llama.cpp child is gone: {e}"
+            return
+        answer = self._read()
+        if "error" in answer:
+            self.info["error"] = answer["error"]
+            return
+        if answer.get("load_s"):
+            self.info.setdefault("load_s", answer["load_s"])
+        if keep:
+            self.records.setdefault((test, threads), []).append(float(answer["tokens_per_s"]))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
 def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int],
-               reps: int, report: BenchReport | None = None, quantize: str | None = None) -> BenchReport:
+               reps: int, report: BenchReport | None = None, quantize: str | None = None,
+               peer: PairedPeer | None = None, progress: Callable[[str], None] | None = None) -> BenchReport:
     n_ctx = max([*prompts, *gens, 1])
     report_ = report
     for t in threads:
@@ -111,6 +236,7 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
         load_s = time.perf_counter() - t0
         if report_ is None:
             hp = model.hparams
+            layers, output = matmul_params(model)
             report_ = BenchReport(
                 model=model.path.name,
                 model_bytes=_file_bytes(model.path),
@@ -118,6 +244,10 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                 weight_bytes_per_token=weight_bytes_per_token(model),
                 load_s=load_s,
                 kv_bytes_per_position=hp.kv_f32_bytes_per_position,
+                layer_matmul_params=layers,
+                output_params=output,
+                attention_flops_unit=4 * hp.n_layer * hp.n_head * hp.head_dim_k,
+                kv_bytes=model.kv.nbytes,
             )
         vocab = model.hparams.n_vocab
         runner = model.runner
@@ -140,6 +270,12 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                         runs.append(n / dt)
                     if kind == "tg" and reads is not None and reads.bytes:
                         report_.expert_bytes_per_token = reads.bytes / n
+                    if peer is not None:
+                        peer.run(f"{kind}{n}", t, r, keep=r > 0)
+                    if progress is not None:
+                        theirs = peer.records.get((f"{kind}{n}", t), []) if peer is not None and r > 0 else []
+                        progress(f"{kind}{n} at {t} threads, run {r}/{reps}{' (warm-up)' if r == 0 else ''}: "
+                                 f"minfer {n / dt:.2f} t/s" + (f", llama.cpp {theirs[-1]:.2f} t/s" if theirs else ""))
                 report_.records.append(BenchRecord("minfer", f"{kind}{n}", t, runs))
         model.backend.close()
     assert report_ is not None
@@ -208,16 +344,18 @@ def run_peer(engine: str, model_path: Path, prompts: Sequence[int], gens: Sequen
 
 
 def markdown(report: BenchReport) -> str:
+    overhead = report.peak_rss_bytes - report.model_bytes - report.kv_bytes
     lines = [
         f"model: {report.model}, {report.model_bytes / 2**20:.1f} MiB, {report.n_params / 1e6:.1f} M params, "
-        f"load {report.load_s:.2f} s, peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB, "
+        f"load {report.load_s:.2f} s, peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB (file + KV "
+        f"{report.kv_bytes / 2**20:.0f} MiB + {overhead / 2**20:.0f} MiB), "
         f"weights read per token {report.weight_bytes_per_token / 2**20:.1f} MiB"
         + (f" (experts measured: {report.expert_bytes_per_token / 2**20:.1f} MiB)" if report.expert_bytes_per_token
            else "") + ", "
         f"KV (f32) {report.kv_bytes_per_position / 1024:.1f} KiB/position",
         "",
-        "| engine | threads | test | t/s | vs minfer |",
-        "| --- | ---: | --- | ---: | ---: |",
+        "| engine | threads | test | t/s | vs minfer | against the machine |",
+        "| --- | ---: | --- | ---: | ---: | --- |",
     ]
     ours = {(r.test, r.threads): r.tokens_per_s for r in report.records if r.engine == "minfer"}
     for r in report.records:
@@ -226,11 +364,25 @@ def markdown(report: BenchReport) -> str:
             ratio = f"{ours[(r.test, r.threads)] / r.tokens_per_s:.2f}x"
         if r.acceptance_rate is not None:
             ratio = f"acceptance {r.acceptance_rate:.0%}, {r.tokens_per_pass:.2f} tokens/pass"
-        lines.append(f"| {r.engine} | {r.threads} | {r.test} | {r.tokens_per_s:.2f} ± {r.stddev:.2f} | {ratio} |")
-    tg = [r for r in report.records if r.engine == "minfer" and r.test.startswith("tg")]
-    for r in tg:
-        gbs = report.weight_bytes_per_token * r.tokens_per_s / 1e9
-        lines.append(f"\n{r.test} at {r.threads} threads reads weights at {gbs:.1f} GB/s")
+        m = report.against_machine(r)
+        vs = ""
+        if "bandwidth_gb_s" in m:
+            vs = f"{m['bandwidth_gb_s']:.1f} GB/s = {m['bandwidth_fraction']:.0%} of measured"
+        elif "gflop_s" in m:
+            vs = f"{m['gflop_s']:.1f} GFLOP/s = {m['peak_fraction']:.0%} of f32 FMA peak"
+        lines.append(f"| {r.engine} | {r.threads} | {r.test} | {r.tokens_per_s:.2f} ± {r.stddev:.2f} | {ratio} "
+                     f"| {vs} |")
+    mach = report.machine.describe()
+    for t in sorted(report.machine.bandwidth):
+        lines.append(f"\nmachine at {t} thread{'s' if t > 1 else ''}: read bandwidth "
+                     f"{report.machine.bandwidth[t] / 1e9:.1f} GB/s (sum over {max(512, 8 * mach['l3_bytes'] >> 20)} "
+                     f"MiB, best of 8), float32 FMA peak {report.machine.fma_flops.get(t, 0) / 1e9:.0f} GFLOP/s "
+                     f"(measured, {mach['instruction_set']}, {mach['f32_lanes']} lanes)"
+                     + (f", int8 dot-product peak ~{4 * report.machine.fma_flops.get(t, 0) / 1e9:.0f} GOP/s (4x, "
+                        "derived)" if mach["int8_dot"] else ""))
+    lines.append(f"\nGFLOP/s of pp: matmuls 2 x {report.layer_matmul_params / 1e6:.0f} M x N + output "
+                 f"2 x {report.output_params / 1e6:.0f} M + causal attention; tg bandwidth: "
+                 f"{report.weight_bytes_per_token / 2**20:.1f} MiB of weights per token x t/s")
     for p in report.peers:
         if "error" in p:
             lines.append(f"\npeer {p['engine']}: skipped ({p['error']})")
@@ -242,21 +394,37 @@ def markdown(report: BenchReport) -> str:
 
 def bench(model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads: Sequence[int], reps: int,
           compare: bool = False, peer_python: dict[str, str] | None = None, quantize: str | None = None,
-          lookup: bool = False, draft: str | Path | None = None) -> BenchReport:
+          lookup: bool = False, draft: str | Path | None = None, measure_machine: bool = True,
+          progress: Callable[[str], None] | None = None) -> BenchReport:
     """Run the tests; with ``compare`` also the peers (``peer_python`` maps an engine to its interpreter);
     with ``lookup`` or ``draft`` also generation without and with speculative decoding."""
     if reps < 1:
         raise BadRequestError(f"repetitions must be >= 1, got {reps}")
     if any(n < 1 for n in [*prompts, *gens]) or any(t < 1 for t in threads):
         raise BadRequestError("test sizes and thread counts must be positive")
-    report = run_minfer(model_path, prompts, gens, threads, reps, quantize=quantize)
+    paired = None
+    if compare:
+        paired = PairedPeer((peer_python or {}).get("llama.cpp", sys.executable), Path(model_path), prompts, gens)
+    try:
+        report = run_minfer(model_path, prompts, gens, threads, reps, quantize=quantize, peer=paired,
+                            progress=progress)
+    finally:
+        if paired is not None:
+            paired.close()
+    if paired is not None:
+        report.peers.append(paired.info)
+        for (test, t), runs in paired.records.items():
+            report.records.append(BenchRecord("llama.cpp", test, t, runs))
     if lookup or draft is not None:
         run_speculative(model_path, gens, threads, reps, report, lookup=lookup, draft=draft, quantize=quantize)
     if compare:
-        for engine in ("llama.cpp", "transformers"):
-            python = (peer_python or {}).get(engine, sys.executable)
-            peer = run_peer(engine, model_path, prompts, gens, threads, reps, python)
-            report.peers.append(peer)
-            for rec in peer.get("records", []):
-                report.records.append(BenchRecord(engine, rec["test"], rec["threads"], rec["runs"]))
+        python = (peer_python or {}).get("transformers", sys.executable)
+        peer = run_peer("transformers", model_path, prompts, gens, threads, reps, python)
+        report.peers.append(peer)
+        for rec in peer.get("records", []):
+            report.records.append(BenchRecord("transformers", rec["test"], rec["threads"], rec["runs"]))
+    if measure_machine:
+        for t in threads:  # after the runs: the probe's 512 MiB buffer is gone before minfer's RSS peak is read
+            report.machine.read_bandwidth(t)
+            report.machine.fma_peak(t)
     return report

@@ -9,6 +9,11 @@ only the standard library, numpy and the peer's own package. It prints one JSON 
 The workload mirrors minfer's: pp<N> evaluates N random tokens from position 0 in one batch, tg<N>
 evaluates N random tokens one at a time from position 0; each repeated ``repetitions`` times after one
 warm-up run.
+
+``--serve`` (llama.cpp only) keeps the model loaded and runs one test per request, so that ``minfer bench
+--compare`` can alternate minfer's runs with llama.cpp's (both see the same load on a shared machine): after
+a first line ``{"engine", "version"}`` it reads JSON lines ``{"test", "threads", "seed"}`` on stdin and answers
+each with ``{"tokens_per_s", "load_s"}`` (load_s: the load for a new thread count, else 0).
 """
 
 from __future__ import annotations
@@ -98,6 +103,37 @@ def bench_transformers(model: Path, prompts: list[int], gens: list[int], threads
     return out
 
 
+def serve_llamacpp(model: Path, prompts: list[int], gens: list[int]) -> None:
+    import llama_cpp
+
+    if model.is_dir():
+        raise ValueError("llama.cpp reads GGUF files, not HF folders (convert the folder to compare)")
+    print(json.dumps({"engine": "llama.cpp", "version": f"llama-cpp-python {llama_cpp.__version__}"}), flush=True)
+    n_ctx = max(prompts + gens) + 8
+    llm, loaded_threads = None, None
+    for line in sys.stdin:
+        req = json.loads(line)
+        load_s = 0.0
+        if req["threads"] != loaded_threads:
+            llm = None  # one model in memory at a time
+            t0 = time.perf_counter()
+            llm = llama_cpp.Llama(str(model), n_ctx=n_ctx, n_threads=req["threads"],
+                                  n_threads_batch=req["threads"], n_batch=max(prompts + [1]),
+                                  n_ubatch=max(prompts + [1]), verbose=False)
+            load_s, loaded_threads = time.perf_counter() - t0, req["threads"]
+        name = req["test"]
+        n = int(name[2:])
+        toks = _random_tokens(n, llm.n_vocab(), req["seed"])
+        llm.reset()
+        t1 = time.perf_counter()
+        if name.startswith("pp"):
+            llm.eval(toks)
+        else:
+            for tok in toks:
+                llm.eval([tok])
+        print(json.dumps({"tokens_per_s": n / (time.perf_counter() - t1), "load_s": load_s}), flush=True)
+
+
 PEERS = {"llama.cpp": bench_llamacpp, "transformers": bench_transformers}
 
 
@@ -109,8 +145,17 @@ def main() -> None:
     ap.add_argument("--gens", default="")
     ap.add_argument("--threads", default="1")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--serve", action="store_true", help="answer one test per stdin line (llama.cpp)")
     a = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    if a.serve:
+        try:
+            serve_llamacpp(Path(a.model), ints(a.prompts), ints(a.gens))
+        except ImportError as e:
+            print(json.dumps({"engine": a.engine, "error": f"not installed ({e.name or e})"}), flush=True)
+        except Exception as e:
+            print(json.dumps({"engine": a.engine, "error": f"{type(e).__name__}: {e}"}), flush=True)
+        return
     try:
         result = PEERS[a.engine](Path(a.model), ints(a.prompts), ints(a.gens), ints(a.threads), a.reps)
     except ImportError as e:

@@ -49,7 +49,12 @@ Loop shapes
     Tokens past the last whole tile run the decode step (same operations, same results). One kernel
     serves a whole family, decode and prefill alike (``kind`` picks the decoder; the branch is per block,
     never per value), which keeps the JIT time low (~15 s cold for everything, ~1 s from numba's cache).
-    There is no AVX-512/VNNI formulation yet: the integer dot products are AVX2's (written on a Zen 3).
+    Where the CPU has VNNI (AVX-512 VNNI + VL, or AVX-VNNI: ``simd.VNNI``), the prefill tile's pmaddwd
+    by the scales and its add are one vpdpwssd (Q5_0/Q5_1: pmaddubsw + pmaddwd one vpdpbusd): the same
+    exact integers, so the same bits as the AVX2 sequence and as decode (``tests/test_vnni.py``). That
+    leaves two multiply instructions per 32 products, the floor of this per-lane arithmetic; one
+    vpdpbusd per 32 needs the rows-in-lanes layout of ``bench/q4k_rows8_experiment.py``, whose per
+    super-block integer totals would change decode's arithmetic too.
 """
 
 from __future__ import annotations
@@ -86,11 +91,15 @@ from minfer.backends.cpu.simd import (
     V8I,
     V16S,
     V32B,
+    VNNI,
     array_data,
     f32x8,
     ir_abs_i8x32,
+    ir_call,
     ir_dot_s8s8,
     ir_dot_u8s8,
+    ir_dpbusd,
+    ir_dpwssd,
     ir_fmadd,
     ir_half_to_float,
     ir_halves4,
@@ -423,7 +432,11 @@ def _make_kstep(t: GGMLType, rows: int, cols: int) -> Intrinsic:
                 for i in range(rows):
                     u, s = decs[i].chunk(k)
                     for j in range(cols):
-                        p = ir_madd(b, ir_maddubs(b, u, a[j]), s)
+                        pairs = ir_maddubs(b, u, a[j])
+                        if cols > 1 and VNNI:  # prefill: the madd and its add in one vpdpwssd (same integers)
+                            sums[i][j] = ir_dpwssd(b, sums[i][j] or ir.Constant(V8I, [0] * 8), pairs, s)
+                            continue
+                        p = ir_madd(b, pairs, s)
                         sums[i][j] = p if sums[i][j] is None else b.add(sums[i][j], p)
             bsums = [ir_load(b, bb, b.add(bo, b.mul(bst, ir.Constant(bst.type, j))), V16S) for j in range(cols)]
             out = list(acc)
@@ -488,7 +501,14 @@ def _make_q5step(t: GGMLType, rows: int, cols: int) -> Intrinsic:
                 else:
                     ms.append(ir_lane(b, dm, 1))
                 for j in range(cols):
-                    if signed:
+                    if cols > 1 and VNNI:  # prefill: one vpdpbusd (Q5_0 with the sign trick), same integers
+                        zero = ir.Constant(V8I, [0] * 8)
+                        if signed:
+                            sa = ir_call(b, "llvm.x86.avx2.psign.b", V32B, [a[j], wv])
+                            dot = ir_dpbusd(b, zero, wabs, sa)
+                        else:
+                            dot = ir_dpbusd(b, zero, u, a[j])
+                    elif signed:
                         dot = ir_dot_s8s8(b, wv, a[j], wabs)
                     else:
                         dot = ir_dot_u8s8(b, u, a[j])

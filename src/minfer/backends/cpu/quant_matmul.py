@@ -38,6 +38,9 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
     sharing the activation loads; prefill runs one weight row against 8 tokens, unpacking each weight
     block once per 8 tokens. Q4_1 and Q8_0 run eight rows per register for any number of tokens (one
     pmaddubsw serves eight rows).
+    With VNNI (``simd.VNNI``) the prefill loops use vpdpbusd: Q8_0 on the activations shifted by 128
+    (unsigned) with the 128 Σq of each row's block taken back out, Q4_1 and Q4_0 directly on the
+    nibbles; the same exact integers as the AVX2 sequences, so the same bits (``tests/test_vnni.py``).
     Q4_1 against the row-by-row kernels (kept in the bench as variants): 8 tokens ~20% faster, 2-4
     tokens ~2x, prompts of 64+ tokens ~1.7x; one token 10-20% slower in the matmuls alone (it streams the
     same bytes), which end to end (tg128) was lost in the noise. Q8_0 (SmolLM2's 49152x576 output head,
@@ -73,11 +76,14 @@ from minfer.backends.cpu.simd import (
     LL_I32,
     V8I,
     V32B,
+    VNNI,
     add_i16x16,
     add_i32x8,
     broadcast_4bytes,
+    bytes_128,
     dot_s8s8,
     dot_u8s8,
+    dpbusd,
     element_pointer,
     fma_f32,
     fma_f32x8,
@@ -102,6 +108,7 @@ from minfer.backends.cpu.simd import (
     load_nibbles32,
     low_nibbles32,
     mul_f32x8,
+    neg_i32x8,
     pairs_u8s8,
     prefetch,
     shuffle_mask,
@@ -113,6 +120,7 @@ from minfer.backends.cpu.simd import (
     sub_i32x8,
     widen_pairs,
     zeros_f32x8,
+    zeros_i32x8,
 )
 from minfer.errors import ModelError
 from minfer.formats.gguf_file import GGUFTensor
@@ -362,6 +370,15 @@ def tile_scales(ds, n_full, nb):
     return d_b, s_t
 
 
+@njit(inline="always")
+def _q4_0_dot(q, aq, ao, off, k):
+    """Σ (n - 8) a of one block in eight int32 lanes: ``off[k:]`` holds 8 Σa (its negation under VNNI,
+    where one vpdpbusd adds Σ n a to it; the same exact integers)."""
+    if VNNI:
+        return dpbusd(load_i32x8(off, k), q, load_bytes32(aq, ao))
+    return sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao)), load_i32x8(off, k))
+
+
 @njit(parallel=True, cache=True)
 def _gemm_q4_0(w, rb, aq, ds, out):
     n_tok, n_out = out.shape
@@ -374,7 +391,8 @@ def _gemm_q4_0(w, rb, aq, ds, out):
     for t in range(n_full):
         for b in range(nb):
             i = ((t // GEMM_TOKENS) * nb + b) * GEMM_TOKENS + t % GEMM_TOKENS
-            store_i32x8(off, i * 8, _q4_0_offset(load_bytes32(aq, t * n_in + b * QK)))
+            o8 = _q4_0_offset(load_bytes32(aq, t * n_in + b * QK))
+            store_i32x8(off, i * 8, neg_i32x8(o8) if VNNI else o8)
     for g in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
         r0 = g * GEMM_ROWS
         r1 = min(n_out, r0 + GEMM_ROWS)
@@ -390,14 +408,14 @@ def _gemm_q4_0(w, rb, aq, ds, out):
                     dw = splat_f32x8(load_half(w, o))
                     c = tb + b * GEMM_TOKENS
                     k = c * 8  # c indexes [tile, block, token]; 8 lanes each
-                    v0 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao)), load_i32x8(off, k))
-                    v1 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + n_in)), load_i32x8(off, k + 8))
-                    v2 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 2 * n_in)), load_i32x8(off, k + 16))
-                    v3 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 3 * n_in)), load_i32x8(off, k + 24))
-                    v4 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 4 * n_in)), load_i32x8(off, k + 32))
-                    v5 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 5 * n_in)), load_i32x8(off, k + 40))
-                    v6 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 6 * n_in)), load_i32x8(off, k + 48))
-                    v7 = sub_i32x8(dot_u8s8(q, load_bytes32(aq, ao + 7 * n_in)), load_i32x8(off, k + 56))
+                    v0 = _q4_0_dot(q, aq, ao, off, k)
+                    v1 = _q4_0_dot(q, aq, ao + n_in, off, k + 8)
+                    v2 = _q4_0_dot(q, aq, ao + 2 * n_in, off, k + 16)
+                    v3 = _q4_0_dot(q, aq, ao + 3 * n_in, off, k + 24)
+                    v4 = _q4_0_dot(q, aq, ao + 4 * n_in, off, k + 32)
+                    v5 = _q4_0_dot(q, aq, ao + 5 * n_in, off, k + 40)
+                    v6 = _q4_0_dot(q, aq, ao + 6 * n_in, off, k + 48)
+                    v7 = _q4_0_dot(q, aq, ao + 7 * n_in, off, k + 56)
                     a0 = fma_i32x8(a0, v0, mul_f32x8(dw, load_f32x8(d_b, 8 * c)))
                     a1 = fma_i32x8(a1, v1, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 8)))
                     a2 = fma_i32x8(a2, v2, mul_f32x8(dw, load_f32x8(d_b, 8 * c + 16)))
@@ -475,6 +493,26 @@ def _rows8_block(w, aq, ao):
 
 
 @njit(inline="always")
+def _rows8_block_vnni(w, aq, ao):
+    """``_rows8_block`` as eight vpdpbusd (VNNI; the same exact integers)."""
+    s = dpbusd(zeros_i32x8(), w[0], broadcast_4bytes(aq, ao))
+    r = dpbusd(zeros_i32x8(), w[1], broadcast_4bytes(aq, ao + 4))
+    s = dpbusd(s, w[2], broadcast_4bytes(aq, ao + 8))
+    r = dpbusd(r, w[3], broadcast_4bytes(aq, ao + 12))
+    s = dpbusd(s, w[4], broadcast_4bytes(aq, ao + 16))
+    r = dpbusd(r, w[5], broadcast_4bytes(aq, ao + 20))
+    s = dpbusd(s, w[6], broadcast_4bytes(aq, ao + 24))
+    return add_i32x8(s, dpbusd(r, w[7], broadcast_4bytes(aq, ao + 28)))
+
+
+@njit(inline="always")
+def _q4_1_rows8_step_vnni(acc, w, aq, ao, ds, do):
+    """``_q4_1_rows8_step`` with ``_rows8_block_vnni`` (prefill)."""
+    acc = fma_i32x8(acc, _rows8_block_vnni(w, aq, ao), mul_f32x8(w[8], splat_at(ds, do)))
+    return fma_f32x8(acc, w[9], splat_at(ds, do + 1))
+
+
+@njit(inline="always")
 def _q4_1_row_exact(raw, o, nb, aq, ao, ds, do):
     """One Q4_1 row (raw blocks from byte ``o``) against one token, with the row groups' arithmetic."""
     acc = np.float32(0.0)
@@ -541,7 +579,11 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
                 w = _rows8_weights(packed, o + b * 160)
                 for t in range(t0, t1):
                     k = h + 8 * (t - t0)
-                    step = _q4_1_rows8_step(load_f32x8(acc, k), w, aq, t * n_in + b * QK, ds, (t * nb + b) * 2)
+                    if VNNI:
+                        step = _q4_1_rows8_step_vnni(load_f32x8(acc, k), w, aq, t * n_in + b * QK, ds,
+                                                     (t * nb + b) * 2)
+                    else:
+                        step = _q4_1_rows8_step(load_f32x8(acc, k), w, aq, t * n_in + b * QK, ds, (t * nb + b) * 2)
                     store_f32x8(acc, k, step)
             for t in range(t0, t1):
                 store_f32x8(flat, t * n_out + 8 * g, load_f32x8(acc, h + 8 * (t - t0)))
@@ -614,6 +656,46 @@ def _q8_rows8_block(w, aq, ao):
 
 
 @njit(inline="always")
+def _q8_rows8_offset(w):
+    """-128 Σ q of each of the eight rows' block (VNNI: what the activations' +128 adds to Σ q a)."""
+    k = bytes_128()
+    s = dpbusd(dpbusd(dpbusd(dpbusd(zeros_i32x8(), k, w[0]), k, w[1]), k, w[2]), k, w[3])
+    return neg_i32x8(dpbusd(dpbusd(dpbusd(dpbusd(s, k, w[4]), k, w[5]), k, w[6]), k, w[7]))
+
+
+@njit(inline="always")
+def _q8_rows8_block_vnni(w, neg, au, ao):
+    """``_q8_rows8_block`` under VNNI (the same exact integers): ``au`` holds the activations + 128 as
+    unsigned bytes, so one vpdpbusd does four values of eight rows; ``neg`` (``_q8_rows8_offset``) takes
+    the 128 Σ q back out."""
+    # two chains of four (integer sums: any order gives the same result), half the latency of one
+    s = dpbusd(neg, broadcast_4bytes(au, ao), w[0])
+    r = dpbusd(zeros_i32x8(), broadcast_4bytes(au, ao + 4), w[1])
+    s = dpbusd(s, broadcast_4bytes(au, ao + 8), w[2])
+    r = dpbusd(r, broadcast_4bytes(au, ao + 12), w[3])
+    s = dpbusd(s, broadcast_4bytes(au, ao + 16), w[4])
+    r = dpbusd(r, broadcast_4bytes(au, ao + 20), w[5])
+    s = dpbusd(s, broadcast_4bytes(au, ao + 24), w[6])
+    return add_i32x8(s, dpbusd(r, broadcast_4bytes(au, ao + 28), w[7]))
+
+
+@njit(parallel=True, cache=True)
+def _shift_activations(aq, au):
+    """``au`` = the int8 activations + 128 as uint8 (VNNI prefill: vpdpbusd multiplies unsigned by signed)."""
+    for i in prange(au.shape[0]):
+        au[i] = np.uint8(np.int32(aq[i]) + 128)
+
+
+def _shifted_activations(aq: np.ndarray, n_tok: int) -> np.ndarray:
+    """What _q8_0_rows8 takes as ``au``: the shifted activations for a VNNI prefill, else nothing."""
+    if not VNNI or n_tok == 1:
+        return _NO_BYTES
+    au = np.empty(aq.shape[0], np.uint8)
+    _shift_activations(aq, au)
+    return au
+
+
+@njit(inline="always")
 def _q8_0_row_exact(raw, o, nb, aq, ao, ds, do):
     """One Q8_0 row (raw blocks from byte ``o``) against one token, with the row groups' arithmetic."""
     acc = np.float32(0.0)
@@ -624,9 +706,10 @@ def _q8_0_row_exact(raw, o, nb, aq, ao, ds, do):
 
 
 @njit(parallel=True, cache=True)
-def _q8_0_rows8(packed, raw, rb, aq, ds, out):
+def _q8_0_rows8(packed, raw, rb, aq, au, ds, out):
     """``out[n_tok, n_out]`` for a Q8_0 weight: ``packed`` from _repack_q8_0 (whole groups of eight rows),
-    ``raw`` the original blocks (rows past the last whole group)."""
+    ``raw`` the original blocks (rows past the last whole group), ``au`` the activations + 128 (VNNI
+    prefill, see _shifted_activations; unused otherwise)."""
     n_tok, n_out = out.shape
     nb = rb // 34
     n_in = nb * QK
@@ -650,9 +733,13 @@ def _q8_0_rows8(packed, raw, rb, aq, ds, out):
                 acc[i] = np.float32(0.0)
             for b in range(nb):
                 w = _q8_rows8_weights(packed, o + b * 272)
+                neg = _q8_rows8_offset(w) if VNNI else zeros_i32x8()
                 for t in range(t0, t1):
                     k = h + 8 * (t - t0)
-                    isum = _q8_rows8_block(w, aq, t * n_in + b * QK)
+                    if VNNI:
+                        isum = _q8_rows8_block_vnni(w, neg, au, t * n_in + b * QK)
+                    else:
+                        isum = _q8_rows8_block(w, aq, t * n_in + b * QK)
                     scale = mul_f32x8(w[8], splat_at(ds, (t * nb + b) * 2))
                     store_f32x8(acc, k, fma_i32x8(load_f32x8(acc, k), isum, scale))
             for t in range(t0, t1):
@@ -683,6 +770,9 @@ _ROWS8 = {GGMLType.Q4_1: (_q4_1_rows8, _repack_q4_1), GGMLType.Q8_0: (_q8_0_rows
 def supports(ggml_type: GGMLType) -> bool:
     """Whether :func:`matmul` has a kernel for weights of this type."""
     return ggml_type in SUPPORTED_TYPES
+
+
+_NO_BYTES = np.empty(0, np.uint8)  # decode's (unused) shifted activations
 
 
 class _Prepared:
@@ -758,7 +848,10 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
             xq = quantize_activations(x)
         elif xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
-        if p.rows8 is not None:
+        if p.rows8_kernel is _q8_0_rows8:
+            au = _shifted_activations(xq._q, n_tok)
+            _q8_0_rows8(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, dst)
+        elif p.rows8 is not None:
             p.rows8_kernel(p.rows8, p.flat, p.rb, xq._q, xq._ds, dst)
         else:
             (_gemv_q4_0 if n_tok == 1 else _gemm_q4_0)(p.flat, p.rb, xq._q, xq._ds, dst)
@@ -787,7 +880,19 @@ def direct_call(
         xq = QuantizedActivations(*x.shape)
         quantize = direct_quantize(x, xq)
     q, ds = xq._q, xq._ds
-    if w.rows8 is not None:
+    if w.rows8_kernel is _q8_0_rows8:
+        rows8, flat, rb = w.rows8, w.flat, w.rb
+        if VNNI and out.shape[0] > 1:  # the activations + 128, made again on every call into one buffer
+            au = np.empty(q.shape[0], np.uint8)
+
+            def run() -> None:
+                _shift_activations(q, au)
+                _q8_0_rows8(rows8, flat, rb, q, au, ds, out)
+        else:
+
+            def run() -> None:
+                _q8_0_rows8(rows8, flat, rb, q, _NO_BYTES, ds, out)
+    elif w.rows8 is not None:
         rows8, rows8_kernel, flat, rb = w.rows8, w.rows8_kernel, w.flat, w.rb
 
         def run() -> None:

@@ -13,8 +13,11 @@ So the operations the kernels are made of are written here with llvmlite, in two
 
 Runtime feature selection: on x86 with AVX2 the integer dot products are ``vpmaddubsw`` + ``vpmaddwd``
 (LLVM does not form them from generic IR); elsewhere, or with ``MINFER_GENERIC_SIMD=1``, a generic LLVM
-vector formulation computes the same integer lanes (tests compare the two bit for bit). FMA and F16C are
-used only where the target has them, so no kernel executes an instruction the CPU lacks.
+vector formulation computes the same integer lanes (tests compare the two bit for bit). Where the CPU
+also has VNNI (AVX-512 VNNI + VL, or AVX-VNNI), the prefill kernels fuse a dot product and its
+accumulation into one ``vpdpbusd`` / ``vpdpwssd`` (``ir_dpbusd``, ``ir_dpwssd``; ``MINFER_VNNI=0`` turns
+that off), again with the same integers. FMA and F16C are used only where the target has them, so no
+kernel executes an instruction the CPU lacks.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # MINFER_GENERIC_SIMD=1 forces the generic integer formulation, the one other CPUs run (tests compare
 # the two bit for bit).
 AVX2 = X86 and target_has("avx2") and not os.environ.get("MINFER_GENERIC_SIMD")
+# Integer dot products with accumulation in one instruction (vpdpbusd: u8 x s8 quads, vpdpwssd: int16
+# pairs, both into int32 lanes without saturation) on 256-bit registers: AVX-512 VNNI with AVX-512VL, or
+# AVX-VNNI (the same LLVM intrinsics; LLVM picks the VEX encoding where only AVX-VNNI is there). Used by
+# the prefill (multi-token) kernels only where the CPU has them; MINFER_VNNI=0 keeps the AVX2 sequences
+# (tests compare the two bit for bit: the integer results are exact either way). Like
+# MINFER_GENERIC_SIMD, it changes compiled code: give such a process its own NUMBA_CACHE_DIR.
+VNNI = AVX2 and os.environ.get("MINFER_VNNI", "1") != "0" and (
+    target_has("avxvnni") or (target_has("avx512vnni") and target_has("avx512vl"))
+)
 # Fused multiply-add for the per-block accumulation (one rounding); every ARM64 CPU has it.
 FMA = target_has("fma") if X86 else True
 # Hardware f16 -> f32 (x86 F16C, every ARM64); without it LLVM would call a runtime helper that numba
@@ -237,6 +249,25 @@ def ir_madd(builder: ir.IRBuilder, p: ir.Value, s: ir.Value) -> ir.Value:
 def ir_dot_u8s8(builder: ir.IRBuilder, q: ir.Value, a: ir.Value) -> ir.Value:
     """Lane i = Σ_{k<4} q[4i+k] * a[4i+k] with q unsigned and small enough that pairs fit int16."""
     return ir_madd(builder, ir_maddubs(builder, q, a), splat_constant(V16S, 1))
+
+
+def ir_dpbusd(builder: ir.IRBuilder, acc: ir.Value, u: ir.Value, a: ir.Value) -> ir.Value:
+    """``acc`` + lane i = Σ_{k<4} u[4i+k] a[4i+k] (u unsigned bytes, a signed), exact: one vpdpbusd
+    where the CPU has VNNI; else ``ir_dot_u8s8``, which needs pairs that fit int16 (callers keep u small,
+    or use this only under ``VNNI``)."""
+    if VNNI:
+        return ir_call(builder, "llvm.x86.avx512.vpdpbusd.256", V8I,
+                       [acc, builder.bitcast(u, V8I), builder.bitcast(a, V8I)])
+    return builder.add(acc, ir_dot_u8s8(builder, u, a))
+
+
+def ir_dpwssd(builder: ir.IRBuilder, acc: ir.Value, p: ir.Value, s: ir.Value) -> ir.Value:
+    """``acc`` + lane i = p[2i] s[2i] + p[2i+1] s[2i+1] (int16 pairs), exact: one vpdpwssd where the CPU
+    has VNNI, else pmaddwd and an add (the same integers: int32 adds wrap alike)."""
+    if VNNI:
+        return ir_call(builder, "llvm.x86.avx512.vpdpwssd.256", V8I,
+                       [acc, builder.bitcast(p, V8I), builder.bitcast(s, V8I)])
+    return builder.add(acc, ir_madd(builder, p, s))
 
 
 def ir_abs_i8x32(builder: ir.IRBuilder, w: ir.Value) -> ir.Value:
@@ -630,6 +661,12 @@ zeros_f32x8, zeros_f64x8, zeros_f64x4 = _zeros(f32x8), _zeros(f64x8), _zeros(f64
 
 
 @intrinsic
+def zeros_i32x8(typingctx):
+    """Eight int32 lanes, all 0."""
+    return i32x8(), lambda context, builder, sig, args: ir.Constant(V8I, [0] * 8)
+
+
+@intrinsic
 def splat_f32x8(typingctx, x):
     """x (any float, as float32) in all eight lanes."""
     if not isinstance(x, types.Float):
@@ -782,3 +819,27 @@ def pairs_u8s8(typingctx, q, a):
 def widen_pairs(typingctx, p):
     """Eight int32 lanes, lane i = p[2i] + p[2i+1]."""
     return i32x8(i16x16), lambda context, builder, sig, args: ir_madd(builder, args[0], splat_constant(V16S, 1))
+
+
+@intrinsic
+def dpbusd(typingctx, acc, u, a):
+    """``acc`` + lane i = Σ_{k<4} u[4i+k] a[4i+k], u unsigned bytes, a signed, exact (``ir_dpbusd``: one
+    vpdpbusd under ``VNNI``; without it the pairs must fit int16)."""
+    if not (acc == i32x8 and u == i8x32 and a == i8x32):
+        return None
+    return i32x8(acc, u, a), lambda context, builder, sig, args: ir_dpbusd(builder, *args)
+
+
+
+@intrinsic
+def bytes_128(typingctx):
+    """32 bytes of 0x80: read unsigned by ``dpbusd``, 128 x Σ of a signed operand's quads."""
+    return i8x32(), lambda context, builder, sig, args: splat_constant(V32B, 0x80)
+
+
+@intrinsic
+def neg_i32x8(typingctx, v):
+    """-v, int32 lanes."""
+    if v != i32x8:
+        return None
+    return i32x8(v), lambda context, builder, sig, args: builder.neg(args[0])
