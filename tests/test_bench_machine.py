@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from minfer.errors import BadRequestError
 from minfer.tools import machine
 from minfer.tools.bench import BenchRecord, BenchReport, bench
 
@@ -77,3 +78,12 @@ def test_compare_alternates_with_llamacpp():
     runs = {(r.engine, r.test): r.runs for r in report.records}
     assert len(runs[("llama.cpp", "pp8")]) == 2 and len(runs[("llama.cpp", "tg4")]) == 2
     assert all(v > 0 for v in runs[("llama.cpp", "tg4")])
+
+
+def test_a_size_of_zero_leaves_that_test_out_as_in_llama_bench():
+    report = bench(FIXTURE, [0], [2], [1], 1, measure_machine=False)
+    assert {r.test for r in report.records} == {"tg2"}
+    with pytest.raises(BadRequestError, match="nothing to measure"):
+        bench(FIXTURE, [0], [0], [1], 1, measure_machine=False)
+    with pytest.raises(BadRequestError, match="test sizes must be >= 0"):
+        bench(FIXTURE, [-1], [2], [1], 1, measure_machine=False)

@@ -64,6 +64,20 @@ def errors_to_stderr() -> None:
         log.setLevel(logging.INFO)
 
 
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket bound to ``host:port`` (port 0: a free one) and listening: connections wait in the backlog
+    until uvicorn accepts them. A port in use is a one-line BadRequestError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(backlog)
+    return sock
+
+
 def parse_size(text: str) -> int:
     """``--max-body-size``'s value: bytes, or a number with K, M or G (powers of 1024)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -125,13 +139,7 @@ def serve(opts: ServeOptions) -> None:
     errors_to_stderr()
     app = create_app(model, scheduler, config, shutdown_timeout=0.0, start_scheduler=False)
 
-    sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((opts.host, opts.port))
-    except OSError as e:
-        raise BadRequestError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
-    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))

@@ -7,7 +7,6 @@ one worker thread. Listens on loopback by default and has no API key: it is a lo
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minfer.errors import BadRequestError
+from minfer.server import listening_socket
 from minfer.server.errors import error_response
 from minfer.server.protocol import ApiError
 from minfer.server.routes.page import register_pages
@@ -60,13 +59,7 @@ def serve_explorer(service: TraceService, rid: str | None, opts: ExplorerOptions
     import uvicorn
 
     service.dumps.update(dumps or {})
-    sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((opts.host, opts.port))
-    except OSError as e:
-        raise BadRequestError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
-    sock.listen(64)
+    sock = listening_socket(opts.host, opts.port, backlog=64)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}/trace" + (f"?run={rid}" if rid else "")
     print(f"minfer: trace explorer on {url}", file=sys.stderr, flush=True)

@@ -400,8 +400,12 @@ def bench(model_path: Path, prompts: Sequence[int], gens: Sequence[int], threads
     with ``lookup`` or ``draft`` also generation without and with speculative decoding."""
     if reps < 1:
         raise BadRequestError(f"repetitions must be >= 1, got {reps}")
-    if any(n < 1 for n in [*prompts, *gens]) or any(t < 1 for t in threads):
-        raise BadRequestError("test sizes and thread counts must be positive")
+    if any(n < 0 for n in [*prompts, *gens]) or any(t < 1 for t in threads):
+        raise BadRequestError("test sizes must be >= 0 and thread counts >= 1")
+    # as llama-bench: a size of 0 leaves that test out (-p 0: generation only)
+    prompts, gens = [n for n in prompts if n], [n for n in gens if n]
+    if not prompts and not gens:
+        raise BadRequestError("nothing to measure: every prompt (-p) and generation (-n) size is 0")
     paired = None
     if compare:
         paired = PairedPeer((peer_python or {}).get("llama.cpp", sys.executable), Path(model_path), prompts, gens)

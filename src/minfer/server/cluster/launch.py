@@ -6,14 +6,13 @@ started here is shut down."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import uuid
 from dataclasses import dataclass, replace
 
 from minfer.errors import BadRequestError
-from minfer.server import ServeOptions, errors_to_stderr
+from minfer.server import ServeOptions, errors_to_stderr, listening_socket
 from minfer.server.cluster.front import Front, FrontConfig
 from minfer.server.cluster.prefix import POLICIES
 
@@ -79,13 +78,7 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
     replica_opts = replace(opts, model=str(model_path) if ray_opts.address is None else opts.model, threads=threads,
                            api_key=api_key, log_format="off")
 
-    sock = socket.socket(socket.AF_INET6 if ":" in opts.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((opts.host, opts.port))
-    except OSError as e:
-        raise BadRequestError(f"cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
-    sock.listen(2048)
+    sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
 
     started_cluster = ray_opts.address is None
