@@ -58,9 +58,11 @@ def one_run(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
 def report(name: str, runs: list[dict[str, float]]) -> None:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"{name:5s} n={len(runs)}  first stderr line {med['stderr']:6.1f} s   first answer {med['answer']:6.1f} s   "
-          f"exit {med['exit']:6.1f} s   cpu {med['cpu']:6.1f} s   (runs that compiled: {sum(r['compiled'] for r in runs):.0f})")
+          f"exit {med['exit']:6.1f} s   cpu {med['cpu']:6.1f} s   "
+          f"(runs that compiled: {sum(r['compiled'] for r in runs):.0f})")
     for r in runs:
-        print(f"        stderr {r['stderr']:6.1f}  answer {r['answer']:6.1f}  exit {r['exit']:6.1f}  cpu {r['cpu']:6.1f}")
+        print(f"        stderr {r['stderr']:6.1f}  answer {r['answer']:6.1f}  "
+              f"exit {r['exit']:6.1f}  cpu {r['cpu']:6.1f}")
 
 
 def main() -> int:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "olmo2"]
 # the families of scripts/make_family_fixtures.py (their own test file: tests/test_family_models.py)
 FAMILY_ARCHS = ["granite", "phi3", "gemma2", "qwen3moe", "qwen2moe", "mixtral"]
+
+
+def pytest_report_header() -> list[str]:
+    """Which environment ran the suite, and the test toolchain it resolved (a fresh venv's, on CI)."""
+    names = ["pytest", "hypothesis", "schemathesis", "numba", "numpy"]
+    return [f"environment: {sys.prefix}",
+            "versions: " + ", ".join(f"{name} {metadata.version(name)}" for name in names)]
 
 
 def fixture_dir(arch: str) -> Path:

@@ -40,13 +40,16 @@ def test_chat_load_with_another_cache_type_names_the_flag(tmp_path):
 
 
 class Terminal:
-    """``minfer chat`` on a pseudo-terminal (stdin is a tty: the interactive REPL)."""
+    """``minfer chat`` on a pseudo-terminal (stdin is a tty: the interactive REPL), started with SIGINT ignored as
+    a shell's background job or a supervisor starts it: the chat must install its own Ctrl-C handling, so the test
+    does not depend on how its runner was started (test_pull's SIGINT test covers the default disposition)."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         master, slave = pty.openpty()
         self.master = master
         self.proc = subprocess.Popen([sys.executable, "-m", "minfer", "chat", *args], stdin=slave, stdout=slave,
-                                     stderr=slave, env={**os.environ, **env}, close_fds=True)
+                                     stderr=slave, env={**os.environ, **env}, close_fds=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         os.close(slave)
         self.out = ""
 

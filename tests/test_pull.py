@@ -217,14 +217,18 @@ def test_sigkill_during_pull_leaves_nothing_after_the_next_run(fake_index, tmp_p
     assert _cache_files(tmp_path) == [Path(model.name) / model.filename]
 
 
-def test_sigint_during_pull_is_one_line(fake_index, tmp_path):
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored"])
+def test_sigint_during_pull_is_one_line(fake_index, tmp_path, inherited):
+    """Ctrl-C ends a pull whatever SIGINT disposition the parent left: the default, or ignored (a shell's background
+    job, nohup from a script, a supervisor), which the child would otherwise inherit."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_pull as t; "
             "import minfer.pull as p, time; from minfer.cli import main; m = t._split_model(); "
             "p.KNOWN_MODELS['smollm2'] = m; real = p._append_member\n"
             "def slow(*a, **k):\n    real(*a, **k); print('copying', file=sys.stderr, flush=True); time.sleep(60)\n"
             "p._append_member = slow; sys.exit(main(['pull', 'smollm2']))")
     _publish(fake_index, _split_model())
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=os.environ,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     assert proc.stderr is not None
     while "copying" not in proc.stderr.readline():
         pass

@@ -40,3 +40,25 @@ def test_the_json_schema_example_requires_what_it_describes():
         schema = json.loads(cmd[cmd.index("--json-schema") + 1])
         assert set(schema["required"]) == set(schema["properties"]), "an answer of {} would validate"
         assert schema.get("additionalProperties") is False
+
+
+def readme_setup_commands() -> list[str]:
+    """The README's two first commands (set up and generate; set up and test), comments cut off."""
+    block = README.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(lines) == 2, lines
+    return lines
+
+
+def test_ci_runs_the_readmes_test_command_in_a_venv_it_builds():
+    run_command, test_command = readme_setup_commands()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_command in ci.splitlines(), "the README's test command is not the one .ci/run runs"
+    for command in (run_command, test_command):  # each builds the environment it then uses
+        assert "python3 -m venv .venv && . .venv/bin/activate && pip install -e " in command, command
+    constraints = test_command.split(" -c ", 1)[1].split()[0]
+    pins = [line for line in (ROOT / constraints).read_text().splitlines() if line and not line.startswith("#")]
+    pinned = {line.split("==")[0].lower() for line in pins}
+    assert all("==" in line for line in pins), [line for line in pins if "==" not in line]
+    assert {"pytest", "hypothesis", "schemathesis", "numba", "numpy"} <= pinned
+    assert "minfer" not in pinned

@@ -10,7 +10,9 @@ command-line usage, as argparse does); no traceback.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from minfer.cli import generate, inspection, measure, serve, tracing, warmup
@@ -30,7 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupt_on_ctrl_c() -> None:
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt, whatever disposition the parent left: Python installs its own
+    handler only when SIGINT was not ignored at start, and a shell starts its background jobs (`cmd &`, a script's
+    `nohup`) with SIGINT ignored, as some supervisors do. Without this, Ctrl-C would not stop a chat's answer, nor
+    a pull. (`minfer serve` installs its own shutdown handlers over this one.)"""
+    if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    interrupt_on_ctrl_c()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args, _ = parser.parse_known_args(argv)
