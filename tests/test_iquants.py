@@ -1,10 +1,15 @@
 """The non-linear 4-bit block types IQ4_NL, IQ4_XS and MXFP4: dequantization bit-equal to ``gguf``, the fast
-matmul against dequantize-then-matmul, and llama.cpp-quantized files through the whole model, held to the same
-bar as llama.cpp on them (``tests/fixtures/iq4``, made by ``scripts/make_iq4_fixture.py``)."""
+matmul (8-bit activations) against dequantize-then-matmul on the same activations, and llama.cpp-quantized
+files through the whole model, held to the same bar as llama.cpp on them (``tests/fixtures/iq4``, made by
+``scripts/make_iq4_fixture.py``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numba
@@ -14,11 +19,14 @@ from conftest import fixture_dir, fixture_logits, fixture_sequences
 
 import minfer
 from minfer.backends.cpu import iquant_matmul as iq
+from minfer.backends.cpu import quant_matmul as qm
+from minfer.backends.cpu import simd
 from minfer.formats.block_types import row_nbytes, type_size
 from minfer.formats.gguf_file import GGUFFile, GGUFTensor
 from minfer.formats.quants import GGMLType, dequantize_rows
 
 TYPES = [GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4]
+U = 2.0**-24
 
 
 def _random_rows(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> np.ndarray:
@@ -50,30 +58,94 @@ def test_dequantize_round_trips_gguf_quantize():
     np.testing.assert_array_equal(dequantize_rows(q, t, 256), gguf.quants.dequantize(q, t).reshape(4, 256))
 
 
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n_tok", [1, 3, 17])
-def test_fast_matmul_matches_dequantize_then_matmul(t, n_tok):
-    n_out, n_in = 37, 512
-    raw = _random_rows(t, n_out, n_in, seed=n_tok)
-    w = GGUFTensor("w", t, (n_out, n_in), raw)
-    x = np.random.default_rng(2).standard_normal((n_tok, n_in)).astype(np.float32)
-    ref = x.astype(np.float64) @ dequantize_rows(raw, t, n_in).T.astype(np.float64)
+def _threads_outputs(x, w, threads=(1, 2)) -> list[np.ndarray]:
     outs = []
     previous = numba.get_num_threads()
     try:
-        for threads in (1, 2):
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-            out = np.empty((n_tok, n_out), np.float32)
+        for n in threads:
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+            out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
             iq.matmul(x, iq.prepare(w), out)
             outs.append(out)
     finally:
         numba.set_num_threads(previous)
-    assert float(np.abs(outs[0] - ref).max()) <= 1e-5 * float(np.abs(ref).max())
+    return outs
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [1, 3, 8, 21])  # decode; prefill tail only; one whole tile; tiles + tail
+def test_fast_matmul_parity(t, n_tok):
+    """The integer path against the exact product of the dequantized weights and the Q8-rounded activations
+    (float64), with test_quant_matmul's derived bound: the block sums are exact, so only float32 roundings
+    remain, (3 n_blocks + 8) u S at most. Against the unquantized product, rounding an activation moves it
+    by at most d/2. The same bits at 1 and 2 threads, and a decode row equals its prefill row."""
+    n_out, n_in = 37, 512  # rows not a multiple of 4 (decode pass) nor of 16 (prefill work item)
+    raw = _random_rows(t, n_out, n_in, seed=n_tok)
+    w = GGUFTensor("w", t, (n_out, n_in), raw)
+    x = np.random.default_rng(2).standard_normal((n_tok, n_in)).astype(np.float32)
+    x[:, 32:64] *= 30.0  # blocks of very different scales
+    x[0, 64:96] = 0.0  # an all-zero block: d = 0
+    outs = _threads_outputs(x, w)
+    out = outs[0]
+
+    xq = qm.quantize_activations(x)
+    d = xq.ds[..., 0].astype(np.float64)
+    xd = (xq.q.reshape(n_tok, -1, 32).astype(np.float64) * d[..., None]).reshape(n_tok, n_in)
+    wd = dequantize_rows(raw, t, n_in).astype(np.float64)
+    scale = np.abs(xd) @ np.abs(wd).T
+    bound = (3 * n_in // 32 + 8) * U * scale
+    assert np.all(np.abs(out - xd @ wd.T) <= bound + 1e-30)
+    half_d = np.repeat(d / 2, 32, axis=1)
+    err = np.abs(out - x.astype(np.float64) @ wd.T)
+    assert np.all(err <= half_d @ np.abs(wd).T + bound + 2 * n_in * U * (np.abs(x) @ np.abs(wd).T))
+
     np.testing.assert_array_equal(outs[0], outs[1])  # the same bits at any thread count
     for r in range(n_tok):  # a decode row equals its prefill row
         one = np.empty((1, n_out), np.float32)
         iq.matmul(x[r : r + 1], w, one)
-        np.testing.assert_array_equal(one[0], outs[0][r])
+        np.testing.assert_array_equal(one[0], out[r])
+    shared = np.empty_like(out)  # activations quantized once by the caller (a plan's QUANTIZE node)
+    iq.matmul(x, w, shared, xq)
+    np.testing.assert_array_equal(shared, out)
+
+
+_GENERIC_SCRIPT = """
+import numpy as np, sys
+from minfer.backends.cpu import iquant_matmul as iq, simd
+from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.quants import GGMLType
+data = np.load(sys.argv[1])
+res = {"avx2": np.array(simd.AVX2)}
+for t in iq.SUPPORTED_TYPES:
+    w = GGUFTensor("w", t, tuple(data[t.name + "_shape"]), data[t.name])
+    for n in (1, 13):
+        res[f"{t.name}_{n}"] = np.empty((n, w.shape[0]), np.float32)
+        iq.matmul(data["x"][:n], w, res[f"{t.name}_{n}"])
+np.savez(sys.argv[2], **res)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not simd.AVX2, reason="this host already runs the generic path")
+def test_generic_simd_path_gives_the_same_bits(tmp_path, request):
+    """The portable table lookup and dot products (non-x86 CPUs) give the AVX2 path's bits."""
+    x = np.random.default_rng(7).standard_normal((13, 512)).astype(np.float32)
+    arrays, ours = {"x": x}, {}
+    for t in TYPES:
+        raw = _random_rows(t, 23, 512, seed=8)
+        arrays[t.name], arrays[t.name + "_shape"] = raw, np.array([23, 512])
+        for n in (1, 13):
+            ours[f"{t.name}_{n}"] = _threads_outputs(x[:n], GGUFTensor("w", t, (23, 512), raw), threads=(2,))[0]
+    np.savez(tmp_path / "in.npz", **arrays)
+    env = dict(os.environ, MINFER_GENERIC_SIMD="1", NUMBA_CACHE_DIR=str(request.config.cache.mkdir("numba-generic-iq")))
+    env["PYTHONPATH"] = str(Path(iq.__file__).parents[3]) + os.pathsep + env.get("PYTHONPATH", "")
+    (tmp_path / "run.py").write_text(_GENERIC_SCRIPT)
+    subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                   env=env, check=True)
+    got = np.load(tmp_path / "out.npz")
+    assert not got["avx2"]
+    for key, value in ours.items():
+        assert got[key].view(np.uint32).tolist() == value.view(np.uint32).tolist(), key
 
 
 @pytest.mark.parametrize("name", ["model-iq4_nl.gguf", "model-iq4_xs.gguf"])
@@ -95,8 +167,9 @@ def test_llamacpp_quantized_file_no_worse_than_llamacpp(name, kernels):
 @pytest.mark.parametrize("qtype", ["MXFP4"])
 def test_whole_model_fast_equals_reference(tmp_path, qtype):
     """The llama fixture with every 2-D tensor quantized by gguf (which quantizes MXFP4, not the IQ4 types: those
-    come from llama.cpp's quantizer in tests/fixtures/iq4): the fast kernels (f32 activations) agree with
-    the dequantize-then-matmul reference within the f32 contract, and the logits still follow transformers'."""
+    come from llama.cpp's quantizer in tests/fixtures/iq4): the fast kernels (8-bit activations, as llama.cpp's)
+    agree with ``reference-q8``, the numpy reference of that arithmetic, within the f32 contract, and the
+    logits still follow transformers'."""
     from conftest import derive_gguf
 
     t = GGMLType[qtype]
@@ -110,8 +183,16 @@ def test_whole_model_fast_equals_reference(tmp_path, qtype):
     assert {x.ggml_type for x in GGUFFile(path) if len(x.shape) == 2} == {t}
     seq = fixture_sequences("llama")[2]
     fast = minfer.load(path, n_ctx=64, kernels="fast").logits(seq)
+    sim = minfer.load(path, n_ctx=64, kernels="reference-q8").logits(seq)
     exact = minfer.load(path, n_ctx=64, kernels="reference").logits(seq)
-    assert float(np.abs(fast - exact).max()) <= 1e-4
+    # An activation on a rounding boundary of its 8-bit block can round to the neighbouring step in one path
+    # and not the other (their float32 differences are ~1e-7), and the model carries that on (see
+    # test_fixture_models' q8_0 test): measured here, positions 0-26 within 3e-6, then up to 0.049 from position
+    # 27 on, against 0.23 that 8-bit activations move these logits. The positions before it keep the contract.
+    rows = np.abs(fast - sim).max(axis=1)
+    first_flip = int(np.argmax(rows > 1e-4)) if rows.max() > 1e-4 else len(seq)
+    assert first_flip >= len(seq) // 2, f"fast and reference-q8 part at position {first_flip}"
+    assert float(rows.max()) <= 0.25 * float(np.abs(sim - exact).max())
     want = fixture_logits("llama", 2)
     # 4-bit E2M1 values are coarse (this model's logits move by ~0.66 of their norm), but it is the same model
     assert np.corrcoef(exact.ravel(), want.ravel())[0, 1] > 0.7

@@ -34,7 +34,8 @@ from minfer.graph.ir import Node, Op, RopeMeta, RopeStyle, Take
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
 # weight types whose fast matmul quantizes its activations to Q8 blocks (float weights do not)
-Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
+Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+                                 GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4})
 
 
 def _get_rows(node: Node, out, table, ids) -> None:

@@ -1,12 +1,20 @@
 """Fast matmul for the non-linear 4-bit block types: IQ4_NL, IQ4_XS and MXFP4 (their layouts:
-:mod:`minfer.formats.iquants`).
+:mod:`minfer.formats.iquants`), on the integer path of :mod:`~minfer.backends.cpu.quant_matmul`.
 
-Each worker owns ``ROWS`` weight rows: it decodes a row into float32 values, bit-equal to the block type's
-dequantizer (``d * table[q]``, IQ4_XS with its sub-block scale), then takes the row's dot product with every
-token's activations, eight lanes at a time in the fixed order of ``simd`` (lane l sums the products at
-i = l mod 8, then the fixed tree). Activations stay float32 (llama.cpp quantizes them to 8 bits for these
-types; this is closer to the dequantize-then-f32 reference). A decode step and a prefill run the same float
-operations per row, and every row is computed by one worker: the same bits at any thread count.
+The activations are Q8 blocks of 32 (``quant_matmul.quantize_activations``, shared with the other integer
+types' matmuls by a plan's QUANTIZE node), as llama.cpp does for these types. A weight block's 32 indices
+(16 bytes of nibbles) go through the type's 16-entry int8 table in a register (one ``vpshufb``), and the
+block against an activation block is an exact integer dot product in eight int32 lanes (llama.cpp's sign
+trick: ``|w| * (a * sign w)``). Each block then does ``acc = fma(float(lanes), d_w d_x, acc)`` with the
+block's float32 scale ``d_w``: IQ4_NL's f16 ``d``, IQ4_XS's ``d * (ls - 32)`` of the sub-block, MXFP4's
+``2^(e - 128)`` (its table is doubled): the scales of the dequantizer, so the integer sum times them is the
+dequantized row against the quantized activations, up to float32 rounding. The row's result is the
+fixed-order horizontal sum of the eight lanes.
+
+Decode (one token) runs 4 weight rows per pass sharing each activation block's loads, with the weights
+prefetched ahead; prefill runs one weight row against tiles of 8 tokens, each block unpacked once per tile.
+Both do the same float operations per (row, token), in block order: a token's row of output is the same
+bits alone or in a prompt, at any thread count (each row is one worker's).
 """
 
 from __future__ import annotations
@@ -14,68 +22,235 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
+from numba.extending import intrinsic
 
-from minfer.backends.cpu.matmul_tiles import check_operands, read_only, weight_bytes, weight_shape
-from minfer.backends.cpu.simd import hsum_tree, load_row_f32x8, muladd_f32x8, zeros_f32x8
+from minfer.backends.cpu.matmul_tiles import (
+    GEMM_ROWS,
+    GEMM_TOKENS,
+    PREFETCH_ROWS,
+    check_operands,
+    read_only,
+    store_tile,
+    weight_bytes,
+    weight_shape,
+)
+from minfer.backends.cpu.quant_matmul import QK, QuantizedActivations, quantize_activations, tile_scales
+from minfer.backends.cpu.simd import (
+    LL_I16,
+    LL_I32,
+    V8I,
+    array_data,
+    as_intp,
+    dot_s8s8,
+    fma_i32x8,
+    hsum_folded,
+    i32x8,
+    ir_load,
+    ir_splat,
+    is_1d,
+    lane_splat_i32x8,
+    load_bytes32,
+    load_f32x8,
+    load_half,
+    load_nibbles32,
+    lookup16,
+    mul_f32x8,
+    mul_i32x8,
+    prefetch,
+    splat_constant,
+    splat_f32x8,
+    table16,
+    zeros_f32x8,
+    zeros_i32x8,
+)
+from minfer.errors import ModelError
 from minfer.formats.block_types import block_size, type_size
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.iquants import IQ4_VALUES, MXFP4_VALUES
-from minfer.formats.quants import GGMLType, _f16_bits_to_f32
+from minfer.formats.quants import GGMLType
 
 SUPPORTED_TYPES = (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)
 _KIND = {GGMLType.IQ4_NL: 0, GGMLType.IQ4_XS: 1, GGMLType.MXFP4: 2}
-ROWS = 8  # weight rows per work item
-_IQ4 = IQ4_VALUES.astype(np.float32)
-_FP4 = MXFP4_VALUES.astype(np.float32)
+_TABLE = {GGMLType.IQ4_NL: IQ4_VALUES, GGMLType.IQ4_XS: IQ4_VALUES, GGMLType.MXFP4: MXFP4_VALUES}
+# MXFP4's E8M0 exponent byte e as its block scale 2^(e - 128) (2^(e - 127), halved for the doubled table)
+_E8M0 = np.array([math.ldexp(1.0, e - 128) for e in range(256)], np.float32)
 
 
-@njit(inline="always", error_model="numpy")
-def _nibbles(flat, at, d, table, vals, v0):
-    """16 bytes at ``flat[at]``: vals[v0 + j] = d * table[low nibble j], vals[v0 + 16 + j] = d * table[high]."""
-    for j in range(16):
-        q = flat[at + j]
-        vals[0, v0 + j] = d * table[q & 15]
-        vals[0, v0 + 16 + j] = d * table[q >> 4]
+# ---------------------------------------------------------------------------------------------------
+# Block groups: IQ4_XS's super-block of eight blocks (one f16 d, eight 6-bit scales), or one IQ4_NL / MXFP4
+# block. ``w`` is the whole weight tensor as one flat uint8 array, ``row`` a row's first byte, ``g`` a group's
+# index in that row; ``kind`` is fixed for a call, so every branch on it goes the same way.
+# ---------------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, error_model="numpy")
-def _decode_row(flat, start, n_in, kind, iq4, fp4, vals):
-    """Row values of the weight row whose bytes begin at ``flat[start]`` into ``vals[0, :n_in]``."""
-    if kind == 0:  # IQ4_NL: 18-byte blocks of 32
-        for b in range(n_in // 32):
-            at = start + 18 * b
-            d = _f16_bits_to_f32(np.int32(flat[at]) | (np.int32(flat[at + 1]) << 8))
-            _nibbles(flat, at + 2, d, iq4, vals, 32 * b)
-    elif kind == 1:  # IQ4_XS: 136-byte super-blocks of 256
-        for b in range(n_in // 256):
-            at = start + 136 * b
-            d = _f16_bits_to_f32(np.int32(flat[at]) | (np.int32(flat[at + 1]) << 8))
-            sh = np.int32(flat[at + 2]) | (np.int32(flat[at + 3]) << 8)
-            for ib in range(8):
-                ls = ((np.int32(flat[at + 4 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)
-                dl = d * np.float32(ls - 32)
-                _nibbles(flat, at + 8 + 16 * ib, dl, iq4, vals, 256 * b + 32 * ib)
-    else:  # MXFP4: 17-byte blocks of 32, an E8M0 exponent byte (2^(e - 127), halved for the doubled table)
-        for b in range(n_in // 32):
-            at = start + 17 * b
-            d = np.float32(math.ldexp(1.0, np.int32(flat[at]) - 128))
-            _nibbles(flat, at + 1, d, fp4, vals, 32 * b)
+@intrinsic
+def _xs_scales(typingctx, w, o):
+    """The eight sub-block scales ``ls - 32`` of the IQ4_XS super-block at byte ``o`` (int32 lanes): ls's low
+    4 bits are nibble i of the 4 bytes ``scales_l`` (at o + 4), its high 2 bits field i of the u16 ``scales_h``
+    (at o + 2)."""
+    if not is_1d(w):
+        return None
+
+    def codegen(context, builder, sig, args):
+        base = array_data(context, builder, sig.args[0], args[0])
+        at = as_intp(context, builder, args[1], sig.args[1])
+        high = builder.zext(ir_load(builder, base, builder.add(at, ir.Constant(at.type, 2)), LL_I16), LL_I32)
+        low = ir_load(builder, base, builder.add(at, ir.Constant(at.type, 4)), LL_I32)
+        low = builder.and_(builder.lshr(ir_splat(builder, low, 8), ir.Constant(V8I, [4 * i for i in range(8)])),
+                           splat_constant(V8I, 15))
+        high = builder.and_(builder.lshr(ir_splat(builder, high, 8), ir.Constant(V8I, [2 * i for i in range(8)])),
+                            splat_constant(V8I, 3))
+        ls = builder.or_(low, builder.shl(high, splat_constant(V8I, 4)))
+        return builder.sub(ls, splat_constant(V8I, 32))
+
+    return i32x8(w, o), codegen
 
 
-@njit(cache=True, error_model="numpy", parallel=True)
-def _matmul_kernel(x, flat, rb, n_out, n_in, kind, iq4, fp4, out):
-    n_tok = x.shape[0]
-    n_items = (n_out + ROWS - 1) // ROWS
-    for it in prange(n_items):
-        vals = np.empty((1, n_in), np.float32)
-        for r in range(it * ROWS, min(n_out, (it + 1) * ROWS)):
-            _decode_row(flat, r * rb, n_in, kind, iq4, fp4, vals)
-            for t in range(n_tok):
-                acc = zeros_f32x8()
-                for i in range(0, n_in, 8):
-                    acc = muladd_f32x8(acc, load_row_f32x8(x, t, i), load_row_f32x8(vals, 0, i))
-                out[t, r] = hsum_tree(acc)
+@njit(inline="always")
+def _group(kind, w, row, g, e8m0):
+    """(byte offset of group ``g``'s first 16 index bytes, its float32 scale, IQ4_XS's integer sub-block
+    scales (``_xs_scales``; the other types' are unused))."""
+    if kind == 1:  # IQ4_XS: 136 bytes: f16 d, u16 scales_h, 4 bytes scales_l, 8 x 16 bytes of indices
+        o = row + 136 * g
+        return o + 8, load_half(w, o), _xs_scales(w, o)
+    if kind == 0:  # IQ4_NL: 18 bytes: f16 d, 16 bytes of indices
+        o = row + 18 * g
+        return o + 2, load_half(w, o), zeros_i32x8()
+    o = row + 17 * g  # MXFP4: 17 bytes: the exponent byte, 16 bytes of indices
+    return o + 1, e8m0[w[o]], zeros_i32x8()
+
+
+@njit(inline="always")
+def _lanes(kind, w, qo, ls, ib, tv, a):
+    """Σ table[n] a of one block in eight int32 lanes (exact), times IQ4_XS's sub-block scale ``ls[ib]``
+    (exact too: |Σ| <= 32 * 127 * 127 and |ls| <= 32 keep it under 2^24, so its float is exact as well)."""
+    return _scaled(kind, dot_s8s8(lookup16(load_nibbles32(w, qo), tv), a), lane_splat_i32x8(ls, ib))
+
+
+@njit(inline="always")
+def _scaled(kind, v, m):
+    """IQ4_XS's lanes times their sub-block's scale ``m`` (in every lane); the other types' as they are."""
+    if kind == 1:
+        return mul_i32x8(v, m)
+    return v
+
+
+@njit(inline="always")
+def _row(kind, w, row, nb, e8m0, tv, aq, ao, ds, do):
+    """One row against one token, block by block: ``acc = fma(float(lanes), d_w d_x, acc)``."""
+    per = 8 if kind == 1 else 1
+    acc = zeros_f32x8()
+    for g in range(nb // per):
+        qo, dw, ls = _group(kind, w, row, g, e8m0)
+        for ib in range(per):
+            b = g * per + ib
+            v = _lanes(kind, w, qo + 16 * ib, ls, ib, tv, load_bytes32(aq, ao + QK * b))
+            acc = fma_i32x8(acc, v, splat_f32x8(dw * ds[do + 2 * b]))
+    return hsum_folded(acc)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode: one token (GEMV), 4 weight rows per pass sharing each activation block's loads
+# ---------------------------------------------------------------------------------------------------
+# Arguments: w flat uint8 raw blocks, rb bytes per row, kind, the table (int8[16]), e8m0, aq int8[n_in],
+# ds float32[2 * n_blocks], out float32[1, n_out]. Each prange iteration owns four whole rows; the last 1..3
+# rows run after the parallel loop. The bytes PREFETCH_ROWS rows ahead are fetched as the pass goes (see
+# quant_matmul's decode: four interleaved row streams defeat the hardware prefetcher).
+
+
+@njit(parallel=True, cache=True)
+def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
+    tv = table16(table)
+    n_out = out.shape[1]
+    nb = aq.shape[0] // QK
+    per = 8 if kind == 1 else 1
+    n_pass = n_out // 4
+    ahead = 4 * rb // nb  # the bytes of a pass per block of its rows
+    for p in prange(n_pass):
+        r0 = 4 * p
+        acc0, acc1, acc2, acc3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+        o = r0 * rb
+        pf = o + PREFETCH_ROWS * rb
+        for g in range(nb // per):
+            q0, d0, l0 = _group(kind, w, o, g, e8m0)
+            q1, d1, l1 = _group(kind, w, o + rb, g, e8m0)
+            q2, d2, l2 = _group(kind, w, o + 2 * rb, g, e8m0)
+            q3, d3, l3 = _group(kind, w, o + 3 * rb, g, e8m0)
+            for ib in range(per):
+                prefetch(w, pf)
+                prefetch(w, pf + 64)
+                pf += ahead
+                b = g * per + ib
+                a = load_bytes32(aq, QK * b)
+                dx = ds[2 * b]
+                k = 16 * ib
+                acc0 = fma_i32x8(acc0, _lanes(kind, w, q0 + k, l0, ib, tv, a), splat_f32x8(d0 * dx))
+                acc1 = fma_i32x8(acc1, _lanes(kind, w, q1 + k, l1, ib, tv, a), splat_f32x8(d1 * dx))
+                acc2 = fma_i32x8(acc2, _lanes(kind, w, q2 + k, l2, ib, tv, a), splat_f32x8(d2 * dx))
+                acc3 = fma_i32x8(acc3, _lanes(kind, w, q3 + k, l3, ib, tv, a), splat_f32x8(d3 * dx))
+        out[0, r0] = hsum_folded(acc0)
+        out[0, r0 + 1] = hsum_folded(acc1)
+        out[0, r0 + 2] = hsum_folded(acc2)
+        out[0, r0 + 3] = hsum_folded(acc3)
+    for r in range(4 * n_pass, n_out):
+        out[0, r] = _row(kind, w, r * rb, nb, e8m0, tv, aq, 0, ds, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prefill: many tokens (GEMM). Work item = GEMM_ROWS weight rows; inside it, tiles of GEMM_TOKENS tokens:
+# each weight block is looked up once and used against all 8 tokens. Tokens past the last whole tile run
+# the decode row function (same operations, same results).
+# ---------------------------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def _gemm_iq(w, rb, kind, table, e8m0, aq, ds, out):
+    tv = table16(table)
+    n_tok, n_out = out.shape
+    n_in = aq.shape[0] // n_tok
+    nb = n_in // QK
+    per = 8 if kind == 1 else 1
+    n_full = n_tok - n_tok % GEMM_TOKENS
+    d_b, _ = tile_scales(ds, n_full, nb)
+    for gr in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
+        r0 = gr * GEMM_ROWS
+        r1 = min(n_out, r0 + GEMM_ROWS)
+        for t0 in range(0, n_full, GEMM_TOKENS):
+            tb = t0 * nb
+            for r in range(r0, r1):
+                a0, a1, a2, a3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+                a4, a5, a6, a7 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
+                ao = t0 * n_in
+                for g in range(nb // per):
+                    qo, sw, ls = _group(kind, w, r * rb, g, e8m0)
+                    dw = splat_f32x8(sw)
+                    for ib in range(per):
+                        q = lookup16(load_nibbles32(w, qo + 16 * ib), tv)
+                        m = lane_splat_i32x8(ls, ib)
+                        k = 8 * (tb + (g * per + ib) * GEMM_TOKENS)  # [tile, block, token] of d_b, 8 lanes each
+                        a0 = fma_i32x8(a0, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k)))
+                        a1 = fma_i32x8(a1, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + n_in)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k + 8)))
+                        a2 = fma_i32x8(a2, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 2 * n_in)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k + 16)))
+                        a3 = fma_i32x8(a3, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 3 * n_in)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k + 24)))
+                        a4 = fma_i32x8(a4, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 4 * n_in)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k + 32)))
+                        a5 = fma_i32x8(a5, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 5 * n_in)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k + 40)))
+                        a6 = fma_i32x8(a6, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 6 * n_in)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k + 48)))
+                        a7 = fma_i32x8(a7, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 7 * n_in)), m),
+                                       mul_f32x8(dw, load_f32x8(d_b, k + 56)))
+                        ao += QK
+                store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
+        for t in range(n_full, n_tok):
+            for r in range(r0, r1):
+                out[t, r] = _row(kind, w, r * rb, nb, e8m0, tv, aq, t * n_in, ds, t * nb * 2)
 
 
 def supports(ggml_type: GGMLType) -> bool:
@@ -85,33 +260,45 @@ def supports(ggml_type: GGMLType) -> bool:
 class _Prepared:
     """The flat bytes and geometry of one weight, computed once per tensor."""
 
-    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "table")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
         self.n_out, self.n_in = weight_shape(w, "IQ4/MXFP4", SUPPORTED_TYPES, block_size(t))
         self.rb = self.n_in // block_size(t) * type_size(t)
         self.flat = read_only(weight_bytes(w, self.rb))
-        self.tensor, self.kind = w, _KIND[t]
+        self.tensor, self.kind, self.table = w, _KIND[t], _TABLE[t]
 
 
 def prepare(w: GGUFTensor) -> _Prepared:
     return _Prepared(w)
 
 
-def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: object = None) -> None:
-    """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` read as raw IQ4_NL / IQ4_XS / MXFP4 blocks."""
+def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
+    """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` read as raw IQ4_NL / IQ4_XS / MXFP4 blocks.
+
+    ``xq`` is ``quantize_activations(x)`` when the caller shares it between matmuls; else it is made here.
+    ``out`` must be float32 ``[n_tok, n_out]``; it is written, never read."""
     p = w if isinstance(w, _Prepared) else _Prepared(w)
     n_tok = check_operands(x, p.tensor, out, p.n_in, p.n_out)
     if n_tok == 0 or p.n_out == 0:
         return
-    _matmul_kernel(np.ascontiguousarray(x, dtype=np.float32), p.flat, p.rb, p.n_out, p.n_in, p.kind, _IQ4, _FP4, out)
+    if xq is None:
+        xq = quantize_activations(x)
+    elif xq.q.shape != x.shape:
+        raise ModelError(f"{p.tensor.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
+    dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    kernel = _gemv_iq if n_tok == 1 else _gemm_iq
+    kernel(p.flat, p.rb, p.kind, p.table, _E8M0, xq.q_flat, xq.ds_flat, dst)
+    if dst is not out:
+        out[...] = dst
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) the kernel once."""
-    x = np.zeros((2, 256), np.float32)
-    out = np.empty((2, 3), np.float32)
-    for t in SUPPORTED_TYPES:
-        raw = np.zeros((3, 256 // block_size(t) * type_size(t)), np.uint8)
-        matmul(x, GGUFTensor("warmup", t, (3, 256), raw), out)
+    """Compile (or load from numba's cache) the kernels once."""
+    for n_tok in (1, 9):
+        x = np.zeros((n_tok, 256), np.float32)
+        out = np.empty((n_tok, 3), np.float32)
+        for t in SUPPORTED_TYPES:
+            raw = np.zeros((3, 256 // block_size(t) * type_size(t)), np.uint8)
+            matmul(x, GGUFTensor("warmup", t, (3, 256), raw), out)

@@ -53,7 +53,7 @@ def compile_matmul(type_name: str) -> None:
         out = np.empty((n_tok, n_out), F32)
         raw = _read_only(np.zeros((n_out, n_in // block_size(t) * type_size(t)), np.uint8))
         w = module.prepare(GGUFTensor("warmup", t, (n_out, n_in), raw))
-        if module is quant_matmul and t not in float_matmul.WIDENING:
+        if module is iquant_matmul or (module is quant_matmul and t not in float_matmul.WIDENING):
             xq = quant_matmul.quantize_activations(x)  # a shared QUANTIZE node's output, as plans pass it
             module.matmul(x, w, out, xq)
         module.matmul(x, w, out)
@@ -168,7 +168,8 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel"), 11.0)
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
-    **{t: ((f"{_IQ}:_matmul_kernel",), 3.5) for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
+    **{t: ((f"{_IQ}:_gemv_iq", f"{_IQ}:_gemm_iq", *_QUANTIZE), 5.0)
+       for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
 }
 _EW = f"{_CPU}.elementwise"
 _ELEMENTWISE_OP = {Op.ADD: "add", Op.MUL: "mul", Op.SWIGLU: "swiglu", Op.SILU: "silu", Op.GEGLU: "geglu",

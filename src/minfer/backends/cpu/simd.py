@@ -843,3 +843,61 @@ def neg_i32x8(typingctx, v):
     if v != i32x8:
         return None
     return i32x8(v), lambda context, builder, sig, args: builder.neg(args[0])
+
+
+@intrinsic
+def table16(typingctx, arr):
+    """The 16 int8 entries of ``arr`` (a lookup table), repeated in both 128-bit halves of a register: the
+    operand ``lookup16`` reads. Load it once, outside the loops."""
+    if not (is_1d(arr) and arr.dtype == types.int8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        t = load_element(context, builder, sig.args[0], args[0], context.get_constant(types.intp, 0), types.intp,
+                         ir.VectorType(LL_I8, 16))
+        return builder.shuffle_vector(t, t, shuffle_mask(32, lambda i: i % 16))
+
+    return i8x32(arr), codegen
+
+
+def ir_lookup16(builder: ir.IRBuilder, idx: ir.Value, table: ir.Value) -> ir.Value:
+    """Lane i = table[idx[i]] for indices 0..15 (``table`` as ``table16`` lays it out): one vpshufb on AVX2;
+    elsewhere sixteen compare-and-selects, the same bytes."""
+    if AVX2:
+        return ir_call(builder, "llvm.x86.avx2.pshuf.b", V32B, [table, idx])
+    out = ir.Constant(V32B, [0] * 32)
+    for k in range(16):
+        entry = ir_splat(builder, builder.extract_element(table, ir.Constant(LL_I32, k)), 32)
+        out = builder.select(builder.icmp_unsigned("==", idx, splat_constant(V32B, k)), entry, out)
+    return out
+
+
+@intrinsic
+def lookup16(typingctx, idx, table):
+    """Lane i = table[idx[i]]: 32 nibbles (0..15) through a 16-entry int8 table (``table16``'s register)."""
+    if not (idx == i8x32 and table == i8x32):
+        return None
+    return i8x32(idx, table), lambda context, builder, sig, args: ir_lookup16(builder, args[0], args[1])
+
+
+@intrinsic
+def mul_i32x8(typingctx, a, b):
+    """a * b on eight int32 lanes (wrapping, as vpmulld)."""
+    if not (a == i32x8 and b == i32x8):
+        return None
+    return i32x8(a, b), lambda context, builder, sig, args: builder.mul(args[0], args[1])
+
+
+@intrinsic
+def lane_splat_i32x8(typingctx, v, i):
+    """Lane ``i`` (0..7, a run-time index) of ``v`` in all eight lanes: one vpermd on AVX2."""
+    if not (v == i32x8 and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        index = builder.trunc(as_intp(context, builder, args[1], sig.args[1]), LL_I32)
+        if AVX2:
+            return ir_call(builder, "llvm.x86.avx2.permd", V8I, [args[0], ir_splat(builder, index, 8)])
+        return ir_splat(builder, builder.extract_element(args[0], index), 8)
+
+    return i32x8(v, i), codegen
