@@ -4,17 +4,20 @@
 from __future__ import annotations
 
 import os
+import platform
 import pty
 import select
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import fixture_dir
 
 GEMMA = str(fixture_dir("gemma3") / "model-f32.gguf")
+READ_SYSCALL = {"x86_64": 0, "aarch64": 63}[platform.machine()]  # read(2)'s number, as /proc/PID/syscall shows it
 
 
 def minfer(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -77,6 +80,17 @@ class Terminal:
     def write(self, text: str) -> None:
         os.write(self.master, text.encode())
 
+    def wait_reading(self, timeout: float = 60) -> None:
+        """Until the chat is blocked reading its terminal. A SIGINT that comes after the prompt is drawn but
+        before that read begins is only noted by Python's C-level handler, and the read then waits for input
+        without seeing it: a window of microseconds that a loaded machine stretches (it failed this test in a
+        full run beside other work). A person cannot hit it; a test that signals at once can."""
+        syscall = Path(f"/proc/{self.proc.pid}/syscall")
+        deadline = time.monotonic() + timeout
+        while syscall.read_text().split()[0] != str(READ_SYSCALL):
+            assert time.monotonic() < deadline, f"the chat is not reading its terminal: {syscall.read_text()}"
+            time.sleep(0.01)
+
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_answer_then_ends_the_chat_and_saves_it(smollm2_path, tmp_path):
@@ -93,6 +107,7 @@ def test_ctrl_c_stops_the_answer_then_ends_the_chat_and_saves_it(smollm2_path, t
         term.write("Say hi.\n")
         term.read_until("Say hi.\r\n")
         term.read_until("\n> ", start=len(term.out))  # its answer, then the prompt again
+        term.wait_reading()
         term.proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt: the chat ends
         term.read_until("resume it with: minfer chat --load")
         assert term.proc.wait(60) == 0

