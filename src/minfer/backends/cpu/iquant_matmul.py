@@ -41,12 +41,17 @@ from minfer.backends.cpu.simd import (
     LL_I16,
     LL_I32,
     V8I,
+    V32B,
+    VNNI,
     array_data,
     as_intp,
     dot_s8s8,
+    dpbusd,
     fma_i32x8,
     hsum_folded,
+    i8x32,
     i32x8,
+    ir_dot_u8s8,
     ir_load,
     ir_splat,
     is_1d,
@@ -54,6 +59,7 @@ from minfer.backends.cpu.simd import (
     load_bytes32,
     load_f32x8,
     load_half,
+    load_i32x8,
     load_nibbles32,
     lookup16,
     mul_f32x8,
@@ -61,6 +67,7 @@ from minfer.backends.cpu.simd import (
     prefetch,
     splat_constant,
     splat_f32x8,
+    store_i32x8,
     table16,
     zeros_f32x8,
     zeros_i32x8,
@@ -73,7 +80,16 @@ from minfer.formats.quants import GGMLType
 
 SUPPORTED_TYPES = (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)
 _KIND = {GGMLType.IQ4_NL: 0, GGMLType.IQ4_XS: 1, GGMLType.MXFP4: 2}
-_TABLE = {GGMLType.IQ4_NL: IQ4_VALUES, GGMLType.IQ4_XS: IQ4_VALUES, GGMLType.MXFP4: MXFP4_VALUES}
+
+
+def _vnni_table(values: np.ndarray) -> np.ndarray:
+    """The table the kernels look up: the values themselves, or under VNNI the values + 128 (as unsigned bytes:
+    vpdpbusd's unsigned operand; ``_dot`` takes the bias back out)."""
+    return ((values.astype(np.int16) + 128).astype(np.uint8).view(np.int8) if VNNI else values).copy()
+
+
+_TABLE = {GGMLType.IQ4_NL: _vnni_table(IQ4_VALUES), GGMLType.IQ4_XS: _vnni_table(IQ4_VALUES),
+          GGMLType.MXFP4: _vnni_table(MXFP4_VALUES)}
 # MXFP4's E8M0 exponent byte e as its block scale 2^(e - 128) (2^(e - 127), halved for the doubled table)
 _E8M0 = np.array([math.ldexp(1.0, e - 128) for e in range(256)], np.float32)
 
@@ -108,6 +124,19 @@ def _xs_scales(typingctx, w, o):
     return i32x8(w, o), codegen
 
 
+@intrinsic
+def _neg128_quads(typingctx, a):
+    """Eight int32 lanes, lane i = -128 Σ_{k<4} a[4i+k]: what the table's +128 bias adds to a VNNI block sum."""
+    if a != i8x32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        s = ir_dot_u8s8(builder, splat_constant(V32B, 1), args[0])
+        return builder.neg(builder.shl(s, splat_constant(V8I, 7)))
+
+    return i32x8(a), codegen
+
+
 @njit(inline="always")
 def _group(kind, w, row, g, e8m0):
     """(byte offset of group ``g``'s first 16 index bytes, its float32 scale, IQ4_XS's integer sub-block
@@ -123,10 +152,39 @@ def _group(kind, w, row, g, e8m0):
 
 
 @njit(inline="always")
-def _lanes(kind, w, qo, ls, ib, tv, a):
-    """Σ table[n] a of one block in eight int32 lanes (exact), times IQ4_XS's sub-block scale ``ls[ib]``
-    (exact too: |Σ| <= 32 * 127 * 127 and |ls| <= 32 keep it under 2^24, so its float is exact as well)."""
-    return _scaled(kind, dot_s8s8(lookup16(load_nibbles32(w, qo), tv), a), lane_splat_i32x8(ls, ib))
+def _dot(q, a, off):
+    """Σ table[n] a of one block in eight int32 lanes, exact, from the looked-up indices ``q``. With VNNI the
+    table is biased by +128 (unsigned, ``_vnni_table``): one vpdpbusd onto ``off`` = -128 Σa (``_neg128_quads``)
+    leaves the same integers as the AVX2 sign trick (``|w| * (a * sign w)``), which needs two more
+    instructions."""
+    if VNNI:
+        return dpbusd(off, q, a)
+    return dot_s8s8(q, a)
+
+
+@njit(inline="always")
+def _lanes(kind, w, qo, ls, ib, tv, a, off):
+    """One block's exact lanes (``_dot``), times IQ4_XS's sub-block scale ``ls[ib]`` (exact too: |Σ| <= 32 *
+    127 * 127 and |ls| <= 32 keep it under 2^24, so its float is exact as well)."""
+    return _scaled(kind, _dot(lookup16(load_nibbles32(w, qo), tv), a, off), lane_splat_i32x8(ls, ib))
+
+
+@njit(inline="always")
+def _off(offs, k):
+    """The offset lanes at ``offs[k:]`` under VNNI (elsewhere unused: zeros)."""
+    if VNNI:
+        return load_i32x8(offs, k)
+    return zeros_i32x8()
+
+
+@njit(inline="always")
+def _offsets(aq, n_blocks):
+    """Every activation block's ``_neg128_quads`` (VNNI only; else an empty array), once per call."""
+    offs = np.empty(n_blocks * 8 if VNNI else 0, np.int32)
+    if VNNI:
+        for b in range(n_blocks):
+            store_i32x8(offs, 8 * b, _neg128_quads(load_bytes32(aq, QK * b)))
+    return offs
 
 
 @njit(inline="always")
@@ -146,7 +204,8 @@ def _row(kind, w, row, nb, e8m0, tv, aq, ao, ds, do):
         qo, dw, ls = _group(kind, w, row, g, e8m0)
         for ib in range(per):
             b = g * per + ib
-            v = _lanes(kind, w, qo + 16 * ib, ls, ib, tv, load_bytes32(aq, ao + QK * b))
+            a = load_bytes32(aq, ao + QK * b)
+            v = _lanes(kind, w, qo + 16 * ib, ls, ib, tv, a, _neg128_quads(a) if VNNI else zeros_i32x8())
             acc = fma_i32x8(acc, v, splat_f32x8(dw * ds[do + 2 * b]))
     return hsum_folded(acc)
 
@@ -168,6 +227,7 @@ def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
     per = 8 if kind == 1 else 1
     n_pass = n_out // 4
     ahead = 4 * rb // nb  # the bytes of a pass per block of its rows
+    offs = _offsets(aq, nb)
     for p in prange(n_pass):
         r0 = 4 * p
         acc0, acc1, acc2, acc3 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
@@ -184,12 +244,13 @@ def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
                 pf += ahead
                 b = g * per + ib
                 a = load_bytes32(aq, QK * b)
+                off = load_i32x8(offs, 8 * b) if VNNI else zeros_i32x8()
                 dx = ds[2 * b]
                 k = 16 * ib
-                acc0 = fma_i32x8(acc0, _lanes(kind, w, q0 + k, l0, ib, tv, a), splat_f32x8(d0 * dx))
-                acc1 = fma_i32x8(acc1, _lanes(kind, w, q1 + k, l1, ib, tv, a), splat_f32x8(d1 * dx))
-                acc2 = fma_i32x8(acc2, _lanes(kind, w, q2 + k, l2, ib, tv, a), splat_f32x8(d2 * dx))
-                acc3 = fma_i32x8(acc3, _lanes(kind, w, q3 + k, l3, ib, tv, a), splat_f32x8(d3 * dx))
+                acc0 = fma_i32x8(acc0, _lanes(kind, w, q0 + k, l0, ib, tv, a, off), splat_f32x8(d0 * dx))
+                acc1 = fma_i32x8(acc1, _lanes(kind, w, q1 + k, l1, ib, tv, a, off), splat_f32x8(d1 * dx))
+                acc2 = fma_i32x8(acc2, _lanes(kind, w, q2 + k, l2, ib, tv, a, off), splat_f32x8(d2 * dx))
+                acc3 = fma_i32x8(acc3, _lanes(kind, w, q3 + k, l3, ib, tv, a, off), splat_f32x8(d3 * dx))
         out[0, r0] = hsum_folded(acc0)
         out[0, r0 + 1] = hsum_folded(acc1)
         out[0, r0 + 2] = hsum_folded(acc2)
@@ -205,6 +266,14 @@ def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
 # ---------------------------------------------------------------------------------------------------
 
 
+@njit(inline="always")
+def _tile_step(kind, acc, q, m, dw, aq, ao, offs, d_b, k):
+    """One token of a tile against one block (looked-up indices ``q``, XS scale ``m``, weight scale ``dw``):
+    acc += its exact lanes * (d_w d_x), the activation scale and offset at ``k`` of ``d_b`` and ``offs``."""
+    v = _scaled(kind, _dot(q, load_bytes32(aq, ao), _off(offs, k)), m)
+    return fma_i32x8(acc, v, mul_f32x8(dw, load_f32x8(d_b, k)))
+
+
 @njit(parallel=True, cache=True)
 def _gemm_iq(w, rb, kind, table, e8m0, aq, ds, out):
     tv = table16(table)
@@ -214,6 +283,12 @@ def _gemm_iq(w, rb, kind, table, e8m0, aq, ds, out):
     per = 8 if kind == 1 else 1
     n_full = n_tok - n_tok % GEMM_TOKENS
     d_b, _ = tile_scales(ds, n_full, nb)
+    offs = np.empty(n_full * nb * 8 if VNNI else 0, np.int32)  # _neg128_quads, laid out as d_b
+    if VNNI:
+        for t in range(n_full):
+            for b in range(nb):
+                i = ((t // GEMM_TOKENS) * nb + b) * GEMM_TOKENS + t % GEMM_TOKENS
+                store_i32x8(offs, 8 * i, _neg128_quads(load_bytes32(aq, t * n_in + b * QK)))
     for gr in prange((n_out + GEMM_ROWS - 1) // GEMM_ROWS):
         r0 = gr * GEMM_ROWS
         r1 = min(n_out, r0 + GEMM_ROWS)
@@ -230,22 +305,14 @@ def _gemm_iq(w, rb, kind, table, e8m0, aq, ds, out):
                         q = lookup16(load_nibbles32(w, qo + 16 * ib), tv)
                         m = lane_splat_i32x8(ls, ib)
                         k = 8 * (tb + (g * per + ib) * GEMM_TOKENS)  # [tile, block, token] of d_b, 8 lanes each
-                        a0 = fma_i32x8(a0, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k)))
-                        a1 = fma_i32x8(a1, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + n_in)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k + 8)))
-                        a2 = fma_i32x8(a2, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 2 * n_in)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k + 16)))
-                        a3 = fma_i32x8(a3, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 3 * n_in)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k + 24)))
-                        a4 = fma_i32x8(a4, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 4 * n_in)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k + 32)))
-                        a5 = fma_i32x8(a5, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 5 * n_in)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k + 40)))
-                        a6 = fma_i32x8(a6, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 6 * n_in)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k + 48)))
-                        a7 = fma_i32x8(a7, _scaled(kind, dot_s8s8(q, load_bytes32(aq, ao + 7 * n_in)), m),
-                                       mul_f32x8(dw, load_f32x8(d_b, k + 56)))
+                        a0 = _tile_step(kind, a0, q, m, dw, aq, ao, offs, d_b, k)
+                        a1 = _tile_step(kind, a1, q, m, dw, aq, ao + n_in, offs, d_b, k + 8)
+                        a2 = _tile_step(kind, a2, q, m, dw, aq, ao + 2 * n_in, offs, d_b, k + 16)
+                        a3 = _tile_step(kind, a3, q, m, dw, aq, ao + 3 * n_in, offs, d_b, k + 24)
+                        a4 = _tile_step(kind, a4, q, m, dw, aq, ao + 4 * n_in, offs, d_b, k + 32)
+                        a5 = _tile_step(kind, a5, q, m, dw, aq, ao + 5 * n_in, offs, d_b, k + 40)
+                        a6 = _tile_step(kind, a6, q, m, dw, aq, ao + 6 * n_in, offs, d_b, k + 48)
+                        a7 = _tile_step(kind, a7, q, m, dw, aq, ao + 7 * n_in, offs, d_b, k + 56)
                         ao += QK
                 store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
         for t in range(n_full, n_tok):
