@@ -17,8 +17,9 @@ ids, chat template: every ``tokenizer.*`` key) is copied from ``--tokenizer-from
 SmolLM2-135M GGUF), so the vocabulary, and with it the embedding matrix, is that file's (49152 for SmolLM2,
 not Qwen's 151936).
 
-Types (``--type``): ``f16``, ``q8_0``, ``q4_0`` and ``q4_k_m``. Values: matrices N(0, 0.02), norm gains 1,
-biases N(0, 0.02), from ``np.random.default_rng([seed, tensor index])``. Quantizer (``--quantizer``):
+Types (``--type``): ``f16``, ``q8_0``, ``q4_0``, ``q4_k_m`` and ``iq4_xs`` (llama.cpp's quantizer only). Values:
+matrices N(0, 0.02), norm gains 1, biases N(0, 0.02), from ``np.random.default_rng([seed, tensor index])``.
+Quantizer (``--quantizer``):
 
 * ``llama.cpp`` (the default when an interpreter with ``llama_cpp`` is at hand: this one, or
   ``--llamacpp-python``): an F16 file is written next to the output, then ``llama_model_quantize`` makes the
@@ -97,6 +98,7 @@ FILE_TYPES: dict[str, tuple[str, LlamaFileType, QT]] = {
     "q8_0": ("Q8_0", LlamaFileType.MOSTLY_Q8_0, QT.Q8_0),
     "q4_0": ("Q4_0", LlamaFileType.MOSTLY_Q4_0, QT.Q4_0),
     "q4_k_m": ("Q4_K_M", LlamaFileType.MOSTLY_Q4_K_M, QT.Q4_K),
+    "iq4_xs": ("IQ4_XS", LlamaFileType.MOSTLY_IQ4_XS, QT.IQ4_XS),  # llama.cpp's quantizer only
 }
 
 
@@ -308,6 +310,8 @@ def write_model(out: Path, shape_name: str, file_type: str, tokenizer_from: Path
     if quantizer == "llama.cpp" and python is None:
         raise SystemExit("synthetic_model: --quantizer llama.cpp needs llama_cpp here or --llamacpp-python")
     used = "llama.cpp" if python is not None and file_type != "f16" else "minfer"
+    if used == "minfer" and file_type == "iq4_xs":
+        raise SystemExit("synthetic_model: iq4_xs needs llama.cpp's quantizer (llama_cpp here or --llamacpp-python)")
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if used == "minfer":

@@ -79,7 +79,6 @@ from minfer.formats.iquants import IQ4_VALUES, MXFP4_VALUES
 from minfer.formats.quants import GGMLType
 
 SUPPORTED_TYPES = (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)
-_KIND = {GGMLType.IQ4_NL: 0, GGMLType.IQ4_XS: 1, GGMLType.MXFP4: 2}
 
 
 def _vnni_table(values: np.ndarray) -> np.ndarray:
@@ -97,7 +96,7 @@ _E8M0 = np.array([math.ldexp(1.0, e - 128) for e in range(256)], np.float32)
 # ---------------------------------------------------------------------------------------------------
 # Block groups: IQ4_XS's super-block of eight blocks (one f16 d, eight 6-bit scales), or one IQ4_NL / MXFP4
 # block. ``w`` is the whole weight tensor as one flat uint8 array, ``row`` a row's first byte, ``g`` a group's
-# index in that row; ``kind`` is fixed for a call, so every branch on it goes the same way.
+# index in that row; ``kind`` (0 IQ4_NL, 1 IQ4_XS, 2 MXFP4) is a constant in each compiled kernel.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -219,7 +218,7 @@ def _row(kind, w, row, nb, e8m0, tv, aq, ao, ds, do):
 # quant_matmul's decode: four interleaved row streams defeat the hardware prefetcher).
 
 
-@njit(parallel=True, cache=True)
+@njit(inline="always")
 def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
     tv = table16(table)
     n_out = out.shape[1]
@@ -274,7 +273,7 @@ def _tile_step(kind, acc, q, m, dw, aq, ao, offs, d_b, k):
     return fma_i32x8(acc, v, mul_f32x8(dw, load_f32x8(d_b, k)))
 
 
-@njit(parallel=True, cache=True)
+@njit(inline="always")
 def _gemm_iq(w, rb, kind, table, e8m0, aq, ds, out):
     tv = table16(table)
     n_tok, n_out = out.shape
@@ -320,21 +319,63 @@ def _gemm_iq(w, rb, kind, table, e8m0, aq, ds, out):
                 out[t, r] = _row(kind, w, r * rb, nb, e8m0, tv, aq, t * n_in, ds, t * nb * 2)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The compiled kernels, one pair per type: each inlines the bodies above with ``kind`` a constant, so that
+# every branch on it folds away and IQ4_XS's eight-block loop unrolls (with ``kind`` an argument, IQ4_NL's
+# decode ran ~1.4x Q4_0's time; see the note on issue 28).
+# ---------------------------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def _gemv_iq4_nl(w, rb, table, e8m0, aq, ds, out):
+    _gemv_iq(w, rb, 0, table, e8m0, aq, ds, out)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_iq4_nl(w, rb, table, e8m0, aq, ds, out):
+    _gemm_iq(w, rb, 0, table, e8m0, aq, ds, out)
+
+
+@njit(parallel=True, cache=True)
+def _gemv_iq4_xs(w, rb, table, e8m0, aq, ds, out):
+    _gemv_iq(w, rb, 1, table, e8m0, aq, ds, out)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_iq4_xs(w, rb, table, e8m0, aq, ds, out):
+    _gemm_iq(w, rb, 1, table, e8m0, aq, ds, out)
+
+
+@njit(parallel=True, cache=True)
+def _gemv_mxfp4(w, rb, table, e8m0, aq, ds, out):
+    _gemv_iq(w, rb, 2, table, e8m0, aq, ds, out)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_mxfp4(w, rb, table, e8m0, aq, ds, out):
+    _gemm_iq(w, rb, 2, table, e8m0, aq, ds, out)
+
+
+# (decode kernel, prefill kernel) of each type
+_KERNELS = {GGMLType.IQ4_NL: (_gemv_iq4_nl, _gemm_iq4_nl), GGMLType.IQ4_XS: (_gemv_iq4_xs, _gemm_iq4_xs),
+            GGMLType.MXFP4: (_gemv_mxfp4, _gemm_mxfp4)}
+
+
 def supports(ggml_type: GGMLType) -> bool:
-    return ggml_type in _KIND
+    return ggml_type in _KERNELS
 
 
 class _Prepared:
     """The flat bytes and geometry of one weight, computed once per tensor."""
 
-    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "table")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kernels", "table")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
         self.n_out, self.n_in = weight_shape(w, "IQ4/MXFP4", SUPPORTED_TYPES, block_size(t))
         self.rb = self.n_in // block_size(t) * type_size(t)
         self.flat = read_only(weight_bytes(w, self.rb))
-        self.tensor, self.kind, self.table = w, _KIND[t], _TABLE[t]
+        self.tensor, self.kernels, self.table = w, _KERNELS[t], _TABLE[t]
 
 
 def prepare(w: GGUFTensor) -> _Prepared:
@@ -355,8 +396,7 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
     elif xq.q.shape != x.shape:
         raise ModelError(f"{p.tensor.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-    kernel = _gemv_iq if n_tok == 1 else _gemm_iq
-    kernel(p.flat, p.rb, p.kind, p.table, _E8M0, xq.q_flat, xq.ds_flat, dst)
+    p.kernels[n_tok > 1](p.flat, p.rb, p.table, _E8M0, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
         out[...] = dst
 

@@ -168,7 +168,7 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel"), 11.0)
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
-    **{t: ((f"{_IQ}:_gemv_iq", f"{_IQ}:_gemm_iq", *_QUANTIZE), 5.0)
+    **{t: ((f"{_IQ}:_gemv_{t.name.lower()}", f"{_IQ}:_gemm_{t.name.lower()}", *_QUANTIZE), 5.0)
        for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
 }
 _EW = f"{_CPU}.elementwise"
@@ -185,7 +185,6 @@ _FAMILY = {
     **{t: "float" for t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)},
     **{t: "q5" for t in (GGMLType.Q5_0, GGMLType.Q5_1)},
     **{t: "k-quants" for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
-    **{t: "iq" for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
 }
 
 
