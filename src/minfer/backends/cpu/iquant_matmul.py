@@ -40,6 +40,7 @@ from minfer.backends.cpu.quant_matmul import QK, QuantizedActivations, quantize_
 from minfer.backends.cpu.simd import (
     LL_I16,
     LL_I32,
+    V8F,
     V8I,
     V32B,
     VNNI,
@@ -47,15 +48,18 @@ from minfer.backends.cpu.simd import (
     as_intp,
     dot_s8s8,
     dpbusd,
+    f32x8,
     fma_i32x8,
     hsum_folded,
     i8x32,
     i32x8,
     ir_dot_u8s8,
+    ir_halves4,
+    ir_lane,
     ir_load,
     ir_splat,
     is_1d,
-    lane_splat_i32x8,
+    lane_splat_f32x8,
     load_bytes32,
     load_f32x8,
     load_half,
@@ -63,7 +67,6 @@ from minfer.backends.cpu.simd import (
     load_nibbles32,
     lookup16,
     mul_f32x8,
-    mul_i32x8,
     prefetch,
     splat_constant,
     splat_f32x8,
@@ -102,9 +105,9 @@ _E8M0 = np.array([math.ldexp(1.0, e - 128) for e in range(256)], np.float32)
 
 @intrinsic
 def _xs_scales(typingctx, w, o):
-    """The eight sub-block scales ``ls - 32`` of the IQ4_XS super-block at byte ``o`` (int32 lanes): ls's low
-    4 bits are nibble i of the 4 bytes ``scales_l`` (at o + 4), its high 2 bits field i of the u16 ``scales_h``
-    (at o + 2)."""
+    """The eight sub-block scales ``d * (ls - 32)`` of the IQ4_XS super-block at byte ``o``, as float32 lanes
+    (exact: d's 11 bits times 6 bits): d is the f16 at o, ls's low 4 bits are nibble i of the 4 bytes
+    ``scales_l`` (at o + 4), its high 2 bits field i of the u16 ``scales_h`` (at o + 2)."""
     if not is_1d(w):
         return None
 
@@ -117,10 +120,11 @@ def _xs_scales(typingctx, w, o):
                            splat_constant(V8I, 15))
         high = builder.and_(builder.lshr(ir_splat(builder, high, 8), ir.Constant(V8I, [2 * i for i in range(8)])),
                             splat_constant(V8I, 3))
-        ls = builder.or_(low, builder.shl(high, splat_constant(V8I, 4)))
-        return builder.sub(ls, splat_constant(V8I, 32))
+        ls = builder.sub(builder.or_(low, builder.shl(high, splat_constant(V8I, 4))), splat_constant(V8I, 32))
+        d = ir_splat(builder, ir_lane(builder, ir_halves4(builder, base, at), 0), 8)
+        return builder.fmul(builder.sitofp(ls, V8F), d)
 
-    return i32x8(w, o), codegen
+    return f32x8(w, o), codegen
 
 
 @intrinsic
@@ -138,16 +142,24 @@ def _neg128_quads(typingctx, a):
 
 @njit(inline="always")
 def _group(kind, w, row, g, e8m0):
-    """(byte offset of group ``g``'s first 16 index bytes, its float32 scale, IQ4_XS's integer sub-block
-    scales (``_xs_scales``; the other types' are unused))."""
+    """(byte offset of group ``g``'s first 16 index bytes, its blocks' float32 scales: IQ4_XS's eight in the
+    lanes (``_xs_scales``), the other types' one block's in every lane)."""
     if kind == 1:  # IQ4_XS: 136 bytes: f16 d, u16 scales_h, 4 bytes scales_l, 8 x 16 bytes of indices
         o = row + 136 * g
-        return o + 8, load_half(w, o), _xs_scales(w, o)
+        return o + 8, _xs_scales(w, o)
     if kind == 0:  # IQ4_NL: 18 bytes: f16 d, 16 bytes of indices
         o = row + 18 * g
-        return o + 2, load_half(w, o), zeros_i32x8()
+        return o + 2, splat_f32x8(load_half(w, o))
     o = row + 17 * g  # MXFP4: 17 bytes: the exponent byte, 16 bytes of indices
-    return o + 1, e8m0[w[o]], zeros_i32x8()
+    return o + 1, splat_f32x8(e8m0[w[o]])
+
+
+@njit(inline="always")
+def _scale(kind, scales, ib):
+    """Block ``ib`` of its group: its scale (``_group``'s) in every lane."""
+    if kind == 1:
+        return lane_splat_f32x8(scales, ib)
+    return scales
 
 
 @njit(inline="always")
@@ -162,10 +174,10 @@ def _dot(q, a, off):
 
 
 @njit(inline="always")
-def _lanes(kind, w, qo, ls, ib, tv, a, off):
-    """One block's exact lanes (``_dot``), times IQ4_XS's sub-block scale ``ls[ib]`` (exact too: |Σ| <= 32 *
-    127 * 127 and |ls| <= 32 keep it under 2^24, so its float is exact as well)."""
-    return _scaled(kind, _dot(lookup16(load_nibbles32(w, qo), tv), a, off), lane_splat_i32x8(ls, ib))
+def _lanes(w, qo, tv, a, off):
+    """The exact lanes (``_dot``) of the block whose indices are at ``qo`` against the activations ``a``
+    (|Σ| <= 32 * 127 * 127 < 2^24: their float conversion is exact too)."""
+    return _dot(lookup16(load_nibbles32(w, qo), tv), a, off)
 
 
 @njit(inline="always")
@@ -187,25 +199,17 @@ def _offsets(aq, n_blocks):
 
 
 @njit(inline="always")
-def _scaled(kind, v, m):
-    """IQ4_XS's lanes times their sub-block's scale ``m`` (in every lane); the other types' as they are."""
-    if kind == 1:
-        return mul_i32x8(v, m)
-    return v
-
-
-@njit(inline="always")
 def _row(kind, w, row, nb, e8m0, tv, aq, ao, ds, do):
     """One row against one token, block by block: ``acc = fma(float(lanes), d_w d_x, acc)``."""
     per = 8 if kind == 1 else 1
     acc = zeros_f32x8()
     for g in range(nb // per):
-        qo, dw, ls = _group(kind, w, row, g, e8m0)
+        qo, scales = _group(kind, w, row, g, e8m0)
         for ib in range(per):
             b = g * per + ib
             a = load_bytes32(aq, ao + QK * b)
-            v = _lanes(kind, w, qo + 16 * ib, ls, ib, tv, a, _neg128_quads(a) if VNNI else zeros_i32x8())
-            acc = fma_i32x8(acc, v, splat_f32x8(dw * ds[do + 2 * b]))
+            v = _lanes(w, qo + 16 * ib, tv, a, _neg128_quads(a) if VNNI else zeros_i32x8())
+            acc = fma_i32x8(acc, v, mul_f32x8(_scale(kind, scales, ib), splat_f32x8(ds[do + 2 * b])))
     return hsum_folded(acc)
 
 
@@ -233,10 +237,10 @@ def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
         o = r0 * rb
         pf = o + PREFETCH_ROWS * rb
         for g in range(nb // per):
-            q0, d0, l0 = _group(kind, w, o, g, e8m0)
-            q1, d1, l1 = _group(kind, w, o + rb, g, e8m0)
-            q2, d2, l2 = _group(kind, w, o + 2 * rb, g, e8m0)
-            q3, d3, l3 = _group(kind, w, o + 3 * rb, g, e8m0)
+            q0, s0 = _group(kind, w, o, g, e8m0)
+            q1, s1 = _group(kind, w, o + rb, g, e8m0)
+            q2, s2 = _group(kind, w, o + 2 * rb, g, e8m0)
+            q3, s3 = _group(kind, w, o + 3 * rb, g, e8m0)
             for ib in range(per):
                 prefetch(w, pf)
                 prefetch(w, pf + 64)
@@ -244,12 +248,12 @@ def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
                 b = g * per + ib
                 a = load_bytes32(aq, QK * b)
                 off = load_i32x8(offs, 8 * b) if VNNI else zeros_i32x8()
-                dx = ds[2 * b]
+                dx = splat_f32x8(ds[2 * b])
                 k = 16 * ib
-                acc0 = fma_i32x8(acc0, _lanes(kind, w, q0 + k, l0, ib, tv, a, off), splat_f32x8(d0 * dx))
-                acc1 = fma_i32x8(acc1, _lanes(kind, w, q1 + k, l1, ib, tv, a, off), splat_f32x8(d1 * dx))
-                acc2 = fma_i32x8(acc2, _lanes(kind, w, q2 + k, l2, ib, tv, a, off), splat_f32x8(d2 * dx))
-                acc3 = fma_i32x8(acc3, _lanes(kind, w, q3 + k, l3, ib, tv, a, off), splat_f32x8(d3 * dx))
+                acc0 = fma_i32x8(acc0, _lanes(w, q0 + k, tv, a, off), mul_f32x8(_scale(kind, s0, ib), dx))
+                acc1 = fma_i32x8(acc1, _lanes(w, q1 + k, tv, a, off), mul_f32x8(_scale(kind, s1, ib), dx))
+                acc2 = fma_i32x8(acc2, _lanes(w, q2 + k, tv, a, off), mul_f32x8(_scale(kind, s2, ib), dx))
+                acc3 = fma_i32x8(acc3, _lanes(w, q3 + k, tv, a, off), mul_f32x8(_scale(kind, s3, ib), dx))
         out[0, r0] = hsum_folded(acc0)
         out[0, r0 + 1] = hsum_folded(acc1)
         out[0, r0 + 2] = hsum_folded(acc2)
@@ -266,11 +270,10 @@ def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
 
 
 @njit(inline="always")
-def _tile_step(kind, acc, q, m, dw, aq, ao, offs, d_b, k):
-    """One token of a tile against one block (looked-up indices ``q``, XS scale ``m``, weight scale ``dw``):
+def _tile_step(acc, q, dw, aq, ao, offs, d_b, k):
+    """One token of a tile against one block (looked-up indices ``q``, scale ``dw`` in every lane):
     acc += its exact lanes * (d_w d_x), the activation scale and offset at ``k`` of ``d_b`` and ``offs``."""
-    v = _scaled(kind, _dot(q, load_bytes32(aq, ao), _off(offs, k)), m)
-    return fma_i32x8(acc, v, mul_f32x8(dw, load_f32x8(d_b, k)))
+    return fma_i32x8(acc, _dot(q, load_bytes32(aq, ao), _off(offs, k)), mul_f32x8(dw, load_f32x8(d_b, k)))
 
 
 @njit(inline="always")
@@ -298,20 +301,19 @@ def _gemm_iq(w, rb, kind, table, e8m0, aq, ds, out):
                 a4, a5, a6, a7 = zeros_f32x8(), zeros_f32x8(), zeros_f32x8(), zeros_f32x8()
                 ao = t0 * n_in
                 for g in range(nb // per):
-                    qo, sw, ls = _group(kind, w, r * rb, g, e8m0)
-                    dw = splat_f32x8(sw)
+                    qo, scales = _group(kind, w, r * rb, g, e8m0)
                     for ib in range(per):
                         q = lookup16(load_nibbles32(w, qo + 16 * ib), tv)
-                        m = lane_splat_i32x8(ls, ib)
+                        dw = _scale(kind, scales, ib)
                         k = 8 * (tb + (g * per + ib) * GEMM_TOKENS)  # [tile, block, token] of d_b, 8 lanes each
-                        a0 = _tile_step(kind, a0, q, m, dw, aq, ao, offs, d_b, k)
-                        a1 = _tile_step(kind, a1, q, m, dw, aq, ao + n_in, offs, d_b, k + 8)
-                        a2 = _tile_step(kind, a2, q, m, dw, aq, ao + 2 * n_in, offs, d_b, k + 16)
-                        a3 = _tile_step(kind, a3, q, m, dw, aq, ao + 3 * n_in, offs, d_b, k + 24)
-                        a4 = _tile_step(kind, a4, q, m, dw, aq, ao + 4 * n_in, offs, d_b, k + 32)
-                        a5 = _tile_step(kind, a5, q, m, dw, aq, ao + 5 * n_in, offs, d_b, k + 40)
-                        a6 = _tile_step(kind, a6, q, m, dw, aq, ao + 6 * n_in, offs, d_b, k + 48)
-                        a7 = _tile_step(kind, a7, q, m, dw, aq, ao + 7 * n_in, offs, d_b, k + 56)
+                        a0 = _tile_step(a0, q, dw, aq, ao, offs, d_b, k)
+                        a1 = _tile_step(a1, q, dw, aq, ao + n_in, offs, d_b, k + 8)
+                        a2 = _tile_step(a2, q, dw, aq, ao + 2 * n_in, offs, d_b, k + 16)
+                        a3 = _tile_step(a3, q, dw, aq, ao + 3 * n_in, offs, d_b, k + 24)
+                        a4 = _tile_step(a4, q, dw, aq, ao + 4 * n_in, offs, d_b, k + 32)
+                        a5 = _tile_step(a5, q, dw, aq, ao + 5 * n_in, offs, d_b, k + 40)
+                        a6 = _tile_step(a6, q, dw, aq, ao + 6 * n_in, offs, d_b, k + 48)
+                        a7 = _tile_step(a7, q, dw, aq, ao + 7 * n_in, offs, d_b, k + 56)
                         ao += QK
                 store_tile(out, t0, r, a0, a1, a2, a3, a4, a5, a6, a7)
         for t in range(n_full, n_tok):

@@ -881,23 +881,15 @@ def lookup16(typingctx, idx, table):
 
 
 @intrinsic
-def mul_i32x8(typingctx, a, b):
-    """a * b on eight int32 lanes (wrapping, as vpmulld)."""
-    if not (a == i32x8 and b == i32x8):
-        return None
-    return i32x8(a, b), lambda context, builder, sig, args: builder.mul(args[0], args[1])
-
-
-@intrinsic
-def lane_splat_i32x8(typingctx, v, i):
-    """Lane ``i`` (0..7, a run-time index) of ``v`` in all eight lanes: one vpermd on AVX2."""
-    if not (v == i32x8 and isinstance(i, types.Integer)):
+def lane_splat_f32x8(typingctx, v, i):
+    """Lane ``i`` (0..7, a run-time index) of ``v`` in all eight lanes: one vpermps on AVX2."""
+    if not (v == f32x8 and isinstance(i, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
         index = builder.trunc(as_intp(context, builder, args[1], sig.args[1]), LL_I32)
         if AVX2:
-            return ir_call(builder, "llvm.x86.avx2.permd", V8I, [args[0], ir_splat(builder, index, 8)])
+            return ir_call(builder, "llvm.x86.avx2.permps", V8F, [args[0], ir_splat(builder, index, 8)])
         return ir_splat(builder, builder.extract_element(args[0], index), 8)
 
-    return i32x8(v, i), codegen
+    return f32x8(v, i), codegen
