@@ -4,8 +4,9 @@
 The activations are Q8 blocks of 32 (``quant_matmul.quantize_activations``, shared with the other integer
 types' matmuls by a plan's QUANTIZE node), as llama.cpp does for these types. A weight block's 32 indices
 (16 bytes of nibbles) go through the type's 16-entry int8 table in a register (one ``vpshufb``), and the
-block against an activation block is an exact integer dot product in eight int32 lanes (llama.cpp's sign
-trick: ``|w| * (a * sign w)``). Each block then does ``acc = fma(float(lanes), d_w d_x, acc)`` with the
+block against an activation block is an exact integer dot product in eight int32 lanes: on AVX2 llama.cpp's
+sign trick (``|w| * (a * sign w)``), with VNNI one ``vpdpbusd`` on the table biased by +128 (``_dot``), the
+same integers. Each block then does ``acc = fma(float(lanes), d_w d_x, acc)`` with the
 block's float32 scale ``d_w``: IQ4_NL's f16 ``d``, IQ4_XS's ``d * (ls - 32)`` of the sub-block, MXFP4's
 ``2^(e - 128)`` (its table is doubled): the scales of the dequantizer, so the integer sum times them is the
 dequantized row against the quantized activations, up to float32 rounding. The row's result is the
@@ -15,6 +16,12 @@ Decode (one token) runs 4 weight rows per pass sharing each activation block's l
 prefetched ahead; prefill runs one weight row against tiles of 8 tokens, each block unpacked once per tile.
 Both do the same float operations per (row, token), in block order: a token's row of output is the same
 bits alone or in a prompt, at any thread count (each row is one worker's).
+
+Measured (1.7B-shaped IQ4_XS file quantized by llama.cpp, 2 threads, AVX2 only): tg32 13.9 t/s against
+llama.cpp's 11.7 (the float-activation kernel this replaced ran at about an eighth of llama.cpp), pp512 29.4
+against 42.9. Decode reads 13.1 GB/s where Q4_0's kernel reads 21.7 on the same shapes: the sign trick and
+the table lookup cost three instructions per block that Q4_0's unsigned nibbles do not need (llama.cpp's
+IQ4_XS/Q4_0 ratio there is alike, 11.7 / 17.4 t/s).
 """
 
 from __future__ import annotations
