@@ -97,8 +97,8 @@ def _vnni_table(values: np.ndarray) -> np.ndarray:
     return ((values.astype(np.int16) + 128).astype(np.uint8).view(np.int8) if VNNI else values).copy()
 
 
-_TABLE = {GGMLType.IQ4_NL: _vnni_table(IQ4_VALUES), GGMLType.IQ4_XS: _vnni_table(IQ4_VALUES),
-          GGMLType.MXFP4: _vnni_table(MXFP4_VALUES)}
+_IQ4_TABLE = _vnni_table(IQ4_VALUES)
+_TABLE = {GGMLType.IQ4_NL: _IQ4_TABLE, GGMLType.IQ4_XS: _IQ4_TABLE, GGMLType.MXFP4: _vnni_table(MXFP4_VALUES)}
 # MXFP4's E8M0 exponent byte e as its block scale 2^(e - 128) (2^(e - 127), halved for the doubled table)
 _E8M0 = np.array([math.ldexp(1.0, e - 128) for e in range(256)], np.float32)
 
@@ -254,7 +254,7 @@ def _gemv_iq(w, rb, kind, table, e8m0, aq, ds, out):
                 pf += ahead
                 b = g * per + ib
                 a = load_bytes32(aq, QK * b)
-                off = load_i32x8(offs, 8 * b) if VNNI else zeros_i32x8()
+                off = _off(offs, 8 * b)
                 dx = splat_f32x8(ds[2 * b])
                 k = 16 * ib
                 acc0 = fma_i32x8(acc0, _lanes(w, q0 + k, tv, a, off), mul_f32x8(_scale(kind, s0, ib), dx))
