@@ -396,7 +396,7 @@ from minfer.formats.quants import GGMLType
 data = np.load(sys.argv[1])
 res = {"avx2": np.array(simd.AVX2)}
 for name in sys.argv[3].split(","):
-    w = GGUFTensor("w", GGMLType[name], tuple(data[name + "_shape"]), data[name])
+    w = GGUFTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
     for n in (1, 13):
         out = np.empty((n, w.shape[0]), np.float32)
         km.matmul(data["x"][:n], w, out)
@@ -406,7 +406,9 @@ np.savez(sys.argv[2], **res)
 
 
 def _generic_inputs() -> tuple[np.ndarray, dict[str, GGUFTensor]]:
-    return acts(13, 512, seed=9), {t.name: weight(t, 23, 512, seed=10) for t in ALL_TYPES}
+    weights = {t.name: weight(t, 23, 512, seed=10) for t in ALL_TYPES}
+    weights["Q4_K@24"] = weight(GGMLType.Q4_K, 24, 512, seed=11)  # whole groups of 8: the repacked layout
+    return acts(13, 512, seed=9), weights
 
 
 def _start_generic(tmp: Path, cache: Path) -> tuple[subprocess.Popen, Path]:

@@ -47,16 +47,22 @@ def compile_matmul(type_name: str) -> None:
 
     t = GGMLType[type_name]
     module = next(m for m in (quant_matmul, kquant_matmul, iquant_matmul) if m.supports(t))
-    n_in, n_out = 256, 9
+    n_in = 256
+    # 9 rows: the row-by-row paths and the rows past whole groups of 8; 16: Q4_K's repacked layout,
+    # compiled with the k-quants family whichever of its types names the job
+    shapes = [(t, 9)]
+    if module is kquant_matmul and t not in (GGMLType.Q5_0, GGMLType.Q5_1):
+        shapes.append((GGMLType.Q4_K, 16))
     for n_tok in (1, PREFILL_TOKENS):
         x = np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(F32)
-        out = np.empty((n_tok, n_out), F32)
-        raw = _read_only(np.zeros((n_out, n_in // block_size(t) * type_size(t)), np.uint8))
-        w = module.prepare(GGUFTensor("warmup", t, (n_out, n_in), raw))
-        if module is iquant_matmul or (module is quant_matmul and t not in float_matmul.WIDENING):
-            xq = quant_matmul.quantize_activations(x)  # a shared QUANTIZE node's output, as plans pass it
-            module.matmul(x, w, out, xq)
-        module.matmul(x, w, out)
+        for wt, n_out in shapes:
+            out = np.empty((n_tok, n_out), F32)
+            raw = _read_only(np.zeros((n_out, n_in // block_size(wt) * type_size(wt)), np.uint8))
+            w = module.prepare(GGUFTensor("warmup", wt, (n_out, n_in), raw))
+            if module is iquant_matmul or (module is quant_matmul and wt not in float_matmul.WIDENING):
+                xq = quant_matmul.quantize_activations(x)  # a shared QUANTIZE node's output, as plans pass it
+                module.matmul(x, w, out, xq)
+            module.matmul(x, w, out)
 
 
 def compile_norms(gain: str) -> None:
@@ -166,7 +172,8 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.BF16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
     GGMLType.Q5_0: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
-    **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel"), 11.0)
+    **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel", f"{_CPU}.kquant_rows8:_matmul",
+            f"{_CPU}.kquant_rows8:_repack"), 17.0)
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
     **{t: ((f"{_IQ}:_gemv_{t.name.lower()}", f"{_IQ}:_gemm_{t.name.lower()}", *_QUANTIZE), 5.0)
        for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},

@@ -68,6 +68,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from minfer.backends.cpu import kquant_rows8
 from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
@@ -79,7 +80,13 @@ from minfer.backends.cpu.matmul_tiles import (
     weight_bytes,
     weight_shape,
 )
-from minfer.backends.cpu.quant_matmul import QK, QuantizedActivations, quantize_activations, tile_scales
+from minfer.backends.cpu.quant_matmul import (
+    QK,
+    QuantizedActivations,
+    quantize_activations,
+    release_file_pages,
+    tile_scales,
+)
 from minfer.backends.cpu.simd import (
     AVX2,
     LL_F32,
@@ -814,7 +821,7 @@ def supports(ggml_type: GGMLType) -> bool:
 class _Prepared:
     """What the kernels need from one weight tensor, computed once per tensor (see quant_matmul)."""
 
-    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded", "rows8")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -834,6 +841,12 @@ class _Prepared:
         self.rb = rb
         self.n_out, self.n_in = n_out, n_in
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
+        # Q4_K in whole groups of eight rows runs on a copy repacked for them (kquant_rows8); the raw
+        # pages are then given back, so the copy replaces them in memory rather than sitting beside them
+        self.rows8 = None
+        if t == GGMLType.Q4_K and kquant_rows8.supports(n_out, n_in):
+            self.rows8 = kquant_rows8.repack(flat, n_out, n_in)
+            release_file_pages(w.data)
 
 
 def prepare(w: GGUFTensor) -> _Prepared:
@@ -868,7 +881,10 @@ def matmul(
             xq = quantize_activations_q8_k(x)
         elif not isinstance(xq, Q8KActivations) or xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: K-quant weights need Q8_K activations of shape {x.shape}")
-        _matmul_k(p.kind, p.flat, p.rb, xq._q, xq._d, xq._bs, dst)
+        if p.rows8 is not None:
+            kquant_rows8.matmul(p.rows8, xq._q, xq._d, xq._bs, dst)
+        else:
+            _matmul_k(p.kind, p.flat, p.rb, xq._q, xq._d, xq._bs, dst)
     else:
         if xq is None:
             xq = quantize_activations(x)
@@ -888,7 +904,7 @@ def direct_call(
         return None
     if not out.flags.c_contiguous or x.dtype != np.float32 or not x.flags.c_contiguous:
         return None
-    kind, flat, rb = w.kind, w.flat, w.rb
+    kind, flat, rb, rows8 = w.kind, w.flat, w.rb, w.rows8
     if w.is_k:
         if xq is None:  # quantized here on every call, as matmul does, into buffers of this call's own
             own = Q8KActivations(*x.shape)
@@ -896,12 +912,17 @@ def direct_call(
 
             def run() -> None:
                 quantize(x, own._q, own._d, own._bs)
-                _matmul_k(kind, flat, rb, own._q, own._d, own._bs, out)
+                if rows8 is not None:
+                    kquant_rows8.matmul(rows8, own._q, own._d, own._bs, out)
+                else:
+                    _matmul_k(kind, flat, rb, own._q, own._d, own._bs, out)
 
             return run
         if not isinstance(xq, Q8KActivations):
             return None
         q, d, bs = xq._q, xq._d, xq._bs
+        if rows8 is not None:
+            return lambda: kquant_rows8.matmul(rows8, q, d, bs, out)
         return lambda: _matmul_k(kind, flat, rb, q, d, bs, out)
     if not isinstance(xq, QuantizedActivations):
         return None
@@ -912,11 +933,12 @@ def direct_call(
 def warmup() -> None:
     """Compile (or load from numba's on-disk cache) every kernel, so no call pays for compilation later."""
     rng = np.random.default_rng(0)
-    n_in, n_out = QK_K, 5
+    n_in = QK_K
     for n_tok in (1, GEMM_TOKENS + 1):
         x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-        out = np.empty((n_tok, n_out), np.float32)
-        for t in SUPPORTED_TYPES:
-            raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)
-            matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
+        for n_out in (5, 8):  # 8: Q4_K's repacked groups
+            out = np.empty((n_tok, n_out), np.float32)
+            for t in SUPPORTED_TYPES:
+                raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)
+                matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
     quantize_activations_q8_k(rng.standard_normal((PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32))

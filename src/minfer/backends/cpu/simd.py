@@ -822,6 +822,55 @@ def widen_pairs(typingctx, p):
 
 
 @intrinsic
+def madd_i16x16(typingctx, p, s):
+    """Eight int32 lanes, lane i = p[2i] s[2i] + p[2i+1] s[2i+1] (pmaddwd: exact for int16 operands)."""
+    if not (p == i16x16 and s == i16x16):
+        return None
+    return i32x8(p, s), lambda context, builder, sig, args: ir_madd(builder, args[0], args[1])
+
+
+@intrinsic
+def scale_pairs8(typingctx, raw, off):
+    """The 8 unsigned bytes at byte ``off`` of a uint8 array, byte r in int16 lanes 2r and 2r + 1: the
+    multiplier that gives each of eight rows' int16 pair sums one per-row scale in ``madd_i16x16``."""
+    if not is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.VectorType(LL_I8, 8))
+        w = builder.zext(v, V8I)
+        return builder.bitcast(builder.or_(w, builder.shl(w, splat_constant(V8I, 16))), V16S)
+
+    return i16x16(raw, off), codegen
+
+
+@intrinsic
+def load_u8_i16x16(typingctx, raw, off):
+    """The 16 unsigned bytes at byte ``off`` of a uint8 array, widened to sixteen int16 lanes."""
+    if not is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.VectorType(LL_I8, 16))
+        return builder.zext(v, V16S)
+
+    return i16x16(raw, off), codegen
+
+
+@intrinsic
+def broadcast_i16_pair(typingctx, arr, i):
+    """``arr[i], arr[i + 1]`` of an int16 array, repeated in all eight pairs of int16 lanes."""
+    if not (is_1d(arr) and arr.dtype == types.int16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], LL_I32)
+        return builder.bitcast(ir_splat(builder, v, 8), V16S)
+
+    return i16x16(arr, i), codegen
+
+
+@intrinsic
 def dpbusd(typingctx, acc, u, a):
     """``acc`` + lane i = Σ_{k<4} u[4i+k] a[4i+k], u unsigned bytes, a signed, exact (``ir_dpbusd``: one
     vpdpbusd under ``VNNI``; without it the pairs must fit int16)."""

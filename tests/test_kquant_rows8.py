@@ -1,0 +1,131 @@
+"""Q4_K on the repacked eight-row layout (``kquant_rows8``): what ``kquant_matmul.matmul`` runs for Q4_K
+weights whose rows come in whole groups of eight.
+
+The layout is checked against the file's values through an independent reading of its documented
+bytes; the products against the exact float64 product of the dequantized weights and the Q8_K-rounded
+activations, with the bound of ``test_kquants``; and the determinism rules: a token's row is the same
+bits alone or in a prompt (register quads, their tail, any token count), at 1 and 2 threads, and with
+activations shared or quantized in the call. (Rows that are not whole groups keep the row-by-row
+kernel, which ``test_kquants`` covers with its 37-row weights.)
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numba
+import numpy as np
+import pytest
+from test_kquants import acts, deq, fast, rounded_acts, term_scale, weight
+
+from minfer.backends.cpu import kquant_matmul as km
+from minfer.backends.cpu import kquant_rows8 as r8
+from minfer.formats.block_types import GGMLType
+from minfer.formats.gguf_file import GGUFTensor
+
+U = 2.0**-24
+Q4_K = GGMLType.Q4_K
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    km.warmup()
+
+
+def _unpack(packed: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """The float64 weights ``[n_out, n_in]`` read back from the repacked bytes as the module documents
+    them: value = d sc q - dmin m per 32-value sub-block."""
+    nbk = n_in // 256
+    sb = packed.reshape(n_out // 8, nbk, r8.SB_BYTES)
+    q = sb[..., :1024].reshape(n_out // 8, nbk, 8, 4, 8, 4)  # [g, b, j, c, row, i]
+    lo, hi = q & 15, q >> 4
+    vals = np.concatenate([lo, hi], axis=5)  # [g, b, j, c, row, 8]: values 8c + i, 8c + 4 + i
+    vals = vals.transpose(0, 4, 1, 2, 3, 5).reshape(n_out, nbk, 8, 32).astype(np.float64)
+    sc = sb[..., 1024:1088].reshape(n_out // 8, nbk, 8, 8).transpose(0, 3, 1, 2).reshape(n_out, nbk, 8)
+    mn = sb[..., 1088:1152].reshape(n_out // 8, nbk, 4, 8, 2).transpose(0, 3, 1, 2, 4).reshape(n_out, nbk, 8)
+    d = sb[..., 1152:1168].copy().view(np.float16).reshape(n_out // 8, nbk, 8).transpose(0, 2, 1).reshape(n_out, nbk)
+    nd = sb[..., 1168:1184].copy().view(np.float16).reshape(n_out // 8, nbk, 8).transpose(0, 2, 1).reshape(n_out, nbk)
+    d, nd = d.astype(np.float64)[..., None, None], nd.astype(np.float64)[..., None, None]
+    w = d * sc[..., None] * vals + nd * mn[..., None]
+    return w.reshape(n_out, n_in)
+
+
+def test_repacked_bytes_hold_the_files_values():
+    w = weight(Q4_K, 24, 768, seed=20)
+    packed = r8.repack(w.data, 24, 768)
+    assert packed.size == 3 * 3 * r8.SB_BYTES
+    np.testing.assert_array_equal(_unpack(packed, 24, 768), deq(w.data, Q4_K, 768).astype(np.float64))
+
+
+def test_which_weights_take_the_repacked_layout():
+    assert km.prepare(weight(Q4_K, 16, 512)).rows8 is not None
+    assert km.prepare(weight(Q4_K, 37, 512)).rows8 is None  # not whole groups: the row-by-row kernel
+    assert km.prepare(weight(GGMLType.Q6_K, 16, 512)).rows8 is None
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 4, 5, 8, 9, 21])
+def test_matmul_parity(n_tok):
+    n_out, n_in = 40, 1024
+    w = weight(Q4_K, n_out, n_in, seed=21)
+    x = acts(n_tok, n_in)
+    out = fast(x, w)
+    wd = deq(w.data, Q4_K, n_in).astype(np.float64)
+    xr, _ = rounded_acts(x, Q4_K)
+    exact = xr @ wd.T
+    scale = np.abs(xr) @ term_scale(w).T
+    n_blocks = n_in // 256
+    assert np.all(np.abs(out - exact) <= (2 * n_blocks + 8) * U * scale + 1e-30)
+    assert np.max(np.abs(out - exact) / (scale + 1e-30)) < 1e-6
+
+
+def test_prefill_rows_equal_decode_rows():
+    w = weight(Q4_K, 48, 512, seed=22)
+    x = acts(23, 512, seed=23)  # five register quads and a tail of three
+    many = fast(x, w)
+    for i in range(x.shape[0]):
+        one = fast(x[i : i + 1], w)
+        assert one.view(np.uint32).tolist() == many[i : i + 1].view(np.uint32).tolist(), i
+
+
+def test_bit_identical_at_1_and_2_threads_and_with_shared_activations():
+    w = weight(Q4_K, 64, 512, seed=24)
+    p = km.prepare(w)
+    saved = numba.get_num_threads()
+    for n_tok in (1, 13):
+        x = acts(n_tok, 512, seed=25)
+        results = []
+        try:
+            for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+                numba.set_num_threads(n)
+                results.append(fast(x, w))
+        finally:
+            numba.set_num_threads(saved)
+        assert results[0].view(np.uint32).tolist() == results[1].view(np.uint32).tolist()
+        shared = np.empty_like(results[0])
+        km.matmul(x, p, shared, km.quantize_activations_q8_k(x))
+        assert np.array_equal(shared, results[0])
+        direct = np.empty_like(shared)
+        km.direct_call(x, p, direct, None)()
+        assert np.array_equal(direct, results[0])
+
+
+def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
+    """The repacked copy replaces the file's resident pages instead of sitting beside them."""
+    w = weight(Q4_K, 256, 2048, seed=26)
+    path = tmp_path / "w.bin"
+    path.write_bytes(w.data.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped = np.frombuffer(mm, np.uint8).reshape(w.data.shape)
+    x = acts(3, 2048, seed=27)
+    before = fast(x, w)
+    assert int(mapped.sum()) > 0  # every page of the mapping read in
+
+    def resident_kib() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+    held = resident_kib()
+    after = fast(x, GGUFTensor("w", Q4_K, w.shape, mapped))
+    assert held - resident_kib() > 0.8 * w.data.nbytes / 1024
+    assert after.view(np.uint32).tolist() == before.view(np.uint32).tolist()
+    assert int(mapped[-1].sum()) == int(w.data[-1].sum())  # still readable: the file is still there
