@@ -22,11 +22,11 @@ from minfer.runtime.pooling import Pooling
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError
 from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.server.access_log import note_job
-from minfer.server.errors import api_error, cancelled_error, internal_error
+from minfer.server.errors import ApiError, api_error, cancelled_error, internal_error
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.json_body import parse_body
 from minfer.server.metrics import ServerMetrics
-from minfer.server.protocol import ApiError, GenerationParams
+from minfer.server.protocols.openai import GenerationParams
 from minfer.server.timings import timings
 
 T = TypeVar("T")

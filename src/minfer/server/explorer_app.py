@@ -16,8 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minfer.server import listening_socket
-from minfer.server.errors import error_response
-from minfer.server.protocol import ApiError
+from minfer.server.errors import ApiError, error_response
 from minfer.server.routes.page import register_pages
 from minfer.server.routes.trace import TraceService, register_explorer
 from minfer.trace.explorer import DumpRun

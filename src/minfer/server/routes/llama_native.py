@@ -22,10 +22,9 @@ from minfer.errors import MinferError
 from minfer.runtime.engine import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
 from minfer.server.context import ServerContext
-from minfer.server.errors import api_error
+from minfer.server.errors import ApiError, api_error
 from minfer.server.jobs import Choice, Job
-from minfer.server.protocol import ApiError
-from minfer.server.protocol_native import NativeRequest, parse_infill, parse_native_completion
+from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
 from minfer.server.timings import timings
 
 

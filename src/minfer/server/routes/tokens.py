@@ -9,8 +9,8 @@ from fastapi import FastAPI, Request
 
 from minfer.errors import MinferError
 from minfer.server.context import ServerContext
-from minfer.server.errors import api_error
-from minfer.server.protocol import ApiError, parse_chat
+from minfer.server.errors import ApiError, api_error
+from minfer.server.protocols.openai import parse_chat
 
 
 def _object(body: Any) -> Mapping[str, Any]:

@@ -33,8 +33,7 @@ from fastapi import FastAPI, Request
 from minfer.api import Model
 from minfer.errors import MinferError
 from minfer.server.context import ServerContext
-from minfer.server.errors import api_error
-from minfer.server.protocol import ApiError
+from minfer.server.errors import ApiError, api_error
 from minfer.trace.explorer import DumpRun, ForwardTrace, compare
 
 MAX_RUNS = 4
