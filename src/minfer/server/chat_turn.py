@@ -98,7 +98,7 @@ class ChatTurn:
             raise ApiError(f"{model.path} has no chat template, so it cannot answer chat requests")
         try:
             return plan_chat(model.chat_template, model.tokenizer, req.messages, options)
-        except MinferError as e:
+        except MinferError as e:  # ApiError, as start() promises its callers
             raise api_error(e) from None
 
     @classmethod

@@ -161,7 +161,7 @@ class ServerContext:
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
-        except MinferError as e:
+        except MinferError as e:  # callers handle one type, ApiError (the error handlers would answer the same)
             raise api_error(e) from None
         self.open_jobs.add(job)  # what a shutdown past its timeout cancels
         return job
@@ -182,7 +182,7 @@ class ServerContext:
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
-        except MinferError as e:
+        except MinferError as e:  # as ApiError: routes/embeddings names its own field on a 400
             raise api_error(e) from None
         self.open_jobs.add(job)
         return job

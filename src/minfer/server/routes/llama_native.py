@@ -18,11 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import minfer
-from minfer.errors import MinferError
 from minfer.runtime.engine import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
 from minfer.server.context import ServerContext
-from minfer.server.errors import ApiError, api_error
+from minfer.server.errors import ApiError
 from minfer.server.jobs import Choice, Job
 from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
 from minfer.server.timings import timings
@@ -135,10 +134,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         if model.fim_tokens is None:
             raise ApiError(f"this model ({ctx.config.model_id}) has no fill-in-the-middle tokens (prefix, suffix, "
                            "middle), so it cannot infill", param="input_prefix", code="fim_not_supported")
-        try:
-            ids = await ctx.off_loop(model.infill_prompt, fill.prefix, fill.suffix, fill.prompt, fill.extra)
-        except MinferError as e:
-            raise api_error(e) from None
+        ids = await ctx.off_loop(model.infill_prompt, fill.prefix, fill.suffix, fill.prompt, fill.extra)
         return await complete(request, await ctx.off_loop(parse_native_completion, body, tokenize, [ids]))
 
     @app.get("/props")
