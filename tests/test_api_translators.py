@@ -11,10 +11,9 @@ from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from minfer.server.anthropic_protocol import MessageBuilder, parse_messages
-from minfer.server.errors import anthropic_error_body
-from minfer.server.protocol import ApiError
-from minfer.server.responses_protocol import ResponseBuilder, parse_responses
+from minfer.server.errors import ApiError, anthropic_error_body
+from minfer.server.protocols.anthropic import MessageBuilder, parse_messages
+from minfer.server.protocols.responses import ResponseBuilder, parse_responses
 
 RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 MESSAGE_EVENT = TypeAdapter(RawMessageStreamEvent)

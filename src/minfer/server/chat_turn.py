@@ -1,7 +1,7 @@
 """One chat request on the engine, for every endpoint that answers with a chat turn.
 
 :class:`ChatTurn` is the layer between an endpoint's request shape and the engine. Given a parsed
-:class:`~minfer.server.protocol.ChatRequest` (messages, including assistant ``tool_calls`` and ``tool``
+:class:`~minfer.server.protocols.openai.ChatRequest` (messages, including assistant ``tool_calls`` and ``tool``
 results; its :class:`~minfer.runtime.chat.ChatOptions`: tools, tool choice, parallel calls, template
 variables, reasoning format; its sampling parameters) :meth:`ChatTurn.start` renders the prompt
 (:func:`~minfer.runtime.chat.plan_chat`), builds each sequence's constraint (a forced call's grammar,
@@ -14,7 +14,7 @@ or the request's own grammar / response format) and submits ``n`` sequences. The
   of the event loop, so a formatter writes them in one go): :class:`TurnStarted`, :class:`TurnDelta`
   (a content / reasoning / tool-call-start / tool-call-arguments delta, with the log-probabilities of
   the tokens that produced it), :class:`TurnFinished` (finish_reason and the whole message). An
-  engine error or a shutdown raises :class:`~minfer.server.protocol.ApiError` from the iterator (a
+  engine error or a shutdown raises :class:`~minfer.server.errors.ApiError` from the iterator (a
   formatter turns it into its own error event); leaving the loop early cancels the sequences.
 
 ``finish_reason`` is the engine's ("stop", "length"), or "tool_calls" when a reply that stopped made
@@ -35,9 +35,9 @@ from minfer.runtime.chat import ChatDelta, ChatMessage, ChatOutputParser, ChatPl
 from minfer.runtime.engine import Failed, Finished, Started, Token
 from minfer.runtime.sampling import TokenLogprob
 from minfer.server.context import ServerContext
-from minfer.server.errors import api_error, cancelled_error
+from minfer.server.errors import ApiError, api_error, cancelled_error
 from minfer.server.jobs import Job
-from minfer.server.protocol import ApiError, ChatRequest
+from minfer.server.protocols.openai import ChatRequest
 
 __all__ = ["ChatTurn", "TurnChoice", "TurnStarted", "TurnDelta", "TurnFinished", "TurnEvent"]
 
@@ -98,7 +98,7 @@ class ChatTurn:
             raise ApiError(f"{model.path} has no chat template, so it cannot answer chat requests")
         try:
             return plan_chat(model.chat_template, model.tokenizer, req.messages, options)
-        except MinferError as e:
+        except MinferError as e:  # ApiError, as start() promises its callers
             raise api_error(e) from None
 
     @classmethod

@@ -22,11 +22,11 @@ from minfer.runtime.pooling import Pooling
 from minfer.runtime.scheduler import BatchScheduler, QueueFullError
 from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.server.access_log import note_job
-from minfer.server.errors import api_error, cancelled_error, internal_error
+from minfer.server.errors import ApiError, api_error, cancelled_error, internal_error
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.json_body import parse_body
 from minfer.server.metrics import ServerMetrics
-from minfer.server.protocol import ApiError, GenerationParams
+from minfer.server.protocols.openai import GenerationParams
 from minfer.server.timings import timings
 
 T = TypeVar("T")
@@ -161,7 +161,7 @@ class ServerContext:
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
-        except MinferError as e:
+        except MinferError as e:  # callers handle one type, ApiError (the error handlers would answer the same)
             raise api_error(e) from None
         self.open_jobs.add(job)  # what a shutdown past its timeout cancels
         return job
@@ -182,7 +182,7 @@ class ServerContext:
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
-        except MinferError as e:
+        except MinferError as e:  # as ApiError: routes/embeddings names its own field on a 400
             raise api_error(e) from None
         self.open_jobs.add(job)
         return job

@@ -1,4 +1,5 @@
-"""How an error becomes an HTTP answer: every :class:`MinferError` a 4xx, anything else a logged 500.
+"""How an error becomes an HTTP answer: an :class:`ApiError` says its own, every :class:`MinferError` is a
+4xx, anything else a logged 500.
 
 :func:`install_error_handlers` puts the conversion on the app itself, so every route (and every route
 module added later) gets it without code of its own: a ``MinferError`` raised anywhere in a handler is a
@@ -10,18 +11,41 @@ their headers (a 405 says ``Allow``), and anything else is a 500 whose body says
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
-from minfer.runtime.scheduler import QueueFullError, ShuttingDownError
-from minfer.server.protocol import ApiError
+
+# Light at import on purpose: the helper process that parses very large bodies imports json_body, and with
+# it this module, alone; FastAPI and the engine (the scheduler's errors) are imported where they are used,
+# so that process does not spend a second of the server's CPU loading them.
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
 log = logging.getLogger("minfer.server")
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None, headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __reduce__(self) -> Any:  # whole across a process boundary (bodies parsed in a helper process)
+        return (ApiError, (self.message, self.status, self.type, self.param, self.code, self.headers))
 
 # the paths whose errors are Anthropic's {"type": "error", "error": {"type", "message"}} bodies
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -32,6 +56,8 @@ HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "
 
 def error_response(e: ApiError, path: str = "") -> JSONResponse:
     """The error as a JSON answer: OpenAI's body, or Anthropic's under the Anthropic routes."""
+    from fastapi.responses import JSONResponse
+
     body = anthropic_error_body(e) if path.startswith(ANTHROPIC_PATHS) else e.body()
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
@@ -59,6 +85,8 @@ def cancelled_error() -> ApiError:
 
 def api_error(e: BaseException) -> ApiError:
     """The HTTP answer to an engine error (a 500 for anything that is not a MinferError, logged here)."""
+    from minfer.runtime.scheduler import QueueFullError, ShuttingDownError
+
     if isinstance(e, ApiError):
         return e
     if isinstance(e, QueueFullError):
@@ -75,6 +103,9 @@ def api_error(e: BaseException) -> ApiError:
 
 def install_error_handlers(app: FastAPI) -> None:
     """The one conversion of every exception a request raises into its answer."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -15,9 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minfer.errors import MinferError
 from minfer.server import listening_socket
-from minfer.server.errors import error_response
-from minfer.server.protocol import ApiError
+from minfer.server.errors import ApiError, api_error, error_response
 from minfer.server.routes.page import register_pages
 from minfer.server.routes.trace import TraceService, register_explorer
 from minfer.trace.explorer import DumpRun
@@ -29,6 +29,10 @@ def create_explorer_app(service: TraceService) -> FastAPI:
     @app.exception_handler(ApiError)
     async def on_api_error(_request: Request, e: ApiError) -> JSONResponse:
         return error_response(e)
+
+    @app.exception_handler(MinferError)
+    async def on_minfer_error(_request: Request, e: MinferError) -> JSONResponse:
+        return error_response(api_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -1,40 +1,19 @@
-"""A request body read as JSON, and the error every route answers with.
+"""A request body read as JSON, checked for values no field can take (a 400 naming the first).
 
 Light on purpose: very large bodies are parsed in a helper process (``ServerContext.read_json``), and
-that process imports this module alone; importing the engine there would cost it a second of CPU on the
-machine the server's decode steps run on."""
+that process imports this module alone (and :mod:`minfer.server.errors`, kept light for it); importing
+the engine there would cost it a second of CPU on the machine the server's decode steps run on."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from typing import Any
+
+from minfer.server.errors import ApiError
 
 MAX_JSON_DEPTH = 64  # deeper bodies are refused: no request needs them, and recursive code would overflow
 INT64 = 1 << 63
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def __reduce__(self) -> Any:  # whole across a process boundary (bodies parsed in a helper process)
-        return (ApiError, (self.message, self.status, self.type, self.param, self.code, self.headers))
 
 
 def parse_body(raw: bytes) -> Any:

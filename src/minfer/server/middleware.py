@@ -18,9 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minfer.server.access_log import RequestRecord, current_request, format_line
 from minfer.server.access_log import log as access_log
 from minfer.server.context import DEFAULT_MAX_BODY_SIZE
-from minfer.server.errors import error_response, internal_error
+from minfer.server.errors import ApiError, error_response, internal_error
 from minfer.server.metrics import ServerMetrics
-from minfer.server.protocol import ApiError
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the key (load balancers probe them)
 # the pages and their static files load without the key: they ask for it once and send it on API calls

@@ -1,6 +1,6 @@
 """The OpenAPI document FastAPI serves at ``/openapi.json``, completed with what the routes' code says
 but their signatures do not: the bodies of the OpenAI endpoints (the routes read raw JSON, checked by
-:mod:`minfer.server.protocol`) and the error answers every route can give, each an OpenAI error body.
+:mod:`minfer.server.protocols.openai`) and the error answers every route can give, each an OpenAI error body.
 
 ``tests/test_schemathesis.py`` runs schemathesis against this document: every answer must be one it
 lists, with the content it lists.

@@ -1,5 +1,5 @@
 """What the translated APIs (OpenAI Responses, Anthropic Messages) share on the way in: their request is
-rewritten as a chat request and checked by :func:`~minfer.server.protocol.parse_chat`, and an error found
+rewritten as a chat request and checked by :func:`~minfer.server.protocols.openai.parse_chat`, and an error found
 there is renamed to the caller's own field, so the 400 names what the client sent."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from minfer.server.protocol import ApiError, ChatRequest, parse_chat
+from minfer.server.errors import ApiError
+from minfer.server.protocols.openai import ChatRequest, parse_chat
 
 
 def parse_translated_chat(

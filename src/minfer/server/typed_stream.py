@@ -13,15 +13,15 @@ from fastapi.responses import StreamingResponse
 
 from minfer.runtime.chat import ChatDelta, ChatMessage, ContentDelta, ReasoningDelta, ToolCallDelta, ToolCallStart
 from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
+from minfer.server.errors import ApiError
 from minfer.server.jobs import Job
-from minfer.server.protocol import ApiError
 
 Events = list[dict[str, Any]]
 
 
 class Builder(Protocol):
-    """The answer being built (:class:`~minfer.server.responses_protocol.ResponseBuilder`,
-    :class:`~minfer.server.anthropic_protocol.MessageBuilder`): each call returns the events it causes."""
+    """The answer being built (:class:`~minfer.server.protocols.responses.ResponseBuilder`,
+    :class:`~minfer.server.protocols.anthropic.MessageBuilder`): each call returns the events it causes."""
 
     def start(self) -> Events: ...
 

@@ -33,9 +33,8 @@ from minfer.server.cluster.metrics_merge import merge
 from minfer.server.cluster.prefix import PrefixRouter, ReplicaLoad
 from minfer.server.cluster.routing_key import PromptKeys
 from minfer.server.context import OFF_LOOP_BYTES, sse
-from minfer.server.errors import anthropic_error_body, error_response
+from minfer.server.errors import ApiError, anthropic_error_body, error_response
 from minfer.server.middleware import has_key, missing_key_error
-from minfer.server.protocol import ApiError
 from minfer.server.typed_stream import sse_event
 
 log = logging.getLogger("minfer.server")

@@ -2,7 +2,7 @@
 leading tokens, computed in the front from the model's tokenizer and chat template alone (no weights).
 
 Chat requests are rendered as a replica renders them (:func:`~minfer.runtime.chat.plan_chat` over
-:func:`~minfer.server.protocol.parse_chat`'s messages); Anthropic Messages and OpenAI Responses bodies
+:func:`~minfer.server.protocols.openai.parse_chat`'s messages); Anthropic Messages and OpenAI Responses bodies
 are rendered from their system text and messages the same way; completions' prompts are tokenized. A
 body the front cannot read gets no key (it goes to the least-loaded replica, which answers the 400).
 """
@@ -20,7 +20,8 @@ from minfer.formats.tokenizer import Tokenizer
 from minfer.models.model import TransformerModel
 from minfer.runtime.chat import plan_chat
 from minfer.server.cluster.prefix import BLOCK_TOKENS, MAX_BLOCKS, block_hashes
-from minfer.server.protocol import ApiError, parse_chat
+from minfer.server.errors import ApiError
+from minfer.server.protocols.openai import parse_chat
 
 MAX_KEYED_BODY = 256 * 1024  # larger bodies are not parsed by the front (they go to the least-loaded replica)
 CHARS_PER_TOKEN_BOUND = 16  # text tokenized for the key: enough characters for MAX_BLOCKS blocks

@@ -19,7 +19,8 @@ from minfer.runtime.chat import ContentDelta, ReasoningDelta, ToolCallDelta, Too
 from minfer.runtime.sampling import TokenLogprob
 from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnEvent, TurnFinished, TurnStarted
 from minfer.server.context import ServerContext, sse
-from minfer.server.protocol import ApiError, parse_chat
+from minfer.server.errors import ApiError
+from minfer.server.protocols.openai import parse_chat
 
 
 def chat_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> dict[str, Any]:

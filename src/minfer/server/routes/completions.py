@@ -14,7 +14,7 @@ from minfer.runtime.engine import Event, Finished, Started, Token
 from minfer.runtime.sampling import TokenLogprob
 from minfer.server.context import ServerContext, finish_reason
 from minfer.server.jobs import Choice
-from minfer.server.protocol import parse_completion
+from minfer.server.protocols.openai import parse_completion
 
 
 def completion_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from minfer.server.context import ServerContext
+from minfer.server.errors import ApiError
 from minfer.server.jobs import Job
-from minfer.server.protocol import ApiError
-from minfer.server.protocol_embeddings import EmbeddingsRequest, parse_embeddings
+from minfer.server.protocols.embeddings import EmbeddingsRequest, parse_embeddings
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:

@@ -10,178 +10,210 @@ no ``[DONE]`` after it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import minfer
-from minfer.errors import MinferError
 from minfer.runtime.engine import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
 from minfer.server.context import ServerContext
-from minfer.server.errors import api_error
+from minfer.server.errors import ApiError
 from minfer.server.jobs import Choice, Job
-from minfer.server.protocol import ApiError
-from minfer.server.protocol_native import NativeRequest, parse_infill, parse_native_completion
+from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
 from minfer.server.timings import timings
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
-    model = ctx.model
-    tokenizer = model.tokenizer
-
-    def tokenize(text: str, add_special: bool) -> list[int]:  # called on a worker thread (off_loop below)
-        ctx.check_text_fits([text], "prompt")
-        return model.tokenize(text, add_special=add_special)
-
-    def sampling_defaults() -> dict[str, Any]:
-        params = asdict(SamplingParams(**{**model.generation_defaults}))
-        params.pop("logit_bias", None)
-        params["seed"] = 0xFFFFFFFF if params.get("seed") is None else params["seed"]
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
-
-    def settings(req: NativeRequest | None) -> dict[str, Any]:
-        """llama-server's ``generation_settings`` (and ``/props``' ``default_generation_settings.params``)."""
-        params = sampling_defaults()
-        if req is not None:
-            params.update({k: list(v) if isinstance(v, tuple) else v for k, v in req.params.sampling.items()
-                           if k != "logit_bias"})
-        p = req.params if req is not None else None
-        params.update({
-            "n_predict": -1 if p is None or p.max_tokens is None else p.max_tokens,
-            "stop": [] if p is None else p.stop, "stream": False if p is None else p.stream,
-            "n_probs": 0 if p is None or p.logprobs is None else p.logprobs,
-            "ignore_eos": False if req is None else req.ignore_eos, "n_keep": 0,
-            "grammar": "" if p is None or p.grammar is None else p.grammar,
-            "timings_per_token": False if req is None else req.timings_per_token, "n_ctx": ctx.scheduler.slot_context,
-            "model": ctx.config.model_id,
-        })
-        return params
-
-    def probs(items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-        def entry(token: int, lp: float) -> dict[str, Any]:
-            return {"id": token, "token": ctx.token_text(token), "bytes": list(tokenizer.token_bytes(token)),
-                    "logprob": lp}
-
-        return [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top_logprobs]} for x in items]
-
-    def stop_type(c: Choice) -> str:
-        assert c.stats is not None
-        if c.stats.stop:
-            return "word"
-        return "limit" if c.stats.finish_reason == "length" else "eos"
-
-    def result(c: Choice, req: NativeRequest, prompt: list[int], content: str, final: bool) -> dict[str, Any]:
-        stats = c.stats
-        assert stats is not None
-        out: dict[str, Any] = {
-            "index": c.index, "content": content,
-            "tokens": list(stats.tokens) if req.return_tokens and not req.params.stream else [],
-            "id_slot": c.slot, "stop": True, "model": ctx.config.model_id,
-            "tokens_predicted": stats.generated_tokens, "tokens_evaluated": len(prompt),
-            "generation_settings": settings(req), "prompt": model.detokenize(prompt),
-            "has_new_line": "\n" in "".join(c.text), "truncated": len(prompt) + stats.generated_tokens
-            >= ctx.scheduler.slot_context, "stop_type": stop_type(c), "stopping_word": stats.stop or "",
-            "tokens_cached": c.cached_tokens, "timings": timings(stats, c.cached_tokens),
-        }
-        if req.params.logprobs is not None and not final:
-            out["completion_probabilities"] = probs(c.logprobs)
-        return out
-
-    async def complete(request: Request, req: NativeRequest) -> Response:
-        ctx.check_model(req.params.model)
-        job: Job = ctx.submit(req.prompts, req.params, ignore_eos=req.ignore_eos, reuse_prefix=req.cache_prompt)
-        prompts = req.prompts
-        if not req.params.stream:
-            await ctx.collect(job, request)
-            results = [result(c, req, prompts[c.prompt_index], "".join(c.text), final=False) for c in job.choices]
-            return JSONResponse(results[0] if len(results) == 1 else results)
-
-        def chunk(c: Choice, event: Event | None) -> dict[str, Any] | None:
-            if isinstance(event, Token):
-                step = event.step
-                if not step.text and step.token is None:
-                    return None
-                out: dict[str, Any] = {
-                    "index": c.index, "content": step.text, "tokens": [] if step.token is None else [step.token],
-                    "stop": False, "id_slot": c.slot, "tokens_predicted": len(c.text),
-                    "tokens_evaluated": len(prompts[c.prompt_index]),
-                }
-                if step.logprob is not None:
-                    out["completion_probabilities"] = probs([step.logprob])
-                if req.timings_per_token and c.stats is None:
-                    out["timings"] = _running_timings(c, len(prompts[c.prompt_index]), t0)
-                return out
-            if isinstance(event, Finished):
-                return result(c, req, prompts[c.prompt_index], "", final=True)
-            if isinstance(event, Started):
-                return None
-            return None
-
-        t0 = time.perf_counter()
-        return ctx.stream(job, chunk, None, done=False)
-
     @app.post("/completion")
     async def completion(request: Request) -> Response:
-        body = await ctx.read_json(request)
-        return await complete(request, await ctx.off_loop(parse_native_completion, body, tokenize))
+        return await native_completion(ctx, request)
 
     @app.post("/infill")
     async def infill(request: Request) -> Response:
-        body = await ctx.read_json(request)
-        fill = parse_infill(body)
-        if model.fim_tokens is None:
-            raise ApiError(f"this model ({ctx.config.model_id}) has no fill-in-the-middle tokens (prefix, suffix, "
-                           "middle), so it cannot infill", param="input_prefix", code="fim_not_supported")
-        try:
-            ids = await ctx.off_loop(model.infill_prompt, fill.prefix, fill.suffix, fill.prompt, fill.extra)
-        except MinferError as e:
-            raise api_error(e) from None
-        return await complete(request, await ctx.off_loop(parse_native_completion, body, tokenize, [ids]))
+        return await infill_completion(ctx, request)
 
     @app.get("/props")
     async def props() -> dict[str, Any]:
-        template = model.chat_template
-        n_ctx = ctx.scheduler.slot_context
-        return {
-            "default_generation_settings": {
-                "id": 0, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": False,
-                "params": settings(None), "prompt": "",
-                "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
-                               "stopping_word": ""},
-            },
-            "total_slots": ctx.scheduler.n_slots, "n_ctx": n_ctx, "model_path": str(model.path),
-            "model_alias": ctx.config.model_id, "chat_template": template.source if template is not None else "",
-            "chat_template_caps": {}, "modalities": {"vision": False, "audio": False},
-            "bos_token": _token(tokenizer, tokenizer.bos_id), "eos_token": _token(tokenizer, tokenizer.eos_id),
-            "build_info": f"minfer {minfer.__version__}", "is_sleeping": False,
-            "pooling": ctx.pooling, "fim": model.fim_tokens is not None,
-        }
+        return server_props(ctx)
 
     @app.get("/slots")
     async def slots() -> Response:
-        if not ctx.config.slots_endpoint:
-            # llama-server's answer when its slots endpoint is off
-            return JSONResponse({"error": {"code": 501, "message": "This server does not support slots endpoint "
-                                           "(start it with --slots).", "type": "not_supported_error"}},
-                                status_code=501)
-        engine = ctx.scheduler.engine
-        running = {r.slot: r for r in engine.running}
-        n_ctx = ctx.scheduler.slot_context
-        out = []
-        for s in range(ctx.scheduler.n_slots):
-            run = running.get(s)
-            stats = run.request.stats if run is not None else None
-            out.append({
-                "id": s, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": run is not None,
-                "params": settings(None), "n_cached": len(engine.kv.tokens(s)),
-                "next_token": {"has_next_token": run is not None, "has_new_line": False, "n_remain": -1,
-                               "n_decoded": stats.generated_tokens if stats is not None else 0},
-            })
-        return JSONResponse(out)
+        return slots_answer(ctx)
+
+
+def tokenizer_of(ctx: ServerContext) -> Callable[[str, bool], list[int]]:
+    """The tokenizer a native body's prompt is read with; called on a worker thread (``ctx.off_loop``)."""
+    return partial(_tokenize, ctx)
+
+
+def _tokenize(ctx: ServerContext, text: str, add_special: bool) -> list[int]:
+    ctx.check_text_fits([text], "prompt")
+    return ctx.model.tokenize(text, add_special=add_special)
+
+
+async def native_completion(ctx: ServerContext, request: Request) -> Response:
+    """``/completion``: a native body, its prompt tokenized here (or given as ids), completed."""
+    body = await ctx.read_json(request)
+    return await complete(ctx, request, await ctx.off_loop(parse_native_completion, body, tokenizer_of(ctx)))
+
+
+async def infill_completion(ctx: ServerContext, request: Request) -> Response:
+    """``/infill``: the fill-in-the-middle prompt the model's FIM tokens make, completed as ``/completion``."""
+    model = ctx.model
+    body = await ctx.read_json(request)
+    fill = parse_infill(body)
+    if model.fim_tokens is None:
+        raise ApiError(f"this model ({ctx.config.model_id}) has no fill-in-the-middle tokens (prefix, suffix, "
+                       "middle), so it cannot infill", param="input_prefix", code="fim_not_supported")
+    ids = await ctx.off_loop(model.infill_prompt, fill.prefix, fill.suffix, fill.prompt, fill.extra)
+    return await complete(ctx, request, await ctx.off_loop(parse_native_completion, body, tokenizer_of(ctx), [ids]))
+
+
+def sampling_defaults(ctx: ServerContext) -> dict[str, Any]:
+    params = asdict(SamplingParams(**{**ctx.model.generation_defaults}))
+    params.pop("logit_bias", None)
+    params["seed"] = 0xFFFFFFFF if params.get("seed") is None else params["seed"]
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+
+
+def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
+    """llama-server's ``generation_settings`` (and ``/props``' ``default_generation_settings.params``)."""
+    params = sampling_defaults(ctx)
+    if req is not None:
+        params.update({k: list(v) if isinstance(v, tuple) else v for k, v in req.params.sampling.items()
+                       if k != "logit_bias"})
+    p = req.params if req is not None else None
+    params.update({
+        "n_predict": -1 if p is None or p.max_tokens is None else p.max_tokens,
+        "stop": [] if p is None else p.stop, "stream": False if p is None else p.stream,
+        "n_probs": 0 if p is None or p.logprobs is None else p.logprobs,
+        "ignore_eos": False if req is None else req.ignore_eos, "n_keep": 0,
+        "grammar": "" if p is None or p.grammar is None else p.grammar,
+        "timings_per_token": False if req is None else req.timings_per_token, "n_ctx": ctx.scheduler.slot_context,
+        "model": ctx.config.model_id,
+    })
+    return params
+
+
+def probs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    tokenizer = ctx.model.tokenizer
+
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        return {"id": token, "token": ctx.token_text(token), "bytes": list(tokenizer.token_bytes(token)),
+                "logprob": lp}
+
+    return [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top_logprobs]} for x in items]
+
+
+def stop_type(c: Choice) -> str:
+    assert c.stats is not None
+    if c.stats.stop:
+        return "word"
+    return "limit" if c.stats.finish_reason == "length" else "eos"
+
+
+def result(ctx: ServerContext, c: Choice, req: NativeRequest, prompt: list[int], content: str,
+           final: bool) -> dict[str, Any]:
+    stats = c.stats
+    assert stats is not None
+    out: dict[str, Any] = {
+        "index": c.index, "content": content,
+        "tokens": list(stats.tokens) if req.return_tokens and not req.params.stream else [],
+        "id_slot": c.slot, "stop": True, "model": ctx.config.model_id,
+        "tokens_predicted": stats.generated_tokens, "tokens_evaluated": len(prompt),
+        "generation_settings": settings(ctx, req), "prompt": ctx.model.detokenize(prompt),
+        "has_new_line": "\n" in "".join(c.text), "truncated": len(prompt) + stats.generated_tokens
+        >= ctx.scheduler.slot_context, "stop_type": stop_type(c), "stopping_word": stats.stop or "",
+        "tokens_cached": c.cached_tokens, "timings": timings(stats, c.cached_tokens),
+    }
+    if req.params.logprobs is not None and not final:
+        out["completion_probabilities"] = probs(ctx, c.logprobs)
+    return out
+
+
+async def complete(ctx: ServerContext, request: Request, req: NativeRequest) -> Response:
+    """Run a parsed native body: one answer (a list of them for several prompts), or its ``data:`` chunks."""
+    ctx.check_model(req.params.model)
+    job: Job = ctx.submit(req.prompts, req.params, ignore_eos=req.ignore_eos, reuse_prefix=req.cache_prompt)
+    prompts = req.prompts
+    if not req.params.stream:
+        await ctx.collect(job, request)
+        results = [result(ctx, c, req, prompts[c.prompt_index], "".join(c.text), final=False) for c in job.choices]
+        return JSONResponse(results[0] if len(results) == 1 else results)
+
+    def chunk(c: Choice, event: Event | None) -> dict[str, Any] | None:
+        if isinstance(event, Token):
+            step = event.step
+            if not step.text and step.token is None:
+                return None
+            out: dict[str, Any] = {
+                "index": c.index, "content": step.text, "tokens": [] if step.token is None else [step.token],
+                "stop": False, "id_slot": c.slot, "tokens_predicted": len(c.text),
+                "tokens_evaluated": len(prompts[c.prompt_index]),
+            }
+            if step.logprob is not None:
+                out["completion_probabilities"] = probs(ctx, [step.logprob])
+            if req.timings_per_token and c.stats is None:
+                out["timings"] = _running_timings(c, len(prompts[c.prompt_index]), t0)
+            return out
+        if isinstance(event, Finished):
+            return result(ctx, c, req, prompts[c.prompt_index], "", final=True)
+        if isinstance(event, Started):
+            return None
+        return None
+
+    t0 = time.perf_counter()
+    return ctx.stream(job, chunk, None, done=False)
+
+
+def server_props(ctx: ServerContext) -> dict[str, Any]:
+    """``/props``: llama-server's description of the server, its model and its default settings."""
+    model = ctx.model
+    tokenizer = model.tokenizer
+    template = model.chat_template
+    n_ctx = ctx.scheduler.slot_context
+    return {
+        "default_generation_settings": {
+            "id": 0, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": False,
+            "params": settings(ctx, None), "prompt": "",
+            "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
+                           "stopping_word": ""},
+        },
+        "total_slots": ctx.scheduler.n_slots, "n_ctx": n_ctx, "model_path": str(model.path),
+        "model_alias": ctx.config.model_id, "chat_template": template.source if template is not None else "",
+        "chat_template_caps": {}, "modalities": {"vision": False, "audio": False},
+        "bos_token": _token(tokenizer, tokenizer.bos_id), "eos_token": _token(tokenizer, tokenizer.eos_id),
+        "build_info": f"minfer {minfer.__version__}", "is_sleeping": False,
+        "pooling": ctx.pooling, "fim": model.fim_tokens is not None,
+    }
+
+
+def slots_answer(ctx: ServerContext) -> Response:
+    """``/slots``: each sequence slot, busy or not (a 501, as llama-server answers, without ``--slots``)."""
+    if not ctx.config.slots_endpoint:
+        # llama-server's answer when its slots endpoint is off
+        return JSONResponse({"error": {"code": 501, "message": "This server does not support slots endpoint "
+                                       "(start it with --slots).", "type": "not_supported_error"}},
+                            status_code=501)
+    scheduler = ctx.scheduler
+    running = {r.slot: r for r in scheduler.engine.running}
+    n_ctx = scheduler.slot_context
+    out = []
+    for s in range(scheduler.n_slots):
+        run = running.get(s)
+        stats = run.request.stats if run is not None else None
+        out.append({
+            "id": s, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": run is not None,
+            "params": settings(ctx, None), "n_cached": len(scheduler.kv.tokens(s)),
+            "next_token": {"has_next_token": run is not None, "has_new_line": False, "n_remain": -1,
+                           "n_decoded": stats.generated_tokens if stats is not None else 0},
+        })
+    return JSONResponse(out)
 
 
 def _token(tokenizer: Any, token: int | None) -> str:

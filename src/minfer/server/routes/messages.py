@@ -1,5 +1,5 @@
 """Anthropic's ``POST /v1/messages``: one chat turn on the engine, answered as a message or as its
-stream events (:mod:`minfer.server.anthropic_protocol` translates both ways); errors in Anthropic's
+stream events (:mod:`minfer.server.protocols.anthropic` translates both ways); errors in Anthropic's
 body shape (``errors.error_response`` answers every error under ``/v1/messages`` so).
 ``POST /v1/messages/count_tokens``: the prompt's token count, nothing generated."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minfer.server.anthropic_protocol import MessageBuilder, parse_messages
 from minfer.server.chat_turn import ChatTurn
 from minfer.server.context import ServerContext
 from minfer.server.errors import anthropic_error_body
+from minfer.server.protocols.anthropic import MessageBuilder, parse_messages
 from minfer.server.typed_stream import Events, feed_message, turn_events, typed_stream
 
 

@@ -1,5 +1,5 @@
 """OpenAI's ``POST /v1/responses``: one chat turn on the engine, answered as a response object or as its
-typed stream events (:mod:`minfer.server.responses_protocol` translates both ways)."""
+typed stream events (:mod:`minfer.server.protocols.responses` translates both ways)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minfer.server.chat_turn import ChatTurn
 from minfer.server.context import ServerContext
-from minfer.server.responses_protocol import ResponseBuilder, parse_responses
+from minfer.server.protocols.responses import ResponseBuilder, parse_responses
 from minfer.server.typed_stream import Events, feed_message, turn_events, typed_stream
 
 

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from minfer.server.context import ServerContext
-from minfer.server.protocol import ApiError
+from minfer.server.errors import ApiError
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:

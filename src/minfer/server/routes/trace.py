@@ -31,10 +31,8 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 
 from minfer.api import Model
-from minfer.errors import MinferError
 from minfer.server.context import ServerContext
-from minfer.server.errors import api_error
-from minfer.server.protocol import ApiError
+from minfer.server.errors import ApiError
 from minfer.trace.explorer import DumpRun, ForwardTrace, compare
 
 MAX_RUNS = 4
@@ -90,12 +88,7 @@ class TraceService:
         return trace
 
     async def do(self, fn: Callable[[], T]) -> T:
-        try:
-            return await self.on_engine(lambda: (fn(), self.trim())[0])
-        except ApiError:
-            raise
-        except MinferError as e:
-            raise api_error(e) from None
+        return await self.on_engine(lambda: (fn(), self.trim())[0])
 
 
 def _span(raw: str | None, what: str) -> tuple[int, int] | None:
@@ -128,32 +121,29 @@ def _run_body(model: Model, body: Any) -> tuple[list[int], str | None, str]:
     prompt, messages, tokens = body.get("prompt"), body.get("messages"), body.get("tokens")
     if sum(x is not None for x in (prompt, messages, tokens)) != 1:
         raise ApiError("give exactly one of 'prompt' (a string), 'messages' (a chat exchange) or 'tokens' (ids)")
-    try:
-        if tokens is not None:
-            if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
-                raise ApiError("'tokens' must be a non-empty list of token ids", param="tokens")
-            bad = next((t for t in tokens if not 0 <= t < model.hparams.n_vocab), None)
-            if bad is not None:
-                raise ApiError(f"token id {bad} is outside the vocabulary (0..{model.hparams.n_vocab - 1})",
-                               param="tokens")
-            ids, what = list(tokens), "token ids"
-        elif messages is not None:
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise ApiError("'messages' must be a list of {role, content} objects with string fields",
-                               param="messages")
-            last = messages[-1]["role"]
-            text = model.render_chat(messages, add_generation_prompt=last != "assistant")
-            ids = model.tokenize(text, add_special=False)
-            what = f"chat exchange of {len(messages)} messages"
-        else:
-            if not isinstance(prompt, str) or not prompt:
-                raise ApiError("'prompt' must be a non-empty string", param="prompt")
-            ids = model.tokenize(prompt)
-            what = "prompt"
-    except MinferError as e:
-        raise api_error(e) from None
+    if tokens is not None:
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+            raise ApiError("'tokens' must be a non-empty list of token ids", param="tokens")
+        bad = next((t for t in tokens if not 0 <= t < model.hparams.n_vocab), None)
+        if bad is not None:
+            raise ApiError(f"token id {bad} is outside the vocabulary (0..{model.hparams.n_vocab - 1})",
+                           param="tokens")
+        ids, what = list(tokens), "token ids"
+    elif messages is not None:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ApiError("'messages' must be a list of {role, content} objects with string fields",
+                           param="messages")
+        last = messages[-1]["role"]
+        text = model.render_chat(messages, add_generation_prompt=last != "assistant")
+        ids = model.tokenize(text, add_special=False)
+        what = f"chat exchange of {len(messages)} messages"
+    else:
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError("'prompt' must be a non-empty string", param="prompt")
+        ids = model.tokenize(prompt)
+        what = "prompt"
     return ids, cache_type, what
 
 

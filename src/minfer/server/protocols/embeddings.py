@@ -1,5 +1,5 @@
 """The embeddings request bodies: OpenAI's ``/v1/embeddings`` and llama-server's native ``/embedding``,
-checked field by field (an :class:`~minfer.server.protocol.ApiError` naming the field)."""
+checked field by field (an :class:`~minfer.server.errors.ApiError` naming the field)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from minfer.server.protocol import ApiError
+from minfer.server.errors import ApiError
 
 ENCODINGS = ("float", "base64")
 

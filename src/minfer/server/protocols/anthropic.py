@@ -2,7 +2,7 @@
 
 The request side turns ``system`` (a string or text blocks), ``messages`` (text, ``tool_use`` and
 ``tool_result`` blocks), ``tools`` (``input_schema``) and ``tool_choice`` (``auto`` / ``any`` / ``tool`` /
-``none``) into an OpenAI chat-completions body for :func:`minfer.server.protocol.parse_chat`; every field
+``none``) into an OpenAI chat-completions body for :func:`minfer.server.protocols.openai.parse_chat`; every field
 is checked here first so a 400 names it as the caller wrote it (``messages[1].content[0].tool_use_id``).
 A ``tool_result`` block becomes a ``tool`` message, a ``tool_use`` block an assistant ``tool_calls``
 entry. A last ``assistant`` message is a prefill: the reply continues it (and does not repeat it).
@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from minfer.server.protocol import ApiError, ChatRequest
+from minfer.server.errors import ApiError
+from minfer.server.protocols.openai import ChatRequest
 from minfer.server.translated_chat import parse_translated_chat
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

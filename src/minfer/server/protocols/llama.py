@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from minfer.server.protocol import ApiError, GenerationParams, parse_completion
+from minfer.server.errors import ApiError
+from minfer.server.protocols.openai import GenerationParams, parse_completion
 
 # OpenAI field the translated body has -> the native field the user wrote
 _NATIVE_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "response_format": "json_schema",

@@ -27,7 +27,8 @@ from minfer.runtime.chat import (
 from minfer.runtime.sampling.params import PARAMS
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative import resolve as resolve_speculative
-from minfer.server.json_body import INT64, ApiError
+from minfer.server.errors import ApiError
+from minfer.server.json_body import INT64
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20

@@ -2,7 +2,7 @@
 
 The request side turns ``input`` (a string, or a list of message / ``function_call`` /
 ``function_call_output`` items), ``instructions``, the flat function ``tools`` and ``tool_choice`` into an
-OpenAI chat-completions body, which :func:`minfer.server.protocol.parse_chat` then checks like any chat
+OpenAI chat-completions body, which :func:`minfer.server.protocols.openai.parse_chat` then checks like any chat
 request; every field of the Responses body is checked here first so that a 400 names the field as the
 caller wrote it (``input[2].call_id``, ``tools[0].parameters``).
 
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minfer.runtime.sampling.params import PARAMS
-from minfer.server.protocol import ApiError, ChatRequest
+from minfer.server.errors import ApiError
+from minfer.server.protocols.openai import ChatRequest
 from minfer.server.translated_chat import parse_translated_chat
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
