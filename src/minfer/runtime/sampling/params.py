@@ -4,7 +4,7 @@ A field's :class:`Param` is the one place that says what the field is: its help 
 values (type, range, choices; a bad value raises a one-line ``BadRequestError`` naming the field), its
 command-line flags, and whether and how a server request body sets it. ``minfer run/chat/serve`` make
 their sampling flags from it (``minfer.cli``), the server its request fields and their checks
-(``minfer.server.protocol``); :data:`PARAMS` holds it by field name. The defaults are llama.cpp's
+(``minfer.server.protocols.openai``); :data:`PARAMS` holds it by field name. The defaults are llama.cpp's
 (``common_params_sampling``).
 
 The steps ``samplers`` orders are :data:`STEPS`, one row each: the step's name, which parameters switch
