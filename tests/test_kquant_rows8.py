@@ -1,5 +1,5 @@
-"""Q4_K on the repacked eight-row layout (``kquant_rows8``): what ``kquant_matmul.matmul`` runs for Q4_K
-weights whose rows come in whole groups of eight.
+"""Q4_K and Q6_K on the repacked eight-row layouts (``kquant_rows8``): what ``kquant_matmul.matmul`` runs
+for such weights whose rows come in whole groups of eight.
 
 The layout is checked against the file's values through an independent reading of its documented
 bytes; the products against the exact float64 product of the dequantized weights and the Q8_K-rounded
@@ -24,7 +24,8 @@ from minfer.formats.block_types import GGMLType
 from minfer.formats.gguf_file import GGUFTensor
 
 U = 2.0**-24
-Q4_K = GGMLType.Q4_K
+Q4_K, Q6_K = GGMLType.Q4_K, GGMLType.Q6_K
+TYPES = [Q4_K, Q6_K]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,45 +33,66 @@ def _compiled():
     km.warmup()
 
 
-def _unpack(packed: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
-    """The float64 weights ``[n_out, n_in]`` read back from the repacked bytes as the module documents
-    them: value = d sc q - dmin m per 32-value sub-block."""
-    nbk = n_in // 256
-    sb = packed.reshape(n_out // 8, nbk, r8.SB_BYTES)
-    q = sb[..., :1024].reshape(n_out // 8, nbk, 8, 4, 8, 4)  # [g, b, j, c, row, i]
-    lo, hi = q & 15, q >> 4
-    vals = np.concatenate([lo, hi], axis=5)  # [g, b, j, c, row, 8]: values 8c + i, 8c + 4 + i
+def _f16_rows(sb: np.ndarray, at: int) -> np.ndarray:
+    """The eight rows' float16 at byte ``at`` of each repacked super-block, as float64 ``[n_out, nbk]``."""
+    g, nbk = sb.shape[:2]
+    h = sb[..., at : at + 16].copy().view(np.float16).astype(np.float64)
+    return h.reshape(g, nbk, 8).transpose(0, 2, 1).reshape(8 * g, nbk)
+
+
+def _unpack_q4_k(packed: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """The float64 weights read back from the repacked bytes as the module documents them: value = d sc q -
+    dmin m per 32-value sub-block."""
+    g, nbk = n_out // 8, n_in // 256
+    sb = packed.reshape(g, nbk, r8.SB_BYTES)
+    q = sb[..., :1024].reshape(g, nbk, 8, 4, 8, 4)  # [g, b, j, c, row, k]
+    vals = np.concatenate([q & 15, q >> 4], axis=5)  # [..., row, 8]: values 8c + k, 8c + 4 + k
     vals = vals.transpose(0, 4, 1, 2, 3, 5).reshape(n_out, nbk, 8, 32).astype(np.float64)
-    sc = sb[..., 1024:1088].reshape(n_out // 8, nbk, 8, 8).transpose(0, 3, 1, 2).reshape(n_out, nbk, 8)
-    mn = sb[..., 1088:1152].reshape(n_out // 8, nbk, 4, 8, 2).transpose(0, 3, 1, 2, 4).reshape(n_out, nbk, 8)
-    d = sb[..., 1152:1168].copy().view(np.float16).reshape(n_out // 8, nbk, 8).transpose(0, 2, 1).reshape(n_out, nbk)
-    nd = sb[..., 1168:1184].copy().view(np.float16).reshape(n_out // 8, nbk, 8).transpose(0, 2, 1).reshape(n_out, nbk)
-    d, nd = d.astype(np.float64)[..., None, None], nd.astype(np.float64)[..., None, None]
-    w = d * sc[..., None] * vals + nd * mn[..., None]
-    return w.reshape(n_out, n_in)
+    sc = sb[..., 1024:1088].reshape(g, nbk, 8, 8).transpose(0, 3, 1, 2).reshape(n_out, nbk, 8)
+    mn = sb[..., 1088:1152].reshape(g, nbk, 4, 8, 2).transpose(0, 3, 1, 2, 4).reshape(n_out, nbk, 8)
+    d, nd = _f16_rows(sb, 1152)[..., None, None], _f16_rows(sb, 1168)[..., None, None]
+    return (d * sc[..., None] * vals + nd * mn[..., None]).reshape(n_out, n_in)
 
 
-def test_repacked_bytes_hold_the_files_values():
-    w = weight(Q4_K, 24, 768, seed=20)
-    packed = r8.repack(w.data, 24, 768)
-    assert packed.size == 3 * 3 * r8.SB_BYTES
-    np.testing.assert_array_equal(_unpack(packed, 24, 768), deq(w.data, Q4_K, 768).astype(np.float64))
+def _unpack_q6_k(packed: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """As ``_unpack_q4_k``: value = d sc (u - 32) per 16-value sub-block."""
+    g, nbk = n_out // 8, n_in // 256
+    sb = packed.reshape(g, nbk, r8.Q6_SB_BYTES)
+    sub = sb[..., :1536].reshape(g, nbk, 16, 3, 8, 4)  # [g, b, s, register, row, k]
+    n0, n1, top = sub[..., 0, :, :], sub[..., 1, :, :], sub[..., 2, :, :]
+    low = np.stack([n0 & 15, n0 >> 4, n1 & 15, n1 >> 4], axis=3)  # [g, b, s, m, row, k]: value 4m + k
+    high = np.stack([(top >> (2 * m)) & 3 for m in range(4)], axis=3)
+    u = (low | (high << 4)).transpose(0, 4, 1, 2, 3, 5).reshape(n_out, nbk, 16, 16).astype(np.float64)
+    sc = sb[..., 1536:1664].view(np.int8).reshape(g, nbk, 8, 8, 2).transpose(0, 3, 1, 2, 4).reshape(n_out, nbk, 16)
+    d = _f16_rows(sb, 1664)[..., None, None]
+    return (d * sc[..., None] * (u - 32)).reshape(n_out, n_in)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_repacked_bytes_hold_the_files_values(t):
+    w = weight(t, 24, 768, seed=20)
+    repack, _ = r8.REPACKED[t]
+    packed = repack(w.data, 24, 768)
+    unpack = _unpack_q4_k if t == Q4_K else _unpack_q6_k
+    np.testing.assert_array_equal(unpack(packed, 24, 768), deq(w.data, t, 768).astype(np.float64))
 
 
 def test_which_weights_take_the_repacked_layout():
     assert km.prepare(weight(Q4_K, 16, 512)).rows8 is not None
     assert km.prepare(weight(Q4_K, 37, 512)).rows8 is None  # not whole groups: the row-by-row kernel
-    assert km.prepare(weight(GGMLType.Q6_K, 16, 512)).rows8 is None
+    assert km.prepare(weight(Q6_K, 16, 512)).rows8 is not None
+    assert km.prepare(weight(GGMLType.Q5_K, 16, 512)).rows8 is None
 
 
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tok", [1, 3, 4, 5, 8, 9, 21])
-def test_matmul_parity(n_tok):
+def test_matmul_parity(t, n_tok):
     n_out, n_in = 40, 1024
-    w = weight(Q4_K, n_out, n_in, seed=21)
+    w = weight(t, n_out, n_in, seed=21)
     x = acts(n_tok, n_in)
     out = fast(x, w)
-    wd = deq(w.data, Q4_K, n_in).astype(np.float64)
-    xr, _ = rounded_acts(x, Q4_K)
+    wd = deq(w.data, t, n_in).astype(np.float64)
+    xr, _ = rounded_acts(x, t)
     exact = xr @ wd.T
     scale = np.abs(xr) @ term_scale(w).T
     n_blocks = n_in // 256
@@ -78,8 +100,9 @@ def test_matmul_parity(n_tok):
     assert np.max(np.abs(out - exact) / (scale + 1e-30)) < 1e-6
 
 
-def test_prefill_rows_equal_decode_rows():
-    w = weight(Q4_K, 48, 512, seed=22)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_prefill_rows_equal_decode_rows(t):
+    w = weight(t, 48, 512, seed=22)
     x = acts(23, 512, seed=23)  # five register quads and a tail of three
     many = fast(x, w)
     for i in range(x.shape[0]):
@@ -87,8 +110,9 @@ def test_prefill_rows_equal_decode_rows():
         assert one.view(np.uint32).tolist() == many[i : i + 1].view(np.uint32).tolist(), i
 
 
-def test_bit_identical_at_1_and_2_threads_and_with_shared_activations():
-    w = weight(Q4_K, 64, 512, seed=24)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_bit_identical_at_1_and_2_threads_and_with_shared_activations(t):
+    w = weight(t, 64, 512, seed=24)
     p = km.prepare(w)
     saved = numba.get_num_threads()
     for n_tok in (1, 13):
@@ -109,9 +133,10 @@ def test_bit_identical_at_1_and_2_threads_and_with_shared_activations():
         assert np.array_equal(direct, results[0])
 
 
-def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_file_pages_of_a_repacked_weight_are_given_back(t, tmp_path):
     """The repacked copy replaces the file's resident pages instead of sitting beside them."""
-    w = weight(Q4_K, 256, 2048, seed=26)
+    w = weight(t, 256, 2048, seed=26)
     path = tmp_path / "w.bin"
     path.write_bytes(w.data.tobytes())
     with open(path, "rb") as f:
@@ -125,7 +150,7 @@ def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
 
     held = resident_kib()
-    after = fast(x, GGUFTensor("w", Q4_K, w.shape, mapped))
+    after = fast(x, GGUFTensor("w", t, w.shape, mapped))
     assert held - resident_kib() > 0.8 * w.data.nbytes / 1024
     assert after.view(np.uint32).tolist() == before.view(np.uint32).tolist()
     assert int(mapped[-1].sum()) == int(w.data[-1].sum())  # still readable: the file is still there

@@ -48,11 +48,11 @@ def compile_matmul(type_name: str) -> None:
     t = GGMLType[type_name]
     module = next(m for m in (quant_matmul, kquant_matmul, iquant_matmul) if m.supports(t))
     n_in = 256
-    # 9 rows: the row-by-row paths and the rows past whole groups of 8; 16: Q4_K's repacked layout,
-    # compiled with the k-quants family whichever of its types names the job
+    # 9 rows: the row-by-row paths and the rows past whole groups of 8; 16: Q4_K's and Q6_K's repacked
+    # layouts, compiled with the k-quants family whichever of its types names the job
     shapes = [(t, 9)]
     if module is kquant_matmul and t not in (GGMLType.Q5_0, GGMLType.Q5_1):
-        shapes.append((GGMLType.Q4_K, 16))
+        shapes += [(GGMLType.Q4_K, 16), (GGMLType.Q6_K, 16)]
     for n_tok in (1, PREFILL_TOKENS):
         x = np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(F32)
         for wt, n_out in shapes:
@@ -173,7 +173,8 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q5_0: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel", f"{_CPU}.kquant_rows8:_matmul",
-            f"{_CPU}.kquant_rows8:_repack"), 17.0)
+            f"{_CPU}.kquant_rows8:_repack", f"{_CPU}.kquant_rows8:_matmul_q6", f"{_CPU}.kquant_rows8:_repack_q6"),
+           24.0)
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
     **{t: ((f"{_IQ}:_gemv_{t.name.lower()}", f"{_IQ}:_gemm_{t.name.lower()}", *_QUANTIZE), 5.0)
        for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},

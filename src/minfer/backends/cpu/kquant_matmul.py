@@ -821,7 +821,7 @@ def supports(ggml_type: GGMLType) -> bool:
 class _Prepared:
     """What the kernels need from one weight tensor, computed once per tensor (see quant_matmul)."""
 
-    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded", "rows8")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded", "rows8", "rows8_kernel")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -841,11 +841,12 @@ class _Prepared:
         self.rb = rb
         self.n_out, self.n_in = n_out, n_in
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
-        # Q4_K in whole groups of eight rows runs on a copy repacked for them (kquant_rows8); the raw
-        # pages are then given back, so the copy replaces them in memory rather than sitting beside them
-        self.rows8 = None
-        if t == GGMLType.Q4_K and kquant_rows8.supports(n_out, n_in):
-            self.rows8 = kquant_rows8.repack(flat, n_out, n_in)
+        # Q4_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8); the
+        # raw pages are then given back, so the copy replaces them in memory rather than sitting beside them
+        self.rows8 = self.rows8_kernel = None
+        if kquant_rows8.supports(t, n_out, n_in):
+            repack, self.rows8_kernel = kquant_rows8.REPACKED[t]
+            self.rows8 = repack(flat, n_out, n_in)
             release_file_pages(w.data)
 
 
@@ -882,7 +883,7 @@ def matmul(
         elif not isinstance(xq, Q8KActivations) or xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: K-quant weights need Q8_K activations of shape {x.shape}")
         if p.rows8 is not None:
-            kquant_rows8.matmul(p.rows8, xq._q, xq._d, xq._bs, dst)
+            p.rows8_kernel(p.rows8, xq._q, xq._d, xq._bs, dst)
         else:
             _matmul_k(p.kind, p.flat, p.rb, xq._q, xq._d, xq._bs, dst)
     else:
@@ -904,7 +905,7 @@ def direct_call(
         return None
     if not out.flags.c_contiguous or x.dtype != np.float32 or not x.flags.c_contiguous:
         return None
-    kind, flat, rb, rows8 = w.kind, w.flat, w.rb, w.rows8
+    kind, flat, rb, rows8, rows8_kernel = w.kind, w.flat, w.rb, w.rows8, w.rows8_kernel
     if w.is_k:
         if xq is None:  # quantized here on every call, as matmul does, into buffers of this call's own
             own = Q8KActivations(*x.shape)
@@ -913,7 +914,7 @@ def direct_call(
             def run() -> None:
                 quantize(x, own._q, own._d, own._bs)
                 if rows8 is not None:
-                    kquant_rows8.matmul(rows8, own._q, own._d, own._bs, out)
+                    rows8_kernel(rows8, own._q, own._d, own._bs, out)
                 else:
                     _matmul_k(kind, flat, rb, own._q, own._d, own._bs, out)
 
@@ -922,7 +923,7 @@ def direct_call(
             return None
         q, d, bs = xq._q, xq._d, xq._bs
         if rows8 is not None:
-            return lambda: kquant_rows8.matmul(rows8, q, d, bs, out)
+            return lambda: rows8_kernel(rows8, q, d, bs, out)
         return lambda: _matmul_k(kind, flat, rb, q, d, bs, out)
     if not isinstance(xq, QuantizedActivations):
         return None
@@ -936,7 +937,7 @@ def warmup() -> None:
     n_in = QK_K
     for n_tok in (1, GEMM_TOKENS + 1):
         x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-        for n_out in (5, 8):  # 8: Q4_K's repacked groups
+        for n_out in (5, 8):  # 8: Q4_K's and Q6_K's repacked groups
             out = np.empty((n_tok, n_out), np.float32)
             for t in SUPPORTED_TYPES:
                 raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)
