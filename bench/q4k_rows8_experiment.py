@@ -1,4 +1,8 @@
-"""Experiment, not an engine kernel: how fast could Q4_K prefill be with another per-element arithmetic?
+"""Experiment, not an engine kernel: how fast could Q4_K prefill be with VNNI's one vpdpbusd per 32 products?
+
+(The engine's Q4_K now runs on a rows-in-lanes layout of its own, ``minfer.backends.cpu.kquant_rows8``,
+with pmaddubsw pair sums and the scales in pmaddwd; this file measures the vpdpbusd + vpmulld variant of
+that layout on VNNI CPUs, against the engine's row-by-row kernel on the same weights.)
 
     python bench/q4k_rows8_experiment.py [--tokens 128] [--threads 1 2]
 

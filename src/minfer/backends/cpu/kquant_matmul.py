@@ -52,9 +52,12 @@ Loop shapes
     Where the CPU has VNNI (AVX-512 VNNI + VL, or AVX-VNNI: ``simd.VNNI``), the prefill tile's pmaddwd
     by the scales and its add are one vpdpwssd (Q5_0/Q5_1: pmaddubsw + pmaddwd one vpdpbusd): the same
     exact integers, so the same bits as the AVX2 sequence and as decode (``tests/test_vnni.py``). That
-    leaves two multiply instructions per 32 products, the floor of this per-lane arithmetic; one
-    vpdpbusd per 32 needs the rows-in-lanes layout of ``bench/q4k_rows8_experiment.py``, whose per
-    super-block integer totals would change decode's arithmetic too.
+    leaves two multiply instructions per 32 products, the floor of this per-lane arithmetic.
+
+Repacked rows
+    Q4_K and Q6_K weights whose rows come in whole groups of eight run instead on a copy repacked at
+    load with the rows in the lanes (:mod:`minfer.backends.cpu.kquant_rows8`, decode and prefill alike);
+    the file's pages are given back. Other shapes, and the other types, take the kernels here.
 """
 
 from __future__ import annotations
