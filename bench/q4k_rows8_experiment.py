@@ -2,7 +2,7 @@
 
 (The engine's Q4_K now runs on a rows-in-lanes layout of its own, ``minfer.backends.cpu.kquant_rows8``,
 with pmaddubsw pair sums and the scales in pmaddwd; this file measures the vpdpbusd + vpmulld variant of
-that layout on VNNI CPUs, against the engine's row-by-row kernel on the same weights.)
+that layout on VNNI CPUs, against the engine's kernel (the repacked one) on the same weights.)
 
     python bench/q4k_rows8_experiment.py [--tokens 128] [--threads 1 2]
 
