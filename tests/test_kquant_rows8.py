@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K on the repacked eight-row layouts (``kquant_rows8``): what ``kquant_matmul.matmul`` runs
+"""Q4_K, Q5_K and Q6_K on the repacked eight-row layouts (``kquant_rows8``): what ``kquant_matmul.matmul`` runs
 for such weights whose rows come in whole groups of eight.
 
 The layout is checked against the file's values through an independent reading of its documented
@@ -24,8 +24,8 @@ from minfer.formats.block_types import GGMLType
 from minfer.formats.gguf_file import GGUFTensor
 
 U = 2.0**-24
-Q4_K, Q6_K = GGMLType.Q4_K, GGMLType.Q6_K
-TYPES = [Q4_K, Q6_K]
+Q4_K, Q5_K, Q6_K = GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K
+TYPES = [Q4_K, Q5_K, Q6_K]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,17 +40,22 @@ def _f16_rows(sb: np.ndarray, at: int) -> np.ndarray:
     return h.reshape(g, nbk, 8).transpose(0, 2, 1).reshape(8 * g, nbk)
 
 
-def _unpack_q4_k(packed: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+def _unpack_q4_k(packed: np.ndarray, n_out: int, n_in: int, five: bool = False) -> np.ndarray:
     """The float64 weights read back from the repacked bytes as the module documents them: value = d sc q -
-    dmin m per 32-value sub-block."""
+    dmin m per 32-value sub-block (``five``: Q5_K, whose fifth bits sit after the nibbles)."""
     g, nbk = n_out // 8, n_in // 256
-    sb = packed.reshape(g, nbk, r8.SB_BYTES)
+    x = 256 if five else 0
+    sb = packed.reshape(g, nbk, r8.SB_BYTES + x)
     q = sb[..., :1024].reshape(g, nbk, 8, 4, 8, 4)  # [g, b, j, c, row, k]
     vals = np.concatenate([q & 15, q >> 4], axis=5)  # [..., row, 8]: values 8c + k, 8c + 4 + k
     vals = vals.transpose(0, 4, 1, 2, 3, 5).reshape(n_out, nbk, 8, 32).astype(np.float64)
-    sc = sb[..., 1024:1088].reshape(g, nbk, 8, 8).transpose(0, 3, 1, 2).reshape(n_out, nbk, 8)
-    mn = sb[..., 1088:1152].reshape(g, nbk, 4, 8, 2).transpose(0, 3, 1, 2, 4).reshape(n_out, nbk, 8)
-    d, nd = _f16_rows(sb, 1152)[..., None, None], _f16_rows(sb, 1168)[..., None, None]
+    if five:  # register m = value 4m + k: bit m of byte [row, k]
+        top = sb[..., 1024:1280].reshape(g, nbk, 8, 8, 4)  # [g, b, j, row, k]
+        bits = np.stack([(top >> m) & 1 for m in range(8)], axis=4)  # [g, b, j, row, m, k]
+        vals += 16 * bits.transpose(0, 3, 1, 2, 4, 5).reshape(n_out, nbk, 8, 32)
+    sc = sb[..., x + 1024 : x + 1088].reshape(g, nbk, 8, 8).transpose(0, 3, 1, 2).reshape(n_out, nbk, 8)
+    mn = sb[..., x + 1088 : x + 1152].reshape(g, nbk, 4, 8, 2).transpose(0, 3, 1, 2, 4).reshape(n_out, nbk, 8)
+    d, nd = _f16_rows(sb, x + 1152)[..., None, None], _f16_rows(sb, x + 1168)[..., None, None]
     return (d * sc[..., None] * vals + nd * mn[..., None]).reshape(n_out, n_in)
 
 
@@ -73,15 +78,19 @@ def test_repacked_bytes_hold_the_files_values(t):
     w = weight(t, 24, 768, seed=20)
     repack, _ = r8.REPACKED[t]
     packed = repack(w.data, 24, 768)
-    unpack = _unpack_q4_k if t == Q4_K else _unpack_q6_k
-    np.testing.assert_array_equal(unpack(packed, 24, 768), deq(w.data, t, 768).astype(np.float64))
+    if t == Q6_K:
+        got = _unpack_q6_k(packed, 24, 768)
+    else:
+        got = _unpack_q4_k(packed, 24, 768, five=t == Q5_K)
+    np.testing.assert_array_equal(got, deq(w.data, t, 768).astype(np.float64))
 
 
 def test_which_weights_take_the_repacked_layout():
     assert km.prepare(weight(Q4_K, 16, 512)).rows8 is not None
     assert km.prepare(weight(Q4_K, 37, 512)).rows8 is None  # not whole groups: the row-by-row kernel
     assert km.prepare(weight(Q6_K, 16, 512)).rows8 is not None
-    assert km.prepare(weight(GGMLType.Q5_K, 16, 512)).rows8 is None
+    assert km.prepare(weight(Q5_K, 16, 512)).rows8 is not None
+    assert km.prepare(weight(GGMLType.Q3_K, 16, 512)).rows8 is None
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)

@@ -55,7 +55,7 @@ Loop shapes
     leaves two multiply instructions per 32 products, the floor of this per-lane arithmetic.
 
 Repacked rows
-    Q4_K and Q6_K weights whose rows come in whole groups of eight run instead on a copy repacked at
+    Q4_K, Q5_K and Q6_K weights whose rows come in whole groups of eight run instead on a copy repacked at
     load with the rows in the lanes (:mod:`minfer.backends.cpu.kquant_rows8`, decode and prefill alike);
     the file's pages are given back. Other shapes, and the other types, take the kernels here.
 """
@@ -844,7 +844,7 @@ class _Prepared:
         self.rb = rb
         self.n_out, self.n_in = n_out, n_in
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
-        # Q4_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8); the
+        # Q4_K, Q5_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8); the
         # raw pages are then given back, so the copy replaces them in memory rather than sitting beside them
         self.rows8 = self.rows8_kernel = None
         if kquant_rows8.supports(t, n_out, n_in):
@@ -940,7 +940,7 @@ def warmup() -> None:
     n_in = QK_K
     for n_tok in (1, GEMM_TOKENS + 1):
         x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-        for n_out in (5, 8):  # 8: Q4_K's and Q6_K's repacked groups
+        for n_out in (5, 8):  # 8: Q4_K's, Q5_K's and Q6_K's repacked groups
             out = np.empty((n_tok, n_out), np.float32)
             for t in SUPPORTED_TYPES:
                 raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)

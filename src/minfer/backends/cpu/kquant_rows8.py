@@ -1,5 +1,7 @@
-"""Q4_K and Q6_K weights repacked at load into groups of eight rows, and the matmuls on those layouts (decode
-and prefill alike). Q4_K is described here; Q6_K's layout and arithmetic in its own section below.
+"""Q4_K, Q5_K and Q6_K weights repacked at load into groups of eight rows, and the matmuls on those layouts
+(decode and prefill alike). Q4_K is described here, Q5_K beside it (the same kernel, ``five`` = 1: a
+register of fifth bits per sub-block after the nibbles, ``_Q5_EXTRA`` bytes, so 1440 per super-block, the
+file's 8 x 176), and Q6_K's layout and arithmetic in its own section below.
 
 Why: the row-by-row K-quant kernel (:mod:`minfer.backends.cpu.kquant_matmul`) decodes each row's
 super-block on its own (nibbles, a scale shuffle per 32 values, a pmaddwd by the scales, the min
@@ -24,9 +26,9 @@ Layout (``repack``), per group of eight rows and super-block, ``SB_BYTES`` = 118
     ======== ========================================================================================
 
 Arithmetic, per group of eight rows (the lanes), token and super-block, all integer until the last step:
-    * sub-block j: the int16 pair sums of its eight pmaddubsw (at most 16 products of 15 x 127 per lane:
-      30480 < 2^15) times the sub-block's scale, in one pmaddwd (``scale_pairs8``); summed over j: S
-      (at most 8 x 63 x 60960 < 2^31);
+    * sub-block j: the int16 pair sums of its eight pmaddubsw, in two halves of four (at most 8
+      products of 31 x 127 per lane, Q5_K: 31496 < 2^15), each half times the sub-block's scale in one
+      pmaddwd (``scale_pairs8``); summed over j: S (at most 8 x 63 x 32 x 31 x 127 < 2^31);
     * the min term M = Σ_j m_j B_j, with B_j the sum of the token's 32 quantized activations of
       sub-block j (from Q8_K's bsums; |B_j| <= 4064 fits int16), in four pmaddwd;
     * ``acc = fma(float(S), d d_x, acc); acc = fma(float(M), (-dmin) d_x, acc)``.
@@ -88,6 +90,7 @@ from minfer.formats.quants import GGMLType
 QK_K = 256
 Q4_K_BYTES = 144  # one super-block of one row in the file
 SB_BYTES = 1184  # one super-block of a group of eight rows, repacked
+_Q5_EXTRA = 256  # Q5_K: one register of fifth bits per sub-block, after the nibbles (the rest moves up)
 _SCALES, _MINS, _D, _NDMIN = 1024, 1088, 1152, 1168
 QUAD = 4  # tokens whose accumulators stay in registers through one pass over a group
 PREFETCH_BYTES = 2048  # decode: how far ahead in the group's stream to fetch
@@ -104,19 +107,23 @@ def supports(ggml_type: GGMLType, n_out: int, n_in: int) -> bool:
 
 
 @njit(parallel=True, cache=True)
-def _repack(raw, rb, packed):
-    nbk = rb // Q4_K_BYTES
-    n_groups = packed.shape[0] // (nbk * SB_BYTES)
+def _repack(raw, rb, packed, five):
+    """``five``: Q5_K (176-byte blocks: d, dmin, scales, qh[32], qs[128]), else Q4_K (144: no qh)."""
+    nbk = rb // (Q4_K_BYTES + 32 * five)
+    sb_bytes = SB_BYTES + _Q5_EXTRA * five
+    extra = _Q5_EXTRA * five
+    n_groups = packed.shape[0] // (nbk * sb_bytes)
     for g in prange(n_groups):
         for b in range(nbk):
-            po = (g * nbk + b) * SB_BYTES
+            po = (g * nbk + b) * sb_bytes
             for r in range(8):
-                src = (8 * g + r) * rb + b * Q4_K_BYTES
-                packed[po + _D + 2 * r] = raw[src]
-                packed[po + _D + 2 * r + 1] = raw[src + 1]
-                packed[po + _NDMIN + 2 * r] = raw[src + 2]
-                packed[po + _NDMIN + 2 * r + 1] = raw[src + 3] ^ np.uint8(0x80)
+                src = (8 * g + r) * rb + b * (Q4_K_BYTES + 32 * five)
+                packed[po + extra + _D + 2 * r] = raw[src]
+                packed[po + extra + _D + 2 * r + 1] = raw[src + 1]
+                packed[po + extra + _NDMIN + 2 * r] = raw[src + 2]
+                packed[po + extra + _NDMIN + 2 * r + 1] = raw[src + 3] ^ np.uint8(0x80)
                 s = src + 4  # the 12 bytes of 6-bit scales and mins (llama.cpp's get_scale_min_k4)
+                qs = src + 16 + 32 * five
                 for j in range(8):
                     if j < 4:
                         sc = raw[s + j] & 63
@@ -124,23 +131,35 @@ def _repack(raw, rb, packed):
                     else:
                         sc = (raw[s + j + 4] & 15) | ((raw[s + j - 4] >> 6) << 4)
                         mn = (raw[s + j + 4] >> 4) | ((raw[s + j] >> 6) << 4)
-                    packed[po + _SCALES + 8 * j + r] = sc
-                    packed[po + _MINS + 16 * (j // 2) + 2 * r + j % 2] = mn
-                    q = src + 16 + 32 * (j // 2)  # value 32 j + l: nibble j % 2 of byte q + l
+                    packed[po + extra + _SCALES + 8 * j + r] = sc
+                    packed[po + extra + _MINS + 16 * (j // 2) + 2 * r + j % 2] = mn
+                    q = qs + 32 * (j // 2)  # value 32 j + l: nibble j % 2 of byte q + l (Q5_K: bit j of qh[l])
                     shift = 4 * (j % 2)
                     for c in range(4):
                         for i in range(4):
                             lo = (raw[q + 8 * c + i] >> shift) & 15
                             hi = (raw[q + 8 * c + 4 + i] >> shift) & 15
                             packed[po + 128 * j + 32 * c + 4 * r + i] = lo | (hi << 4)
+                    if five:  # register m of sub-block j: values 32 j + 4 m + k, fifth bits at bit m
+                        for k in range(4):
+                            bits = 0
+                            for m in range(8):
+                                bits |= ((raw[src + 16 + 4 * m + k] >> j) & 1) << m
+                            packed[po + 1024 + 32 * j + 4 * r + k] = bits
 
 
-def repack(raw: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
-    """Q4_K rows ``[n_out, n_in]`` (raw file blocks, ``supports(n_out, n_in)``) -> the layout above, flat."""
-    nbk = n_in // QK_K
-    packed = np.empty(n_out // 8 * nbk * SB_BYTES, np.uint8)
-    _repack(np.ascontiguousarray(raw).reshape(-1), nbk * Q4_K_BYTES, packed)
-    return packed
+def _repacker(five: int):
+    def repack(raw: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+        """K-quant rows ``[n_out, n_in]`` (raw file blocks, ``supports``) -> the layout above, flat."""
+        nbk = n_in // QK_K
+        packed = np.empty(n_out // 8 * nbk * (SB_BYTES + _Q5_EXTRA * five), np.uint8)
+        _repack(np.ascontiguousarray(raw).reshape(-1), nbk * (Q4_K_BYTES + 32 * five), packed, five)
+        return packed
+
+    return repack
+
+
+repack, repack_q5_k = _repacker(0), _repacker(1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -160,69 +179,116 @@ def _chunks(packed, o):
     )
 
 
-@njit(inline="always")
-def _sub_pairs(w, aq, ao):
-    """Sixteen int16 lanes (two per row): the sub-block's 32 products per row against the activations at
-    byte ``ao`` of ``aq``, summed in pairs; exact (see the module's bound)."""
-    p = pairs_u8s8(w[0], broadcast_4bytes(aq, ao))
-    p = add_i16x16(p, pairs_u8s8(w[1], broadcast_4bytes(aq, ao + 4)))
-    p = add_i16x16(p, pairs_u8s8(w[2], broadcast_4bytes(aq, ao + 8)))
-    p = add_i16x16(p, pairs_u8s8(w[3], broadcast_4bytes(aq, ao + 12)))
-    p = add_i16x16(p, pairs_u8s8(w[4], broadcast_4bytes(aq, ao + 16)))
-    p = add_i16x16(p, pairs_u8s8(w[5], broadcast_4bytes(aq, ao + 20)))
-    p = add_i16x16(p, pairs_u8s8(w[6], broadcast_4bytes(aq, ao + 24)))
-    return add_i16x16(p, pairs_u8s8(w[7], broadcast_4bytes(aq, ao + 28)))
+@intrinsic
+def _chunks5(typingctx, raw, off, hb):
+    """Q5_K's ``_chunks``: the nibble registers at ``off`` with each value's fifth bit (bit m of the byte
+    at ``hb`` for register m) set as bit 4."""
+    if not is_1d(raw):
+        return None
+    tup = types.UniTuple(i8x32, 8)
+
+    def codegen(context, builder, sig, args):
+        b = builder
+
+        def load(at, delta):
+            index = b.add(args[at], ir.Constant(args[at].type, delta))
+            return load_element(context, b, sig.args[0], args[0], index, sig.args[at], V16S)
+
+        h = load(2, 0)
+        regs = []
+        for m in range(8):
+            v = load(1, 32 * (m // 2))
+            if m % 2:
+                v = b.lshr(v, splat_constant(V16S, 4))
+            low = b.and_(b.bitcast(v, V32B), splat_constant(V32B, 15))
+            # bit m of each byte to bit 4 (16-bit shifts, then a byte mask: no bit crosses into bit 4)
+            t = b.shl(h, splat_constant(V16S, 4 - m)) if m <= 4 else b.lshr(h, splat_constant(V16S, m - 4))
+            regs.append(b.or_(low, b.and_(b.bitcast(t, V32B), splat_constant(V32B, 0x10))))
+        return context.make_tuple(b, tup, regs)
+
+    return tup(raw, off, hb), codegen
 
 
 @njit(inline="always")
-def _finish(acc, s, packed, o, bp, bo, dq, do):
+def _half_pairs(w, k0, aq, ao):
+    """Sixteen int16 lanes (two per row): registers k0..k0+3 against the activation quads from ``ao``,
+    summed in pairs; exact (at most 8 products of 31 x 127 per lane: 31496 < 2^15)."""
+    p = pairs_u8s8(w[k0], broadcast_4bytes(aq, ao))
+    p = add_i16x16(p, pairs_u8s8(w[k0 + 1], broadcast_4bytes(aq, ao + 4)))
+    p = add_i16x16(p, pairs_u8s8(w[k0 + 2], broadcast_4bytes(aq, ao + 8)))
+    return add_i16x16(p, pairs_u8s8(w[k0 + 3], broadcast_4bytes(aq, ao + 12)))
+
+
+@njit(inline="always")
+def _sub(s, w, sc, aq, ao):
+    """``s`` plus one sub-block's 32 products per row (registers ``w``) times its scales ``sc``, against the
+    activations at byte ``ao`` of ``aq``."""
+    s = add_i32x8(s, madd_i16x16(_half_pairs(w, 0, aq, ao), sc))
+    return add_i32x8(s, madd_i16x16(_half_pairs(w, 4, aq, ao + 16), sc))
+
+
+@njit(inline="always")
+def _values(packed, o, j, five):
+    """Sub-block j's eight registers of the super-block at ``o`` (``five``: Q5_K's layout)."""
+    if five:
+        return _chunks5(packed, o + 128 * j, o + 1024 + 32 * j)
+    return _chunks(packed, o + 128 * j)
+
+
+@njit(inline="always")
+def _finish(acc, s, packed, o, bp, bo, dq, do, five):
     """``acc`` after one super-block: S (``s``) and the min term against the token's sub-block sums at
     ``bp[bo:bo + 8]``, scaled by d d_x and (-dmin) d_x (``dq[do]`` is d_x)."""
-    m = madd_i16x16(load_u8_i16x16(packed, o + _MINS), broadcast_i16_pair(bp, bo))
-    m = add_i32x8(m, madd_i16x16(load_u8_i16x16(packed, o + _MINS + 16), broadcast_i16_pair(bp, bo + 2)))
-    m = add_i32x8(m, madd_i16x16(load_u8_i16x16(packed, o + _MINS + 32), broadcast_i16_pair(bp, bo + 4)))
-    m = add_i32x8(m, madd_i16x16(load_u8_i16x16(packed, o + _MINS + 48), broadcast_i16_pair(bp, bo + 6)))
+    om = o + _MINS + _Q5_EXTRA * five
+    od = o + _D + _Q5_EXTRA * five
+    m = madd_i16x16(load_u8_i16x16(packed, om), broadcast_i16_pair(bp, bo))
+    m = add_i32x8(m, madd_i16x16(load_u8_i16x16(packed, om + 16), broadcast_i16_pair(bp, bo + 2)))
+    m = add_i32x8(m, madd_i16x16(load_u8_i16x16(packed, om + 32), broadcast_i16_pair(bp, bo + 4)))
+    m = add_i32x8(m, madd_i16x16(load_u8_i16x16(packed, om + 48), broadcast_i16_pair(bp, bo + 6)))
     dx = splat_at(dq, do)
-    acc = fma_i32x8(acc, s, mul_f32x8(load_halves8(packed, o + _D), dx))
-    return fma_i32x8(acc, m, mul_f32x8(load_halves8(packed, o + _NDMIN), dx))
+    acc = fma_i32x8(acc, s, mul_f32x8(load_halves8(packed, od), dx))
+    return fma_i32x8(acc, m, mul_f32x8(load_halves8(packed, od + 16), dx))
 
 
 @njit(inline="always")
-def _one(acc, packed, o, aq, ao, bp, bo, dq, do):
+def _one(acc, packed, o, aq, ao, bp, bo, dq, do, five):
     """One token through one super-block of a group."""
     s = zeros_i32x8()
+    osc = o + _SCALES + _Q5_EXTRA * five
     for j in range(8):
-        p = _sub_pairs(_chunks(packed, o + 128 * j), aq, ao + 32 * j)
-        s = add_i32x8(s, madd_i16x16(p, scale_pairs8(packed, o + _SCALES + 8 * j)))
-    return _finish(acc, s, packed, o, bp, bo, dq, do)
+        s = _sub(s, _values(packed, o, j, five), scale_pairs8(packed, osc + 8 * j), aq, ao + 32 * j)
+    return _finish(acc, s, packed, o, bp, bo, dq, do, five)
 
 
 @njit(inline="always")
-def _quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bp, bo, nb8, dq, do, nbk):
+def _quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, five):
     """Four consecutive tokens through one super-block of a group, each weight register unpacked once."""
     s0 = s1 = s2 = s3 = zeros_i32x8()
+    osc = o + _SCALES + _Q5_EXTRA * five
     for j in range(8):
-        w = _chunks(packed, o + 128 * j)
-        sc = scale_pairs8(packed, o + _SCALES + 8 * j)
-        s0 = add_i32x8(s0, madd_i16x16(_sub_pairs(w, aq, ao + 32 * j), sc))
-        s1 = add_i32x8(s1, madd_i16x16(_sub_pairs(w, aq, ao + n_in + 32 * j), sc))
-        s2 = add_i32x8(s2, madd_i16x16(_sub_pairs(w, aq, ao + 2 * n_in + 32 * j), sc))
-        s3 = add_i32x8(s3, madd_i16x16(_sub_pairs(w, aq, ao + 3 * n_in + 32 * j), sc))
-    a0 = _finish(a0, s0, packed, o, bp, bo, dq, do)
-    a1 = _finish(a1, s1, packed, o, bp, bo + nb8, dq, do + nbk)
-    a2 = _finish(a2, s2, packed, o, bp, bo + 2 * nb8, dq, do + 2 * nbk)
-    a3 = _finish(a3, s3, packed, o, bp, bo + 3 * nb8, dq, do + 3 * nbk)
+        w = _values(packed, o, j, five)
+        sc = scale_pairs8(packed, osc + 8 * j)
+        s0 = _sub(s0, w, sc, aq, ao + 32 * j)
+        s1 = _sub(s1, w, sc, aq, ao + n_in + 32 * j)
+        s2 = _sub(s2, w, sc, aq, ao + 2 * n_in + 32 * j)
+        s3 = _sub(s3, w, sc, aq, ao + 3 * n_in + 32 * j)
+    a0 = _finish(a0, s0, packed, o, bp, bo, dq, do, five)
+    a1 = _finish(a1, s1, packed, o, bp, bo + nb8, dq, do + nbk, five)
+    a2 = _finish(a2, s2, packed, o, bp, bo + 2 * nb8, dq, do + 2 * nbk, five)
+    a3 = _finish(a3, s3, packed, o, bp, bo + 3 * nb8, dq, do + 3 * nbk, five)
     return a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _matmul(packed, aq, dq, bs, out):
-    """``out[n_tok, n_out]`` (C-contiguous) from the repacked weights and Q8_K activations: ``aq``
-    int8[n_tok * n_in], ``dq`` float32[n_tok * nbk], ``bs`` int16[n_tok * nbk * 16] (flat)."""
+def _matmul(packed, aq, dq, bs, out, five):
+    """``out[n_tok, n_out]`` (C-contiguous) from the repacked weights (``five``: 1 for Q5_K's layout, 0 for
+    Q4_K's) and Q8_K activations: ``aq`` int8[n_tok * n_in], ``dq`` float32[n_tok * nbk], ``bs``
+    int16[n_tok * nbk * 16] (flat)."""
     n_tok, n_out = out.shape
     n_in = aq.shape[0] // n_tok
     nbk = n_in // QK_K
     nb8 = nbk * 8
+    sb_bytes = SB_BYTES + _Q5_EXTRA * five
     # per token and super-block, the eight sub-block sums B_j = bsums[2 j] + bsums[2 j + 1]
     bp = np.empty(n_tok * nb8, np.int16)
     for i in range(n_tok * nb8):
@@ -230,13 +296,13 @@ def _matmul(packed, aq, dq, bs, out):
     flat = out.reshape(-1)
     n_quad = n_tok - n_tok % QUAD
     for g in prange(n_out // 8):
-        og = g * nbk * SB_BYTES
+        og = g * nbk * sb_bytes
         for t in range(0, n_quad, QUAD):
             a0 = a1 = a2 = a3 = zeros_f32x8()
             for b in range(nbk):
-                o = og + b * SB_BYTES
+                o = og + b * sb_bytes
                 a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bp,
-                                       t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk)
+                                       t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
             store_f32x8(flat, t * n_out + 8 * g, a0)
             store_f32x8(flat, (t + 1) * n_out + 8 * g, a1)
             store_f32x8(flat, (t + 2) * n_out + 8 * g, a2)
@@ -244,13 +310,19 @@ def _matmul(packed, aq, dq, bs, out):
         for t in range(n_quad, n_tok):  # decode, and the last n_tok % 4 tokens
             a0 = zeros_f32x8()
             for b in range(nbk):
-                o = og + b * SB_BYTES
-                for k in range(0, SB_BYTES, 64):
+                o = og + b * sb_bytes
+                for k in range(0, sb_bytes, 64):
                     prefetch(packed, o + PREFETCH_BYTES + k)
-                a0 = _one(a0, packed, o, aq, t * n_in + b * QK_K, bp, t * nb8 + 8 * b, dq, t * nbk + b)
+                a0 = _one(a0, packed, o, aq, t * n_in + b * QK_K, bp, t * nb8 + 8 * b, dq, t * nbk + b, five)
             store_f32x8(flat, t * n_out + 8 * g, a0)
 
 
+def _matmul_q4_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray) -> None:
+    _matmul(packed, q, d, bsums, out, 0)
+
+
+def _matmul_q5_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray) -> None:
+    _matmul(packed, q, d, bsums, out, 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -471,6 +543,7 @@ def _matmul_q6(packed, aq, dq, bs, out):
 # the flat buffers of Q8_K activations (kquant_matmul's Q8KActivations ``_q``, ``_d``, ``_bs``) and a
 # C-contiguous float32 ``out[n_tok, n_out]``
 REPACKED = {
-    GGMLType.Q4_K: (repack, _matmul),
+    GGMLType.Q4_K: (repack, _matmul_q4_k),
+    GGMLType.Q5_K: (repack_q5_k, _matmul_q5_k),
     GGMLType.Q6_K: (repack_q6_k, _matmul_q6),
 }
