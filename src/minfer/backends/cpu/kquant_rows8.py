@@ -251,6 +251,15 @@ def _finish(acc, s, packed, o, bp, bo, dq, do, five):
 
 
 @njit(inline="always")
+def _store_quad(flat, at, n_out, a0, a1, a2, a3):
+    """Four consecutive tokens' eight rows, the first at ``flat[at:at + 8]``."""
+    store_f32x8(flat, at, a0)
+    store_f32x8(flat, at + n_out, a1)
+    store_f32x8(flat, at + 2 * n_out, a2)
+    store_f32x8(flat, at + 3 * n_out, a3)
+
+
+@njit(inline="always")
 def _one(acc, packed, o, aq, ao, bp, bo, dq, do, five):
     """One token through one super-block of a group."""
     s = zeros_i32x8()
@@ -303,10 +312,7 @@ def _matmul(packed, aq, dq, bs, out, five):
                 o = og + b * sb_bytes
                 a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bp,
                                        t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
-            store_f32x8(flat, t * n_out + 8 * g, a0)
-            store_f32x8(flat, (t + 1) * n_out + 8 * g, a1)
-            store_f32x8(flat, (t + 2) * n_out + 8 * g, a2)
-            store_f32x8(flat, (t + 3) * n_out + 8 * g, a3)
+            _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
         for t in range(n_quad, n_tok):  # decode, and the last n_tok % 4 tokens
             a0 = zeros_f32x8()
             for b in range(nbk):
@@ -525,10 +531,7 @@ def _matmul_q6(packed, aq, dq, bs, out):
                 o = og + b * Q6_SB_BYTES
                 a0, a1, a2, a3 = _q6_quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bs,
                                           (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
-            store_f32x8(flat, t * n_out + 8 * g, a0)
-            store_f32x8(flat, (t + 1) * n_out + 8 * g, a1)
-            store_f32x8(flat, (t + 2) * n_out + 8 * g, a2)
-            store_f32x8(flat, (t + 3) * n_out + 8 * g, a3)
+            _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
         for t in range(n_quad, n_tok):
             a0 = zeros_f32x8()
             for b in range(nbk):
