@@ -454,21 +454,23 @@ def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
 
 
 def test_long_decode_split_by_keys_equals_prefill_row(rng):
-    # a decode step over more than one key chunk runs split by keys when numba has 2+ threads (called
-    # directly here, whatever numba has): same bits as the token's row in a prefill
+    # a decode step runs split by keys (called directly here, at 1 to 16 threads as the kernel is told):
+    # same bits as the token's row in a prefill, inside the first key chunk or past it
     n_head, n_head_kv, hd = 6, 2, 64
     n = 2 * attention.ATTN_KEY_CHUNK + 37
     q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, list(range(n)), n_ctx=n + 5)
     geometry = (n_head, n_head_kv, hd, hd, 0.125)
     prefill = _vk_attention(q, k_reg, v_reg, pos, *geometry)
     np.testing.assert_allclose(prefill, _ref_attention(q, k_reg, v_reg, pos, *geometry), rtol=0, atol=1e-5)
-    for t in (attention.ATTN_KEY_CHUNK - 1, attention.ATTN_KEY_CHUNK, n - 1):
+    for t in (0, 5, attention.ATTN_KEY_CHUNK - 1, attention.ATTN_KEY_CHUNK, n - 1):
         one = _vk_attention(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry)
         np.testing.assert_array_equal(one[0], prefill[t])
-        split = np.full_like(one, np.nan)
-        code = attention._attention_split_by_keys(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry, 2, split)
-        assert code == (-5 if t < attention.ATTN_KEY_CHUNK else -1)
-        if code == -1:
+        for n_threads in (1, 2, 3, 16):
+            split = np.full_like(one, np.nan)
+            code = attention._attention_split_by_keys(
+                q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry, n_threads, split
+            )
+            assert code == -1
             np.testing.assert_array_equal(split[0], prefill[t])
 
 

@@ -16,7 +16,7 @@ Numerics (what ``tests/test_vec_kernels.py`` holds)
 Determinism
     Every output element is computed by one fixed sequence of float operations, never by a reduction
     across threads. Attention splits the work into (kv head, query-head subset, token block) units that
-    follow the thread count, and a decode step over a long window into (kv head, key chunk) units; but a
+    follow the thread count, and a decode step into (key chunk, kv heads) units; but a
     (token, head) result is the same operations whatever unit it falls in: its scores are computed one by
     one, its softmax by one thread over the whole row, and its weighted sum of V per key chunk of
     ``ATTN_KEY_CHUNK`` rows, the chunk sums then added in order by one thread. So the output is
@@ -66,6 +66,10 @@ ATTN_KEY_BLOCK = 64
 # different threads (one token has too few heads to keep two threads busy on whole heads); a prefill
 # sums the same chunks the same way, so both give the same bits.
 ATTN_KEY_CHUNK = 256
+# a decode step split by keys walks its cache rows this many at a time, all of a unit's heads on them
+ATTN_DECODE_ROWS = 8
+# ... in about this many units per thread (a unit: a key chunk, or a part of its kv heads)
+ATTN_DECODE_UNITS_PER_THREAD = 4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -176,8 +180,8 @@ def _dot(a, ar, a0, b, br, b0, n):
 
 
 @njit(cache=True, error_model="numpy")
-def _attn_scores(q, t, qo, kr, ko, j0, j1, hdk, scale32, sc, row):
-    """``sc[row, j] = dot(q[t, qo:qo+hdk], kr[j, ko:ko+hdk]) * scale`` for j in j0..j1-1.
+def _attn_scores(q, t, qo, kr, ko, kbase, j0, j1, hdk, scale32, sc, row):
+    """``sc[row, j] = dot(q[t, qo:qo+hdk], kr[j - kbase, ko:ko+hdk]) * scale`` for j in j0..j1-1.
 
     Four keys per pass share the q loads; a key's score is the same float operations (8 lanes over the
     head dim, then the fixed tree) whether it is computed in a group of four or alone.
@@ -185,17 +189,53 @@ def _attn_scores(q, t, qo, kr, ko, j0, j1, hdk, scale32, sc, row):
     j = j0
     if hdk % 8 == 0:
         while j + 4 <= j1:
+            r = j - kbase
             a0 = a1 = a2 = a3 = zeros_f32x8()
             for c in range(0, hdk, 8):
                 qv = load_row_f32x8(q, t, qo + c)
-                a0 = muladd_f32x8(a0, qv, load_row_f32x8(kr, j, ko + c))
-                a1 = muladd_f32x8(a1, qv, load_row_f32x8(kr, j + 1, ko + c))
-                a2 = muladd_f32x8(a2, qv, load_row_f32x8(kr, j + 2, ko + c))
-                a3 = muladd_f32x8(a3, qv, load_row_f32x8(kr, j + 3, ko + c))
+                a0 = muladd_f32x8(a0, qv, load_row_f32x8(kr, r, ko + c))
+                a1 = muladd_f32x8(a1, qv, load_row_f32x8(kr, r + 1, ko + c))
+                a2 = muladd_f32x8(a2, qv, load_row_f32x8(kr, r + 2, ko + c))
+                a3 = muladd_f32x8(a3, qv, load_row_f32x8(kr, r + 3, ko + c))
             store_hsums4_scaled(sc, row, j, scale32, a0, a1, a2, a3)
             j += 4
     while j < j1:
-        sc[row, j] = _dot(q, t, qo, kr, j, ko, hdk) * scale32
+        sc[row, j] = _dot(q, t, qo, kr, j - kbase, ko, hdk) * scale32
+        j += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_scores2(q, ta, qa, tb, qb, kr, kbase, j0, j1, hdk, scale32, sc, ra, rb):
+    """Two query rows' scores against the same keys j0..j1-1 of a packed block (``kr`` row ``j - kbase``,
+    from column 0): rows ``(ta, qa)`` -> ``sc[ra]``, ``(tb, qb)`` -> ``sc[rb]``. Each K load serves both
+    rows (eight accumulators: four keys of each); every score is the float operations of
+    :func:`_attn_scores`, so pairing never changes a bit."""
+    j = j0
+    if hdk % 8 == 0:
+        while j + 4 <= j1:
+            r = j - kbase
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_f32x8()
+            for c in range(0, hdk, 8):
+                qv = load_row_f32x8(q, ta, qa + c)
+                pv = load_row_f32x8(q, tb, qb + c)
+                k0 = load_row_f32x8(kr, r, c)
+                a0 = muladd_f32x8(a0, qv, k0)
+                b0 = muladd_f32x8(b0, pv, k0)
+                k1 = load_row_f32x8(kr, r + 1, c)
+                a1 = muladd_f32x8(a1, qv, k1)
+                b1 = muladd_f32x8(b1, pv, k1)
+                k2 = load_row_f32x8(kr, r + 2, c)
+                a2 = muladd_f32x8(a2, qv, k2)
+                b2 = muladd_f32x8(b2, pv, k2)
+                k3 = load_row_f32x8(kr, r + 3, c)
+                a3 = muladd_f32x8(a3, qv, k3)
+                b3 = muladd_f32x8(b3, pv, k3)
+            store_hsums4_scaled(sc, ra, j, scale32, a0, a1, a2, a3)
+            store_hsums4_scaled(sc, rb, j, scale32, b0, b1, b2, b3)
+            j += 4
+    while j < j1:
+        sc[ra, j] = _dot(q, ta, qa, kr, j - kbase, 0, hdk) * scale32
+        sc[rb, j] = _dot(q, tb, qb, kr, j - kbase, 0, hdk) * scale32
         j += 1
 
 
@@ -234,8 +274,8 @@ def _attn_softmax(sc, row, lo, n):
 
 
 @njit(cache=True, error_model="numpy")
-def _attn_pv(sc, row, vr, vo, j0, j1, hdv, out, t, oo):
-    """``out[t, oo:oo+hdv] += sum_{j0 <= j < j1} w_j * vr[j, vo:vo+hdv]``, each output value adding its
+def _attn_pv(sc, row, vr, vo, vbase, j0, j1, hdv, out, t, oo):
+    """``out[t, oo:oo+hdv] += sum_{j0 <= j < j1} w_j * vr[j - vbase, vo:vo+hdv]``, each output value adding its
     products in key order (so splitting a chunk into key blocks changes nothing). 64 values per pass in
     eight vector accumulators (enough independent chains to hide the add latency), then 8, then 1."""
     d = 0
@@ -252,14 +292,14 @@ def _attn_pv(sc, row, vr, vo, j0, j1, hdv, out, t, oo):
         cv = vo + d
         for j in range(j0, j1):
             w = splat_f32x8(sc[row, j])
-            o0 = muladd_f32x8(o0, w, load_row_f32x8(vr, j, cv))
-            o1 = muladd_f32x8(o1, w, load_row_f32x8(vr, j, cv + 8))
-            o2 = muladd_f32x8(o2, w, load_row_f32x8(vr, j, cv + 16))
-            o3 = muladd_f32x8(o3, w, load_row_f32x8(vr, j, cv + 24))
-            o4 = muladd_f32x8(o4, w, load_row_f32x8(vr, j, cv + 32))
-            o5 = muladd_f32x8(o5, w, load_row_f32x8(vr, j, cv + 40))
-            o6 = muladd_f32x8(o6, w, load_row_f32x8(vr, j, cv + 48))
-            o7 = muladd_f32x8(o7, w, load_row_f32x8(vr, j, cv + 56))
+            o0 = muladd_f32x8(o0, w, load_row_f32x8(vr, j - vbase, cv))
+            o1 = muladd_f32x8(o1, w, load_row_f32x8(vr, j - vbase, cv + 8))
+            o2 = muladd_f32x8(o2, w, load_row_f32x8(vr, j - vbase, cv + 16))
+            o3 = muladd_f32x8(o3, w, load_row_f32x8(vr, j - vbase, cv + 24))
+            o4 = muladd_f32x8(o4, w, load_row_f32x8(vr, j - vbase, cv + 32))
+            o5 = muladd_f32x8(o5, w, load_row_f32x8(vr, j - vbase, cv + 40))
+            o6 = muladd_f32x8(o6, w, load_row_f32x8(vr, j - vbase, cv + 48))
+            o7 = muladd_f32x8(o7, w, load_row_f32x8(vr, j - vbase, cv + 56))
         store_row_f32x8(out, t, c, o0)
         store_row_f32x8(out, t, c + 8, o1)
         store_row_f32x8(out, t, c + 16, o2)
@@ -272,14 +312,78 @@ def _attn_pv(sc, row, vr, vo, j0, j1, hdv, out, t, oo):
     while d + 8 <= hdv:
         o0 = load_row_f32x8(out, t, oo + d)
         for j in range(j0, j1):
-            o0 = muladd_f32x8(o0, splat_f32x8(sc[row, j]), load_row_f32x8(vr, j, vo + d))
+            o0 = muladd_f32x8(o0, splat_f32x8(sc[row, j]), load_row_f32x8(vr, j - vbase, vo + d))
         store_row_f32x8(out, t, oo + d, o0)
         d += 8
     while d < hdv:
         acc = out[t, oo + d]
         for j in range(j0, j1):
-            acc += sc[row, j] * row_value_f32(vr, j, vo + d)
+            acc += sc[row, j] * row_value_f32(vr, j - vbase, vo + d)
         out[t, oo + d] = acc
+        d += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_pv2(sc, ra, rb, vr, vbase, j0, j1, hdv, out, oa, ob):
+    """:func:`_attn_pv` for two rows over the same keys of a packed block (``vr`` row ``j - vbase``, from
+    column 0): ``out[oa] += Σ sc[ra, j] v_j`` and ``out[ob] += Σ sc[rb, j] v_j``, 32 values of both per
+    pass, each V load serving both. Every output value adds its products in key order, as
+    :func:`_attn_pv` does."""
+    d = 0
+    while d + 32 <= hdv:
+        x0 = load_row_f32x8(out, oa, d)
+        x1 = load_row_f32x8(out, oa, d + 8)
+        x2 = load_row_f32x8(out, oa, d + 16)
+        x3 = load_row_f32x8(out, oa, d + 24)
+        y0 = load_row_f32x8(out, ob, d)
+        y1 = load_row_f32x8(out, ob, d + 8)
+        y2 = load_row_f32x8(out, ob, d + 16)
+        y3 = load_row_f32x8(out, ob, d + 24)
+        for j in range(j0, j1):
+            r = j - vbase
+            wa = splat_f32x8(sc[ra, j])
+            wb = splat_f32x8(sc[rb, j])
+            v = load_row_f32x8(vr, r, d)
+            x0 = muladd_f32x8(x0, wa, v)
+            y0 = muladd_f32x8(y0, wb, v)
+            v = load_row_f32x8(vr, r, d + 8)
+            x1 = muladd_f32x8(x1, wa, v)
+            y1 = muladd_f32x8(y1, wb, v)
+            v = load_row_f32x8(vr, r, d + 16)
+            x2 = muladd_f32x8(x2, wa, v)
+            y2 = muladd_f32x8(y2, wb, v)
+            v = load_row_f32x8(vr, r, d + 24)
+            x3 = muladd_f32x8(x3, wa, v)
+            y3 = muladd_f32x8(y3, wb, v)
+        store_row_f32x8(out, oa, d, x0)
+        store_row_f32x8(out, oa, d + 8, x1)
+        store_row_f32x8(out, oa, d + 16, x2)
+        store_row_f32x8(out, oa, d + 24, x3)
+        store_row_f32x8(out, ob, d, y0)
+        store_row_f32x8(out, ob, d + 8, y1)
+        store_row_f32x8(out, ob, d + 16, y2)
+        store_row_f32x8(out, ob, d + 24, y3)
+        d += 32
+    if d < hdv:  # the rest of the values, one row at a time (same operations per value)
+        _attn_pv_cols(sc, ra, vr, vbase, j0, j1, d, hdv, out, oa)
+        _attn_pv_cols(sc, rb, vr, vbase, j0, j1, d, hdv, out, ob)
+
+
+@njit(cache=True, error_model="numpy")
+def _attn_pv_cols(sc, row, vr, vbase, j0, j1, d0, hdv, out, t):
+    """Values d0..hdv-1 of :func:`_attn_pv` on a packed block (8 at a time, then one)."""
+    d = d0
+    while d + 8 <= hdv:
+        o0 = load_row_f32x8(out, t, d)
+        for j in range(j0, j1):
+            o0 = muladd_f32x8(o0, splat_f32x8(sc[row, j]), load_row_f32x8(vr, j - vbase, d))
+        store_row_f32x8(out, t, d, o0)
+        d += 8
+    while d < hdv:
+        acc = out[t, d]
+        for j in range(j0, j1):
+            acc += sc[row, j] * row_value_f32(vr, j - vbase, d)
+        out[t, d] = acc
         d += 1
 
 
@@ -292,19 +396,42 @@ def _window_start(p, window):
 
 
 @njit(cache=True, error_model="numpy")
+def _pack_block(src, col0, k0, k1, width, dst):
+    """``dst[0:k1-k0, 0:width] = src[k0:k1, col0:col0+width]`` as float32 (f16 cells widened, exactly)."""
+    for r in range(k1 - k0):
+        c = 0
+        while c + 8 <= width:
+            store_row_f32x8(dst, r, c, load_row_f32x8(src, k0 + r, col0 + c))
+            c += 8
+        while c < width:
+            dst[r, c] = row_value_f32(src, k0 + r, col0 + c)
+            c += 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _row_keys(p, window, k0, k1):
+    """(j0, j1): the keys of block k0..k1-1 that the token at position p reads (none when j0 >= j1)."""
+    return max(k0, _window_start(p, window)), min(k1, p + 1)
+
+
+@njit(cache=True, error_model="numpy")
 def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
     """Query heads h0..h1-1 (all reading kv head g) for tokens t0..t1-1: what one worker owns.
 
-    Keys are taken in blocks of ``ATTN_KEY_BLOCK`` rows; each block of K (then of V) is used by every
-    (token, head) pair of the unit while it sits in L1, instead of being streamed from L2/L3 once per
-    query head and token. Every (token, head) result is the same float operations whatever the unit's
-    shape, so the split into units (which follows the thread count) never changes a bit.
+    Keys are taken in blocks of ``ATTN_KEY_BLOCK`` rows. Each block of K (then of V) is first copied
+    out of the cache into a contiguous scratch block, then used there by every (token, head) row of the
+    unit while it sits in L1. (In the cache a head's rows lie a whole cache row apart, a power of two
+    bytes for most models: read in place, a block's rows fall into the same few L1 sets and evict each
+    other.) Rows are taken in pairs that share each K and V load. Every (token, head) result is the same
+    float operations whatever the unit's shape, the pairing or the copy, so the split into units (which
+    follows the thread count) never changes a bit.
 
     ``window`` > 0 (sliding-window layers): token t reads only rows ``pos[t] - window + 1 .. pos[t]``;
     rows before are never read, as rows after ``pos[t]`` are not. Key blocks and chunks stay aligned to
     absolute rows, so a token's result is the same whichever other tokens share its unit.
     """
     nh = h1 - h0
+    nr = (t1 - t0) * nh  # rows (token, head), row i = (t0 + i // nh, h0 + i % nh)
     ko = g * hdk
     vo = g * hdv
     kend = 0
@@ -313,39 +440,65 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, wi
         kend = max(kend, pos[t] + 1)  # the window is the mask: rows beyond pos[t] are never read
         kbeg = min(kbeg, _window_start(pos[t], window))
     kbeg -= kbeg % ATTN_KEY_BLOCK
-    sc = np.empty(((t1 - t0) * nh, max_len), F32)
+    sc = np.empty((nr, max_len), F32)
+    blk = np.empty((ATTN_KEY_BLOCK, max(hdk, hdv)), F32)
     for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
-        for t in range(t0, t1):
-            j0 = max(k0, _window_start(pos[t], window))
-            j1 = min(k1, pos[t] + 1)
-            for h in range(h0, h1):
-                _attn_scores(q, t, h * hdk, kr, ko, j0, j1, hdk, scale32, sc, (t - t0) * nh + h - h0)
+        _pack_block(kr, ko, k0, k1, hdk, blk)
+        for i in range(0, nr, 2):
+            ta, qa = t0 + i // nh, (h0 + i % nh) * hdk
+            ja0, ja1 = _row_keys(pos[ta], window, k0, k1)
+            if i + 1 == nr:
+                _attn_scores(q, ta, qa, blk, 0, k0, ja0, ja1, hdk, scale32, sc, i)
+                continue
+            tb, qb = t0 + (i + 1) // nh, (h0 + (i + 1) % nh) * hdk
+            jb0, jb1 = _row_keys(pos[tb], window, k0, k1)
+            c0, c1 = max(ja0, jb0), min(ja1, jb1)
+            if c0 >= c1:
+                c0 = c1 = ja1  # nothing in common: each row on its own
+            _attn_scores(q, ta, qa, blk, 0, k0, ja0, c0, hdk, scale32, sc, i)
+            _attn_scores(q, ta, qa, blk, 0, k0, c1, ja1, hdk, scale32, sc, i)
+            _attn_scores(q, tb, qb, blk, 0, k0, jb0, min(c0, jb1), hdk, scale32, sc, i + 1)
+            _attn_scores(q, tb, qb, blk, 0, k0, max(c1, jb0), jb1, hdk, scale32, sc, i + 1)
+            _attn_scores2(q, ta, qa, tb, qb, blk, k0, c0, c1, hdk, scale32, sc, i, i + 1)
     for t in range(t0, t1):
         for h in range(h0, h1):
             _attn_softmax(sc, (t - t0) * nh + h - h0, _window_start(pos[t], window), pos[t] + 1)
             for d in range(h * hdv, (h + 1) * hdv):
                 out[t, d] = F32(0.0)
-    part = np.empty(((t1 - t0) * nh, hdv), F32)  # this chunk's sum of w_j v_j, per (token, head)
+    part = np.empty((nr, hdv), F32)  # this chunk's sum of w_j v_j, per (token, head)
     for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
-        for t in range(t0, t1):
-            n = pos[t] + 1
-            lo = _window_start(pos[t], window)
-            if k0 >= n or k1 <= lo:
-                continue
-            j0 = max(k0, lo)
-            j1 = min(k1, n)
-            flush = (k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == n  # chunk or window ends here
-            for h in range(h0, h1):
-                row = (t - t0) * nh + h - h0
-                if k0 % ATTN_KEY_CHUNK == 0 or k0 <= lo:  # a chunk starts, or the token's first block
+        _pack_block(vr, vo, k0, k1, hdv, blk)
+        for i in range(0, nr, 2):
+            m = min(2, nr - i)  # this pass's rows: i, and i + 1 unless it is the last
+            for r in range(i, i + m):
+                t = t0 + r // nh
+                j0, j1 = _row_keys(pos[t], window, k0, k1)
+                if j0 < j1 and (k0 % ATTN_KEY_CHUNK == 0 or k0 <= _window_start(pos[t], window)):
+                    for d in range(hdv):  # a chunk starts, or the token's first block
+                        part[r, d] = F32(0.0)
+            ja0, ja1 = _row_keys(pos[t0 + i // nh], window, k0, k1)
+            jb0 = jb1 = ja1
+            if m == 2:
+                jb0, jb1 = _row_keys(pos[t0 + (i + 1) // nh], window, k0, k1)
+            c0, c1 = max(ja0, jb0), min(ja1, jb1)
+            if m == 1 or c0 >= c1:
+                c0 = c1 = ja1
+            # per row: the keys before the common ones, the common ones (both rows at once), those after
+            _attn_pv(sc, i, blk, 0, k0, ja0, min(c0, ja1), hdv, part, i, 0)
+            if m == 2:
+                _attn_pv(sc, i + 1, blk, 0, k0, jb0, min(c0, jb1), hdv, part, i + 1, 0)
+                _attn_pv2(sc, i, i + 1, blk, k0, c0, c1, hdv, part, i, i + 1)
+                _attn_pv(sc, i + 1, blk, 0, k0, max(c1, jb0), jb1, hdv, part, i + 1, 0)
+            _attn_pv(sc, i, blk, 0, k0, max(c1, ja0), ja1, hdv, part, i, 0)
+            for r in range(i, i + m):
+                t = t0 + r // nh
+                j0, j1 = _row_keys(pos[t], window, k0, k1)
+                if j0 < j1 and ((k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == pos[t] + 1):
+                    o = (h0 + r % nh) * hdv  # the chunk or the window ends here
                     for d in range(hdv):
-                        part[row, d] = F32(0.0)
-                _attn_pv(sc, row, vr, vo, j0, j1, hdv, part, row, 0)
-                if flush:
-                    for d in range(hdv):
-                        out[t, h * hdv + d] += part[row, d]
+                        out[t, o + d] += part[r, d]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -377,13 +530,18 @@ def _unit_span(v, n_blocks, n_sub, per_sub, group):
 
 @njit(cache=True, error_model="numpy")
 def _attn_task(
-    phase, u, n_blocks, n_sub, per_sub, n_chunks, group, q, kr, vr, pos, hdk, hdv, scale32, max_len, window, sc,
-    part, out
+    phase, u, n_blocks, n_sub, per_sub, n_chunks, n_split, group, n_head_kv, q, kr, vr, pos, hdk, hdv, scale32,
+    max_len, window, sc, part, out
 ):
     """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
-    Phases 1-3 split one token's keys (see ``attention``): 1 scores of (kv head, key chunk), 2 softmax of
-    one head, 3 the chunk sums of w_j v_j of (kv head, key chunk), each unit computing exactly what
-    ``_attn_unit`` computes for those keys."""
+    Phases 1-3 split one token's keys (see ``attention``): 1 scores of (key chunk, kv heads) units, 2
+    softmax of one head, 3 the chunk sums of w_j v_j of (key chunk, kv heads) units, each unit computing
+    exactly what ``_attn_unit`` computes for those keys.
+
+    A (key chunk, kv heads) unit walks its chunk's cache rows in order, ``ATTN_DECODE_ROWS`` at a time,
+    every head of the unit on those rows before the next ones: the rows stream from memory in address
+    order (a head's keys alone lie a whole cache row apart, which the hardware prefetchers do not follow).
+    ``n_split`` units share a chunk, each taking a contiguous range of kv heads."""
     if phase == 0:
         g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
         t0 = b * ATTN_TOKEN_BLOCK
@@ -392,21 +550,24 @@ def _attn_task(
     elif phase == 2:
         _attn_softmax(sc, I64(u), I64(0), max_len)  # the signature _attn_unit's call compiles
     else:
-        g = u // n_chunks
-        c = u % n_chunks
+        c = u // n_split
+        per = (n_head_kv + n_split - 1) // n_split
+        g0 = (u % n_split) * per
+        g1 = min(n_head_kv, g0 + per)
         c0 = c * ATTN_KEY_CHUNK
         c1 = min(max_len, c0 + ATTN_KEY_CHUNK)
         if phase == 3:
-            for h in range(g * group, (g + 1) * group):
+            for h in range(g0 * group, g1 * group):
                 for d in range(hdv):
                     part[h * n_chunks + c, d] = F32(0.0)
-        for k0 in range(c0, c1, ATTN_KEY_BLOCK):  # key blocks shared by the group's heads while in L1
-            k1 = min(c1, k0 + ATTN_KEY_BLOCK)
-            for h in range(g * group, (g + 1) * group):
-                if phase == 1:
-                    _attn_scores(q, I64(0), h * hdk, kr, g * hdk, k0, k1, hdk, scale32, sc, h)
-                else:
-                    _attn_pv(sc, h, vr, g * hdv, k0, k1, hdv, part, h * n_chunks + c, 0)
+        for k0 in range(c0, c1, ATTN_DECODE_ROWS):
+            k1 = min(c1, k0 + ATTN_DECODE_ROWS)
+            for g in range(g0, g1):
+                for h in range(g * group, (g + 1) * group):
+                    if phase == 1:
+                        _attn_scores(q, I64(0), h * hdk, kr, g * hdk, 0, k0, k1, hdk, scale32, sc, h)
+                    else:
+                        _attn_pv(sc, h, vr, g * hdv, 0, k0, k1, hdv, part, h * n_chunks + c, 0)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -467,6 +628,8 @@ def _attn_kernel(
     # the thread count comes from the caller: numba's get_num_threads inside a kernel would keep it out of
     # the on-disk cache
     n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks, n_threads)
+    # phases 1 and 3: units of (key chunk, kv heads), about four per thread
+    n_split = min(n_head_kv, max(1, (ATTN_DECODE_UNITS_PER_THREAD * n_threads + n_chunks - 1) // n_chunks))
     if phase == 0:
         n_units = n_head_kv * n_sub * n_blocks
     elif phase == 2:
@@ -476,7 +639,7 @@ def _attn_kernel(
             return -2
         if part.shape[1] != hdv:
             return -2
-        n_units = n_head_kv * n_chunks
+        n_units = n_split * n_chunks
     for u in prange(n_units):
         # U(u): numba types a prange index int64 where it types the loop and uint64 where it compiles the
         # parallel body; the same type in both makes _attn_task (and all below it) compile once, not twice
@@ -487,7 +650,9 @@ def _attn_kernel(
             n_sub,
             per_sub,
             n_chunks,
+            n_split,
             group,
+            n_head_kv,
             q,
             k_region,
             v_region,
@@ -577,11 +742,11 @@ _NO_SCRATCH = np.zeros((1, 1), F32)
 def _attention_split_by_keys(
     q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
 ) -> int:
-    """One token's attention as three kernel calls split by keys; -5 when its window fits one key chunk
-    (or its position is not valid: the single-step path then reports it), else the kernel's code."""
+    """One token's attention as three kernel calls split by keys; -5 when its position is not valid (the
+    single-step path then reports it), else the kernel's code."""
     n = int(positions[0]) + 1
     n_chunks = (n + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
-    if n_chunks < 2 or n > k_region.shape[0]:
+    if n > k_region.shape[0]:
         return -5
     sc = np.empty((n_head, n), F32)
     part = np.empty((n_head * n_chunks, head_dim_v), F32)
@@ -628,14 +793,16 @@ def attention(
     ``out`` ``[tokens, n_head * head_dim_v]`` must not overlap ``q``. Runs on numba's threads (``numba.
     set_num_threads``); the result does not depend on their number.
 
-    A decode step (one token) whose window spans several key chunks runs as three parallel steps split
-    by keys (scores, softmax, chunk sums): one token has too few heads to keep the threads busy on whole
-    heads. Its result is bit-identical to the single-step path's.
+    A decode step (one token, its window not sliding past row 0) runs as three parallel steps split by
+    keys (scores, softmax, chunk sums), each walking the cache rows in address order: one token has too
+    few heads to keep the threads busy on whole heads, and one head's keys alone lie a whole cache row
+    apart (a stride the hardware prefetchers do not follow). Its result is bit-identical to the
+    single-step path's.
     """
     k_region, v_region = _kv_cells(k_region, v_region)
     n_threads = get_num_threads()
     code = -5
-    if q.shape[0] == 1 and n_threads > 1 and (window == 0 or int(positions[0]) < window):
+    if q.shape[0] == 1 and (window == 0 or int(positions[0]) < window):
         code = _attention_split_by_keys(
             q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
         )
