@@ -16,7 +16,7 @@ Numerics (what ``tests/test_vec_kernels.py`` holds)
 Determinism
     Every output element is computed by one fixed sequence of float operations, never by a reduction
     across threads. Attention splits the work into (kv head, query-head subset, token block) units that
-    follow the thread count, and a decode step into (key chunk, kv heads) units; but a
+    follow the thread count, and a decode step into (kv heads, key chunk) units; but a
     (token, head) result is the same operations whatever unit it falls in: its scores are computed one by
     one, its softmax by one thread over the whole row, and its weighted sum of V per key chunk of
     ``ATTN_KEY_CHUNK`` rows, the chunk sums then added in order by one thread. So the output is
@@ -68,7 +68,7 @@ ATTN_KEY_BLOCK = 64
 ATTN_KEY_CHUNK = 256
 # a decode step split by keys walks its cache rows this many at a time, all of a unit's heads on them
 ATTN_DECODE_ROWS = 8
-# ... in about this many units per thread (a unit: a key chunk, or a part of its kv heads)
+# ... in this many ranges of kv heads per thread (as far as there are kv heads), each over every key chunk
 ATTN_DECODE_UNITS_PER_THREAD = 4
 
 
@@ -534,14 +534,14 @@ def _attn_task(
     max_len, window, sc, part, out
 ):
     """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
-    Phases 1-3 split one token's keys (see ``attention``): 1 scores of (key chunk, kv heads) units, 2
-    softmax of one head, 3 the chunk sums of w_j v_j of (key chunk, kv heads) units, each unit computing
+    Phases 1-3 split one token's keys (see ``attention``): 1 scores of (kv heads, key chunk) units, 2
+    softmax of one head, 3 the chunk sums of w_j v_j of (kv heads, key chunk) units, each unit computing
     exactly what ``_attn_unit`` computes for those keys.
 
-    A (key chunk, kv heads) unit walks its chunk's cache rows in order, ``ATTN_DECODE_ROWS`` at a time,
-    every head of the unit on those rows before the next ones: the rows stream from memory in address
-    order (a head's keys alone lie a whole cache row apart, which the hardware prefetchers do not follow).
-    ``n_split`` units share a chunk, each taking a contiguous range of kv heads."""
+    A (kv heads, key chunk) unit walks its chunk's cache rows in order, ``ATTN_DECODE_ROWS`` at a time,
+    every head of its range on those rows before the next ones: the unit reads a run of its heads' cells
+    per row, not one head's 64 values a whole cache row apart. The kv heads are cut into ``n_split``
+    contiguous ranges."""
     if phase == 0:
         g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
         t0 = b * ATTN_TOKEN_BLOCK
@@ -550,9 +550,9 @@ def _attn_task(
     elif phase == 2:
         _attn_softmax(sc, I64(u), I64(0), max_len)  # the signature _attn_unit's call compiles
     else:
-        c = u // n_split
+        c = u % n_chunks  # units by kv heads first: a thread's contiguous range of units is whole head ranges
         per = (n_head_kv + n_split - 1) // n_split
-        g0 = (u % n_split) * per
+        g0 = (u // n_chunks) * per
         g1 = min(n_head_kv, g0 + per)
         c0 = c * ATTN_KEY_CHUNK
         c1 = min(max_len, c0 + ATTN_KEY_CHUNK)
@@ -628,8 +628,10 @@ def _attn_kernel(
     # the thread count comes from the caller: numba's get_num_threads inside a kernel would keep it out of
     # the on-disk cache
     n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks, n_threads)
-    # phases 1 and 3: units of (key chunk, kv heads), about four per thread
-    n_split = min(n_head_kv, max(1, (ATTN_DECODE_UNITS_PER_THREAD * n_threads + n_chunks - 1) // n_chunks))
+    # phases 1 and 3: units of (kv heads, key chunk), the kv heads in a few ranges per thread. prange hands
+    # each thread a contiguous range of units, so that each gets whole head ranges over all the chunks
+    # (the last chunk is partial: splitting by chunks first would load one thread with the full ones)
+    n_split = min(n_head_kv, ATTN_DECODE_UNITS_PER_THREAD * n_threads)
     if phase == 0:
         n_units = n_head_kv * n_sub * n_blocks
     elif phase == 2:
