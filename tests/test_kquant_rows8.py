@@ -163,3 +163,30 @@ def test_file_pages_of_a_repacked_weight_are_given_back(t, tmp_path):
     assert held - resident_kib() > 0.8 * w.data.nbytes / 1024
     assert after.view(np.uint32).tolist() == before.view(np.uint32).tolist()
     assert int(mapped[-1].sum()) == int(w.data[-1].sum())  # still readable: the file is still there
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [1, 6, 13])
+def test_weights_reading_one_input_in_one_call_give_their_own_bits(t, n_tok):
+    """q/k/v (gate/up) in one parallel loop: each output equals its own matmul's, bit for bit."""
+    ws = [km.prepare(weight(t, n_out, 512, seed=30 + i)) for i, n_out in enumerate((40, 16, 24))]
+    x = acts(n_tok, 512, seed=33)
+    for members in (ws[:2], ws):
+        outs = [np.full((n_tok, w.n_out), np.nan, np.float32) for w in members]
+        call = km.group_call(x, members, outs)
+        assert call is not None
+        call()
+        for w, out in zip(members, outs, strict=True):
+            own = fast(x, w.tensor)
+            assert out.view(np.uint32).tolist() == own.view(np.uint32).tolist()
+
+
+def test_only_weights_of_one_repacked_type_and_input_width_are_grouped():
+    x = acts(2, 512, seed=34)
+    q4, q6 = km.prepare(weight(Q4_K, 16, 512)), km.prepare(weight(Q6_K, 16, 512))
+    rows = km.prepare(weight(Q4_K, 37, 512))  # not whole groups of eight: not repacked
+    wide = km.prepare(weight(Q4_K, 16, 768))
+    for members in ([q4, q6], [q4, rows], [q4, wide], [q4], [q4] * 4):
+        outs = [np.empty((2, w.n_out), np.float32) for w in members]
+        assert km.group_call(x, members, outs) is None
+    assert km.group_call(x, [q4, q4], [np.empty((2, 16), np.float32), np.empty((2, 8), np.float32)]) is None

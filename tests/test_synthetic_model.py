@@ -78,3 +78,27 @@ def test_tiny_model_loads_and_runs(tmp_path, shape, file_type):
     model = minfer.load(out, n_ctx=32, threads=1)
     logits = model.logits([1, 2, 3, 4])
     assert logits.shape[-1] == 512 and np.isfinite(logits).all()
+
+
+def test_matmuls_reading_one_input_run_as_one_loop_with_the_same_logits(tmp_path):
+    """In a Q4_K_M model, q and k (v too where it is Q4_K) and gate and up run in one parallel loop per
+    layer: fewer parallel regions per token, the same logits bit for bit as each matmul on its own."""
+    import minfer
+    from minfer.backends.cpu.backend import _computed_by_group, _GroupedMatmuls
+
+    out = tmp_path / "m.gguf"
+    sm.write_model(out, "tiny", "q4_k_m", TOKENIZER, quantizer="minfer", log=lambda _: None)
+    grouped = minfer.load(out, n_ctx=32, threads=2)
+    alone = minfer.load(out, n_ctx=32, threads=2)
+    alone.runner.backend.group_kernels = lambda steps: [fn for _, fn, _, _ in steps]
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    # a prompt, then a decode step: (prefill logits, decode logits) of each
+    runs = [(m.runner.forward(ids, range(len(ids))), m.runner.forward([9], [len(ids)])) for m in (grouped, alone)]
+    steps = grouped.runner.plan(1, 1).steps
+    firsts = [s.node.name for s in steps if isinstance(s.fn, _GroupedMatmuls)]
+    absorbed = [s.node.name for s in steps if s.fn is _computed_by_group]
+    assert {n.split(".")[-1] for n in firsts} == {"q", "ffn_gate"} and len(firsts) == 2 * sm.SHAPES["tiny"].n_layer
+    assert {n.split(".")[-1] for n in absorbed} >= {"k", "ffn_up"}
+    assert not any(isinstance(s.fn, _GroupedMatmuls) for s in alone.runner.plan(1, 1).steps)
+    for got, own in zip(*runs, strict=True):
+        assert got.view(np.uint32).tolist() == own.view(np.uint32).tolist()

@@ -111,6 +111,11 @@ class Plan:
             for n in graph.nodes
             if n.op not in (Op.INPUT, Op.WEIGHT)
         ]
+        # a backend may run some consecutive steps as one (the matmuls of q/k/v, of gate/up)
+        group_kernels = getattr(backend, "group_kernels", None)
+        if group_kernels is not None:
+            fns = group_kernels([(s.node, s.fn, s.out, s.args) for s in self.steps])
+            self.steps = [Step(s.node, fn, s.out, s.args) for s, fn in zip(self.steps, fns, strict=True)]
         self.output = views[graph.output.id]
         self.extras: dict[str, np.ndarray] = {k: views[v.id] for k, v in graph.extras.items()}
 

@@ -536,7 +536,8 @@ def _attn_task(
     """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
     Phases 1-3 split one token's keys (see ``attention``): 1 scores of (kv heads, key chunk) units, 2
     softmax of one head, 3 the chunk sums of w_j v_j of (kv heads, key chunk) units, each unit computing
-    exactly what ``_attn_unit`` computes for those keys.
+    exactly what ``_attn_unit`` computes for those keys. Phase 4, for a window of one key chunk: the
+    three steps in one, each unit for its heads.
 
     A (kv heads, key chunk) unit walks its chunk's cache rows in order, ``ATTN_DECODE_ROWS`` at a time,
     every head of its range on those rows before the next ones: the unit reads a run of its heads' cells
@@ -556,18 +557,24 @@ def _attn_task(
         g1 = min(n_head_kv, g0 + per)
         c0 = c * ATTN_KEY_CHUNK
         c1 = min(max_len, c0 + ATTN_KEY_CHUNK)
-        if phase == 3:
-            for h in range(g0 * group, g1 * group):
-                for d in range(hdv):
-                    part[h * n_chunks + c, d] = F32(0.0)
+        if phase != 3:  # 1, or 4: the three steps of a window of one chunk in one unit
+            for k0 in range(c0, c1, ATTN_DECODE_ROWS):
+                k1 = min(c1, k0 + ATTN_DECODE_ROWS)
+                for g in range(g0, g1):
+                    for h in range(g * group, (g + 1) * group):
+                        _attn_scores(q, I64(0), h * hdk, kr, g * hdk, 0, k0, k1, hdk, scale32, sc, h)
+        if phase == 1:
+            return
+        for h in range(g0 * group, g1 * group):
+            if phase == 4:
+                _attn_softmax(sc, I64(h), I64(0), max_len)
+            for d in range(hdv):
+                part[h * n_chunks + c, d] = F32(0.0)
         for k0 in range(c0, c1, ATTN_DECODE_ROWS):
             k1 = min(c1, k0 + ATTN_DECODE_ROWS)
             for g in range(g0, g1):
                 for h in range(g * group, (g + 1) * group):
-                    if phase == 1:
-                        _attn_scores(q, I64(0), h * hdk, kr, g * hdk, 0, k0, k1, hdk, scale32, sc, h)
-                    else:
-                        _attn_pv(sc, h, vr, g * hdv, 0, k0, k1, hdv, part, h * n_chunks + c, 0)
+                    _attn_pv(sc, h, vr, g * hdv, 0, k0, k1, hdv, part, h * n_chunks + c, 0)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -605,7 +612,8 @@ def _attn_kernel(
     else the first token whose position is outside the regions (nothing is written then).
 
     ``phase`` 0 computes everything; 1, 2, 3 are the steps of a decode split by keys, which the caller
-    runs in order with the scratch ``sc [n_head, window]`` and ``part [n_head * n_chunks, head_dim_v]``
+    runs in order (4 all three, for a window of one key chunk) with the scratch ``sc [n_head, window]``
+    and ``part [n_head * n_chunks, head_dim_v]``
     (phase 0 ignores them; they read every row 0..pos, so a caller splits only a token whose sliding
     ``window`` covers them all)."""
     nt = q.shape[0]
@@ -668,7 +676,7 @@ def _attn_kernel(
             part,
             out,
         )
-    if phase == 3:  # each head adds its chunk sums in chunk order, as _attn_unit does
+    if phase >= 3:  # each head adds its chunk sums in chunk order, as _attn_unit does
         for h in range(n_head):
             for d in range(hdv):
                 acc = F32(0.0)
@@ -744,8 +752,8 @@ _NO_SCRATCH = np.zeros((1, 1), F32)
 def _attention_split_by_keys(
     q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
 ) -> int:
-    """One token's attention as three kernel calls split by keys; -5 when its position is not valid (the
-    single-step path then reports it), else the kernel's code."""
+    """One token's attention as three kernel calls split by keys (one when its window fits a key chunk);
+    -5 when its position is not valid (the single-step path then reports it), else the kernel's code."""
     n = int(positions[0]) + 1
     n_chunks = (n + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
     if n > k_region.shape[0]:
@@ -753,7 +761,8 @@ def _attention_split_by_keys(
     sc = np.empty((n_head, n), F32)
     part = np.empty((n_head * n_chunks, head_dim_v), F32)
     code = -1
-    for phase in (1, 2, 3):
+    # a window of one chunk: one parallel step, each unit with all the keys of its heads
+    for phase in (4,) if n_chunks == 1 else (1, 2, 3):
         code = _attn_kernel(
             q,
             k_region,

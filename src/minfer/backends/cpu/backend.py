@@ -164,6 +164,36 @@ def _bound(
     return run
 
 
+def _computed_by_group(node: Node, out, *args) -> None:
+    """A matmul whose output the first step of its group wrote (see ``CPUBackend.group_kernels``)."""
+
+
+class _GroupedMatmuls:
+    """The first step of a group of matmuls: on its first call each member runs its own kernel (with all
+    their checks), from then on the group's single parallel loop computes every member's output."""
+
+    def __init__(self, call: Callable[[], None], members: Sequence[tuple[Node, Callable[..., None], Any, tuple]]):
+        self.call = call
+        self.members = list(members)
+        self.checked = False
+
+    def __call__(self, node: Node, out, *args) -> None:
+        if self.checked:
+            self.call()
+            return
+        for m_node, fn, m_out, m_args in self.members:
+            fn(m_node, m_out, *m_args)
+        self.checked = True
+
+
+def _reads_same_activations(a: Node, b: Node) -> bool:
+    return a.op is Op.MATMUL and b.op is Op.MATMUL and len(a.inputs) == len(b.inputs) == 2 and \
+        a.inputs[0].id == b.inputs[0].id
+
+
+MAX_GROUP = 3  # q, k and v
+
+
 class ExpertReads:
     """What the mixture-of-experts kernels of one backend read: bytes of expert weights, and how many expert
     matrices (each read once per pass for all the tokens that chose it). Tests and ``minfer bench`` read it."""
@@ -316,6 +346,34 @@ class CPUBackend:
                 reads.bytes += ref.shared_expert(x, *shared, out, shared_fns, act)
 
         return moe
+
+    def group_kernels(
+        self, steps: Sequence[tuple[Node, Callable[..., None], Any, tuple[Any, ...]]]
+    ) -> list[Callable[..., None]]:
+        """The kernels of a plan's steps, given as (node, kernel, output, operands) in run order, with each
+        run of consecutive matmuls that read the same activations and whose weights share a repacked type
+        (q/k/v, gate/up) made one parallel loop: the run's first step computes every output of the run,
+        the others do nothing. (Nothing runs between them, and their one operand outlives the run, so no
+        buffer holds a live value between a run's first step and the step whose output it becomes.)
+        Fewer parallel regions per token: each costs a wake-up of the threads and a wait for the slowest."""
+        fns = [fn for _, fn, _, _ in steps]
+        if self.kernels != "fast":
+            return fns
+        i = 0
+        while i < len(steps):
+            node, _, _, args = steps[i]
+            j = i + 1
+            while (j < len(steps) and j - i < MAX_GROUP and _reads_same_activations(node, steps[j][0])
+                   and node.inputs[1].source.ggml_type is steps[j][0].inputs[1].source.ggml_type):
+                j += 1
+            if j - i > 1:
+                run = steps[i:j]
+                call = self._kq.group_call(args[0], [a[1] for _, _, _, a in run], [o for _, _, o, _ in run])
+                if call is not None:
+                    fns[i] = _GroupedMatmuls(call, run)
+                    fns[i + 1 : j] = [_computed_by_group] * (j - i - 1)
+            i = j
+        return fns
 
     # -- reference ---------------------------------------------------------------------------------
 

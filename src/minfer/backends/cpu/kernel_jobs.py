@@ -173,7 +173,8 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q5_0: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel", f"{_CPU}.kquant_rows8:_matmul",
-            f"{_CPU}.kquant_rows8:_repack", f"{_CPU}.kquant_rows8:_matmul_q6", f"{_CPU}.kquant_rows8:_repack_q6"),
+            f"{_CPU}.kquant_rows8:_repack", f"{_CPU}.kquant_rows8:_matmul_q6_group",
+            f"{_CPU}.kquant_rows8:_repack_q6"),
            24.0)
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
     **{t: ((f"{_IQ}:_gemv_{t.name.lower()}", f"{_IQ}:_gemm_{t.name.lower()}", *_QUANTIZE), 5.0)

@@ -62,7 +62,7 @@ Repacked rows
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -932,6 +932,37 @@ def direct_call(
         return None
     q, ds = xq.q_flat, xq.ds_flat
     return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
+
+
+def group_call(x: np.ndarray, ws: Sequence[_Prepared], outs: Sequence[np.ndarray]) -> Callable[[], None] | None:
+    """``matmul(x, w, out)`` for two or three weights that read the same activations ``x`` (q/k/v,
+    gate/up), bound to these arrays with none of the checks: ``x`` quantized once, then one parallel loop
+    over all the weights' groups of rows. None unless every weight is on the same repacked layout
+    (kquant_rows8) and every operand fits. Each output is the same bits as its own call's."""
+    if not 2 <= len(ws) <= 3 or len(outs) != len(ws):
+        return None
+    if not all(isinstance(w, _Prepared) and w.rows8 is not None for w in ws):
+        return None
+    if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous or x.shape[0] == 0:
+        return None
+    n_tok, n_in = x.shape
+    if len({w.tensor.ggml_type for w in ws}) != 1 or any(w.n_in != n_in for w in ws):
+        return None
+    if any(o.shape != (n_tok, w.n_out) or o.dtype != np.float32 or not o.flags.c_contiguous
+           for w, o in zip(ws, outs, strict=True)):
+        return None
+    own = Q8KActivations(n_tok, n_in)
+    quantize = _q8k_parallel if n_tok >= PARALLEL_QUANTIZE_TOKENS else _q8k_serial
+    kernel = ws[0].rows8_kernel
+    args = [ws[0].rows8, own._q, own._d, own._bs, outs[0]]
+    for w, o in zip(ws[1:], outs[1:], strict=True):
+        args += [w.rows8, o]
+
+    def run() -> None:
+        quantize(x, own._q, own._d, own._bs)
+        kernel(*args)
+
+    return run
 
 
 def warmup() -> None:

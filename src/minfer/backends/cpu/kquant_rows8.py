@@ -288,12 +288,28 @@ def _quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, fiv
     return a0, a1, a2, a3
 
 
+@njit(inline="always")
+def _member(gg, pa, pb, pc, oa, ob, oc):
+    """Group ``gg`` of a call's weights a, b, c (in that order): (its weight, its output, the output's
+    width, its index among that weight's groups)."""
+    i = np.int64(gg)  # a prange index may be unsigned: minus a signed count it would be a float
+    na = oa.shape[1] // 8
+    nb = ob.shape[1] // 8
+    if i >= na + nb:
+        return pc, oc.reshape(-1), oc.shape[1], i - na - nb
+    if i >= na:
+        return pb, ob.reshape(-1), ob.shape[1], i - na
+    return pa, oa.reshape(-1), oa.shape[1], i
+
+
 @njit(parallel=True, cache=True)
-def _matmul(packed, aq, dq, bs, out, five):
-    """``out[n_tok, n_out]`` (C-contiguous) from the repacked weights (``five``: 1 for Q5_K's layout, 0 for
-    Q4_K's) and Q8_K activations: ``aq`` int8[n_tok * n_in], ``dq`` float32[n_tok * nbk], ``bs``
-    int16[n_tok * nbk * 16] (flat)."""
-    n_tok, n_out = out.shape
+def _matmul(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
+    """``oa[n_tok, n_a]`` (C-contiguous) from the repacked weights ``pa`` (``five``: 1 for Q5_K's layout, 0
+    for Q4_K's) and Q8_K activations: ``aq`` int8[n_tok * n_in], ``dq`` float32[n_tok * nbk], ``bs``
+    int16[n_tok * nbk * 16] (flat); and ``ob`` from ``pb``, ``oc`` from ``pc`` in the same parallel loop
+    (weights that read the same activations: q/k/v, gate/up), or outputs of no columns where there are
+    none. Each group of eight rows is the same operations whichever call it is in."""
+    n_tok = oa.shape[0]
     n_in = aq.shape[0] // n_tok
     nbk = n_in // QK_K
     nb8 = nbk * 8
@@ -302,9 +318,9 @@ def _matmul(packed, aq, dq, bs, out, five):
     bp = np.empty(n_tok * nb8, np.int16)
     for i in range(n_tok * nb8):
         bp[i] = bs[2 * i] + bs[2 * i + 1]
-    flat = out.reshape(-1)
     n_quad = n_tok - n_tok % QUAD
-    for g in prange(n_out // 8):
+    for gg in prange((oa.shape[1] + ob.shape[1] + oc.shape[1]) // 8):
+        packed, flat, n_out, g = _member(gg, pa, pb, pc, oa, ob, oc)
         og = g * nbk * sb_bytes
         for t in range(0, n_quad, QUAD):
             a0 = a1 = a2 = a3 = zeros_f32x8()
@@ -323,12 +339,23 @@ def _matmul(packed, aq, dq, bs, out, five):
             store_f32x8(flat, t * n_out + 8 * g, a0)
 
 
-def _matmul_q4_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray) -> None:
-    _matmul(packed, q, d, bsums, out, 0)
+# the absent weights and outputs of a call with fewer than three
+NO_WEIGHT = np.empty(0, np.uint8)
+NO_OUTPUT = np.empty((0, 0), np.float32)
 
 
-def _matmul_q5_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray) -> None:
-    _matmul(packed, q, d, bsums, out, 1)
+def _matmul_q4_k(
+    packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
+    pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT, oc: np.ndarray = NO_OUTPUT,
+) -> None:
+    _matmul(packed, pb, pc, q, d, bsums, out, ob, oc, 0)
+
+
+def _matmul_q5_k(
+    packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
+    pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT, oc: np.ndarray = NO_OUTPUT,
+) -> None:
+    _matmul(packed, pb, pc, q, d, bsums, out, ob, oc, 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -515,15 +542,15 @@ def _q6_quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bs, bo, nb16, dq, do, nbk)
 
 
 @njit(parallel=True, cache=True)
-def _matmul_q6(packed, aq, dq, bs, out):
+def _matmul_q6_group(pa, pb, pc, aq, dq, bs, oa, ob, oc):
     """``_matmul`` for the repacked Q6_K layout."""
-    n_tok, n_out = out.shape
+    n_tok = oa.shape[0]
     n_in = aq.shape[0] // n_tok
     nbk = n_in // QK_K
     nb16 = nbk * 16
-    flat = out.reshape(-1)
     n_quad = n_tok - n_tok % QUAD
-    for g in prange(n_out // 8):
+    for gg in prange((oa.shape[1] + ob.shape[1] + oc.shape[1]) // 8):
+        packed, flat, n_out, g = _member(gg, pa, pb, pc, oa, ob, oc)
         og = g * nbk * Q6_SB_BYTES
         for t in range(0, n_quad, QUAD):
             a0 = a1 = a2 = a3 = zeros_f32x8()
@@ -542,9 +569,17 @@ def _matmul_q6(packed, aq, dq, bs, out):
             store_f32x8(flat, t * n_out + 8 * g, a0)
 
 
-# per weight type: (repack(raw, n_out, n_in) -> packed, kernel(packed, q, d, bsums, out)); the kernel takes
-# the flat buffers of Q8_K activations (kquant_matmul's Q8KActivations ``_q``, ``_d``, ``_bs``) and a
-# C-contiguous float32 ``out[n_tok, n_out]``
+def _matmul_q6(
+    packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
+    pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT, oc: np.ndarray = NO_OUTPUT,
+) -> None:
+    _matmul_q6_group(packed, pb, pc, q, d, bsums, out, ob, oc)
+
+
+# per weight type: (repack(raw, n_out, n_in) -> packed, kernel(packed, q, d, bsums, out[, pb, ob[, pc, oc]]));
+# the kernel takes the flat buffers of Q8_K activations (kquant_matmul's Q8KActivations ``_q``, ``_d``,
+# ``_bs``) and a C-contiguous float32 ``out[n_tok, n_out]``; up to two more weights of the type that read the
+# same activations (``pb`` -> ``ob``, ``pc`` -> ``oc``) run in the same parallel loop
 REPACKED = {
     GGMLType.Q4_K: (repack, _matmul_q4_k),
     GGMLType.Q5_K: (repack_q5_k, _matmul_q5_k),
