@@ -3,7 +3,8 @@
 Enabled with ``MINFER_TRACE=path`` or ``minfer run --trace path`` (``load(..., trace=path)``). A node
 line: ``{"call", "node", "op", "name", "layer", "shape", "dtype", "us", "min", "max", "mean", "rms",
 "nan", "inf"}``, the statistics of the node's output computed in one compiled pass, 7 significant digits (the K/V store
-reports the K rows this call wrote). After each call: ``{"call", "tokens", "positions",
+reports the K rows this call wrote; matmuls the backend runs as one loop, q/k/v or gate/up, report their whole
+time on the first of them and about 0 on the others). After each call: ``{"call", "tokens", "positions",
 "top5": [[id, text, logit], ...]}`` for the last output row.
 """
 
