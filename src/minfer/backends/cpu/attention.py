@@ -66,8 +66,10 @@ ATTN_KEY_BLOCK = 64
 # different threads (one token has too few heads to keep two threads busy on whole heads); a prefill
 # sums the same chunks the same way, so both give the same bits.
 ATTN_KEY_CHUNK = 256
-# a decode step split by keys walks its cache rows this many at a time, all of a unit's heads on them
-ATTN_DECODE_ROWS = 8
+# a decode step split by keys walks its cache rows a few at a time, all of a unit's heads on them: as many
+# rows as hold about this many bytes of the unit's heads, 8 to 64 (few rows stream a large model's K/V from
+# memory in address order; more rows spare a small model's, read from cache, the per-step overheads)
+ATTN_DECODE_STEP_BYTES = 8192
 # ... in this many ranges of kv heads per thread (as far as there are kv heads), each over every key chunk
 ATTN_DECODE_UNITS_PER_THREAD = 4
 
@@ -539,9 +541,9 @@ def _attn_task(
     exactly what ``_attn_unit`` computes for those keys. Phase 4, for a window of one key chunk: the
     three steps in one, each unit for its heads.
 
-    A (kv heads, key chunk) unit walks its chunk's cache rows in order, ``ATTN_DECODE_ROWS`` at a time,
-    every head of its range on those rows before the next ones: the unit reads a run of its heads' cells
-    per row, not one head's 64 values a whole cache row apart. The kv heads are cut into ``n_split``
+    A (kv heads, key chunk) unit walks its chunk's cache rows in order, a few at a time (see
+    ``ATTN_DECODE_STEP_BYTES``), every head of its range on those rows before the next ones: the unit
+    reads a run of its heads' cells per row, not one head's 64 values a whole cache row apart. The kv heads are cut into ``n_split``
     contiguous ranges."""
     if phase == 0:
         g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
@@ -557,9 +559,10 @@ def _attn_task(
         g1 = min(n_head_kv, g0 + per)
         c0 = c * ATTN_KEY_CHUNK
         c1 = min(max_len, c0 + ATTN_KEY_CHUNK)
+        rows = min(64, max(8, ATTN_DECODE_STEP_BYTES // max(1, (g1 - g0) * max(hdk, hdv) * kr.itemsize)))
         if phase != 3:  # 1, or 4: the three steps of a window of one chunk in one unit
-            for k0 in range(c0, c1, ATTN_DECODE_ROWS):
-                k1 = min(c1, k0 + ATTN_DECODE_ROWS)
+            for k0 in range(c0, c1, rows):
+                k1 = min(c1, k0 + rows)
                 for g in range(g0, g1):
                     for h in range(g * group, (g + 1) * group):
                         _attn_scores(q, I64(0), h * hdk, kr, g * hdk, 0, k0, k1, hdk, scale32, sc, h)
@@ -570,8 +573,8 @@ def _attn_task(
                 _attn_softmax(sc, I64(h), I64(0), max_len)
             for d in range(hdv):
                 part[h * n_chunks + c, d] = F32(0.0)
-        for k0 in range(c0, c1, ATTN_DECODE_ROWS):
-            k1 = min(c1, k0 + ATTN_DECODE_ROWS)
+        for k0 in range(c0, c1, rows):
+            k1 = min(c1, k0 + rows)
             for g in range(g0, g1):
                 for h in range(g * group, (g + 1) * group):
                     _attn_pv(sc, h, vr, g * hdv, 0, k0, k1, hdv, part, h * n_chunks + c, 0)
