@@ -543,8 +543,8 @@ def _attn_task(
 
     A (kv heads, key chunk) unit walks its chunk's cache rows in order, a few at a time (see
     ``ATTN_DECODE_STEP_BYTES``), every head of its range on those rows before the next ones: the unit
-    reads a run of its heads' cells per row, not one head's 64 values a whole cache row apart. The kv heads are cut into ``n_split``
-    contiguous ranges."""
+    reads a run of its heads' cells per row, not one head's 64 values a whole cache row apart. The kv
+    heads are cut into ``n_split`` contiguous ranges."""
     if phase == 0:
         g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
         t0 = b * ATTN_TOKEN_BLOCK
