@@ -453,6 +453,22 @@ def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
             np.testing.assert_array_equal(split, one)
 
 
+@pytest.mark.parametrize(("hdk", "hdv"), [(12, 12), (40, 72), (100, 36), (128, 128)])
+def test_head_dims_off_the_vector_width_pair_and_split_alike(rng, hdk, hdv):
+    # a prefill unit's rows go in pairs of 32-value passes, with 8-value and single-value tails; a decode
+    # step walks the rows by steps that follow the head dims: every shape gives the reference's values and
+    # a decode row equal to its prefill row at 1 and 2 threads
+    n_head, n_head_kv = 6, 2
+    q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hdk, hdv, list(range(300)), n_ctx=304)
+    geometry = (n_head, n_head_kv, hdk, hdv, 0.1)
+    prefill = _vk_attention(q, k_reg, v_reg, pos, *geometry)
+    np.testing.assert_allclose(prefill, _ref_attention(q, k_reg, v_reg, pos, *geometry), rtol=0, atol=1e-5)
+    for t in (0, 7, 255, 299):
+        for n in (1, MAX_THREADS):
+            one = at_threads(n, lambda t=t: _vk_attention(q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry))
+            np.testing.assert_array_equal(one[0], prefill[t])
+
+
 def test_long_decode_split_by_keys_equals_prefill_row(rng):
     # a decode step runs split by keys (called directly here, at 1 to 16 threads as the kernel is told):
     # same bits as the token's row in a prefill, inside the first key chunk or past it

@@ -366,27 +366,9 @@ def _attn_pv2(sc, ra, rb, vr, vbase, j0, j1, hdv, out, oa, ob):
         store_row_f32x8(out, ob, d + 16, y2)
         store_row_f32x8(out, ob, d + 24, y3)
         d += 32
-    if d < hdv:  # the rest of the values, one row at a time (same operations per value)
-        _attn_pv_cols(sc, ra, vr, vbase, j0, j1, d, hdv, out, oa)
-        _attn_pv_cols(sc, rb, vr, vbase, j0, j1, d, hdv, out, ob)
-
-
-@njit(cache=True, error_model="numpy")
-def _attn_pv_cols(sc, row, vr, vbase, j0, j1, d0, hdv, out, t):
-    """Values d0..hdv-1 of :func:`_attn_pv` on a packed block (8 at a time, then one)."""
-    d = d0
-    while d + 8 <= hdv:
-        o0 = load_row_f32x8(out, t, d)
-        for j in range(j0, j1):
-            o0 = muladd_f32x8(o0, splat_f32x8(sc[row, j]), load_row_f32x8(vr, j - vbase, d))
-        store_row_f32x8(out, t, d, o0)
-        d += 8
-    while d < hdv:
-        acc = out[t, d]
-        for j in range(j0, j1):
-            acc += sc[row, j] * row_value_f32(vr, j - vbase, d)
-        out[t, d] = acc
-        d += 1
+    if d < hdv:  # the rest of the values (fewer than 32), one row at a time: the same operations per value
+        _attn_pv(sc, ra, vr, d, vbase, j0, j1, hdv - d, out, oa, d)
+        _attn_pv(sc, rb, vr, d, vbase, j0, j1, hdv - d, out, ob, d)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
