@@ -398,6 +398,21 @@ def _row_keys(p, window, k0, k1):
     return max(k0, _window_start(p, window)), min(k1, p + 1)
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _pair_keys(pos, window, k0, k1, t0, nh, i, nr):
+    """Rows i and i + 1 of a unit (row r: token t0 + r // nh) in key block k0..k1-1: the keys each reads,
+    (ja0, ja1) and (jb0, jb1), and those both read, (c0, c1). Without a row i + 1 (i + 1 == nr), or
+    without common keys, c0 = c1 = ja1 and row i + 1 reads none."""
+    ja0, ja1 = _row_keys(pos[t0 + i // nh], window, k0, k1)
+    jb0 = jb1 = ja1
+    if i + 1 < nr:
+        jb0, jb1 = _row_keys(pos[t0 + (i + 1) // nh], window, k0, k1)
+    c0, c1 = max(ja0, jb0), min(ja1, jb1)
+    if i + 1 == nr or c0 >= c1:
+        c0 = c1 = ja1
+    return ja0, ja1, jb0, jb1, c0, c1
+
+
 @njit(cache=True, error_model="numpy")
 def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
     """Query heads h0..h1-1 (all reading kv head g) for tokens t0..t1-1: what one worker owns.
@@ -430,21 +445,16 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, wi
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
         _pack_block(kr, ko, k0, k1, hdk, blk)
         for i in range(0, nr, 2):
+            ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, window, k0, k1, t0, nh, i, nr)
             ta, qa = t0 + i // nh, (h0 + i % nh) * hdk
-            ja0, ja1 = _row_keys(pos[ta], window, k0, k1)
-            if i + 1 == nr:
-                _attn_scores(q, ta, qa, blk, 0, k0, ja0, ja1, hdk, scale32, sc, i)
-                continue
-            tb, qb = t0 + (i + 1) // nh, (h0 + (i + 1) % nh) * hdk
-            jb0, jb1 = _row_keys(pos[tb], window, k0, k1)
-            c0, c1 = max(ja0, jb0), min(ja1, jb1)
-            if c0 >= c1:
-                c0 = c1 = ja1  # nothing in common: each row on its own
+            # per row: the keys before the common ones, those after, then the common ones (both rows at once)
             _attn_scores(q, ta, qa, blk, 0, k0, ja0, c0, hdk, scale32, sc, i)
             _attn_scores(q, ta, qa, blk, 0, k0, c1, ja1, hdk, scale32, sc, i)
-            _attn_scores(q, tb, qb, blk, 0, k0, jb0, min(c0, jb1), hdk, scale32, sc, i + 1)
-            _attn_scores(q, tb, qb, blk, 0, k0, max(c1, jb0), jb1, hdk, scale32, sc, i + 1)
-            _attn_scores2(q, ta, qa, tb, qb, blk, k0, c0, c1, hdk, scale32, sc, i, i + 1)
+            if i + 1 < nr:
+                tb, qb = t0 + (i + 1) // nh, (h0 + (i + 1) % nh) * hdk
+                _attn_scores(q, tb, qb, blk, 0, k0, jb0, min(c0, jb1), hdk, scale32, sc, i + 1)
+                _attn_scores(q, tb, qb, blk, 0, k0, max(c1, jb0), jb1, hdk, scale32, sc, i + 1)
+                _attn_scores2(q, ta, qa, tb, qb, blk, k0, c0, c1, hdk, scale32, sc, i, i + 1)
     for t in range(t0, t1):
         for h in range(h0, h1):
             _attn_softmax(sc, (t - t0) * nh + h - h0, _window_start(pos[t], window), pos[t] + 1)
@@ -455,30 +465,23 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, wi
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
         _pack_block(vr, vo, k0, k1, hdv, blk)
         for i in range(0, nr, 2):
-            m = min(2, nr - i)  # this pass's rows: i, and i + 1 unless it is the last
-            for r in range(i, i + m):
+            ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, window, k0, k1, t0, nh, i, nr)
+            for r in range(i, min(nr, i + 2)):
                 t = t0 + r // nh
-                j0, j1 = _row_keys(pos[t], window, k0, k1)
+                j0, j1 = (ja0, ja1) if r == i else (jb0, jb1)
                 if j0 < j1 and (k0 % ATTN_KEY_CHUNK == 0 or k0 <= _window_start(pos[t], window)):
                     for d in range(hdv):  # a chunk starts, or the token's first block
                         part[r, d] = F32(0.0)
-            ja0, ja1 = _row_keys(pos[t0 + i // nh], window, k0, k1)
-            jb0 = jb1 = ja1
-            if m == 2:
-                jb0, jb1 = _row_keys(pos[t0 + (i + 1) // nh], window, k0, k1)
-            c0, c1 = max(ja0, jb0), min(ja1, jb1)
-            if m == 1 or c0 >= c1:
-                c0 = c1 = ja1
             # per row: the keys before the common ones, the common ones (both rows at once), those after
             _attn_pv(sc, i, blk, 0, k0, ja0, min(c0, ja1), hdv, part, i, 0)
-            if m == 2:
+            if i + 1 < nr:
                 _attn_pv(sc, i + 1, blk, 0, k0, jb0, min(c0, jb1), hdv, part, i + 1, 0)
                 _attn_pv2(sc, i, i + 1, blk, k0, c0, c1, hdv, part, i, i + 1)
                 _attn_pv(sc, i + 1, blk, 0, k0, max(c1, jb0), jb1, hdv, part, i + 1, 0)
             _attn_pv(sc, i, blk, 0, k0, max(c1, ja0), ja1, hdv, part, i, 0)
-            for r in range(i, i + m):
+            for r in range(i, min(nr, i + 2)):
                 t = t0 + r // nh
-                j0, j1 = _row_keys(pos[t], window, k0, k1)
+                j0, j1 = (ja0, ja1) if r == i else (jb0, jb1)
                 if j0 < j1 and ((k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == pos[t] + 1):
                     o = (h0 + r % nh) * hdv  # the chunk or the window ends here
                     for d in range(hdv):
