@@ -899,6 +899,12 @@ def matmul(
         out[...] = dst[:, : p.n_out]
 
 
+def _own_quantizer(x: np.ndarray) -> tuple[Q8KActivations, Callable[..., None]]:
+    """Q8_K buffers of a bound call's own for ``x``, and the kernel that quantizes ``x`` into them (the
+    parallel one from ``PARALLEL_QUANTIZE_TOKENS`` tokens on)."""
+    return Q8KActivations(*x.shape), _q8k_parallel if x.shape[0] >= PARALLEL_QUANTIZE_TOKENS else _q8k_serial
+
+
 def direct_call(
     x: np.ndarray, w: _Prepared, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None
 ) -> Callable[[], None] | None:
@@ -911,8 +917,7 @@ def direct_call(
     kind, flat, rb, rows8, rows8_kernel = w.kind, w.flat, w.rb, w.rows8, w.rows8_kernel
     if w.is_k:
         if xq is None:  # quantized here on every call, as matmul does, into buffers of this call's own
-            own = Q8KActivations(*x.shape)
-            quantize = _q8k_parallel if x.shape[0] >= PARALLEL_QUANTIZE_TOKENS else _q8k_serial
+            own, quantize = _own_quantizer(x)
 
             def run() -> None:
                 quantize(x, own._q, own._d, own._bs)
@@ -951,8 +956,7 @@ def group_call(x: np.ndarray, ws: Sequence[_Prepared], outs: Sequence[np.ndarray
     if any(o.shape != (n_tok, w.n_out) or o.dtype != np.float32 or not o.flags.c_contiguous
            for w, o in zip(ws, outs, strict=True)):
         return None
-    own = Q8KActivations(n_tok, n_in)
-    quantize = _q8k_parallel if n_tok >= PARALLEL_QUANTIZE_TOKENS else _q8k_serial
+    own, quantize = _own_quantizer(x)
     kernel = ws[0].rows8_kernel
     args = [ws[0].rows8, own._q, own._d, own._bs, outs[0]]
     for w, o in zip(ws[1:], outs[1:], strict=True):
