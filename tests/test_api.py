@@ -28,7 +28,7 @@ def test_max_tokens_and_stats(model):
 
 
 def test_generation_past_the_context_is_a_clear_error(model):
-    from minfer.runtime.engine import GenerationRequest
+    from minfer.runtime.requests import GenerationRequest
     from minfer.runtime.sampling import Sampler, SamplingParams
     from minfer.runtime.sequence import GenerationStats
 
@@ -97,7 +97,7 @@ def test_eos_stops_generation(model):
     """Force the end-of-generation token: a logit bias-like check through the sampler."""
     eos = model.tokenizer.eos_id
     assert eos in model.tokenizer.eog_ids
-    from minfer.runtime.engine import GenerationRequest
+    from minfer.runtime.requests import GenerationRequest
     from minfer.runtime.sampling import Sampler, SamplingParams
 
     class AlwaysEOS(Sampler):

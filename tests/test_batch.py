@@ -1,4 +1,4 @@
-"""Continuous batching (minfer.runtime.engine driven by minfer.runtime.scheduler) on the tiny fixtures:
+"""Continuous batching (minfer.runtime.engine driven by minfer.runtime.engine_loop) on the tiny fixtures:
 what one batch gives equals what each sequence gives alone, prefix reuse, chunked prefill, cancellation,
 the bounded queue."""
 
@@ -12,20 +12,12 @@ from conftest import fixture_dir, fixture_sequences
 
 import minfer
 from minfer.errors import ContextOverflowError
-from minfer.runtime.engine import (
-    EngineConfig,
-    EngineHooks,
-    Failed,
-    Finished,
-    GenerationRequest,
-    Started,
-    Token,
-    batch_buckets,
-    build_engine,
-)
+from minfer.runtime.engine import EngineConfig, build_engine
+from minfer.runtime.engine_loop import EngineLoop, QueueFullError, ShuttingDownError
 from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.scheduler import BatchScheduler, QueueFullError, ShuttingDownError
-from minfer.runtime.slots import slots_kv_cache
+from minfer.runtime.kv_cache import slots_kv_cache
+from minfer.runtime.requests import EngineHooks, Failed, Finished, GenerationRequest, Started, Token
+from minfer.runtime.scheduler import batch_buckets
 
 ARCH = "qwen2"
 
@@ -69,7 +61,7 @@ def make_scheduler(model, n_seq: int, n_ctx: int | None = None, batch_size: int 
     config = EngineConfig(n_slots=n_seq, batch_size=batch_size, end_of_context="length", max_plans=32)
     engine = build_engine(model.transformer, model.backend, model.tokenizer, n_ctx or 64 * n_seq, model.cache_type,
                           config)
-    sched = BatchScheduler(engine, max_queue=max_queue)
+    sched = EngineLoop(engine, max_queue=max_queue)
     sched.start()
     return sched
 

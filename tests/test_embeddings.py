@@ -13,7 +13,8 @@ from conftest import ARCHS, derive_gguf, fixture_dir
 
 import minfer
 from minfer.errors import BadRequestError
-from minfer.runtime.engine import Embedded, EmbeddingRequest, EngineConfig, Finished, GenerationRequest, Started, Token
+from minfer.runtime.engine import EngineConfig
+from minfer.runtime.requests import Embedded, EmbeddingRequest, Finished, GenerationRequest, Started, Token
 
 REFS = json.loads((Path(__file__).parent / "data" / "embedding_refs.json").read_text())["models"]
 COSINE_TOL = 1e-5

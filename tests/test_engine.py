@@ -8,7 +8,8 @@ from conftest import fixture_dir, fixture_sequences
 
 import minfer
 from minfer.errors import BadRequestError, ContextOverflowError
-from minfer.runtime.engine import EngineConfig, Finished, GenerationRequest, Token, build_engine
+from minfer.runtime.engine import EngineConfig, build_engine
+from minfer.runtime.requests import Finished, GenerationRequest, Token
 
 ARCH = "llama"
 

@@ -95,7 +95,7 @@ def test_q8_0_fast_kernels_keep_clear_greedy_choices(arch):
 def test_greedy_continuation_matches(arch, variant, ref_dir, kernels):
     ref = load_json(fixture_dir(arch) / f"{ref_dir}greedy.json")
     model = minfer.load(fixture_dir(arch) / variant, n_ctx=64, kernels=kernels)
-    from minfer.runtime.engine import GenerationRequest
+    from minfer.runtime.requests import GenerationRequest
     from minfer.runtime.sampling import Sampler, SamplingParams
 
     # EOS does not stop, as in the reference

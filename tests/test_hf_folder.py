@@ -102,7 +102,7 @@ def test_hf_tokenizer_matches_transformers(arch):
 
 
 def test_hf_greedy_continuation_matches_transformers(arch):
-    from minfer.runtime.engine import GenerationRequest
+    from minfer.runtime.requests import GenerationRequest
     from minfer.runtime.sampling import Sampler, SamplingParams
 
     ref = load_json(fixture_dir(arch) / "greedy.json")

@@ -10,7 +10,7 @@ from conftest import ARCHS, fixture_dir, fixture_logits, fixture_sequences, load
 
 import minfer
 from minfer.errors import BadRequestError, ContextOverflowError
-from minfer.runtime.engine import GenerationRequest
+from minfer.runtime.requests import GenerationRequest
 from minfer.runtime.sampling import Sampler, SamplingParams
 
 
@@ -139,7 +139,7 @@ def test_commit_takes_the_memory_at_creation():
 import json
 from dataclasses import replace
 import minfer
-from minfer.runtime.slots import slots_kv_cache
+from minfer.runtime.kv_cache import slots_kv_cache
 from minfer.runtime.kv_cache import KVCache
 
 def resident_mib():

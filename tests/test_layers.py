@@ -3,6 +3,7 @@ pyproject.toml) are kept, and a deliberate upward import would break them."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ def test_every_import_linter_contract_is_kept():
     done = lint_imports()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout
-    assert done.stdout.count("KEPT") == 5
+    assert done.stdout.count("KEPT") == 6
 
 
 def test_there_is_no_import_cycle_between_modules():
@@ -30,3 +31,28 @@ def test_there_is_no_import_cycle_between_modules():
     cycles = sorted({tuple(sorted((a, b))) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
                      if graph.chain_exists(importer=b, imported=a)})
     assert cycles == []
+
+
+def test_only_the_scheduler_decides_what_a_step_runs():
+    """Admission and placement (``slots``) and each sequence's speculation (``speculative.state``) are
+    imported by the scheduler alone: the engine, the engine loop and the server only call it."""
+    import grimp
+
+    graph = grimp.build_graph("minfer")
+    for decided in ("minfer.runtime.slots", "minfer.runtime.speculative.state"):
+        assert graph.find_modules_that_directly_import(decided) == {"minfer.runtime.scheduler"}, decided
+
+
+def test_a_module_that_places_sequences_itself_breaks_the_scheduler_contract(tmp_path):
+    """The contract can fail: a copy of the package whose engine imports the slots is refused."""
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "src", copy / "src")
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    engine = copy / "src" / "minfer" / "runtime" / "engine.py"
+    engine.write_text(engine.read_text() + "\nfrom minfer.runtime.slots import Slots  # noqa: E402, F401\n")
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+    done = subprocess.run([exe, "--no-cache"], cwd=copy, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "only runtime/scheduler.py decides what runs in a step" in done.stdout
+    assert "minfer.runtime.engine -> minfer.runtime.slots" in done.stdout

@@ -18,8 +18,8 @@ import minfer.errors
 from minfer.errors import BadRequestError, ModelError
 from minfer.runtime.sequence import Continuation, GenerationStats
 from minfer.runtime.speculative import verify
+from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.lookup import lookup_draft
-from minfer.runtime.speculative.state import Draft
 
 LLAMA = fixture_dir("llama") / "model-f32.gguf"
 LLAMA_Q8 = fixture_dir("llama") / "model-q8_0.gguf"

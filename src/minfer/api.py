@@ -33,11 +33,12 @@ from minfer.runtime.chat import (
 )
 from minfer.runtime.constraints import Constraint
 from minfer.runtime.conversation import Conversation
-from minfer.runtime.engine import EmbeddingRequest, EngineConfig, GenerationRequest, build_engine
+from minfer.runtime.engine import EngineConfig, build_engine
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.perplexity import PerplexityResult, perplexity
 from minfer.runtime.pooling import Pooling, check_pooling, model_pooling
+from minfer.runtime.requests import EmbeddingRequest, GenerationRequest
 from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.runtime.speculative import SpeculativeSettings

@@ -256,3 +256,18 @@ class KVCache:
             layer.k[d0 : d0 + n] = layer.k[s0 : s0 + n]
             layer.v[d0 : d0 + n] = layer.v[s0 : s0 + n]
         self._tokens[dst] = self._tokens[src][:n]
+
+
+def slots_kv_cache(
+    hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None, scratch: bool = False
+) -> KVCache:
+    """A cache for ``n_slots`` sequences of ``n_ctx // n_slots`` positions each, plus the scratch sequence
+    of a padded engine. A padded (server) cache commits its memory at creation: resident memory does not
+    grow as slots fill, and no pass waits on page faults (measured with 8 slots: copying a 40-token prefix
+    into fresh pages took 183-221 ms on this sandbox, into committed ones 0.2-0.3 ms)."""
+    if n_slots < 1 or n_ctx < n_slots:
+        raise BadRequestError(f"a context of {n_ctx} cannot hold {n_slots} sequences")
+    if not scratch:
+        return KVCache(hparams, n_ctx, cache_type, n_seq=n_slots)
+    capacity = n_ctx // n_slots
+    return KVCache(hparams, capacity * (n_slots + 1), cache_type, n_seq=n_slots + 1, commit=True)

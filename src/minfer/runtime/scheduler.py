@@ -1,217 +1,497 @@
-"""The server's side of the engine: a bounded queue of requests and one thread that steps the engine.
+"""The scheduler: what runs in each step, and what each sequence does with its outputs.
 
-Callers on any thread :meth:`~BatchScheduler.submit` requests (all or none; :class:`QueueFullError` when
-the queue is full) and receive events through each request's ``emit`` callback, called on the engine's
-thread (hand them to another thread or event loop from there). Between two engine steps, waiting
-requests take the slots that are free, in arrival order. Everything that touches the model, the cache
-or a running sequence happens on the engine's thread: this module only adds the queue, the lock and a
-graceful stop.
+:meth:`Scheduler.schedule` decides one forward pass: every running sequence's next token (with its draft,
+when it speculates), then as much waiting prompt as the budget allows, padded to a bucket on a padded
+engine. :meth:`Scheduler.update` takes that pass's logits (and hidden states) and the tokens the batched
+sampler already drew, and advances each sequence: its token, the text it releases, a verified draft, a
+stop, a context shift, or the end of its slot. Admission (:meth:`Scheduler.add`, a free slot with the
+longest cached prefix) and speculation's draft budgets are decided here too, so this is the one module
+that decides what a step runs; the engine only calls it around the forward pass and the sampler.
+
+Batch shapes of a padded engine (the server's): every new (tokens, outputs) shape costs a graph build
+and its own buffers, and a mixed step's token count would otherwise be new almost every time. So a pass
+evaluates a bucketed number of tokens (1..4, 8, then steps of about 1.5x up to the batch size): the spare
+rows are padding tokens at position 0 of the cache's scratch sequence, which nothing reads, and spare
+output rows repeat a real one. An unpadded engine (the API's) evaluates exactly what it has: a whole
+prompt in one pass, then one token per step.
 """
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from minfer.errors import BadRequestError, MinferError
-from minfer.runtime.engine import Engine, EngineHooks, Failed, Finished, Request
+import numpy as np
+
+from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.kv_cache import KVCache
+from minfer.runtime.pooling import Pooler
+from minfer.runtime.requests import (
+    Embedded,
+    EmbeddingRequest,
+    EngineHooks,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Request,
+    Started,
+    Token,
+)
+from minfer.runtime.sequence import Continuation, TokenStep
+from minfer.runtime.slots import Slots
+from minfer.runtime.speculative import SpeculativeSettings
+from minfer.runtime.speculative.draft import Draft
+from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
+from minfer.runtime.speculative.state import SequenceSpeculation
+
+EndOfContext = Literal["error", "length"]
 
 
-class QueueFullError(MinferError):
-    """The waiting queue is full: the caller should retry later."""
+def batch_buckets(batch_size: int) -> list[int]:
+    """Token counts a padded pass is padded to: 1..4, then 8 and about 1.5x apart, and ``batch_size``.
+
+    5..7 tokens go to 8. A pass of 7 costs a little less than one of 8 (SmolLM2: 17.5 against 18.1 ms; 5
+    tokens 13.6 ms), but exact buckets there multiply the (tokens, outputs) shapes of mixed passes, each
+    a plan built while serving (17-40 ms), and a paired server run with them showed no gain."""
+    sizes = [1, 2, 3, 4, 8]
+    while sizes[-1] < batch_size:
+        nxt = sizes[-1] * 3 // 2 if len(sizes) % 2 else sizes[-1] * 4 // 3
+        sizes.append(nxt)
+    return sorted({x for x in sizes if x < batch_size} | {batch_size})
 
 
-class ShuttingDownError(MinferError):
-    """The scheduler no longer accepts requests."""
+@dataclass(eq=False)
+class Running:
+    """A request that holds a slot: how far its prompt is in the cache, and its next token."""
+
+    request: Request
+    slot: int
+    out: Continuation | None  # None for an embedding, which has ``pool`` instead
+    cached: int  # prompt tokens reused from the cache
+    n_done: int  # prompt tokens in the cache so far
+    next_token: int | None = None  # sampled, to be evaluated at ``pos`` in the next pass
+    pos: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    spec: SequenceSpeculation | None = None
+    pool: Pooler | None = None
 
 
-class BatchScheduler:
-    """Serve :class:`~minfer.runtime.engine.GenerationRequest` s (and ``EmbeddingRequest`` s, which share
-    the passes) from a bounded queue on a padded ``engine``.
+@dataclass
+class Batch:
+    """One forward pass's inputs: token i of sequence ``seqs[i]`` at ``positions[i]`` (one int: every
+    token is that sequence's); the rows of ``outputs`` are sampled for ``sampled`` (in order), sequence j's
+    first row at ``rows[j]``; the first ``n_real`` tokens are not padding. ``drafts``: for each sampled
+    sequence its draft, verified by 1 + its length rows (None: one row each). ``pooled``: the embedding
+    sequences' chunks, (sequence, first token index, length): the pass keeps every token's hidden state
+    for them."""
 
-    ``max_queue``: requests waiting for a slot beyond which :meth:`submit` raises :class:`QueueFullError`.
-    """
+    tokens: list[int]
+    positions: list[int]
+    seqs: list[int] | int
+    outputs: list[int]
+    sampled: list[Running]
+    rows: list[int]
+    n_real: int
+    drafts: list[Draft | None] | None = None  # None: no sequence has a draft this pass
+    pooled: list[tuple[Running, int, int]] = field(default_factory=list)
 
-    def __init__(self, engine: Engine, max_queue: int = 64) -> None:
-        if max_queue < 0:
-            raise BadRequestError(f"max_queue must be >= 0, got {max_queue}")
-        self.engine = engine
-        self.max_queue = max_queue
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._accepting = True
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._started = threading.Event()
-        self._finished = threading.Event()
-        # work that must run on the engine's thread between two steps (a traced forward pass)
-        self._calls: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
 
-    @property
-    def metrics(self) -> EngineHooks:
-        return self.engine.hooks
+@dataclass
+class PassOutput:
+    """What a forward pass gave a batch: the output rows' logits, every token's hidden state (only when the
+    batch pools), and when the pass started and ended (``time.perf_counter``)."""
 
-    @metrics.setter
-    def metrics(self, hooks: EngineHooks) -> None:
-        self.engine.hooks = hooks
+    logits: np.ndarray
+    hidden: np.ndarray | None
+    started: float
+    ended: float
 
-    @property
-    def kv(self) -> KVCache:
-        return self.engine.kv
 
-    @property
-    def runner(self) -> ForwardRunner:
-        return self.engine.runner
+class Scheduler:
+    """The running sequences in ``slots``, and the decisions of every step (see the module's text).
 
-    @property
-    def n_slots(self) -> int:
-        return self.engine.slots.n_slots
+    The slots are the sequences of ``runner.kv`` (the runner also shifts a full slot's context): all of
+    them when ``batch_size`` is None, all but the last, the padding scratch, otherwise. ``batch_size``,
+    ``end_of_context``, ``speculative`` and ``draft``: as :class:`~minfer.runtime.engine.Engine` takes them."""
 
-    @property
-    def slot_context(self) -> int:
-        """Positions each sequence can hold (prompt + generated)."""
-        return self.engine.slots.capacity
+    def __init__(
+        self,
+        runner: ForwardRunner,
+        tokenizer: Any,
+        batch_size: int | None = None,
+        end_of_context: EndOfContext = "error",
+        hooks: EngineHooks | None = None,
+        speculative: SpeculativeSettings | None = None,
+        draft: DraftModel | None = None,
+    ) -> None:
+        kv = runner.kv
+        self.pad_seq: int | None = None  # the cache's scratch sequence that padding tokens go to
+        if batch_size is not None:
+            if kv.n_seq < 2:
+                raise BadRequestError("a padded engine needs a cache with a scratch sequence (slots_kv_cache)")
+            self.pad_seq = kv.n_seq - 1
+        self.slots = Slots(runner, kv.n_seq if self.pad_seq is None else self.pad_seq)
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.n_vocab = runner.model.hparams.n_vocab
+        self.batch_size = batch_size
+        self.end_of_context = end_of_context
+        self.hooks = hooks or EngineHooks()
+        self.buckets = batch_buckets(batch_size) if batch_size is not None else []
+        # speculative decoding: what a request without its own settings gets, and the draft model if any
+        self.speculative = speculative or SpeculativeSettings()
+        self.draft = draft
+        if draft is not None and (draft.capacity != self.slots.capacity or draft.kv.n_seq < self.slots.n_slots):
+            raise BadRequestError("the draft model's cache does not match the engine's slots")
+        self.check_speculative(self.speculative)
+        # replaced, never mutated: another thread may read a consistent list at any time (metrics)
+        self.running: list[Running] = []
+        self.n_steps = 0
 
-    # -- caller side (any thread) -----------------------------------------------------------------
+    # -- admission ---------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Run the scheduler loop on a thread of its own (see :meth:`run`)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self.run, name="minfer-batch", daemon=True)
-            self._thread.start()
+    def check(self, request: Request) -> None:
+        """Refuse a request this engine can never serve (thread-safe: reads only sizes). A bad id is
+        refused here: inside a shared forward pass it would fail every sequence of the pass."""
+        prompt = request.prompt_ids
+        if len(prompt) == 0:
+            raise BadRequestError("the prompt is empty (no tokens to start from)")
+        for i, t in enumerate(prompt):
+            if not 0 <= t < self.n_vocab:
+                raise BadRequestError(f"token id {t} at index {i} is outside the vocabulary (0..{self.n_vocab - 1})")
+        if len(prompt) > self.slots.capacity:
+            per_sequence = " tokens per sequence" if self.slots.n_slots > 1 else ""
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}"
+            )
+        if isinstance(request, GenerationRequest) and request.speculative is not None:
+            self.check_speculative(request.speculative)
 
-    def run(self) -> None:
-        """Run the scheduler loop on the calling thread until :meth:`stop` (from another thread).
+    def check_speculative(self, settings: SpeculativeSettings) -> None:
+        """Refuse settings this engine cannot serve: a draft model it does not have, a draft too long."""
+        if settings.mode == "draft" and self.draft is None:
+            raise BadRequestError("speculative mode 'draft' needs a draft model (load the model with a draft)")
+        settings.check_context(self.slots.capacity)
 
-        A server runs this on the main thread: numba's OpenMP kernels run about 3x slower when they are
-        launched from a thread other than the main one (measured: a SmolLM2 decode step 8 ms on the main
-        thread, 25-31 ms on another)."""
-        self._started.set()
-        try:
-            self._loop()
-        finally:
-            self._finished.set()
+    def add(self, request: Request) -> None:
+        """Give ``request`` a free slot (reusing the cached prefix it shares) and emit ``Started``."""
+        self.check(request)
+        if isinstance(request, EmbeddingRequest):
+            slot, _ = self.slots.take(request.prompt_ids, reuse=False)
+            request.stats.prompt_tokens = len(request.prompt_ids)
+            pool = Pooler(request.pooling, request.normalize)
+            self.running = [*self.running, Running(request, slot, None, cached=0, n_done=0, pool=pool)]
+            request.emit(Started(0, slot))
+            return
+        prompt = list(request.prompt_ids)
+        room = self.slots.capacity - len(prompt) + 1  # the first token comes from the prompt's last logits
+        max_tokens = request.max_tokens
+        if max_tokens is None or (self.end_of_context == "length" and max_tokens > room):
+            max_tokens = room
+        out = Continuation(self.tokenizer, request.sampler, max_tokens, request.stats, request.stop_ids,
+                           request.stop, request.logprobs, request.constraint)
+        slot, cached = self.slots.take(prompt, reuse=request.reuse_prefix)
+        out.start(prompt)
+        settings = request.speculative or self.speculative
+        spec = SequenceSpeculation(settings, prompt, request.sampler) if settings.on else None
+        request.stats.speculative = settings.mode if spec is not None and spec.enabled else "off"
+        self.running = [*self.running, Running(request, slot, out, cached=cached, n_done=cached, spec=spec)]
+        request.emit(Started(cached, slot))
 
-    def submit(self, requests: Sequence[Request]) -> None:
-        """Queue requests (all or none): the engine's refusal of one that can never run, or QueueFullError
-        when they do not fit in the waiting queue."""
-        for r in requests:
-            self.engine.check(r)
-        with self._lock:
-            if not self._accepting:
-                raise ShuttingDownError("the server is shutting down")
-            free = self.n_slots - len(self.engine.running)
-            if len(self._waiting) + len(requests) > self.max_queue + max(free, 0):
-                raise QueueFullError(
-                    f"too many requests: {len(self._waiting)} waiting for {self.n_slots} slots "
-                    f"(queue limit {self.max_queue})"
-                )
-            self._waiting.extend(requests)
-            self._wake.notify()
+    def cancel_all(self) -> None:
+        """End every running sequence now (reason "cancelled")."""
+        for run in self.running:
+            self._finish(run, "cancelled")
 
-    def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn()`` on the engine's thread between two steps (never during one), e.g. a traced forward
-        pass sharing the backend; its result or exception comes back through the future."""
-        future: Future[Any] = Future()
-        with self._lock:
-            if self._stopping or not self._accepting:
-                raise ShuttingDownError("the server is shutting down")
-            self._calls.append((fn, future))
-            self._wake.notify()
-        return future
+    def fail_all(self, error: Exception) -> None:
+        """A pass failed: its sequences fail with ``error`` (logged unless it is the user's mistake)."""
+        if not isinstance(error, MinferError):
+            traceback.print_exception(error)
+        for run in self.running:
+            run.request.emit(Failed(error))
+            self._release(run)
 
-    def load(self) -> tuple[int, int]:
-        """(running, waiting) sequences right now."""
-        with self._lock:
-            return len(self.engine.running), len(self._waiting)
+    def drop_cancelled(self) -> None:
+        """End the sequences whose requests were cancelled (reason "cancelled")."""
+        for run in [r for r in self.running if r.request.cancelled.is_set()]:
+            self._finish(run, "cancelled")
 
     def cells_in_use(self) -> int:
         """KV cache positions held by running sequences."""
-        return self.engine.cells_in_use()
+        return sum(r.n_done if r.next_token is None else r.pos for r in self.running)
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop accepting; let running and queued requests finish for up to ``timeout`` seconds (None:
-        wait for all), then cancel what is left and end the thread."""
-        with self._lock:
-            self._accepting = False
-            self._wake.notify()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            running, waiting = self.load()
-            if not running and not waiting:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                with self._lock:
-                    for r in [*self._waiting, *(x.request for x in self.engine.running)]:
-                        r.cancel()
-                    self._wake.notify()
-                break
-            time.sleep(0.01)
-        with self._lock:
-            self._stopping = True
-            self._wake.notify()
-        if self._started.is_set():
-            self._finished.wait()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def bucket(self, n: int) -> int:
+        """The token count a padded pass of ``n`` tokens evaluates."""
+        return next(b for b in self.buckets if b >= n)
 
-    # -- the engine's thread ----------------------------------------------------------------------
+    # -- what a step runs --------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            with self._lock:
-                while not self._stopping and not engine.running and not self._waiting and not self._calls:
-                    self._wake.wait(1.0)  # a timeout lets signal handlers run when this is the main thread
-                calls = list(self._calls)
-                self._calls.clear()
-                if self._stopping and not engine.running and not self._waiting and not calls:
-                    return
-                self._drop_cancelled_waiting()
-                self._admit()
-            for fn, future in calls:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except Exception as e:  # noqa: BLE001 - the caller gets it through the future
-                        future.set_exception(e)
-            if calls and not engine.running:
+    def schedule(self) -> Batch | None:
+        """This step's batch (None: nothing to run). Sequences that were cancelled, or that may produce
+        no token (``max_tokens`` 0), end first."""
+        self.drop_cancelled()
+        for run in [r for r in self.running if r.out is not None and r.out.done]:
+            self._finish(run)
+        return self._assemble(self._drafts())
+
+    def _assemble(self, drafts: dict[int, Draft] | None) -> Batch | None:
+        """Every running sequence's next token (and its draft, if any), then as much waiting prompt as the
+        budget allows."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        outputs: list[int] = []
+        sampled: list[Running] = []
+        rows: list[int] = []
+        drafted: list[Draft | None] = []
+        pooled: list[tuple[Running, int, int]] = []
+        for i, run in enumerate(self.running):
+            if run.next_token is not None:
+                rows.append(len(outputs))
+                outputs.append(len(tokens))
+                sampled.append(run)
+                tokens.append(run.next_token)
+                positions.append(run.pos)
+                seqs.append(run.slot)
+                draft = drafts.get(i) if drafts else None
+                drafted.append(draft)
+                if draft is not None:  # each draft token is evaluated after the one before, its row sampled
+                    k = len(draft.tokens)
+                    outputs.extend(range(len(tokens), len(tokens) + k))
+                    tokens.extend(draft.tokens)
+                    positions.extend(range(run.pos + 1, run.pos + 1 + k))
+                    seqs.extend([run.slot] * k)
+        budget = self._prompt_budget(len(tokens))
+        for run in self.running:
+            if run.next_token is not None or budget <= 0:
                 continue
-            try:
-                engine.step()
-            except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, never the server
-                engine.fail_all(e)
-            if self._stopping:
-                with self._lock:
-                    for r in self._waiting:
-                        r.emit(Failed(ShuttingDownError("the server shut down before this request started")))
-                    self._waiting.clear()
-            if engine.hooks.after_events:
-                engine.hooks.after_events()
+            prompt = run.request.prompt_ids
+            chunk = min(len(prompt) - run.n_done, budget)
+            tokens.extend(prompt[run.n_done : run.n_done + chunk])
+            positions.extend(range(run.n_done, run.n_done + chunk))
+            seqs.extend([run.slot] * chunk)
+            run.n_done += chunk
+            budget -= chunk
+            if run.pool is not None:  # an embedding: its hidden states, no logits
+                pooled.append((run, len(tokens) - chunk, chunk))
+            elif run.n_done == len(prompt):
+                rows.append(len(outputs))
+                outputs.append(len(tokens) - 1)
+                sampled.append(run)
+                drafted.append(None)
+        if not tokens:
+            return None
+        n_real, n_out = len(tokens), len(outputs)
+        spec = drafted if drafts else None
+        if self.pad_seq is None:
+            one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
+            return Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, rows, n_real, spec, pooled)
+        pad = self.bucket(n_real) - n_real
+        tokens += [0] * pad
+        positions += [0] * pad
+        seqs += [self.pad_seq] * pad
+        if n_out or not pooled:
+            # a pass of prompt chunks only still gets one (unused) output row; one with embeddings needs none
+            spare = outputs[-1] if outputs else 0
+            outputs += [spare] * (self.bucket(max(n_out, 1)) - n_out)
+        return Batch(tokens, positions, seqs, outputs, sampled, rows, n_real, spec, pooled)
 
-    def _drop_cancelled_waiting(self) -> None:
-        """Called with the lock held."""
-        if not any(r.cancelled.is_set() for r in self._waiting):
+    def _prompt_budget(self, n_decode: int) -> int:
+        """Prompt tokens this pass takes beside its ``n_decode`` decodes: as many as wait (up to the batch
+        size), or fewer when that ends the pass exactly on a bucket instead of padding it to the next one.
+        The tokens left out go first in the next pass, so nothing is computed twice; a cut of more than a
+        quarter of the prompt tokens is not worth the delay (it would also starve a small pass)."""
+        waiting = sum(len(r.request.prompt_ids) - r.n_done for r in self.running if r.next_token is None)
+        if self.batch_size is None:
+            return waiting
+        take = min(waiting, self.batch_size - n_decode)
+        n = n_decode + take
+        if take == 0 or self.bucket(n) == n:
+            return take
+        fit = max(b for b in self.buckets if b <= n)
+        return fit - n_decode if 4 * (fit - n_decode) >= 3 * take else take
+
+    def _drafts(self) -> dict[int, Draft] | None:
+        """Speculation's policy: this step's drafts of the decoding sequences that speculate (by index in
+        ``running``), each as long as its sequence's room, its acceptance history and the batch allow."""
+        jobs: list[tuple[int, DraftJob]] = []
+        drafts: dict[int, Draft] = {}
+        budget = None if self.batch_size is None else self.batch_size - sum(
+            1 for r in self.running if r.next_token is not None)
+        for i, run in enumerate(self.running):
+            spec = run.spec
+            if spec is None or not spec.enabled or run.next_token is None:
+                continue
+            out = run.out
+            assert out is not None
+            # a pass emits at most 1 + k tokens; the draft's positions pos+1..pos+k must fit in the slot
+            room = min(out.max_tokens - out.stats.generated_tokens - 1, self.slots.capacity - 1 - run.pos)
+            if budget is not None:
+                room = min(room, budget)
+            k = spec.limit(room)
+            if k < max(1, spec.settings.draft_min):
+                continue
+            if spec.settings.mode == "lookup":
+                draft = spec.lookup(out.stats.tokens, k)
+                if draft is not None and out.constraint is not None:  # the grammar's allowed prefix only
+                    draft = spec.kept(Draft(draft.tokens[: out.constraint.valid_prefix(draft.tokens)]))
+                if draft is not None:
+                    drafts[i] = draft
+                    if budget is not None:
+                        budget -= len(draft.tokens)
+            else:
+                assert spec.draft_sampler is not None
+                context = self.kv.tokens(run.slot)[: run.pos] + [run.next_token]
+                jobs.append((i, DraftJob(run.slot, context, k, spec.draft_sampler, spec.settings.draft_p_min,
+                                         out.stop_ids, out.constraint)))
+                if budget is not None:
+                    budget -= k
+        if jobs:
+            assert self.draft is not None
+            for (i, _), draft in zip(jobs, self.draft.propose([job for _, job in jobs]), strict=True):
+                if draft is not None:
+                    kept = self.running[i].spec.kept(draft)  # type: ignore[union-attr]
+                    if kept is not None:
+                        drafts[i] = kept
+        return drafts or None
+
+    # -- what each sequence does with the pass's outputs -------------------------------------------
+
+    def update(self, batch: Batch, output: PassOutput, picks: list[int | None]) -> None:
+        """Advance every sequence of ``batch`` by the pass's ``output``: pool the embeddings' hidden
+        states, then give each sampled sequence its row (or verify its draft against its rows).
+        ``picks``: the token the batched sampler drew for each sampled sequence (None: it picks its own)."""
+        for run, start, n in batch.pooled:
+            assert run.pool is not None and output.hidden is not None
+            run.pool.add(output.hidden[start : start + n])
+            if run.n_done == len(run.request.prompt_ids):
+                self._embedded(run, output.ended)
+        for run in batch.sampled:
+            run.request.stats.target_passes += 1
+            if run.next_token is None:
+                run.request.stats.prefill_seconds = output.ended - run.started_at
+        self.n_steps += 1
+        if self.hooks.on_step:
+            self.hooks.on_step(batch.n_real, len(batch.sampled), output.ended - output.started)
+        logits = output.logits
+        for i, (run, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
+            draft = batch.drafts[i] if batch.drafts is not None else None
+            if draft is None:
+                self._advance(run, logits[row], picks[i])
+            else:
+                self._verify(run, logits[row : row + 1 + len(draft.tokens)], draft)
+
+    def _advance(self, run: Running, logits: np.ndarray, token: int | None) -> None:
+        assert run.out is not None
+        try:
+            step = run.out.step(logits, token)
+        except Exception as e:  # noqa: BLE001 - e.g. a constraint with no allowed token: this request only
+            run.request.emit(Failed(e))
+            self._release(run)
             return
-        for r in self._waiting:
-            if r.cancelled.is_set():
-                r.stats.prompt_tokens, r.stats.finish_reason = len(r.prompt_ids), "cancelled"
-                r.emit(Finished(r.stats, 0))
-        self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
+        self._emit(run, step)
+        if run.out.done:
+            self._finish(run)
+            return
+        assert step is not None and step.token is not None
+        # the token just sampled is evaluated next, right after the prompt or the token before it
+        self._move_on(run, step.token, len(run.request.prompt_ids) if run.next_token is None else run.pos + 1)
 
-    def _admit(self) -> None:
-        """Give free slots to waiting requests, in arrival order (called with the lock held)."""
-        while self._waiting and self.engine.n_free:
-            req = self._waiting.popleft()
-            try:
-                self.engine.add(req)
-            except Exception as e:  # noqa: BLE001 - a request whose setup fails fails alone
-                req.emit(Failed(e))
+    def _verify(self, run: Running, rows: np.ndarray, draft: Draft) -> None:
+        """Speculation's verify stage. The target's rows after the next token and each draft token (see
+        ``Continuation.verify``): the draft tokens it keeps, then its own token in place of the first
+        rejected one or after them all."""
+        assert run.out is not None and run.spec is not None
+        k = len(draft.tokens)
+        accepted = 0
+        try:
+            steps, accepted = run.out.verify(rows, draft)
+        except Exception as e:  # noqa: BLE001 - e.g. a constraint with no allowed token: this request only
+            run.request.emit(Failed(e))
+            self._release(run)
+            return
+        finally:
+            # the cache holds the next token and the kept draft tokens; the rows after them are stale
+            self.kv.truncate(run.slot, run.pos + 1 + accepted)
+            stats = run.request.stats
+            stats.drafted_tokens += k
+            stats.accepted_tokens += accepted
+            run.spec.verified(k, accepted)
+            if self.hooks.on_verified:
+                self.hooks.on_verified(k, accepted)
+        for step in steps:
+            self._emit(run, step)
+        if run.out.done:
+            self._finish(run)
+            return
+        last = steps[-1]
+        assert last is not None and last.token is not None
+        self._move_on(run, last.token, run.pos + len(steps))
+
+    def _emit(self, run: Running, step: TokenStep | None) -> None:
+        """Hand a token's step to the request, with its timings."""
+        now = time.perf_counter()
+        hooks = self.hooks
+        if run.first_token_at is None:
+            run.first_token_at = now
+            if hooks.on_first_token:
+                hooks.on_first_token(now - run.request.submitted_at)
+        elif hooks.on_token_gap and run.last_token_at is not None:
+            hooks.on_token_gap(now - run.last_token_at)
+        run.last_token_at = now
+        run.request.stats.decode_seconds = now - run.first_token_at
+        if step is not None:
+            run.request.emit(Token(step))
+
+    def _move_on(self, run: Running, token: int, next_pos: int) -> None:
+        """``token`` is evaluated in the next pass, at ``next_pos`` (or after a context shift)."""
+        if next_pos >= self.slots.capacity:
+            if run.request.context_shift:  # type: ignore[union-attr]
+                next_pos = self.slots.shift(run.slot, run.request.n_keep, next_pos)  # type: ignore[union-attr]
+            elif self.end_of_context == "length":  # not reached: max_tokens is capped by the room left
+                self._finish(run, "length")
+                return
+            else:
+                run.request.emit(Failed(ContextOverflowError(
+                    f"generation reached the end of the context: the next token would be at position {next_pos}, "
+                    f"n_ctx is {self.slots.capacity} (use a larger context)"
+                )))
+                self._release(run)
+                return
+        run.next_token, run.pos = token, next_pos
+
+    def _embedded(self, run: Running, now: float) -> None:
+        assert run.pool is not None
+        stats = run.request.stats
+        stats.prefill_seconds, stats.finish_reason = now - run.started_at, "stop"
+        try:
+            vector = run.pool.result()
+        except Exception as e:  # noqa: BLE001 - this request only
+            run.request.emit(Failed(e))
+        else:
+            if self.hooks.on_finished:
+                self.hooks.on_finished(stats, 0)
+            run.request.emit(Embedded(vector, stats))
+        self._release(run)
+
+    def _finish(self, run: Running, reason: str | None = None) -> None:
+        if run.out is None:  # an embedding ended before its vector (cancelled)
+            run.request.stats.finish_reason = reason or "cancelled"
+            run.request.emit(Finished(run.request.stats, 0))
+            self._release(run)
+            return
+        tail = run.out.finish(reason)
+        if tail is not None:
+            run.request.emit(Token(tail))
+        if self.hooks.on_finished:
+            self.hooks.on_finished(run.request.stats, run.cached)
+        run.request.emit(Finished(run.request.stats, run.cached))
+        self._release(run)
+
+    def _release(self, run: Running) -> None:
+        self.running = [r for r in self.running if r is not run]
+        self.slots.release(run.slot, self.n_steps)

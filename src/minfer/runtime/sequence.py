@@ -16,7 +16,7 @@ import numpy as np
 from minfer.errors import BadRequestError
 from minfer.runtime.sampling import Sampler, TokenLogprob, token_logprobs
 from minfer.runtime.speculative import verify
-from minfer.runtime.speculative.state import Draft
+from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.stop import StopMatcher
 
 

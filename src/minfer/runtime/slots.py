@@ -6,7 +6,8 @@ share the longest prefix with its prompt, or copies the longest shared prefix fr
 evaluates only the rest of its prompt (positions are data: the reused rows stay where they are).
 
 An engine that pads its batches to a few shapes keeps one more sequence than it has slots: the scratch
-sequence its padding tokens write to, which nothing reads.
+sequence its padding tokens write to, which nothing reads (see :func:`~minfer.runtime.kv_cache.slots_kv_cache`).
+Only :mod:`minfer.runtime.scheduler` holds the slots (an import-linter contract).
 """
 
 from __future__ import annotations
@@ -14,24 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from minfer.errors import BadRequestError, ContextOverflowError
-from minfer.models.hparams import HParams
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import KVCache, common_prefix
-
-
-def slots_kv_cache(
-    hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None, scratch: bool = False
-) -> KVCache:
-    """A cache for ``n_slots`` sequences of ``n_ctx // n_slots`` positions each, plus the scratch sequence
-    of a padded engine. A padded (server) cache commits its memory at creation: resident memory does not
-    grow as slots fill, and no pass waits on page faults (measured with 8 slots: copying a 40-token prefix
-    into fresh pages took 183-221 ms on this sandbox, into committed ones 0.2-0.3 ms)."""
-    if n_slots < 1 or n_ctx < n_slots:
-        raise BadRequestError(f"a context of {n_ctx} cannot hold {n_slots} sequences")
-    if not scratch:
-        return KVCache(hparams, n_ctx, cache_type, n_seq=n_slots)
-    capacity = n_ctx // n_slots
-    return KVCache(hparams, capacity * (n_slots + 1), cache_type, n_seq=n_slots + 1, commit=True)
 
 
 class Slots:

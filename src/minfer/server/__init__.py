@@ -99,8 +99,8 @@ def serve(opts: ServeOptions) -> None:
 
     from minfer.api import load
     from minfer.runtime.engine import EngineConfig
+    from minfer.runtime.engine_loop import EngineLoop
     from minfer.runtime.pooling import check_pooling
-    from minfer.runtime.scheduler import BatchScheduler
     from minfer.server import access_log
     from minfer.server.app import ServerConfig, create_app
     from minfer.server.http_protocols import http_protocol
@@ -121,7 +121,7 @@ def serve(opts: ServeOptions) -> None:
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
                  cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config,
                  draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative)
-    scheduler = BatchScheduler(model.engine, max_queue=opts.queue_size)
+    engine_loop = EngineLoop(model.engine, max_queue=opts.queue_size)
     model.engine.warm_up()
     # Everything loaded so far (the model, the tokenizer's tables, the plans) lives as long as the server:
     # frozen, the collector stops walking it. Measured at 8 clients: collections took 95 ms of a 10 s run,
@@ -137,17 +137,17 @@ def serve(opts: ServeOptions) -> None:
                           max_body_size=opts.max_body_size, log_format=opts.log_format)
     access_log.configure(opts.log_format)
     errors_to_stderr()
-    app = create_app(model, scheduler, config, shutdown_timeout=0.0, start_scheduler=False)
+    app = create_app(model, engine_loop, config, shutdown_timeout=0.0, start_engine_loop=False)
 
     sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
 
-    # The scheduler (the model's kernels) runs on the main thread, uvicorn's event loop on another one.
+    # The engine loop (the model's kernels) runs on the main thread, uvicorn's event loop on another one.
     # A first SIGTERM/SIGINT starts uvicorn's graceful shutdown: open requests get --shutdown-timeout
     # seconds, then the app cancels what is left (streams end with an error event and [DONE]) and,
-    # once they are answered, the app's lifespan stops the scheduler. A second signal forces it.
+    # once they are answered, the app's lifespan stops the engine loop. A second signal forces it.
     def on_signal(_signum: int, _frame: object) -> None:
         if server.should_exit:
             server.force_exit = True
@@ -160,15 +160,15 @@ def serve(opts: ServeOptions) -> None:
         try:
             server.run(sockets=[sock])
         finally:
-            scheduler.stop(0.0)  # also when uvicorn could not start: the main thread must not wait forever
+            engine_loop.stop(0.0)  # also when uvicorn could not start: the main thread must not wait forever
 
     http = threading.Thread(target=serve_http, name="minfer-http", daemon=True)
     try:
         http.start()
         print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences of "
-              f"{scheduler.slot_context} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
+              f"{engine_loop.slot_context} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
               file=sys.stderr, flush=True)
-        scheduler.run()  # returns once the app's lifespan has stopped the scheduler
+        engine_loop.run()  # returns once the app's lifespan has stopped the engine loop
         http.join()
     finally:
         for s, handler in previous.items():

@@ -1,4 +1,4 @@
-"""The HTTP API over a :class:`~minfer.runtime.scheduler.BatchScheduler`: one FastAPI app whose routes
+"""The HTTP API over a :class:`~minfer.runtime.engine_loop.EngineLoop`: one FastAPI app whose routes
 live in :mod:`minfer.server.routes`, one module per group (OpenAI's chat and completions, the service
 probes), each registered with the :class:`~minfer.server.context.ServerContext` they share.
 
@@ -7,7 +7,7 @@ Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "co
 with an API key configured, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``.
 
 Request handlers run on the event loop: they parse, render the chat template, tokenize (large inputs on a
-worker thread) and submit sequences to the scheduler thread, whose events come back through an
+worker thread) and submit sequences to the engine thread, whose events come back through an
 :class:`~minfer.server.jobs.EventPump`.
 """
 
@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from minfer.api import Model
-from minfer.runtime.scheduler import BatchScheduler
+from minfer.runtime.engine_loop import EngineLoop
 from minfer.server.aliases import V1Alias
 from minfer.server.context import ServerConfig, ServerContext
 from minfer.server.cors import with_cors
@@ -62,22 +62,22 @@ class MinferApp:
 
 
 def create_app(
-    model: Model, scheduler: BatchScheduler, config: ServerConfig, shutdown_timeout: float = 0.0,
-    start_scheduler: bool = True,
+    model: Model, engine_loop: EngineLoop, config: ServerConfig, shutdown_timeout: float = 0.0,
+    start_engine_loop: bool = True,
 ) -> MinferApp:
-    """The ASGI app; the scheduler is stopped with the app's lifespan, and started with it unless
-    ``start_scheduler`` is False (the caller runs ``scheduler.run()`` on a thread of its choice)."""
-    ctx = ServerContext.create(model, scheduler, config, created=int(time.time()))
-    scheduler.metrics = replace(ctx.metrics.batch_hooks(), after_events=ctx.pump.flush)
+    """The ASGI app; the engine loop is stopped with the app's lifespan, and started with it unless
+    ``start_engine_loop`` is False (the caller runs ``engine_loop.run()`` on a thread of its choice)."""
+    ctx = ServerContext.create(model, engine_loop, config, created=int(time.time()))
+    engine_loop.metrics = replace(ctx.metrics.batch_hooks(), after_events=ctx.pump.flush)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         ctx.loop = asyncio.get_running_loop()
-        if start_scheduler:
-            scheduler.start()
+        if start_engine_loop:
+            engine_loop.start()
         yield
         # uvicorn has waited for open requests (--shutdown-timeout); what is left gets cancelled
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop, shutdown_timeout)
+        await asyncio.get_running_loop().run_in_executor(None, engine_loop.stop, shutdown_timeout)
         if ctx.parser_pool is not None:
             ctx.parser_pool.shutdown(cancel_futures=True)
 

@@ -32,7 +32,7 @@ from fastapi import Request
 
 from minfer.errors import MinferError
 from minfer.runtime.chat import ChatDelta, ChatMessage, ChatOutputParser, ChatPlan, MessageBuilder, plan_chat
-from minfer.runtime.engine import Failed, Finished, Started, Token
+from minfer.runtime.requests import Failed, Finished, Started, Token
 from minfer.runtime.sampling import TokenLogprob
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError, api_error, cancelled_error

@@ -1,4 +1,4 @@
-"""What every route shares: the model, the scheduler, and the steps of answering a generation request
+"""What every route shares: the model, the engine loop, and the steps of answering a generation request
 (parse the body, submit sequences, wait for them or stream their events, count usage)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from fastapi.responses import StreamingResponse
 
 from minfer.api import Model
 from minfer.errors import BadRequestError, MinferError
-from minfer.runtime.engine import EmbeddingRequest, Event, Failed, GenerationRequest
+from minfer.runtime.engine_loop import EngineLoop, QueueFullError
 from minfer.runtime.pooling import Pooling
-from minfer.runtime.scheduler import BatchScheduler, QueueFullError
+from minfer.runtime.requests import EmbeddingRequest, Event, Failed, GenerationRequest
 from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.server.access_log import note_job
 from minfer.server.errors import ApiError, api_error, cancelled_error, internal_error
@@ -55,7 +55,7 @@ class ServerConfig:
 @dataclass
 class ServerContext:
     model: Model
-    scheduler: BatchScheduler
+    engine_loop: EngineLoop
     config: ServerConfig
     metrics: ServerMetrics
     pump: EventPump
@@ -67,12 +67,13 @@ class ServerContext:
     _max_token_bytes: int = 0
 
     @classmethod
-    def create(cls, model: Model, scheduler: BatchScheduler, config: ServerConfig, created: int) -> ServerContext:
-        metrics = ServerMetrics(scheduler.load, scheduler.cells_in_use, scheduler.n_slots * scheduler.slot_context)
+    def create(cls, model: Model, engine_loop: EngineLoop, config: ServerConfig, created: int) -> ServerContext:
+        loop = engine_loop
+        metrics = ServerMetrics(loop.load, loop.cells_in_use, loop.n_slots * loop.slot_context)
         names = {config.model_id, str(model.path), Path(model.path).name, Path(model.path).stem}
         tok = model.tokenizer
         longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=1)
-        return cls(model, scheduler, config, metrics, EventPump(), created, names, _max_token_bytes=max(longest, 1))
+        return cls(model, engine_loop, config, metrics, EventPump(), created, names, _max_token_bytes=max(longest, 1))
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class ServerContext:
     async def read_json(self, request: Request) -> Any:
         """The body as checked JSON (:func:`~minfer.server.json_body.parse_body`). A large one is parsed on a
         thread, a very large one in a helper process: ``json.loads`` holds the GIL for all of its run (0.1 s
-        for 10 MB on a quiet core, seconds on a busy machine), which would stall the scheduler thread's
+        for 10 MB on a quiet core, seconds on a busy machine), which would stall the engine thread's
         decode steps and with them every stream."""
         raw = await request.body()
         if len(raw) > OFF_PROCESS_BYTES:
@@ -113,7 +114,7 @@ class ServerContext:
         Returns the characters counted."""
         chars = sum(len(t) for t in texts if isinstance(t, str))
         least = chars // self._max_token_bytes
-        context = self.scheduler.slot_context
+        context = self.engine_loop.slot_context
         if least > context:
             raise ApiError(f"the prompt has {chars} characters, at least {least} tokens: more than the context "
                            f"of {context} tokens per sequence", param=param, code="context_length_exceeded")
@@ -157,7 +158,7 @@ class ServerContext:
                                                           constraint=c,
                                                           stop_ids=frozenset() if ignore_eos else None,
                                                           reuse_prefix=reuse_prefix, speculative=speculative))
-            self.scheduler.submit(job.requests)
+            self.engine_loop.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
@@ -171,14 +172,14 @@ class ServerContext:
         return self.config.pooling or self.model.pooling
 
     def submit_embeddings(self, prompts: Sequence[list[int]], pooling: Pooling, normalize: bool) -> Job:
-        """Queue one embedding sequence per prompt (they share the scheduler's passes with generation)."""
+        """Queue one embedding sequence per prompt (they share the engine's passes with generation)."""
         self.pump.loop = asyncio.get_running_loop()
         job = Job(self.pump)
         for p, ids in enumerate(prompts):
             job.choices.append(Choice(p, p))
             job.requests.append(EmbeddingRequest(ids, pooling, normalize, job.emitter(p)))
         try:
-            self.scheduler.submit(job.requests)
+            self.engine_loop.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None

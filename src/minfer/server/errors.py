@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 
 # Light at import on purpose: the helper process that parses very large bodies imports json_body, and with
-# it this module, alone; FastAPI and the engine (the scheduler's errors) are imported where they are used,
+# it this module, alone; FastAPI and the engine (the engine loop's errors) are imported where they are used,
 # so that process does not spend a second of the server's CPU loading them.
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -85,7 +85,7 @@ def cancelled_error() -> ApiError:
 
 def api_error(e: BaseException) -> ApiError:
     """The HTTP answer to an engine error (a 500 for anything that is not a MinferError, logged here)."""
-    from minfer.runtime.scheduler import QueueFullError, ShuttingDownError
+    from minfer.runtime.engine_loop import QueueFullError, ShuttingDownError
 
     if isinstance(e, ApiError):
         return e

@@ -1,7 +1,7 @@
-"""The bridge between HTTP requests on the event loop and sequences on the scheduler thread.
+"""The bridge between HTTP requests on the event loop and sequences on the engine thread.
 
 A :class:`Job` is the sequences of one HTTP request and the queue their events arrive in; the
-:class:`EventPump` carries the scheduler's events to the loop once per step.
+:class:`EventPump` carries the engine loop's events to the loop once per step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minfer.runtime.engine import Embedded, Event, Failed, Finished, Request, Started, Token
+from minfer.runtime.requests import Embedded, Event, Failed, Finished, Request, Started, Token
 from minfer.runtime.sampling import TokenLogprob
 from minfer.runtime.sequence import GenerationStats
 
@@ -38,16 +38,16 @@ class Choice:
 
     @property
     def cancelled(self) -> bool:
-        """Ended by the scheduler, not by the model (the server is shutting down)."""
+        """Ended by the engine loop, not by the model (the server is shutting down)."""
         return self.stats is not None and self.stats.finish_reason == "cancelled"
 
 
 class EventPump:
-    """Carries events from the scheduler thread to the event loop's queues.
+    """Carries events from the engine thread to the event loop's queues.
 
     One forward pass emits a token to every running sequence; waking the loop once per event (a
     ``call_soon_threadsafe`` each, a write to its wake-up pipe each) cost more than sampling that token.
-    Events wait in a list; the scheduler calls :meth:`flush` once per step, which wakes the loop once.
+    Events wait in a list; the engine loop calls :meth:`flush` once per step, which wakes the loop once.
     """
 
     def __init__(self) -> None:
@@ -57,12 +57,12 @@ class EventPump:
         self._scheduled = False
 
     def put(self, queue: asyncio.Queue[tuple[int, Event]], item: tuple[int, Event]) -> None:
-        """On the scheduler thread."""
+        """On the engine thread."""
         with self._lock:
             self._pending.append((queue, item))
 
     def flush(self) -> None:
-        """On the scheduler thread: have the loop take what is pending (unless it is about to)."""
+        """On the engine thread: have the loop take what is pending (unless it is about to)."""
         with self._lock:
             if not self._pending or self._scheduled or self.loop is None:
                 return
@@ -92,7 +92,7 @@ class Job:
         self.choices: list[Choice] = []
 
     def emitter(self, index: int) -> Callable[[Event], None]:
-        def emit(event: Event) -> None:  # on the scheduler thread
+        def emit(event: Event) -> None:  # on the engine thread
             self.pump.put(self.events, (index, event))
 
         return emit

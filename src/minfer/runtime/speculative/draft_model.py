@@ -24,7 +24,7 @@ from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import KVCache, common_prefix
 from minfer.runtime.sampling import Sampler
 from minfer.runtime.sampling.pickers import search
-from minfer.runtime.speculative.state import Draft
+from minfer.runtime.speculative.draft import Draft
 
 DRAFT_PLANS = 16  # batch shapes the draft runner keeps plans for (catch-up passes vary in length)
 

@@ -11,27 +11,13 @@ before drafting again (free text, where prompt lookup keeps finding one-token ma
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from minfer.runtime.sampling import Sampler, SamplingParams
+from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.lookup import TokenHistory, lookup_draft
 from minfer.runtime.speculative.settings import SpeculativeSettings
 
 MAX_BACKOFF = 16
-
-
-class Draft:
-    """Tokens a drafter proposes for one sequence, with the distribution each was drawn from (None: a
-    point mass, as prompt lookup's)."""
-
-    __slots__ = ("tokens", "q")
-
-    def __init__(self, tokens: list[int], q: list[Any] | None = None) -> None:
-        self.tokens = tokens
-        self.q = q
-
-    def dist(self, j: int) -> Any:
-        return None if self.q is None else self.q[j]
 
 
 def draft_sampler(params: SamplingParams, seed: int) -> Sampler:

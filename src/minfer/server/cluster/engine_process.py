@@ -3,8 +3,8 @@
 ``$MINFER_REPLICA_OPTIONS`` (the environment, so the API key is not on a command line), and exits when
 the process that started it (the Ray replica) is gone.
 
-It is a process of its own, not code inside the Ray actor: the scheduler runs on its main thread, where
-numba's kernels run fastest (see :meth:`~minfer.runtime.scheduler.BatchScheduler.run`), and every route,
+It is a process of its own, not code inside the Ray actor: the engine loop runs on its main thread, where
+numba's kernels run fastest (see :meth:`~minfer.runtime.engine_loop.EngineLoop.run`), and every route,
 error, key check and stream is the plain server's own.
 """
 

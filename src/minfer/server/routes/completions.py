@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minfer.runtime.engine import Event, Finished, Started, Token
+from minfer.runtime.requests import Event, Finished, Started, Token
 from minfer.runtime.sampling import TokenLogprob
 from minfer.server.context import ServerContext, finish_reason
 from minfer.server.jobs import Choice

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import minfer
-from minfer.runtime.engine import Event, Finished, Started, Token
+from minfer.runtime.requests import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
@@ -94,7 +94,7 @@ def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
         "n_probs": 0 if p is None or p.logprobs is None else p.logprobs,
         "ignore_eos": False if req is None else req.ignore_eos, "n_keep": 0,
         "grammar": "" if p is None or p.grammar is None else p.grammar,
-        "timings_per_token": False if req is None else req.timings_per_token, "n_ctx": ctx.scheduler.slot_context,
+        "timings_per_token": False if req is None else req.timings_per_token, "n_ctx": ctx.engine_loop.slot_context,
         "model": ctx.config.model_id,
     })
     return params
@@ -128,7 +128,7 @@ def result(ctx: ServerContext, c: Choice, req: NativeRequest, prompt: list[int],
         "tokens_predicted": stats.generated_tokens, "tokens_evaluated": len(prompt),
         "generation_settings": settings(ctx, req), "prompt": ctx.model.detokenize(prompt),
         "has_new_line": "\n" in "".join(c.text), "truncated": len(prompt) + stats.generated_tokens
-        >= ctx.scheduler.slot_context, "stop_type": stop_type(c), "stopping_word": stats.stop or "",
+        >= ctx.engine_loop.slot_context, "stop_type": stop_type(c), "stopping_word": stats.stop or "",
         "tokens_cached": c.cached_tokens, "timings": timings(stats, c.cached_tokens),
     }
     if req.params.logprobs is not None and not final:
@@ -176,7 +176,7 @@ def server_props(ctx: ServerContext) -> dict[str, Any]:
     model = ctx.model
     tokenizer = model.tokenizer
     template = model.chat_template
-    n_ctx = ctx.scheduler.slot_context
+    n_ctx = ctx.engine_loop.slot_context
     return {
         "default_generation_settings": {
             "id": 0, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": False,
@@ -184,7 +184,7 @@ def server_props(ctx: ServerContext) -> dict[str, Any]:
             "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1, "n_decoded": 0,
                            "stopping_word": ""},
         },
-        "total_slots": ctx.scheduler.n_slots, "n_ctx": n_ctx, "model_path": str(model.path),
+        "total_slots": ctx.engine_loop.n_slots, "n_ctx": n_ctx, "model_path": str(model.path),
         "model_alias": ctx.config.model_id, "chat_template": template.source if template is not None else "",
         "chat_template_caps": {}, "modalities": {"vision": False, "audio": False},
         "bos_token": _token(tokenizer, tokenizer.bos_id), "eos_token": _token(tokenizer, tokenizer.eos_id),
@@ -200,16 +200,16 @@ def slots_answer(ctx: ServerContext) -> Response:
         return JSONResponse({"error": {"code": 501, "message": "This server does not support slots endpoint "
                                        "(start it with --slots).", "type": "not_supported_error"}},
                             status_code=501)
-    scheduler = ctx.scheduler
-    running = {r.slot: r for r in scheduler.engine.running}
-    n_ctx = scheduler.slot_context
+    engine_loop = ctx.engine_loop
+    running = {r.slot: r for r in engine_loop.engine.running}
+    n_ctx = engine_loop.slot_context
     out = []
-    for s in range(scheduler.n_slots):
+    for s in range(engine_loop.n_slots):
         run = running.get(s)
         stats = run.request.stats if run is not None else None
         out.append({
             "id": s, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": run is not None,
-            "params": settings(ctx, None), "n_cached": len(scheduler.kv.tokens(s)),
+            "params": settings(ctx, None), "n_cached": len(engine_loop.kv.tokens(s)),
             "next_token": {"has_next_token": run is not None, "has_new_line": False, "n_remain": -1,
                            "n_decoded": stats.generated_tokens if stats is not None else 0},
         })

@@ -15,7 +15,7 @@ from minfer.server.errors import ApiError
 def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        running, waiting = ctx.scheduler.load()
+        running, waiting = ctx.engine_loop.load()
         return {"status": "ok", "slots_running": running, "slots_waiting": waiting}
 
     @app.get("/metrics")
@@ -31,7 +31,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         return {"id": ctx.config.model_id, "object": "model", "created": ctx.created, "owned_by": "minfer",
                 "meta": {"architecture": hp.arch, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train,
                          "n_embd": hp.n_embd, "n_params": n_params, "size": transformer.weight_bytes,
-                         "n_ctx_per_sequence": ctx.scheduler.slot_context, "parallel": ctx.scheduler.n_slots}}
+                         "n_ctx_per_sequence": ctx.engine_loop.slot_context, "parallel": ctx.engine_loop.n_slots}}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -217,5 +217,5 @@ def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
     """On ``minfer serve``: traces run on the engine's thread between decode steps."""
-    service = TraceService(ctx.model, lambda fn: asyncio.wrap_future(ctx.scheduler.call(fn)))
+    service = TraceService(ctx.model, lambda fn: asyncio.wrap_future(ctx.engine_loop.call(fn)))
     register_explorer(app, service, ctx.read_json)
