@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minfer.errors import BadRequestError, ModelError
-from minfer.runtime.sampling import Sampler, SamplingParams, chain_kernel, sample_rows
+from minfer.runtime.sampling import Sampler, SamplingParams, chain_kernel, sample_batch
 from minfer.runtime.sampling.candidates import Candidates as _Candidates
 
 N_VOCAB = 49152
@@ -23,10 +23,8 @@ CHAINS = [
 
 
 def sampler(seed: int = 5, numpy_steps: bool = False, **params) -> Sampler:
-    s = Sampler(SamplingParams(seed=seed, **params))
-    assert s._chain is not None, params
-    if numpy_steps:
-        s._chain = None  # the steps of the chain, one after the other
+    s = Sampler(SamplingParams(seed=seed, **params), route="steps" if numpy_steps else "auto")
+    assert numpy_steps or s.route == "compiled", params  # "steps": the chain's steps, one after the other
     return s
 
 
@@ -55,7 +53,8 @@ def test_cumulative_probabilities_are_the_steps_bits(params):
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((20, N_VOCAB)) * 4).astype(np.float32)
     s = sampler(**params)
-    c = s._chain
+    c = s.compiled_chain
+    assert c is not None
     codes, counts, ids, cum = chain_kernel.truncate_rows(logits, np.arange(20), *c.arguments([c] * 20))
     assert not codes.any()
     for row, n, row_ids, row_cum in zip(logits, counts, ids, cum, strict=True):
@@ -75,19 +74,23 @@ def test_many_rows_in_one_call_equal_each_row_alone():
     alone = [sampler(seed=i, **p) for i, p in enumerate(params)]
     for _ in range(15):
         logits = (rng.standard_normal((9, N_VOCAB)) * 6).astype(np.float32)
-        assert sample_rows(together, logits) == [s.sample(row) for s, row in zip(alone, logits, strict=True)]
+        assert sample_batch(together, logits) == [s.sample(row) for s, row in zip(alone, logits, strict=True)]
 
 
 def test_other_chains_are_left_to_the_steps():
     for params in ({"temperature": 0.0}, {"typical_p": 0.9}, {"repeat_penalty": 1.1}, {"mirostat": 2},
                    {"samplers": "top_k;temperature;top_p"}, {"top_k": 0}, {"xtc_probability": 0.5}):
-        assert Sampler(SamplingParams(**params))._chain is None, params
+        s = Sampler(SamplingParams(**params))
+        assert s.route != "compiled" and s.compiled_chain is None, params
+        with pytest.raises(BadRequestError, match="route 'compiled' does not apply to the chain logits -> "):
+            Sampler(SamplingParams(**params), route="compiled")
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((3, N_VOCAB)) * 3).astype(np.float32)
     mixed = [sampler(), Sampler(SamplingParams(temperature=0.0)), sampler(top_k=500)]  # k too large to prune
-    got = sample_rows(mixed, logits)
-    assert got[1] is None and got[2] is None
-    assert got[0] == sampler().sample(logits[0])
+    assert mixed[1].route == "greedy" and not mixed[2].compiled_chain.fits(N_VOCAB)
+    # one entry for the batch: the rows its kernel cannot run go through their own sampler's numpy route
+    assert sample_batch(mixed, logits) == [sampler().sample(logits[0]), int(np.argmax(logits[1])),
+                                            sampler(numpy_steps=True, top_k=500).sample(logits[2])]
 
 
 def test_bad_rows_are_left_to_the_steps_which_say_why():
@@ -99,8 +102,10 @@ def test_bad_rows_are_left_to_the_steps_which_say_why():
     logits[3, 10:] = -np.inf  # ten drawable tokens, all banned by the bias below
     banned = {t: -np.inf for t in range(10)}
     samplers = [sampler(), sampler(), sampler(), sampler(logit_bias=banned)]
-    assert sample_rows(samplers, logits) == [None] * 4
-    assert samplers[0]._state.rng.random() == sampler()._state.rng.random()  # nothing drawn
+    got = sample_batch(samplers, logits)  # each row's error, from the steps' checks; the others go on
+    assert [type(e) for e in got] == [ModelError, ModelError, BadRequestError, BadRequestError]
+    assert "every logit is -inf" in str(got[2]) and "no token can be sampled" in str(got[3])
+    assert samplers[0].draw_rng.random() == sampler().draw_rng.random()  # nothing drawn
     with pytest.raises(ModelError, match="NaN or \\+inf"):
         samplers[0].sample(logits[0])
     with pytest.raises(ModelError, match="NaN or \\+inf"):
@@ -111,7 +116,7 @@ def test_bad_rows_are_left_to_the_steps_which_say_why():
         samplers[3].sample(logits[3])
     # -inf logits that leave something drawable: the slow check passes them
     logits[3, :10] = 0.0
-    assert sample_rows([sampler()], logits[3:4])[0] in range(10)
+    assert sample_batch([sampler()], logits[3:4])[0] in range(10)
 
 
 def test_pairwise_sum_is_numpys():

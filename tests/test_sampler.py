@@ -451,17 +451,20 @@ def test_greedy_fast_path_equals_the_chain():
         x[rng.integers(0, 300, 3)] = x.max()  # ties on the maximum
         kw = dict(temperature=0.0, repeat_penalty=1.3, frequency_penalty=0.2, logit_bias={int(i): 2.0},
                   dry_multiplier=0.5, dry_sequence_breakers=())
-        fast, slow = Sampler(SamplingParams(**kw)), Sampler(SamplingParams(**kw))
-        slow._greedy_fast = False
+        fast, slow = Sampler(SamplingParams(**kw)), Sampler(SamplingParams(**kw), route="steps")
         history = rng.integers(0, 300, 50).tolist()
         fast.reset(history)
         slow.reset(history)
-        assert fast._greedy_fast and fast.sample(x) == slow.sample(x)
+        assert fast.route == "greedy" and fast.sample(x) == slow.sample(x)
     # typical-p or XTC can drop the best token: no shortcut then
-    assert not Sampler(SamplingParams(temperature=0, typical_p=0.5))._greedy_fast
+    assert Sampler(SamplingParams(temperature=0, typical_p=0.5)).route == "steps"
     # a processor after a truncation ranks only the survivors: no shortcut either
-    assert not Sampler(SamplingParams(temperature=0, repeat_penalty=1.1,
-                                      samplers=["top_k", "penalties", "temperature"]))._greedy_fast
+    assert Sampler(SamplingParams(temperature=0, repeat_penalty=1.1,
+                                  samplers=["top_k", "penalties", "temperature"])).route == "steps"
+    with pytest.raises(BadRequestError, match="route 'greedy' does not apply to the chain"):
+        Sampler(SamplingParams(temperature=0, typical_p=0.5), route="greedy")
+    with pytest.raises(BadRequestError, match="route must be one of auto, compiled, greedy, fused, steps; got 'x'"):
+        Sampler(SamplingParams(), route="x")  # type: ignore[arg-type]
 
 
 def test_logit_bias_bans_and_boosts():
@@ -597,9 +600,8 @@ def test_bias_and_top_k_in_one_pass_equal_the_two_steps(bias):
     rest of the default chain after it, are the same as running the two steps one after the other."""
     rng = np.random.default_rng(len(bias))
     kw = dict(temperature=0.8, logit_bias=bias, seed=5)
-    fast, slow = Sampler(SamplingParams(**kw)), Sampler(SamplingParams(**kw))
-    slow._bias_top_k = None
-    assert fast._bias_top_k is not None and fast.describe() == slow.describe()
+    fast, slow = Sampler(SamplingParams(**kw), route="fused"), Sampler(SamplingParams(**kw), route="steps")
+    assert fast.describe() == slow.describe()
     for i in range(60):
         x = (rng.standard_normal(49152) * 3).astype(np.float32)
         if i % 3 == 0:

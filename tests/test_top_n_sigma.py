@@ -87,9 +87,8 @@ def test_its_place_in_the_default_chain_and_off_by_default():
 def test_greedy_takes_the_shortcut_and_the_default_chain_runs_in_numpy():
     rng = np.random.default_rng(1)
     fast = Sampler(SamplingParams(temperature=0, top_n_sigma=0.5, repeat_penalty=1.3))
-    slow = Sampler(SamplingParams(temperature=0, top_n_sigma=0.5, repeat_penalty=1.3))
-    slow._greedy_fast = False
-    assert fast._greedy_fast  # it always keeps the best token
+    slow = Sampler(SamplingParams(temperature=0, top_n_sigma=0.5, repeat_penalty=1.3), route="steps")
+    assert fast.route == "greedy"  # it always keeps the best token
     for _ in range(20):
         x = random_logits(rng, 3000, 0.3)
         history = rng.integers(0, 3000, 30).tolist()
@@ -98,7 +97,7 @@ def test_greedy_takes_the_shortcut_and_the_default_chain_runs_in_numpy():
         assert fast.sample(x) == slow.sample(x)
     # the compiled chain has no top-n-sigma: the steps run it, and the draws stay inside its cut
     s = Sampler(SamplingParams(seed=4, top_n_sigma=1.0))
-    assert s._chain is None
+    assert s.route == "steps" and s.compiled_chain is None
     x = random_logits(rng, 49152, 0.0)
     assert {s.sample(x) for _ in range(100)} <= kept_by_definition(x, 1.0)
     again = Sampler(SamplingParams(seed=4, top_n_sigma=1.0))

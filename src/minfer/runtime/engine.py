@@ -44,7 +44,7 @@ from minfer.runtime.requests import (
     Token,
 )
 from minfer.runtime.sampling import compile_jobs as sampling_compile_jobs
-from minfer.runtime.sampling import sample_rows
+from minfer.runtime.sampling import sample_batch
 from minfer.runtime.sampling import warm_up as warm_up_sampling
 from minfer.runtime.scheduler import Batch, EndOfContext, PassOutput, Running, Scheduler
 from minfer.runtime.sequence import TokenStep
@@ -225,21 +225,27 @@ class Engine:
         return PassOutput(logits, hidden, t0, time.perf_counter())
 
     @staticmethod
-    def _sample(batch: Batch, logits: np.ndarray) -> list[int | None]:
-        """The sequences whose sampler alone picks the token (no draft to verify, no constraint, no
-        logprobs) draw together: one compiled call for all their rows. The others pick in their own step
-        (None here)."""
-        picks: list[int | None] = [None] * len(batch.sampled)
+    def _sample(batch: Batch, logits: np.ndarray) -> list[int | Exception | None]:
+        """Every sampled sequence's token from its row, through sampling's one batched entry (each row by
+        its sampler's route; the compiled ones in one call), once its constraint masked the row: the token,
+        or the error that fails that sequence alone. None for a sequence with a draft (the scheduler's
+        verify stage samples its rows)."""
+        picks: list[int | Exception | None] = [None] * len(batch.sampled)
         drafts = batch.drafts
-        alone = [i for i, run in enumerate(batch.sampled)
-                 if run.out is not None and run.out.samples_alone and (drafts is None or drafts[i] is None)]
-        if len(alone) > 1:
-            rows = [batch.rows[i] for i in alone]
-            # a gather is a contiguous copy; the rows are often the leading ones already
-            block = logits[: len(rows)] if rows == list(range(len(rows))) else logits[rows]
-            samplers = [batch.sampled[i].out.sampler for i in alone]  # type: ignore[union-attr]
-            for i, token in zip(alone, sample_rows(samplers, block), strict=True):
-                picks[i] = token
+        plain: list[int] = []
+        for i, run in enumerate(batch.sampled):
+            if drafts is not None and drafts[i] is not None:
+                continue
+            try:
+                run.out.mask(logits[batch.rows[i]])  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - e.g. the constraint broke: this sequence alone
+                picks[i] = e
+            else:
+                plain.append(i)
+        if plain:
+            samplers = [batch.sampled[i].out.sampler for i in plain]  # type: ignore[union-attr]
+            for i, pick in zip(plain, sample_batch(samplers, logits, [batch.rows[i] for i in plain]), strict=True):
+                picks[i] = pick
         return picks
 
     def warm_up(self) -> None:

@@ -361,10 +361,11 @@ class Scheduler:
 
     # -- what each sequence does with the pass's outputs -------------------------------------------
 
-    def update(self, batch: Batch, output: PassOutput, picks: list[int | None]) -> None:
+    def update(self, batch: Batch, output: PassOutput, picks: list[int | Exception | None]) -> None:
         """Advance every sequence of ``batch`` by the pass's ``output``: pool the embeddings' hidden
-        states, then give each sampled sequence its row (or verify its draft against its rows).
-        ``picks``: the token the batched sampler drew for each sampled sequence (None: it picks its own)."""
+        states, then give each sampled sequence its token (or verify its draft against its rows).
+        ``picks``: the token sampling drew from each sampled sequence's row, or the error that fails it
+        (None: a sequence with a draft)."""
         for run, start, n in batch.pooled:
             assert run.pool is not None and output.hidden is not None
             run.pool.add(output.hidden[start : start + n])
@@ -381,14 +382,16 @@ class Scheduler:
         for i, (run, row) in enumerate(zip(batch.sampled, batch.rows, strict=True)):
             draft = batch.drafts[i] if batch.drafts is not None else None
             if draft is None:
-                self._advance(run, logits[row], picks[i])
+                self._advance(run, logits[row], picks[i])  # type: ignore[arg-type]
             else:
                 self._verify(run, logits[row : row + 1 + len(draft.tokens)], draft)
 
-    def _advance(self, run: Running, logits: np.ndarray, token: int | None) -> None:
+    def _advance(self, run: Running, logits: np.ndarray, token: int | Exception) -> None:
         assert run.out is not None
         try:
-            step = run.out.step(logits, token)
+            if isinstance(token, Exception):
+                raise token
+            step = run.out.take(logits, token)
         except Exception as e:  # noqa: BLE001 - e.g. a constraint with no allowed token: this request only
             run.request.emit(Failed(e))
             self._release(run)

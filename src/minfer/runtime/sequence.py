@@ -15,6 +15,7 @@ import numpy as np
 
 from minfer.errors import BadRequestError
 from minfer.runtime.sampling import Sampler, TokenLogprob, token_logprobs
+from minfer.runtime.sampling.logprobs import check_n_top
 from minfer.runtime.speculative import verify
 from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.stop import StopMatcher
@@ -106,27 +107,25 @@ class Continuation:
         self.stats.prompt_tokens = len(prompt_ids)
         self.sampler.reset(prompt_ids)
 
-    @property
-    def samples_alone(self) -> bool:
-        """Whether the token comes from the sampler alone (no constraint masks the logits, no logprobs):
-        then a batch may sample it with the other sequences' (``sampler.sample_rows``) and pass it to
-        ``step``."""
-        return self.constraint is None and self.logprobs is None
-
-    def step(self, logits: np.ndarray, token: int | None = None) -> TokenStep | None:
-        """Pick the next token from ``logits``; its step, or None for an end-of-generation token.
-        Afterwards ``done`` says whether the sequence has finished (``stats.finish_reason`` says why).
-        ``token``: what this sequence's sampler already drew from these logits (see ``samples_alone``)."""
-        if token is not None and not self.samples_alone:
-            raise ValueError("a token drawn outside the continuation needs one without constraint or logprobs")
+    def mask(self, logits: np.ndarray) -> None:
+        """Before ``logits`` are sampled: the constraint (if any) masks the tokens it does not allow, in place."""
         if self.constraint is not None:
             self.constraint.mask_logits(logits)
+
+    def take(self, logits: np.ndarray, token: int) -> TokenStep | None:
+        """The sequence goes on with ``token``, which its sampler drew from ``logits`` (already masked, see
+        ``mask``; the batch's one entry into sampling draws it): its step, or None for an end-of-generation
+        token. Afterwards ``done`` says whether the sequence has finished (``stats.finish_reason`` says why)."""
         lp = None
-        if token is None and self.logprobs is None:
-            token = self.sampler.sample(logits)
-        elif token is None:
-            token, lp = self.sampler.sample_with_logprobs(logits, self.logprobs)
+        if self.logprobs is not None:
+            check_n_top(self.logprobs, logits.shape[-1])
+            lp = token_logprobs(logits, token, self.logprobs)
         return self._take(token, lp)
+
+    def step(self, logits: np.ndarray) -> TokenStep | None:
+        """``mask``, then the sampler's pick from ``logits``, then ``take``: one sequence sampled alone."""
+        self.mask(logits)
+        return self.take(logits, self.sampler.sample(logits))
 
     def draft_step(
         self, logits: np.ndarray, draft: int, q: verify.Distribution | None

@@ -6,21 +6,24 @@ The modules, one job each:
   check, CLI flags, server field) the CLI and the server are generated from; one row per step
   ``samplers`` orders (the parameters that switch it on, llama.cpp's aliases), in llama.cpp's default
   order.
-- :mod:`.step`: what a step is: its declared :class:`~.step.Kind` (what it may do to the ranking) and
-  its place in the compiled chain; the state the steps share.
+- :mod:`.step`: what a step is: its one declared property, its :class:`~.step.Kind` (what it may do to
+  the ranking); the state the steps share.
 - the steps: :mod:`.processors` (logit_bias, penalties, DRY), :mod:`.filters` (top_k, top_n_sigma,
   typical-p, top_p, min_p, XTC, temperature), :mod:`.pickers` (the draw, mirostat).
 - :mod:`.registry`: the class of each step ``samplers`` orders.
 - :mod:`.chain`: :class:`Sampler`, one sequence's chain (reset / accept / sample / sample_with_logprobs)
-  and its greedy shortcut; :mod:`.candidates`: the candidate set the steps work on.
-- :mod:`.compiled` and :mod:`.batched`: the default chain's compiled form (the stages its kernel runs)
-  and :func:`sample_rows`, a batch's rows in one parallel call.
+  and the route it takes (compiled, greedy, fused or steps); :mod:`.candidates`: the candidate set the
+  steps work on.
+- :mod:`.batched`: :func:`sample_batch`, the one entry for a batch's rows (the engine's step samples
+  through it), each row by its sampler's route, the compiled ones in one parallel call;
+  :mod:`.compiled`: the default chain's compiled form (the stages its kernel runs).
 - :mod:`.logprobs`: the model's log-probabilities (:class:`TokenLogprob`).
 - :mod:`.top_k_kernel` and :mod:`.chain_kernel`: the numba kernels of the sampler (top-k over a whole
   vocabulary, the default chain over many rows), compiled whatever kernel set the backend runs;
   :func:`warm_up` loads them before the first request.
 
-Adding a step: its class (declaring its ``kind``, with ``from_params``) in the registry, its row in
+Adding a step: its class (declaring its ``kind``, with ``from_params``; ``compile_into`` only if the
+compiled kernel runs it) in the registry, its row in
 :data:`.params.STEPS`, and its ``SamplingParams`` field with metadata; ``minfer run/chat/serve`` flags, the
 server's request field and ``model.generate(...)`` keywords follow from those.
 
@@ -29,7 +32,7 @@ Not carried over from llama.cpp: dynamic temperature, the infill and adaptive-p 
 
 from minfer.compiling import CompileJob
 from minfer.runtime.sampling import chain_kernel, top_k_kernel
-from minfer.runtime.sampling.batched import sample_rows
+from minfer.runtime.sampling.batched import sample_batch
 from minfer.runtime.sampling.chain import Sampler
 from minfer.runtime.sampling.logprobs import TokenLogprob, token_logprobs
 from minfer.runtime.sampling.params import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS, PARAMS, SamplingParams
@@ -41,7 +44,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "TokenLogprob",
-    "sample_rows",
+    "sample_batch",
     "compile_jobs",
     "token_logprobs",
     "warm_up",

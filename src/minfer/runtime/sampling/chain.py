@@ -21,20 +21,29 @@ random streams), ``accept(token)`` appends each generated token; ``sample`` does
 The draw and XTC's coin use two streams spawned from the one seed; with ``seed=None`` a random seed is
 chosen and kept in ``Sampler.seed`` so the run can be replayed.
 
-Two shortcuts give the chain's answer faster. Greedy: an argmax after the logit processors whenever the
-steps' declared kinds prove the chain picks that token. The compiled chain: llama.cpp's default shape
-runs in one compiled call (:mod:`.compiled`, :func:`.batched.sample_rows`). At a 49152-token vocabulary
-the default chain takes about 0.1 ms a token, greedy about 0.02 ms.
+A sampler takes one *route* to the chain's answer, chosen when it is made (``route="auto"``: the first
+that applies, in this order):
+
+- ``"compiled"``: llama.cpp's default shape runs in one compiled call (:mod:`.compiled`), many sequences'
+  rows in the same call (:func:`.batched.sample_batch`);
+- ``"greedy"``: an argmax after the logit processors, where the steps' declared kinds prove the chain
+  picks that token;
+- ``"fused"``: the steps in numpy, logit_bias and top_k as one pass over the vocabulary;
+- ``"steps"``: every step in numpy, one after the other.
+
+They give the same tokens (the tests hold each to ``"steps"``); ``route`` names one to check it. At a
+49152-token vocabulary the default chain takes about 0.1 ms a token, greedy about 0.02 ms.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Literal, get_args
 
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.runtime.sampling.batched import sample_rows
+from minfer.runtime.sampling.batched import sample_batch
 from minfer.runtime.sampling.candidates import Candidates, check_drawable, checked_logits
 from minfer.runtime.sampling.compiled import CompiledChain
 from minfer.runtime.sampling.filters import Temperature, TopK
@@ -45,32 +54,45 @@ from minfer.runtime.sampling.processors import LogitBias, bias_then_top_k
 from minfer.runtime.sampling.registry import STEP_CLASSES
 from minfer.runtime.sampling.step import Kind, State, Step, TokenText
 
+Route = Literal["auto", "compiled", "greedy", "fused", "steps"]
+ROUTES: tuple[str, ...] = get_args(Route)[1:]  # the order "auto" tries them in
+
 
 class Sampler:
-    """Runs the chain of :class:`SamplingParams` over one sequence's logits, step after step.
+    """Runs the chain of :class:`SamplingParams` over one sequence's logits.
 
     ``token_text(id)`` gives a token's text (str, or the bytes it decodes to, e.g. the tokenizer's
-    ``token_bytes``); only DRY with sequence breakers needs it.
+    ``token_bytes``); only DRY with sequence breakers needs it. ``route``: how the chain's answer is
+    computed (see the module's text); a route that does not apply to the chain is refused.
     """
 
-    def __init__(self, params: SamplingParams | None = None, token_text: TokenText | None = None) -> None:
+    def __init__(
+        self, params: SamplingParams | None = None, token_text: TokenText | None = None, route: Route = "auto"
+    ) -> None:
         self.params = params if params is not None else SamplingParams()
         p = self.params
         # the effective seed is kept so that a run with seed=None can be reported and replayed
         self.seed: int = p.seed if p.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         self._state = State()
-        self._steps = self._build(token_text)
-        processors = _argmax_processors(self._steps)
-        self._greedy_fast = processors is not None
-        self._processors: list[Step] = processors or []  # what the greedy shortcut runs before its argmax
-        # logit_bias right before top_k: ``sample`` runs the two as one (see bias_then_top_k)
-        steps = self._steps
-        self._bias_top_k = (
-            (steps[0], steps[1].k)
-            if len(steps) > 2 and isinstance(steps[0], LogitBias) and isinstance(steps[1], TopK)
-            else None
-        )
-        self._chain = CompiledChain.of(steps)
+        self._steps = steps = self._build(token_text)
+        chain = CompiledChain.of(steps)
+        processors = _argmax_processors(steps)  # what the greedy route runs before its argmax
+        # logit_bias right before top_k: the fused route runs the two as one (see bias_then_top_k)
+        bias_top_k = ((steps[0], steps[1].k)
+                      if len(steps) > 2 and isinstance(steps[0], LogitBias) and isinstance(steps[1], TopK) else None)
+        applies = {"compiled": chain is not None, "greedy": processors is not None, "fused": bias_top_k is not None,
+                   "steps": True}
+        if route == "auto":
+            route = next(r for r in ROUTES if applies[r])  # type: ignore[assignment]
+        elif route not in applies:
+            raise BadRequestError(f"route must be one of auto, {', '.join(ROUTES)}; got {route!r}")
+        elif not applies[route]:
+            raise BadRequestError(f"route {route!r} does not apply to the chain {self.describe()}")
+        self.route: Route = route
+        self._chain = chain if route == "compiled" else None
+        self._processors: list[Step] = processors if route == "greedy" and processors is not None else []
+        # a compiled row the kernel leaves (logits that fail a check) goes through the fused steps, which raise
+        self._bias_top_k = bias_top_k if route in ("compiled", "fused") else None
         self.reset()
 
     # -- chain -------------------------------------------------------------------------------------
@@ -94,7 +116,7 @@ class Sampler:
 
     @property
     def compiled_chain(self) -> CompiledChain | None:
-        """The chain's compiled form (what ``sample_rows`` runs), or None where it only runs step by step."""
+        """The chain's compiled form (what ``sample_batch`` runs in one call), or None where the route is another."""
         return self._chain
 
     # -- state -------------------------------------------------------------------------------------
@@ -142,11 +164,17 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         """The next token from ``logits`` ([n_vocab]); does not add it to the history (see ``accept``)."""
         if self._chain is not None and isinstance(logits, np.ndarray) and logits.ndim == 1:
-            token = sample_rows([self], logits[None, :])[0]
-            if token is not None:
-                return token
+            token = sample_batch([self], logits[None, :])[0]
+            if isinstance(token, Exception):
+                raise token
+            return token
+        return self.sample_in_numpy(logits)
+
+    def sample_in_numpy(self, logits: np.ndarray) -> int:
+        """``sample`` by the route's numpy steps (the greedy argmax, or the chain's steps): every route but
+        the compiled one, and the compiled one's rows that its kernel leaves."""
         cand = Candidates(checked_logits(logits))
-        if self._greedy_fast:
+        if self.route == "greedy":
             for step in self._processors:
                 step.apply(cand)
             best = int(np.argmax(cand.logits))  # numpy returns the first maximum: the lowest id

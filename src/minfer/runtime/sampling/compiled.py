@@ -1,10 +1,10 @@
 """The chains the compiled kernel runs (:mod:`minfer.runtime.sampling.chain_kernel`): llama.cpp's default
 shape ``[logit_bias ->] top_k -> [top_p ->] [min_p ->] temperature -> dist`` (temperature > 0).
 
-Which chains those are is read from the steps: each step the kernel can run declares its :class:`Stage`
-(the kernel's steps, in its order) and sets its settings (``Step.compile_into``); a chain compiles when
-every step has a stage, the stages come in the kernel's order, and top-k, the temperature and the draw
-are there. A step without a stage (a new one, a penalty, top-n-sigma, ...) leaves its chain to the steps
+Which chains those are is read from the steps: each step the kernel can run sets its settings and
+answers with its :class:`Stage` (the kernel's steps, in its order) in ``Step.compile_into``; a chain
+compiles when every step has a stage, the stages come in the kernel's order, and top-k, the temperature
+and the draw are there. A step without a stage (a new one, a penalty, top-n-sigma, ...) leaves its chain to the steps
 in numpy. The kernel computes the same candidates and probabilities as the steps, bit for bit where
 numpy's float64 exp is the C library's (on AVX-512 CPUs numpy has its own, which may differ in the last
 bit).
@@ -36,12 +36,9 @@ REQUIRED_STAGES = frozenset((Stage.TOP_K, Stage.TEMPERATURE, Stage.DRAW))
 
 
 class Compilable(Protocol):
-    """What the compiled chain reads of a step (:class:`~.step.Step`): its stage and its settings."""
+    """What the compiled chain asks a step (:class:`~.step.Step`): set your settings, say your stage."""
 
-    @property
-    def stage(self) -> Stage | None: ...  # None: the kernel cannot run the step
-
-    def compile_into(self, chain: CompiledChain) -> None: ...
+    def compile_into(self, chain: CompiledChain) -> Stage | None: ...  # None: the kernel cannot run the step
 
 
 class CompiledChain:
@@ -67,13 +64,13 @@ class CompiledChain:
     @classmethod
     def of(cls, steps: Sequence[Compilable]) -> CompiledChain | None:
         """The compiled form of ``steps``, or None where the kernel cannot run them."""
-        stages = [step.stage for step in steps]
-        # every step compiled, each stage once and in the kernel's order, the required ones there
-        if None in stages or stages != sorted(set(stages)) or not REQUIRED_STAGES <= set(stages):
-            return None
         chain = cls()
-        for step in steps:
-            step.compile_into(chain)
+        stages = [step.compile_into(chain) for step in steps]
+        # every step compiled, each stage once and in the kernel's order, the required ones there
+        if any(stage is None for stage in stages):
+            return None
+        if stages != sorted(set(stages)) or not REQUIRED_STAGES <= set(stages):  # type: ignore[type-var]
+            return None
         chain.alone = chain.arguments([chain])  # a sequence sampled alone: built once, not per token
         return chain
 

@@ -32,7 +32,6 @@ from minfer.runtime.sampling.step import Kind, State, Step, TokenText
 class TopK(Step):
     name = "top_k"
     kind = Kind.KEEPS_BEST
-    stage = Stage.TOP_K
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -45,8 +44,9 @@ class TopK(Step):
         if self.k < len(cand):
             cand.keep(cand.best(self.k), True)
 
-    def compile_into(self, chain: CompiledChain) -> None:
+    def compile_into(self, chain: CompiledChain) -> Stage:
         chain.k = self.k
+        return Stage.TOP_K
 
 
 class TopNSigma(Step):
@@ -109,7 +109,6 @@ class TypicalP(Step):
 class TopP(Step):
     name = "top_p"
     kind = Kind.KEEPS_BEST
-    stage = Stage.TOP_P
 
     def __init__(self, p: float, min_keep: int) -> None:
         self.p, self.min_keep = p, min_keep
@@ -148,14 +147,14 @@ class TopP(Step):
                 return
             k *= 8
 
-    def compile_into(self, chain: CompiledChain) -> None:
+    def compile_into(self, chain: CompiledChain) -> Stage:
         chain.top_p, chain.min_keep = self.p, self.min_keep
+        return Stage.TOP_P
 
 
 class MinP(Step):
     name = "min_p"
     kind = Kind.KEEPS_BEST
-    stage = Stage.MIN_P
 
     def __init__(self, p: float, min_keep: int) -> None:
         self.p, self.min_keep = p, min_keep
@@ -178,8 +177,9 @@ class MinP(Step):
         if len(keep) < len(x):
             cand.keep(keep, cand.sorted)  # positions ascending: the order (sorted or not) is preserved
 
-    def compile_into(self, chain: CompiledChain) -> None:
+    def compile_into(self, chain: CompiledChain) -> Stage:
         chain.min_p, chain.log_min_p, chain.min_keep = True, self.log_p, self.min_keep
+        return Stage.MIN_P
 
 
 class Xtc(Step):
@@ -215,7 +215,6 @@ class Temperature(Step):
 
     name = "temperature"
     kind = Kind.KEEPS_ORDER
-    stage = Stage.TEMPERATURE
 
     def __init__(self, t: float) -> None:
         self.t = t
@@ -231,8 +230,9 @@ class Temperature(Step):
             cand.logits = cand.logits / self.t
             cand.owned = True
 
-    def compile_into(self, chain: CompiledChain) -> None:
+    def compile_into(self, chain: CompiledChain) -> Stage:
         chain.temperature = self.t
+        return Stage.TEMPERATURE
 
 
 class Greedy(Step):

@@ -39,7 +39,6 @@ def search(cum: np.ndarray, rng: np.random.Generator) -> int:
 class Dist(Step):
     name = "dist"
     kind = Kind.DRAWS
-    stage = Stage.DRAW
 
     def __init__(self, state: State) -> None:
         self.state = state
@@ -48,8 +47,9 @@ class Dist(Step):
         check_drawable(cand)
         return cand.token(draw(cand, self.state.rng)[0])
 
-    def compile_into(self, chain: CompiledChain) -> None:
-        """Nothing to set: the compiled chain leaves the draw to its caller (``sample_rows``)."""
+    def compile_into(self, chain: CompiledChain) -> Stage:
+        """Nothing to set: the compiled chain leaves the draw to its caller (``sample_batch``)."""
+        return Stage.DRAW
 
 
 class Mirostat(Step):

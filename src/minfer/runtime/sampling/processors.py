@@ -31,7 +31,6 @@ from minfer.runtime.sampling.top_k_kernel import prunes_well, top_k_biased
 class LogitBias(Step):
     name = "logit_bias"
     kind = Kind.PROCESSOR
-    stage = Stage.LOGIT_BIAS
 
     def __init__(self, bias: Mapping[int, float]) -> None:
         self.tokens = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
@@ -45,8 +44,9 @@ class LogitBias(Step):
         cand.sorted = False
         check_drawable(cand)  # only a ban can leave nothing to sample; say so before any step divides by 0
 
-    def compile_into(self, chain: CompiledChain) -> None:
+    def compile_into(self, chain: CompiledChain) -> Stage:
         chain.bias_tokens, chain.bias_values = self.tokens, self.values
+        return Stage.LOGIT_BIAS
 
 
 def bias_then_top_k(cand: Candidates, bias: LogitBias, k: int) -> bool:

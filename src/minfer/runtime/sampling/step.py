@@ -1,11 +1,11 @@
-"""What a step of the chain is: its declared kind, its place in the compiled chain, the state steps share.
+"""What a step of the chain is: its declared kind, the state steps share.
 
 A step transforms the candidate set (:class:`~.candidates.Candidates`) in place, or picks the token. Each
-step class declares its :class:`Kind`, what it may do to the ranking of the tokens; the greedy shortcut
-(``Sampler``) reads the kinds to decide whether an argmax gives the chain's pick, so a new step must say
-what it does: a class without a ``name`` and a ``kind`` cannot be defined. A step the compiled chain
-(:mod:`minfer.runtime.sampling.compiled`) can run also declares its :class:`~.compiled.Stage` there and
-sets its settings on the chain.
+step class declares one property, its :class:`Kind`: what it may do to the ranking of the tokens. The
+greedy route (``Sampler``) reads the kinds to decide whether an argmax gives the chain's pick, so a new
+step must say what it does: a class without a ``name`` and a ``kind`` cannot be defined. A step the
+compiled chain (:mod:`minfer.runtime.sampling.compiled`) can run also implements ``compile_into``, which
+sets its settings on the chain and answers with its :class:`~.compiled.Stage` (the others answer None).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class Step:
 
     name: ClassVar[str]
     kind: ClassVar[Kind]
-    stage: ClassVar[Stage | None] = None  # where the compiled chain runs this step; None: it cannot
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -76,9 +75,10 @@ class Step:
         """Transform ``cand`` in place; a picking step returns the chosen token."""
         raise NotImplementedError
 
-    def compile_into(self, chain: CompiledChain) -> None:
-        """Set this step's settings on the compiled chain (only for a step with a ``stage``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no compiled stage")
+    def compile_into(self, chain: CompiledChain) -> Stage | None:
+        """Set this step's settings on the compiled chain and say where its kernel runs the step; None
+        (this default): the kernel cannot run it, and its chain runs in numpy."""
+        return None
 
 
 def check_in_vocab(tokens: np.ndarray, n_vocab: int, what: str) -> None:
