@@ -58,10 +58,10 @@ def best_cpu_time(fn, seconds: float) -> float:
 
 def run_side(types: list[str], tokens: list[int], threads: list[int], seconds: float, cpu: bool) -> dict[str, float]:
     """GFLOP/s per ``type shape n_tok threads`` in this interpreter (its MINFER_VNNI)."""
-    sys.path.insert(0, str(Path(__file__).parent))
     import numba
     import numpy as np
-    from kquant_bench import best_time, make_weight
+
+    from minfer.testing.kquant_bench import best_time, make_weight
 
     if cpu:
         best_time = best_cpu_time  # noqa: F811

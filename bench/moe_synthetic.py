@@ -27,8 +27,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import gguf_writing as gw  # noqa: E402
+from minfer.testing import gguf_writing as gw
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, USED, EXPERT_FF, DENSE_FF = 128, 8, 768, 6144

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -192,8 +191,7 @@ def main() -> None:
     args = p.parse_args()
     if not simd.VNNI:
         sys.exit("this experiment needs AVX-512 VNNI + VL (or AVX-VNNI) and MINFER_VNNI unset")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from kquant_bench import make_weight
+    from minfer.testing.kquant_bench import make_weight
 
     rng = np.random.default_rng(0)
     n_tok = args.tokens - args.tokens % T

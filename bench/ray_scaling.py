@@ -25,19 +25,15 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_load import load_run  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_load import load_run  # the script's own folder is on sys.path when it runs
 
 import minfer  # noqa: E402
 from minfer.pull import resolve_model  # noqa: E402
+from minfer.testing.server_process import ServerProcess
 
 ENGINE = ["--threads", "1", "--parallel", "8", "--ctx-size", "8192", "--log-format", "off"]
 

@@ -31,17 +31,13 @@ import asyncio
 import json
 import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_process import ServerProcess  # noqa: E402
-
 import minfer  # noqa: E402
 from minfer.pull import resolve_model  # noqa: E402
+from minfer.testing.server_process import ServerProcess
 
 QUESTIONS = [
     "Tell me about the history of Rome.", "How do airplanes fly?", "Explain photosynthesis.",

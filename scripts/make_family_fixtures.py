@@ -49,10 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import make_fixtures as mf  # the script's own folder is on sys.path when it runs
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_fixtures as mf  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "tests" / "fixtures" / "llama" / "hf"

@@ -373,8 +373,7 @@ def hf_to_gguf_tensors(
 
 def tokenizer_gguf_fields(tokenizer_json: Path) -> dict[str, Any]:
     """The ``tokenizer.ggml.*`` contents (gpt2 BPE) of a byte-level BPE ``tokenizer.json`` (the shared writer's)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gguf_writing import hf_tokenizer_fields
+    from minfer.testing.gguf_writing import hf_tokenizer_fields
 
     return hf_tokenizer_fields(tokenizer_json)
 

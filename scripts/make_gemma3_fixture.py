@@ -60,10 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import make_fixtures as mf  # the script's own folder is on sys.path when it runs
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_fixtures as mf  # noqa: E402
 
 NAME = "gemma3"
 SEED = 3303

@@ -25,10 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import make_fixtures as mf  # the script's own folder is on sys.path when it runs
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_fixtures as mf  # noqa: E402
+from minfer.testing.synthetic_model import LLAMACPP_QUANTIZE
 
 SEED = 4401
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 2, 4, 2, 256, 512
@@ -38,7 +38,8 @@ SCRIPTS = Path(__file__).resolve().parent
 
 def write_f32(path: Path) -> None:
     import gguf
-    import gguf_writing as gw
+
+    from minfer.testing import gguf_writing as gw
 
     rng = np.random.default_rng(SEED)
     hd = HIDDEN // HEADS
@@ -101,7 +102,7 @@ def main() -> int:
         np.save(args.out / "logits_f32.npy", ref)
         for ftype in ("IQ4_NL", "IQ4_XS"):
             path = args.out / f"model-{ftype.lower()}.gguf"
-            subprocess.run([args.llamacpp, str(SCRIPTS / "llamacpp_quantize.py"), str(f32), str(path), ftype],
+            subprocess.run([args.llamacpp, str(LLAMACPP_QUANTIZE), str(f32), str(path), ftype],
                            check=True, capture_output=True)
             q = llamacpp_logits(args.llamacpp, path, seq, tmp)
             rel = float(np.linalg.norm(q - ref) / np.linalg.norm(ref))

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
-from gguf_writing import copy_fields
+
+from minfer.testing.gguf_writing import copy_fields
 
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 

@@ -53,7 +53,8 @@ def smollm2_cases(path: Path) -> dict[str, object]:
 
 def server_cases(path: Path) -> dict[str, str]:
     import httpx
-    from server_process import ServerProcess
+
+    from minfer.testing.server_process import ServerProcess
 
     bodies = {f"server/{i}/{name}": {"prompt": p, "max_tokens": 20, **s}
               for i, p in enumerate(SMOLLM2_PROMPTS) for name, s in SAMPLINGS.items()}

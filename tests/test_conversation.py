@@ -57,14 +57,15 @@ def test_session_round_trip_in_a_new_process(tmp_path):
     conv.save(path)
     expected = conv.send("third question", max_tokens=8)
     script = f"""
-import sys; sys.path.insert(0, {str(fixture_dir('qwen3').parent.parent)!r})
 from test_conversation import chat_template_model
 from minfer.runtime.conversation import Conversation
 model = chat_template_model(None, cache_type="q8_0")
 conv = Conversation.load(model, {str(path)!r})
 print(conv.send("third question", max_tokens=8), end="")
 """
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # run from tests/, where ``python -c`` finds the test modules
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       cwd=fixture_dir("qwen3").parent.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected
 

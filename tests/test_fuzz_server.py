@@ -20,7 +20,8 @@ from conftest import fixture_dir
 from fuzz_support import SEED, Tally
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_process import ServerProcess
+
+from minfer.testing.server_process import ServerProcess
 
 MAX_BODY = 64 * 1024
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -1,13 +1,10 @@
-"""Smoke test of the kernel benchmarks in bench/ (tiny sizes: they run, print every row, and report rates that
-are numbers; the figures themselves are the benchmarks' business, not a test's)."""
+"""Smoke test of the kernel benchmark ``bench/kquant_bench.py`` (``minfer.testing.kquant_bench``): tiny
+sizes, it runs, prints every row, and reports rates that are numbers (the figures themselves are the
+benchmark's business, not a test's)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import kquant_bench  # noqa: E402
+from minfer.testing import kquant_bench
 
 
 def test_gemm_against_the_peak_on_tiny_shapes(capsys):

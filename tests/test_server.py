@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from conftest import fixture_dir
 from openai import APIStatusError, AuthenticationError, BadRequestError, OpenAI
-from server_process import ServerProcess
 
 import minfer
+from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

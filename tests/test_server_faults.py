@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import fixture_dir
-from server_process import ServerProcess
+
+from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

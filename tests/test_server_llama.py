@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import derive_gguf, fixture_dir
 from openai import BadRequestError, OpenAI
-from server_process import ServerProcess
+
+from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ from anthropic.types import RawMessageStreamEvent
 from conftest import fixture_dir
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
-from server_process import ServerProcess
+
+from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

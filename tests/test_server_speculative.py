@@ -9,9 +9,9 @@ import httpx
 import pytest
 from conftest import fixture_dir
 from openai import OpenAI
-from server_process import ServerProcess
 
 import minfer
+from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ import httpx
 import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
-from server_process import ServerProcess
+
+from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -1,17 +1,16 @@
-"""bench/synthetic_model.py: real models' shapes and llama.cpp's Q4_K_M mix (checked without writing GBs), and
-tiny variants of each architecture written, loaded by minfer and run."""
+"""bench/synthetic_model.py (``minfer.testing.synthetic_model``): real models' shapes and llama.cpp's
+Q4_K_M mix (checked without writing GBs), and tiny variants of each architecture written, loaded by minfer and run."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from minfer.testing import synthetic_model as sm
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import synthetic_model as sm  # noqa: E402
 
 TOKENIZER = ROOT / "tests" / "fixtures" / "llama" / "model-f32.gguf"  # 512 tokens: tiny embeddings
 SMOLLM_VOCAB = 49152

@@ -11,13 +11,13 @@ import httpx
 import numpy as np
 import pytest
 from conftest import fixture_dir
-from server_process import ServerProcess
 
 import minfer
 from minfer.errors import BadRequestError
 from minfer.runtime.sampling import Sampler, SamplingParams
 from minfer.server.errors import ApiError
 from minfer.server.protocols.openai import parse_chat, parse_completion
+from minfer.testing.server_process import ServerProcess
 
 TINY = fixture_dir("llama") / "model-f32.gguf"
 PLAIN = dict(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0)  # every other truncation off

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import fixture_dir
 from explorer_process import explorer_process
-from server_process import ServerProcess
 
 import minfer
+from minfer.testing.server_process import ServerProcess
 from minfer.trace.explorer import DumpRun, compare
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"

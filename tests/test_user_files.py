@@ -67,11 +67,12 @@ def test_sigkill_during_save_leaves_nothing_after_the_next_save(tmp_path):
     path = tmp_path / "chat.session"
     save_session(path, _data(tokens=[1]))
     before = path.read_bytes()
-    code = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+    code = ("import time; "
             "from test_session_file import _data; from minfer.runtime import session_file as sf; real = sf._write\n"
             "def slow(f, *a):\n    f.write(b'partial'); f.flush(); print('writing', flush=True); time.sleep(60)\n"
             f"sf._write = slow; sf.save_session({str(path)!r}, _data(tokens=[2]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parent)  # where ``python -c`` finds test_session_file
     assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
     proc.send_signal(signal.SIGKILL)
     proc.wait()

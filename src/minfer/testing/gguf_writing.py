@@ -5,7 +5,7 @@ size in memory); :func:`write_streamed` declares the tensors first (name, shape,
 for each one's data in order, so only one tensor is alive at a time. The file is written under a temporary
 name in the target's folder and renamed over it when complete, so the target is never a partial file.
 
-Used by ``bench/synthetic_model.py``, ``bench/moe_synthetic.py`` and ``scripts/make_iq4_fixture.py``;
+Used by ``minfer.testing.synthetic_model``, ``bench/moe_synthetic.py`` and ``scripts/make_iq4_fixture.py``;
 ``scripts/requantize_gguf.py`` shares :func:`copy_fields`. Needs only numpy and ``gguf`` (no minfer), so the
 reference environment can run it.
 """
