@@ -9,13 +9,16 @@ which is what guarantees that a layer's KV store runs before the attention that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from minfer.compiling import KernelCompiler
 
 
 class Op(StrEnum):
@@ -151,10 +154,43 @@ class Graph:
 Take = Callable[[str, int, Any], np.ndarray]
 
 
+class ExpertReads:
+    """What the mixture-of-experts kernels of one backend read: bytes of expert weights, and how many expert
+    matrices (each read once per pass for all the tokens that chose it). Tests and ``minfer bench`` read it."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.experts = 0
+
+    def reset(self) -> None:
+        self.bytes = self.experts = 0
+
+
+# a plan's step as the backend sees it when grouping: (node, its kernel, its output, its operands)
+StepParts = tuple[Node, Callable[..., None], Any, tuple[Any, ...]]
+
+
 class Backend(Protocol):
+    """Everything the plan, the runner and the engine ask of a backend (nothing is probed with getattr)."""
+
+    compiler: KernelCompiler  # kernels compiled ahead of their first call, in announced batches
+    expert_reads: ExpertReads
+
     def prepare_weight(self, tensor: Any) -> Any: ...
 
+    def quantized_input(self, tensor: Any) -> bool:
+        """Whether a matmul with this weight takes its activations quantized (a QUANTIZE node before it)."""
+
+    def prepare_kernels(self, nodes: Sequence[Node], kv_layers: Sequence[Any] = ()) -> None:
+        """Before a plan binds its kernels: compile (or load) those its nodes run."""
+
+    def will_batch_sequences(self) -> None:
+        """The engine will run batches mixing sequences (their attention may need kernels of its own)."""
+
     def kernel(self, node: Node) -> Callable[..., None]: ...
+
+    def group_kernels(self, steps: Sequence[StepParts]) -> list[Callable[..., None]]:
+        """The steps' kernels, where the backend runs some consecutive ones as one (see the CPU backend)."""
 
     def running(self) -> AbstractContextManager[Any]: ...
 

@@ -84,9 +84,7 @@ class Plan:
         rank = {slot: k for k, slot in enumerate(by_size)}
         self.pool = [take(("slot", rank[i]), n, np.float32) for i, n in enumerate(alloc.slot_sizes)]
         # a backend that compiles its kernels ahead of their first call learns here which ones this plan runs
-        prepare_kernels = getattr(backend, "prepare_kernels", None)
-        if prepare_kernels is not None:
-            prepare_kernels(graph.nodes, kv_layers)
+        backend.prepare_kernels(graph.nodes, kv_layers)
         n_buffers = 0
         self.inputs: dict[str, np.ndarray] = {}
         views: dict[int, Any] = {}
@@ -112,10 +110,8 @@ class Plan:
             if n.op not in (Op.INPUT, Op.WEIGHT)
         ]
         # a backend may run some consecutive steps as one (the matmuls of q/k/v, of gate/up)
-        group_kernels = getattr(backend, "group_kernels", None)
-        if group_kernels is not None:
-            fns = group_kernels([(s.node, s.fn, s.out, s.args) for s in self.steps])
-            self.steps = [Step(s.node, fn, s.out, s.args) for s, fn in zip(self.steps, fns, strict=True)]
+        fns = backend.group_kernels([(s.node, s.fn, s.out, s.args) for s in self.steps])
+        self.steps = [Step(s.node, fn, s.out, s.args) for s, fn in zip(self.steps, fns, strict=True)]
         self.output = views[graph.output.id]
         self.extras: dict[str, np.ndarray] = {k: views[v.id] for k, v in graph.extras.items()}
 

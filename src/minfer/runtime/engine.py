@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import BadRequestError
+from minfer.graph.ir import Backend
 from minfer.models.model import TransformerModel
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
 from minfer.runtime.kv_cache import slots_kv_cache
@@ -45,7 +46,6 @@ from minfer.runtime.requests import (
 )
 from minfer.runtime.sampling import compile_jobs as sampling_compile_jobs
 from minfer.runtime.sampling import sample_batch
-from minfer.runtime.sampling import warm_up as warm_up_sampling
 from minfer.runtime.scheduler import Batch, EndOfContext, PassOutput, Running, Scheduler
 from minfer.runtime.sequence import TokenStep
 from minfer.runtime.speculative import SpeculativeSettings
@@ -278,7 +278,7 @@ class EngineConfig:
 
 def build_engine(
     model: TransformerModel,
-    backend: Any,
+    backend: Backend,
     tokenizer: Any,
     n_ctx: int,
     cache_type: str | None = None,
@@ -291,13 +291,9 @@ def build_engine(
     ``minfer.load`` and ``minfer serve`` share. ``draft_model`` (its vocabulary checked by the caller)
     drafts into a cache of its own with the same slots; ``speculative``: what requests get by default."""
     batched = config.n_slots > 1 or config.batch_size is not None  # batches that mix sequences
-    compiler = getattr(backend, "compiler", None)
-    if compiler is not None:  # compiled with the first plan's kernels, in one announced batch
-        compiler.need(sampling_compile_jobs(batched))
-        if batched:
-            backend.will_batch_sequences()
-    else:
-        warm_up_sampling()
+    backend.compiler.need(sampling_compile_jobs(batched))  # compiled with the first plan's kernels, in one batch
+    if batched:
+        backend.will_batch_sequences()
     kv = slots_kv_cache(model.hparams, n_ctx, config.n_slots, cache_type, scratch=config.batch_size is not None)
     # a verifying pass has 1 + draft length tokens: an unpadded engine sees up to draft_max more shapes
     spare = 0 if speculative is None or not speculative.on or config.batch_size is not None else speculative.draft_max

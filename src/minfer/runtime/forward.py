@@ -64,13 +64,11 @@ class ForwardRunner:
     def prepare_kernels(self) -> None:
         """Have the backend compile (or load from its cache) the kernels this model's passes run, now rather
         than inside the first request (whose timings would then count the compilation)."""
-        prepare = getattr(self.backend, "prepare_kernels", None)
-        if prepare is not None:
-            graph = fuse(self.model.build_graph(1, 1, self.kv.n_ctx), getattr(self.backend, "quantized_input", None))
-            prepare(graph.nodes, self.kv.layers)
+        graph = fuse(self.model.build_graph(1, 1, self.kv.n_ctx), self.backend.quantized_input)
+        self.backend.prepare_kernels(graph.nodes, self.kv.layers)
 
     def _build(self, n_tokens: int, n_outputs: int, hidden: bool) -> Plan:
-        quantized_input = getattr(self.backend, "quantized_input", None)
+        quantized_input = self.backend.quantized_input
         graph = self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx, hidden=True) if hidden else \
             self.model.build_graph(n_tokens, n_outputs, self.kv.n_ctx)
         graph = fuse(graph, quantized_input)

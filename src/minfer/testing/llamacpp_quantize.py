@@ -1,7 +1,7 @@
 """Quantize a GGUF file with llama.cpp's own quantizer (``llama_model_quantize``), in an interpreter that has
 ``llama_cpp`` (e.g. ``/tmp/lcpenv/bin/python``)::
 
-    python src/minfer/testing/llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [THREADS]  # FTYPE: LLAMA_FTYPE_MOSTLY_* suffix
+    python src/minfer/testing/llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [THREADS]  # LLAMA_FTYPE_MOSTLY_* suffix
 """
 
 from __future__ import annotations

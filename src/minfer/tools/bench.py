@@ -256,9 +256,8 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                 runs = []
                 for r in range(reps + 1):
                     toks = np.random.default_rng(r).integers(0, vocab, n)
-                    reads = getattr(runner.backend, "expert_reads", None)
-                    if reads is not None:
-                        reads.reset()
+                    reads = runner.backend.expert_reads
+                    reads.reset()
                     t1 = time.perf_counter()
                     if kind == "pp":
                         runner.forward(toks, np.arange(n), output_rows=[n - 1])
@@ -268,7 +267,7 @@ def run_minfer(model_path: str | Path, prompts: Sequence[int], gens: Sequence[in
                     dt = time.perf_counter() - t1
                     if r > 0:
                         runs.append(n / dt)
-                    if kind == "tg" and reads is not None and reads.bytes:
+                    if kind == "tg" and reads.bytes:
                         report_.expert_bytes_per_token = reads.bytes / n
                     if peer is not None:
                         peer.run(f"{kind}{n}", t, r, keep=r > 0)

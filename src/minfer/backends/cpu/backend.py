@@ -30,7 +30,7 @@ from minfer.compiling import KernelCompiler
 from minfer.errors import BadRequestError
 from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.quants import GGMLType
-from minfer.graph.ir import Node, Op, RopeMeta, RopeStyle, Take
+from minfer.graph.ir import ExpertReads, Node, Op, RopeMeta, RopeStyle, StepParts, Take
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
 # weight types whose fast matmul quantizes its activations to Q8 blocks (float weights do not)
@@ -194,18 +194,6 @@ def _reads_same_activations(a: Node, b: Node) -> bool:
 MAX_GROUP = 3  # q, k and v
 
 
-class ExpertReads:
-    """What the mixture-of-experts kernels of one backend read: bytes of expert weights, and how many expert
-    matrices (each read once per pass for all the tokens that chose it). Tests and ``minfer bench`` read it."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.experts = 0
-
-    def reset(self) -> None:
-        self.bytes = self.experts = 0
-
-
 class CPUBackend:
     def __init__(self, threads: int = 1, kernels: str | None = None) -> None:
         kernels = kernels or os.environ.get("MINFER_KERNELS", "fast")
@@ -347,9 +335,7 @@ class CPUBackend:
 
         return moe
 
-    def group_kernels(
-        self, steps: Sequence[tuple[Node, Callable[..., None], Any, tuple[Any, ...]]]
-    ) -> list[Callable[..., None]]:
+    def group_kernels(self, steps: Sequence[StepParts]) -> list[Callable[..., None]]:
         """The kernels of a plan's steps, given as (node, kernel, output, operands) in run order, with each
         run of consecutive matmuls that read the same activations and whose weights share a repacked type
         (q/k/v, gate/up) made one parallel loop: the run's first step computes every output of the run,
