@@ -126,6 +126,8 @@ def autosave_path() -> str:
     return str(folder / time.strftime("chat-%Y%m%d-%H%M%S.session"))
 
 
+# over 80 lines on purpose: one interactive session (read, Ctrl-C, commands, save) read top to bottom; its
+# parts would share the loop's state
 def cmd_chat(args: argparse.Namespace) -> int:
     import minfer
     from minfer.runtime.conversation import Conversation

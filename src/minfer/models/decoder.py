@@ -55,6 +55,8 @@ class DecoderWeights(Protocol):
     def has_tensor(self, name: str) -> bool: ...
 
 
+# over 80 lines on purpose: the layer recipe in one place, in the order the graph runs it, each family
+# flag's branch beside its neighbours
 def build_decoder_graph(
     model: DecoderWeights, n_tokens: int, n_outputs: int, n_ctx: int, hidden: bool = False
 ) -> Graph:

@@ -186,6 +186,7 @@ def _json_object(path: Path, required: bool) -> dict[str, Any] | None:
     return content
 
 
+# over 80 lines on purpose: a folder's checks in the order a user's mistakes show up, each naming its file
 def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     """Open an HF model folder: config, weights (memory-mapped) under engine names, hyperparameters.
 

@@ -88,6 +88,7 @@ class HParams:
         return 4 * self.n_layer * (self.k_width + self.v_width)
 
 
+# over 80 lines on purpose: one read per hyperparameter key, a table written as code
 def hparams_from_gguf(f: GGUFFile, n_vocab: int) -> HParams:
     arch = f.architecture
 

@@ -50,6 +50,7 @@ def check(opts: ServeOptions, ray_opts: RayOptions) -> None:
         raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
 
 
+# over 80 lines on purpose: the start-up steps in order, inside the one finally that undoes them
 def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
     """See the module docstring."""
     check(opts, ray_opts)
