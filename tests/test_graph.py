@@ -166,6 +166,30 @@ def test_plans_of_one_runner_share_their_buffers():
     np.testing.assert_array_equal(first, again)
     np.testing.assert_array_equal(first, alone.forward(seq, range(12), seq_ids=0))
     np.testing.assert_array_equal(tail[0], first[2])
-    # a larger shape grows the arena; the plans built before are dropped (they hold the old arrays)
+    # a larger shape grows the arena; the plans built before are dropped (they hold the old arrays, here
+    # more than a quarter of the arena)
     runner.plan(20, 20)
     assert runner.arena.grown > 0 and list(runner._plans) == [(20, 20)]
+
+
+def test_a_prompt_that_grows_the_arena_keeps_the_small_plans():
+    """The decode plan built before a long prompt survives the arena's growth (it keeps its own small
+    arrays, and stays correct), so no plan is built between the prompt's tokens and the next ones; a
+    growth that would leave much memory with the old plans drops them."""
+    from minfer.runtime.forward import ForwardRunner
+
+    model = TransformerModel.from_gguf(fixture_dir("llama") / "model-q8_0.gguf")
+    backend = CPUBackend(kernels="fast")
+    runner = ForwardRunner(model, backend, KVCache(model.hparams, 256))
+    decode = runner.plan(1, 1)
+    built = runner.plans_built
+    seq = [int(t) for t in np.random.default_rng(0).integers(1, 500, 201)]
+    runner.forward(seq[:200], range(200), output_rows=[199])
+    assert runner.arena.grown > 0 and runner.plans_built == built + 1
+    assert runner.plan(1, 1) is decode and runner.plans_built == built + 1
+    # its logits are those of a runner that never saw the long prompt's plan
+    got = runner.forward(seq[200:], [200])
+    alone = ForwardRunner(model, backend, KVCache(model.hparams, 256))
+    alone.forward(seq[:200], range(200), output_rows=[199])
+    alone._plans.clear()
+    np.testing.assert_array_equal(got, alone.forward(seq[200:], [200]))

@@ -253,6 +253,18 @@ def test_q8_0_row_groups_and_tail_rows_do_the_same_arithmetic():
 
 
 @pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(8, 32), (29, 160), (64, 576), (1543, 96)])
+def test_compiled_repack_equals_the_numpy_reference(t, shape):
+    """The load-time repack (a compiled kernel) gives the numpy reference's bytes, tail rows left out."""
+    w = make_weight(t, *shape, seed=17)
+    fast_repack, reference = ((qm._repack_q4_1, qm.repack_q4_1_reference) if t is GGMLType.Q4_1
+                              else (qm._repack_q8_0, qm.repack_q8_0_reference))
+    got = fast_repack(w.data, *shape)
+    assert got.dtype == np.uint8 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, reference(w.data, *shape))
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q8_0], ids=lambda t: t.name)
 def test_row_groups_past_one_token_pass(t):
     """More tokens than one pass over a group's weights holds (ROWS8_TOKENS): every row still equals the
     token alone, bit for bit."""

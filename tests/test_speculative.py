@@ -230,6 +230,37 @@ def test_greedy_text_with_lookup_and_draft_is_the_text_without(arch):
     assert totals["draft", "accepted"] > 0 and totals["lookup", "drafted"] > 0
 
 
+def test_verifying_passes_take_a_few_sizes_all_prepared_before_the_first_token():
+    """A model loaded with lookup prepares the decode and verifying shapes; a run that drafts builds no
+    plan after its first token, and every pass after the prompt evaluates one of those sizes."""
+    from minfer.runtime.speculative.state import verify_size, verify_sizes
+
+    assert verify_sizes(8) == [2, 4, 8, 9] and verify_sizes(4) == [2, 4, 5] and verify_sizes(1) == [2]
+    assert verify_sizes(2) == [2, 3] and [verify_size(n, 8) for n in (2, 3, 5, 8, 9)] == [2, 4, 8, 8, 9]
+    model = minfer.load(LLAMA, lookup=True, speculative={"draft_max": 8})
+    runner = model.runner
+    prepared = set(runner._plans)
+    assert {(1, 1), (2, 2), (4, 4), (8, 8), (9, 9)} <= prepared
+    shapes = []
+    run = runner._run
+
+    def spy(tokens, positions, output_rows, seq_ids, hidden):
+        shapes.append((len(tokens), len(tokens) if output_rows is None else len(output_rows)))
+        return run(tokens, positions, output_rows, seq_ids, hidden)
+
+    runner._run = spy
+    ids = [0, *range(5, 40)] * 2
+    stream = iter(model.stream(ids, max_tokens=40, temperature=0))
+    next(stream)
+    built = runner.plans_built
+    rest = list(stream)
+    assert runner.plans_built == built and rest
+    assert model.last_stats.accepted_tokens > 0
+    assert shapes[0] == (len(ids), 1) and set(shapes[1:]) <= {(1, 1), (2, 2), (4, 4), (8, 8), (9, 9)}
+    assert any(n > 2 for n, _ in shapes[1:])
+    assert model.complete(ids, 40, temperature=0).tokens == minfer.load(LLAMA).complete(ids, 40, temperature=0).tokens
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
 

@@ -118,7 +118,9 @@ class Model:
         self.engine = build_engine(self.transformer, self.backend, self.tokenizer, n_ctx, cache_type,
                                    engine_config or EngineConfig(), observers, settings, self.draft)
         self.runner = self.engine.runner
-        self.runner.prepare_kernels()  # a cold cache compiles here, announced, not inside the first answer
+        # a cold cache compiles here, announced, not inside the first answer; the plans of the passes after
+        # a prompt are built now, not between its tokens
+        self.engine.warm_up()
         self.kv = self.engine.kv
         self.last_stats: GenerationStats | None = None
 

@@ -25,11 +25,22 @@ COMPILING_COMMANDS = frozenset({"run", "chat", "perplexity", "bench", "serve", "
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minfer",
                                      description="Run GGUF and Hugging Face language models on the CPU.")
+    parser.add_argument("--version", action="version", version=f"minfer {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for group in (generate, inspection, measure, tracing, serve, warmup):  # the order `minfer --help` lists them in
         group.add_parsers(sub.add_parser)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (read from its metadata: importing ``minfer`` would load numpy)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("minfer")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
 
 
 def interrupt_on_ctrl_c() -> None:

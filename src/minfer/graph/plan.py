@@ -26,18 +26,21 @@ class BufferArena:
     slot of every plan shares one array, and so does the k-th backend buffer), so all the plans together take
     the memory of the largest one instead of the sum: a server that has seen every batch shape keeps a
     few dozen plans. ``grown`` counts the arrays replaced by larger ones; plans built before a growth
-    still hold the old arrays (correct, not shared) until they are dropped.
+    still hold the old arrays (correct, not shared) until they are dropped. ``retired_bytes``: the bytes
+    of the arrays replaced so far (what such plans keep alive, at most).
     """
 
     def __init__(self) -> None:
         self._arrays: dict[tuple[Any, ...], np.ndarray] = {}
         self.grown = 0
+        self.retired_bytes = 0
 
     def take(self, key: tuple[Any, ...], n: int, dtype: Any) -> np.ndarray:
         a = self._arrays.get(key)
         if a is None or a.size < n or a.dtype != dtype:
             if a is not None:
                 self.grown += 1
+                self.retired_bytes += a.nbytes
             keep = a.size if a is not None and a.dtype == dtype else 0
             a = self._arrays[key] = np.empty(max(n, keep), dtype)
         return a[:n]

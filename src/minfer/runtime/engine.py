@@ -249,11 +249,17 @@ class Engine:
         return picks
 
     def warm_up(self) -> None:
-        """Before the first requests of a padded engine: size the runner's buffer arena for the largest
-        pass it makes (a full batch with an output per slot) and write its pages, then prepare the plans
-        of the decode shapes (1..n_slots sequences). Memory is then taken up front, and no later batch
-        shape grows it."""
+        """Before the first requests, prepare the plans of the passes that follow a prompt, so that no
+        plan is built after a first token (each build costs 20-50 ms).
+
+        An unpadded engine (the API's): the one-token decode, and when it speculates by default the
+        verifying passes' sizes. A padded engine (a server's): size the runner's buffer arena for the
+        largest pass it makes (a full batch with an output per slot) and write its pages, then prepare
+        the plans of the decode shapes (1..n_slots sequences). Memory is then taken up front, and no later
+        batch shape grows it."""
         if self.batch_size is None:
+            for n in self.scheduler.after_prompt_sizes():
+                self.runner.plan(n, n)
             return
         n_slots = self.slots.n_slots
         # a full pass that also keeps every hidden state (embeddings in the batch) needs a little more

@@ -44,7 +44,7 @@ from minfer.runtime.slots import Slots
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
-from minfer.runtime.speculative.state import SequenceSpeculation
+from minfer.runtime.speculative.state import SequenceSpeculation, verify_size, verify_sizes
 
 EndOfContext = Literal["error", "length"]
 
@@ -84,7 +84,8 @@ class Running:
 class Batch:
     """One forward pass's inputs: token i of sequence ``seqs[i]`` at ``positions[i]`` (one int: every
     token is that sequence's); the rows of ``outputs`` are sampled for ``sampled`` (in order), sequence j's
-    first row at ``rows[j]``; the first ``n_real`` tokens are not padding. ``drafts``: for each sampled
+    first row at ``rows[j]``; ``n_real`` tokens are not padding (a padded engine's first ones; an unpadded
+    one pads a draft's verifying rows after it). ``drafts``: for each sampled
     sequence its draft, verified by 1 + its length rows (None: one row each). ``pooled``: the embedding
     sequences' chunks, (sequence, first token index, length): the pass keeps every token's hidden state
     for them."""
@@ -224,6 +225,13 @@ class Scheduler:
         """KV cache positions held by running sequences."""
         return sum(r.n_done if r.next_token is None else r.pos for r in self.running)
 
+    def after_prompt_sizes(self) -> list[int]:
+        """The token counts (each with an output per token) of the passes an unpadded engine runs after a
+        prompt, for a request with the default settings: the verifying passes' sizes when it speculates,
+        largest first (the smaller ones then fit in the arrays its plan took), and one-token decode."""
+        sizes = verify_sizes(self.speculative.draft_max) if self.speculative.on else []
+        return [*reversed(sizes), 1]
+
     def bucket(self, n: int) -> int:
         """The token count a padded pass of ``n`` tokens evaluates."""
         return next(b for b in self.buckets if b >= n)
@@ -249,6 +257,7 @@ class Scheduler:
         rows: list[int] = []
         drafted: list[Draft | None] = []
         pooled: list[tuple[Running, int, int]] = []
+        n_padding = 0
         for i, run in enumerate(self.running):
             if run.next_token is not None:
                 rows.append(len(outputs))
@@ -260,11 +269,13 @@ class Scheduler:
                 draft = drafts.get(i) if drafts else None
                 drafted.append(draft)
                 if draft is not None:  # each draft token is evaluated after the one before, its row sampled
-                    k = len(draft.tokens)
+                    k = len(draft.tokens) + self._verify_padding(run, len(draft.tokens))
                     outputs.extend(range(len(tokens), len(tokens) + k))
                     tokens.extend(draft.tokens)
+                    tokens.extend([draft.tokens[-1]] * (k - len(draft.tokens)))
                     positions.extend(range(run.pos + 1, run.pos + 1 + k))
                     seqs.extend([run.slot] * k)
+                    n_padding += k - len(draft.tokens)
         budget = self._prompt_budget(len(tokens))
         for run in self.running:
             if run.next_token is not None or budget <= 0:
@@ -285,7 +296,7 @@ class Scheduler:
                 drafted.append(None)
         if not tokens:
             return None
-        n_real, n_out = len(tokens), len(outputs)
+        n_real, n_out = len(tokens) - n_padding, len(outputs)
         spec = drafted if drafts else None
         if self.pad_seq is None:
             one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
@@ -299,6 +310,18 @@ class Scheduler:
             spare = outputs[-1] if outputs else 0
             outputs += [spare] * (self.bucket(max(n_out, 1)) - n_out)
         return Batch(tokens, positions, seqs, outputs, sampled, rows, n_real, spec, pooled)
+
+    def _verify_padding(self, run: Running, k: int) -> int:
+        """Padding rows after a draft of ``k`` tokens in an unpadded engine: its verifying pass is padded to
+        the bucket of its settings (:func:`~minfer.runtime.speculative.state.verify_size`), whose plan is
+        prepared, by more positions of the same sequence. Their K/V are overwritten later, like those of
+        rejected draft tokens, and their rows are not read. None where those positions do not fit in the
+        slot, or in a padded engine (its whole pass is bucketed)."""
+        if self.pad_seq is not None:
+            return 0
+        assert run.spec is not None
+        pad = verify_size(1 + k, run.spec.settings.draft_max) - 1 - k
+        return pad if run.pos + 1 + k + pad <= self.slots.capacity else 0
 
     def _prompt_budget(self, n_decode: int) -> int:
         """Prompt tokens this pass takes beside its ``n_decode`` decodes: as many as wait (up to the batch

@@ -592,7 +592,38 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
             out[t, r] = _q4_1_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
 
 
+@njit(parallel=True, cache=True)
+def _repack_q4_1_kernel(raw, rb, packed):
+    """:func:`repack_q4_1_reference`'s layout from the flat raw rows (``rb`` bytes each), one pass, the
+    groups in parallel (at load: 0.03 s for SmolLM2's 200 Q4_1 matrices on 2 threads, 0.5 s in numpy)."""
+    nb = rb // 20
+    n_groups = packed.shape[0] // (nb * 160)
+    for g in prange(n_groups):
+        for b in range(nb):
+            po = (g * nb + b) * 160
+            for r in range(8):
+                src = (8 * g + r) * rb + b * 20
+                for c in range(4):
+                    # values 8c + i and 8c + 4 + i: low nibbles of bytes 0..15 for c < 2, high ones after
+                    q = src + 4 + 8 * (c % 2)
+                    shift = 4 * (c // 2)
+                    for i in range(4):
+                        lo = (raw[q + i] >> shift) & 15
+                        hi = (raw[q + 4 + i] >> shift) & 15
+                        packed[po + 32 * c + 4 * r + i] = lo | (hi << 4)
+                for j in range(4):  # d (bytes 0, 1), then m (2, 3)
+                    packed[po + 128 + 16 * (j // 2) + 2 * r + j % 2] = raw[src + j]
+
+
 def _repack_q4_1(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """Q4_1 rows [n_out, n_in] -> the layout of :func:`repack_q4_1_reference`, by the compiled kernel."""
+    nb = n_in // QK
+    packed = np.empty(n_out // 8 * nb * 160, np.uint8)
+    _repack_q4_1_kernel(np.ascontiguousarray(data).reshape(-1), nb * 20, packed)
+    return packed
+
+
+def repack_q4_1_reference(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     """Q4_1 rows [n_out, n_in] (raw blocks of 20 bytes: f16 d, f16 m, 16 bytes of nibbles with value j in
     byte j's low and value j + 16 in its high nibble) -> the layout of _q4_1_rows8 for the whole groups
     of 8 rows: per group and block, 160 bytes (the same 20 per row and block as the file, one stream):
@@ -749,7 +780,32 @@ def _q8_0_rows8(packed, raw, rb, aq, au, ds, out):
             out[t, r] = _q8_0_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
 
 
+@njit(parallel=True, cache=True)
+def _repack_q8_0_kernel(raw, rb, packed):
+    """:func:`repack_q8_0_reference`'s layout from the flat raw rows (``rb`` bytes each), groups in parallel."""
+    nb = rb // 34
+    n_groups = packed.shape[0] // (nb * 272)
+    for g in prange(n_groups):
+        for b in range(nb):
+            po = (g * nb + b) * 272
+            for r in range(8):
+                src = (8 * g + r) * rb + b * 34
+                for c in range(8):
+                    for i in range(4):
+                        packed[po + 32 * c + 4 * r + i] = raw[src + 2 + 4 * c + i]
+                packed[po + 256 + 2 * r] = raw[src]
+                packed[po + 256 + 2 * r + 1] = raw[src + 1]
+
+
 def _repack_q8_0(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """Q8_0 rows [n_out, n_in] -> the layout of :func:`repack_q8_0_reference`, by the compiled kernel."""
+    nb = n_in // QK
+    packed = np.empty(n_out // 8 * nb * 272, np.uint8)
+    _repack_q8_0_kernel(np.ascontiguousarray(data).reshape(-1), nb * 34, packed)
+    return packed
+
+
+def repack_q8_0_reference(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     """Q8_0 rows [n_out, n_in] (raw blocks of 34 bytes: f16 d, 32 int8 values) -> the layout of
     _q8_0_rows8 for the whole groups of 8 rows: per group and block, 272 bytes (the same 34 per row and
     block as the file, one stream): 256 bytes ``[chunk c (8), row (8), i (4)]`` holding value 4c + i of

@@ -30,12 +30,30 @@ server's request field and ``model.generate(...)`` keywords follow from those.
 Not carried over from llama.cpp: dynamic temperature, the infill and adaptive-p samplers.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from minfer.compiling import CompileJob
-from minfer.runtime.sampling import chain_kernel, top_k_kernel
-from minfer.runtime.sampling.batched import sample_batch
-from minfer.runtime.sampling.chain import Sampler
-from minfer.runtime.sampling.logprobs import TokenLogprob, token_logprobs
 from minfer.runtime.sampling.params import DEFAULT_DRY_SEQUENCE_BREAKERS, DEFAULT_SAMPLERS, PARAMS, SamplingParams
+
+if TYPE_CHECKING:
+    from minfer.runtime.sampling.batched import sample_batch
+    from minfer.runtime.sampling.chain import Sampler
+    from minfer.runtime.sampling.logprobs import TokenLogprob, token_logprobs
+
+# imported on first use: the chain's modules load numba (~1 s), which the parameters (the CLI's flags,
+# `minfer --help`) do not need
+_LAZY = {"Sampler": "chain", "sample_batch": "batched", "TokenLogprob": "logprobs", "token_logprobs": "logprobs"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "DEFAULT_DRY_SEQUENCE_BREAKERS",
@@ -68,6 +86,8 @@ def compile_jobs(batched: bool = False) -> list[CompileJob]:
 
 def compile_sampler(batched: bool) -> None:
     """A compile job's body: one sequence's kernels, or (``batched``) those of a batch of rows."""
+    from minfer.runtime.sampling import chain_kernel, top_k_kernel
+
     if batched:
         chain_kernel.warmup_rows(2)
         top_k_kernel.warmup_biased()
@@ -78,5 +98,7 @@ def compile_sampler(batched: bool) -> None:
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) every sampler kernel, in this process."""
+    from minfer.runtime.sampling import chain_kernel, top_k_kernel
+
     top_k_kernel.warmup()
     chain_kernel.warmup()

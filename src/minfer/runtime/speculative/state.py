@@ -6,6 +6,10 @@ target keeps rejecting must stay short. After a pass that accepted the whole dra
 twice as long (up to ``draft_max``); after a rejection at index m it holds at most m + 1 tokens. A draft
 rejected at its first token backs off: the sequence decodes plainly for 1, 2, 4 ... up to 16 steps
 before drafting again (free text, where prompt lookup keeps finding one-token matches that fail).
+
+A verifying pass evaluates a bucketed number of tokens (:func:`verify_sizes`: 2, 4, 8 ... and
+``1 + draft_max``), so that its plan is one of a few prepared before the first token: a draft asks for as
+many tokens as its pass holds (they cost nothing more), and a shorter one is padded (see the scheduler).
 """
 
 from __future__ import annotations
@@ -18,6 +22,20 @@ from minfer.runtime.speculative.lookup import TokenHistory, lookup_draft
 from minfer.runtime.speculative.settings import SpeculativeSettings
 
 MAX_BACKOFF = 16
+
+
+def verify_sizes(draft_max: int) -> list[int]:
+    """The token counts a verifying pass of a sequence with this ``draft_max`` evaluates: the powers of
+    two from 2 below ``1 + draft_max``, and ``1 + draft_max`` itself."""
+    sizes = [2]
+    while sizes[-1] * 2 < 1 + draft_max:
+        sizes.append(sizes[-1] * 2)
+    return [s for s in sizes if s < 1 + draft_max] + [1 + draft_max]
+
+
+def verify_size(n: int, draft_max: int) -> int:
+    """The tokens a verifying pass of ``n`` (the next token and its draft) evaluates."""
+    return next(s for s in verify_sizes(draft_max) if s >= n)
 
 
 def draft_sampler(params: SamplingParams, seed: int) -> Sampler:
@@ -51,7 +69,10 @@ class SequenceSpeculation:
         if self.skip:
             self.skip -= 1
             return 0
-        return max(0, min(self.k, room))
+        k = max(0, min(self.k, room))
+        if k:  # the pass is padded to its size anyway: a draft that fills it costs nothing more
+            k = min(verify_size(1 + k, self.settings.draft_max) - 1, room)
+        return k
 
     def lookup(self, generated: list[int], k: int) -> Draft | None:
         """Prompt lookup's draft after the tokens generated so far (the history catches up on them)."""
