@@ -261,6 +261,33 @@ def test_verifying_passes_take_a_few_sizes_all_prepared_before_the_first_token()
     assert model.complete(ids, 40, temperature=0).tokens == minfer.load(LLAMA).complete(ids, 40, temperature=0).tokens
 
 
+def test_a_sequence_whose_drafts_are_rarely_kept_stops_drafting_for_a_while():
+    """Drafts that keep under 30% of their tokens (after 8 drafted) switch speculation off for 64 steps;
+    kept drafts do not, and neither do a few early rejections."""
+    from minfer.runtime.sampling import Sampler, SamplingParams
+    from minfer.runtime.speculative import SpeculativeSettings
+    from minfer.runtime.speculative.state import OFF_STEPS, SequenceSpeculation
+
+    def spec():
+        return SequenceSpeculation(SpeculativeSettings(mode="lookup"), [1, 2, 3], Sampler(SamplingParams()))
+
+    poor = spec()
+    for _ in range(2):
+        poor.verified(3, 0)
+        while not poor.limit(100):  # the back-off steps
+            pass
+    assert poor.skip == 0
+    poor.verified(3, 1)  # 1 of 9 kept: off
+    assert [poor.limit(100) for _ in range(OFF_STEPS)] == [0] * OFF_STEPS and poor.limit(100) > 0
+    good = spec()
+    for _ in range(5):
+        good.verified(3, 2)
+        assert good.limit(100) > 0
+    early = spec()
+    early.verified(3, 0)
+    assert early.skip == 1  # backing off, not off
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
 

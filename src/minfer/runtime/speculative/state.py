@@ -5,7 +5,8 @@ one-token pass on a CPU (SmolLM2 at 2 threads: a 9-token pass about twice a 1-to
 target keeps rejecting must stay short. After a pass that accepted the whole draft the next one may be
 twice as long (up to ``draft_max``); after a rejection at index m it holds at most m + 1 tokens. A draft
 rejected at its first token backs off: the sequence decodes plainly for 1, 2, 4 ... up to 16 steps
-before drafting again (free text, where prompt lookup keeps finding one-token matches that fail).
+before drafting again (free text, where prompt lookup keeps finding one-token matches that fail); a
+sequence whose drafts keep under 30% of their tokens stops drafting for 64 steps.
 
 A verifying pass evaluates a bucketed number of tokens (:func:`verify_sizes`: 2, 4, 8 ... and
 ``1 + draft_max``), so that its plan is one of a few prepared before the first token: a draft asks for as
@@ -22,6 +23,12 @@ from minfer.runtime.speculative.lookup import TokenHistory, lookup_draft
 from minfer.runtime.speculative.settings import SpeculativeSettings
 
 MAX_BACKOFF = 16
+# a sequence whose drafts keep fewer than this share of their tokens, after OFF_AFTER drafted tokens, stops
+# drafting for OFF_STEPS steps: a verifying pass of 2 tokens costs ~1.4 decodes (SmolLM2 and a 1.7B shape,
+# 2 threads), so a one-token draft pays only when it is kept more often than that
+OFF_ACCEPTANCE = 0.3
+OFF_AFTER = 8
+OFF_STEPS = 64
 
 
 def verify_sizes(draft_max: int) -> list[int]:
@@ -62,6 +69,7 @@ class SequenceSpeculation:
         self.k = settings.draft_max
         self.skip = 0  # steps left to decode without a draft
         self.backoff = 1  # steps to skip after the next draft rejected whole
+        self.drafted = self.accepted = 0  # since drafting last resumed
 
     def limit(self, room: int) -> int:
         """Tokens the next draft may hold: the adaptive length, within ``room`` (what the sequence may still
@@ -98,3 +106,9 @@ class SequenceSpeculation:
             self.skip, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
         else:
             self.backoff = 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.drafted >= OFF_AFTER and self.accepted < OFF_ACCEPTANCE * self.drafted:
+            # speculation does not pay for this sequence: off for a while, then measured afresh
+            self.skip = OFF_STEPS
+            self.drafted = self.accepted = 0
