@@ -54,6 +54,7 @@ def test_eight_concurrent_lookup_requests_get_their_plain_text(server, local):
     generated = server.metric("minfer_generated_tokens_total")
     passes = server.metric("minfer_target_passes_total")
     assert accepted > 0 and 0 < passes < generated  # drafts kept: fewer passes than tokens
+    assert server.metric("minfer_plans_built") >= 9  # at least the decode shapes of 1..8 sequences, at start
     for q, text in zip(QUESTIONS, together, strict=True):
         local.kv.clear()
         assert text == local.chat([{"role": "user", "content": q}], max_tokens=64, temperature=0)

@@ -69,7 +69,9 @@ class ServerContext:
     @classmethod
     def create(cls, model: Model, engine_loop: EngineLoop, config: ServerConfig, created: int) -> ServerContext:
         loop = engine_loop
-        metrics = ServerMetrics(loop.load, loop.cells_in_use, loop.n_slots * loop.slot_context)
+        runner = model.engine.runner
+        metrics = ServerMetrics(loop.load, loop.cells_in_use, loop.n_slots * loop.slot_context,
+                                lambda: runner.plans_built)
         names = {config.model_id, str(model.path), Path(model.path).name, Path(model.path).stem}
         tok = model.tokenizer
         longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=1)

@@ -20,6 +20,7 @@ class ServerMetrics:
         load: Callable[[], tuple[int, int]],
         cells_in_use: Callable[[], int],
         cells_total: int,
+        plans_built: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
@@ -38,6 +39,9 @@ class ServerMetrics:
         used.set_function(cells_in_use)
         total = Gauge("minfer_kv_cells_total", "KV cache positions (all slots)", registry=reg)
         total.set(cells_total)
+        plans = Gauge("minfer_plans_built", "forward-pass plans built since the start (each costs 20-50 ms; "
+                      "the batch shapes' plans are built at start)", registry=reg)
+        plans.set_function(plans_built)
         self.ttft = Histogram("minfer_time_to_first_token_seconds", "from request arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram("minfer_inter_token_latency_seconds", "between two tokens of one sequence",
