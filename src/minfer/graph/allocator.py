@@ -11,9 +11,8 @@ them: the residual adds, norms, RoPE and SwiGLU then run without a new buffer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-
-import numpy as np
 
 from minfer.graph.ir import Graph, Node, Op
 
@@ -70,7 +69,7 @@ def allocate(graph: Graph) -> Allocation:
             in_place.add(node.id)
             _release_dead_inputs(node, step, last_use, slot_of, free, keep=first.id)
             continue
-        need = int(np.prod(node.shape))
+        need = math.prod(node.shape)
         # best fit among free slots; grow the smallest one when none fits
         fitting = [s for s in free if sizes[s] >= need]
         if fitting:

@@ -8,6 +8,7 @@ keeps each layer's KV store before the attention that reads it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,7 +105,7 @@ class Plan:
                 )
                 n_buffers += 1
             else:
-                size = int(np.prod(node.shape))
+                size = math.prod(node.shape)
                 views[node.id] = self.pool[alloc.slot_of[node.id]][:size].reshape(node.shape)
         self.views = views
         self.steps = [
