@@ -5,7 +5,7 @@ also keeps every token's final-normed hidden state, for embeddings). Plans are k
 shapes seen recently (decode reuses the one-token plan every step); their activation buffers come from
 one :class:`~minfer.graph.plan.BufferArena` (the plans run one at a time).
 
-A plan costs a graph build (SmolLM2: about 20 ms for a decode shape, 45 ms for a 100-token prompt), so
+A plan costs a graph build (SmolLM2, 2 threads: 13-18 ms, the first one of a run also its weights' setup), so
 the engine prepares the shapes it will run after a prompt (decode, the verifying passes' buckets) before
 it, and a larger prompt that grows the arena keeps them: the arrays it replaces stay with the plans that
 hold them, up to :data:`RETIRED_SHARE` of the arena. ``plans_built`` counts the builds.

@@ -315,7 +315,7 @@ class Scheduler:
         """Padding rows after a draft of ``k`` tokens in an unpadded engine: its verifying pass is padded to
         the bucket of its settings (:func:`~minfer.runtime.speculative.state.verify_size`), whose plan is
         prepared, by more positions of the same sequence. Their K/V are overwritten later, like those of
-        rejected draft tokens, and their rows are not read. None where those positions do not fit in the
+        rejected draft tokens, and their rows are not read. 0 where those positions do not fit in the
         slot, or in a padded engine (its whole pass is bucketed)."""
         if self.pad_seq is not None:
             return 0

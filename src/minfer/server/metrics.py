@@ -39,7 +39,7 @@ class ServerMetrics:
         used.set_function(cells_in_use)
         total = Gauge("minfer_kv_cells_total", "KV cache positions (all slots)", registry=reg)
         total.set(cells_total)
-        plans = Gauge("minfer_plans_built", "forward-pass plans built since the start (each costs 20-50 ms; "
+        plans = Gauge("minfer_plans_built", "forward-pass plans built since the start (each costs 10-50 ms; "
                       "the batch shapes' plans are built at start)", registry=reg)
         plans.set_function(plans_built)
         self.ttft = Histogram("minfer_time_to_first_token_seconds", "from request arrival to its first token",
