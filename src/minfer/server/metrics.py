@@ -20,7 +20,7 @@ class ServerMetrics:
         load: Callable[[], tuple[int, int]],
         cells_in_use: Callable[[], int],
         cells_total: int,
-        plans_built: Callable[[], int] = lambda: 0,
+        plans_built: Callable[[], int],
     ) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry

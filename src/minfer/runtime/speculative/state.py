@@ -2,12 +2,12 @@
 
 The draft length adapts to what the target accepts: a verifying pass of k + 1 tokens costs more than a
 one-token pass on a CPU (SmolLM2 and a 1.7B shape at 2 threads: 2, 4, 8 tokens cost 1.4, 1.8, 2.9
-one-token passes), so a draft the
-target keeps rejecting must stay short. After a pass that accepted the whole draft the next one may be
-twice as long (up to ``draft_max``); after a rejection at index m it holds at most m + 1 tokens. A draft
-rejected at its first token backs off: the sequence decodes plainly for 1, 2, 4 ... up to 16 steps
-before drafting again (free text, where prompt lookup keeps finding one-token matches that fail); a
-sequence whose drafts keep under 30% of their tokens stops drafting for 64 steps.
+one-token passes), so a draft the target keeps rejecting must stay short. After a pass that accepted the
+whole draft the next one may be twice as long (up to ``draft_max``); after a rejection at index m it
+holds at most m + 1 tokens. A draft rejected at its first token backs off: the sequence decodes plainly
+for 1, 2, 4 ... up to 16 steps before drafting again (free text, where prompt lookup keeps finding
+one-token matches that fail); a sequence whose drafts keep under 30% of their tokens stops drafting for
+64 steps.
 
 A verifying pass evaluates a bucketed number of tokens (:func:`verify_sizes`: 2, 4, 8 ... and
 ``1 + draft_max``), so that its plan is one of a few prepared before the first token: a draft asks for as
