@@ -102,3 +102,26 @@ def test_matmuls_reading_one_input_run_as_one_loop_with_the_same_logits(tmp_path
     assert not any(isinstance(s.fn, _GroupedMatmuls) for s in alone.runner.plan(1, 1).steps)
     for got, own in zip(*runs, strict=True):
         assert got.view(np.uint32).tolist() == own.view(np.uint32).tolist()
+
+
+def test_k_quant_matmuls_of_every_plan_share_one_set_of_q8_k_buffers(tmp_path):
+    """Each bound K-quant matmul quantizes its activations and consumes them inside its own call, so every
+    call of every plan shares the backend's one set of Q8_K buffers, sized for the largest call (at 1.7B a
+    512-token plan held ~250 MiB of buffers of their own before). The logits are the same bits as with a
+    set of each call's own."""
+    import minfer
+
+    out = tmp_path / "m.gguf"
+    sm.write_model(out, "tiny", "q4_k_m", TOKENIZER, quantizer="minfer", log=lambda _: None)
+    shared = minfer.load(out, n_ctx=32, threads=2)
+    own = minfer.load(out, n_ctx=32, threads=2)
+    own.runner.backend._q8k_scratch = None  # each bound call quantizes into buffers of its own
+    own.runner._plans.clear()
+    ids = list(range(1, 12))
+    runs = [(m.runner.forward(ids, range(len(ids))), m.runner.forward([9], [len(ids)]),
+             m.runner.forward(ids[:3], range(len(ids), len(ids) + 3))) for m in (shared, own)]
+    for got, ref in zip(*runs, strict=True):
+        assert got.view(np.uint32).tolist() == ref.view(np.uint32).tolist()
+    # the widest K-quant input is ffn_down's (n_ff): q int8, one float32 d and 16 int16 sums per 256
+    widest = len(ids) * sm.SHAPES["tiny"].n_ff
+    assert shared.runner.backend._q8k_scratch.nbytes == widest + widest // 256 * (4 + 32)

@@ -224,6 +224,8 @@ class CPUBackend:
             self._norms, self._ew, self._rope, self._attn = norms, elementwise, rope, attention
             self._qm = quant_matmul
             self._kq = kquant_matmul  # compiled on first use (Q5_0/Q5_1 and the K-quants)
+            # the Q8_K activations of every bound K-quant matmul of every plan (one step runs at a time)
+            self._q8k_scratch = kquant_matmul.Q8KScratch()
             self._iq = iquant_matmul  # compiled on first use (IQ4_NL, IQ4_XS, MXFP4)
         elif threads > 1:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer")
@@ -354,7 +356,8 @@ class CPUBackend:
                 j += 1
             if j - i > 1:
                 run = steps[i:j]
-                call = self._kq.group_call(args[0], [a[1] for _, _, _, a in run], [o for _, _, o, _ in run])
+                call = self._kq.group_call(args[0], [a[1] for _, _, _, a in run], [o for _, _, o, _ in run],
+                                           self._q8k_scratch)
                 if call is not None:
                     fns[i] = _GroupedMatmuls(call, run)
                     fns[i + 1 : j] = [_computed_by_group] * (j - i - 1)
@@ -397,9 +400,11 @@ class CPUBackend:
             else:
                 return self._reference_matmul
             direct = None
-            if mm is not self._iq.matmul:
-                bind = (qm if mm is qm.matmul else self._kq).direct_call
-                direct = lambda out, x, w, xq=None: bind(x, w, out, xq)  # noqa: E731
+            if mm is qm.matmul:
+                direct = lambda out, x, w, xq=None: qm.direct_call(x, w, out, xq)  # noqa: E731
+            elif mm is self._kq.matmul:
+                kq, scratch = self._kq, self._q8k_scratch
+                direct = lambda out, x, w, xq=None: kq.direct_call(x, w, out, xq, scratch)  # noqa: E731
             if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
                 return _bound(lambda out, x, w, xq: mm(x, w, out, xq), direct)
             return _bound(lambda out, x, w: mm(x, w, out), direct)

@@ -63,7 +63,7 @@ Repacked rows
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from llvmlite import ir
@@ -568,11 +568,13 @@ class Q8KActivations:
 
     __slots__ = ("q", "d", "bsums", "_q", "_d", "_bs")
 
-    def __init__(self, n_tok: int, n_in: int) -> None:
+    def __init__(self, n_tok: int, n_in: int, take: Callable[[str, int, Any], np.ndarray] | None = None) -> None:
+        if take is None:
+            take = lambda part, n, dtype: np.empty(n, dtype)  # noqa: E731
         nbk = n_in // QK_K
-        self._q = np.empty(n_tok * n_in, np.int8)
-        self._d = np.empty(n_tok * nbk, np.float32)
-        self._bs = np.empty(n_tok * nbk * 16, np.int16)
+        self._q = take("q", n_tok * n_in, np.int8)
+        self._d = take("d", n_tok * nbk, np.float32)
+        self._bs = take("bsums", n_tok * nbk * 16, np.int16)
         self.q = self._q.reshape(n_tok, n_in)
         self.d = self._d.reshape(n_tok, nbk)
         self.bsums = self._bs.reshape(n_tok, nbk, 16)
@@ -585,6 +587,36 @@ class Q8KActivations:
         """``d * q`` as float32 ``[n_tok, n_in]`` (what the kernels multiply by, for references)."""
         n_tok, n_in = self.q.shape
         return (self.q.reshape(n_tok, -1, QK_K).astype(np.float32) * self.d[:, :, None]).reshape(n_tok, n_in)
+
+
+class Q8KScratch:
+    """The Q8_K buffers that a backend's bound K-quant matmuls quantize their activations into.
+
+    A bound call quantizes its activations and consumes them inside itself, and a backend runs one step
+    at a time (on the engine thread), so every call of every plan shares one set, sized for the largest
+    call. (With a set of their own per call, a 1.7B model's 512-token plan held ~250 MiB of them.)
+    A set that grows is replaced: the calls bound to the old one keep it alive (correct, not shared);
+    ``retired_bytes`` counts those."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+        self.retired_bytes = 0
+
+    def _take(self, part: str, n: int, dtype: Any) -> np.ndarray:
+        a = self._arrays.get(part)
+        if a is None or a.size < n:
+            if a is not None:
+                self.retired_bytes += a.nbytes
+            a = self._arrays[part] = np.empty(n, dtype)
+        return a[:n]
+
+    def activations(self, n_tok: int, n_in: int) -> Q8KActivations:
+        """Views for ``x[n_tok, n_in]``: valid until the next call's quantization overwrites them."""
+        return Q8KActivations(n_tok, n_in, take=self._take)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays.values())
 
 
 @njit(fastmath=True, cache=True)
@@ -899,25 +931,29 @@ def matmul(
         out[...] = dst[:, : p.n_out]
 
 
-def _own_quantizer(x: np.ndarray) -> tuple[Q8KActivations, Callable[..., None]]:
-    """Q8_K buffers of a bound call's own for ``x``, and the kernel that quantizes ``x`` into them (the
-    parallel one from ``PARALLEL_QUANTIZE_TOKENS`` tokens on)."""
-    return Q8KActivations(*x.shape), _q8k_parallel if x.shape[0] >= PARALLEL_QUANTIZE_TOKENS else _q8k_serial
+def _quantizer(x: np.ndarray, scratch: Q8KScratch | None) -> tuple[Q8KActivations, Callable[..., None]]:
+    """Q8_K buffers for ``x`` (``scratch``'s, or a call's own without one), and the kernel that quantizes
+    ``x`` into them (the parallel one from ``PARALLEL_QUANTIZE_TOKENS`` tokens on)."""
+    buffers = Q8KActivations(*x.shape) if scratch is None else scratch.activations(*x.shape)
+    return buffers, _q8k_parallel if x.shape[0] >= PARALLEL_QUANTIZE_TOKENS else _q8k_serial
 
 
 def direct_call(
-    x: np.ndarray, w: _Prepared, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None
+    x: np.ndarray, w: _Prepared, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None,
+    scratch: Q8KScratch | None = None,
 ) -> Callable[[], None] | None:
     """What ``matmul(x, w, out, xq)`` runs, bound to these very arrays with none of its checks (see
-    :func:`minfer.backends.cpu.quant_matmul.direct_call`); None where the general path is needed."""
+    :func:`minfer.backends.cpu.quant_matmul.direct_call`); None where the general path is needed.
+    Without ``xq``, the activations are quantized on every call into ``scratch`` (shared with the
+    backend's other bound calls), or into buffers of the call's own."""
     if not isinstance(w, _Prepared) or w.padded or w.n_in == 0 or w.n_out == 0 or out.shape[0] == 0:
         return None
     if not out.flags.c_contiguous or x.dtype != np.float32 or not x.flags.c_contiguous:
         return None
     kind, flat, rb, rows8, rows8_kernel = w.kind, w.flat, w.rb, w.rows8, w.rows8_kernel
     if w.is_k:
-        if xq is None:  # quantized here on every call, as matmul does, into buffers of this call's own
-            own, quantize = _own_quantizer(x)
+        if xq is None:  # quantized here on every call, as matmul does
+            own, quantize = _quantizer(x, scratch)
 
             def run() -> None:
                 quantize(x, own._q, own._d, own._bs)
@@ -939,11 +975,14 @@ def direct_call(
     return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
 
 
-def group_call(x: np.ndarray, ws: Sequence[_Prepared], outs: Sequence[np.ndarray]) -> Callable[[], None] | None:
+def group_call(
+    x: np.ndarray, ws: Sequence[_Prepared], outs: Sequence[np.ndarray], scratch: Q8KScratch | None = None
+) -> Callable[[], None] | None:
     """``matmul(x, w, out)`` for two or three weights that read the same activations ``x`` (q/k/v,
-    gate/up), bound to these arrays with none of the checks: ``x`` quantized once, then one parallel loop
-    over all the weights' groups of rows. None unless every weight is on the same repacked layout
-    (kquant_rows8) and every operand fits. Each output is the same bits as its own call's."""
+    gate/up), bound to these arrays with none of the checks: ``x`` quantized once (into ``scratch``, as
+    :func:`direct_call` does), then one parallel loop over all the weights' groups of rows. None unless
+    every weight is on the same repacked layout (kquant_rows8) and every operand fits. Each output is the
+    same bits as its own call's."""
     if not 2 <= len(ws) <= 3 or len(outs) != len(ws):
         return None
     if not all(isinstance(w, _Prepared) and w.rows8 is not None for w in ws):
@@ -956,7 +995,7 @@ def group_call(x: np.ndarray, ws: Sequence[_Prepared], outs: Sequence[np.ndarray
     if any(o.shape != (n_tok, w.n_out) or o.dtype != np.float32 or not o.flags.c_contiguous
            for w, o in zip(ws, outs, strict=True)):
         return None
-    own, quantize = _own_quantizer(x)
+    own, quantize = _quantizer(x, scratch)
     kernel = ws[0].rows8_kernel
     args = [ws[0].rows8, own._q, own._d, own._bs, outs[0]]
     for w, o in zip(ws[1:], outs[1:], strict=True):
