@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import gguf
@@ -44,6 +45,51 @@ def test_tensors_are_memory_mapped_not_copied():
     f = GGUFFile(fixture_dir("llama") / "model-f32.gguf")
     t = f.tensor("blk.0.attn_q.weight")
     assert not t.data.flags.writeable and not t.data.flags.owndata
+
+
+def _mapped_kib(path) -> int:
+    """This process's resident KiB of its mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:
+                inside = head[-1] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_rows_read_from_the_file_equal_the_mapped_rows_and_map_no_page(tmp_path):
+    """An embedding lookup's rows come through preadv, not the map: through the map, each scattered row
+    makes the kernel's fault-around window (64 KiB) around it resident in the process."""
+    from minfer.formats.gguf_file import ExpertTensors, tensor_rows
+
+    rows, width = 4096, 1024  # 16 MiB of f32: 4 KiB per row
+    table = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", table)
+    w.add_tensor("stack", table.reshape(4, rows // 4, width))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = GGUFFile(path).tensor("token_embd.weight")
+    ids = np.arange(7, rows, 61)  # 67 rows, 244 KiB apart
+    before = _mapped_kib(path)
+    got = t.rows(ids)
+    assert _mapped_kib(path) - before < 64  # nothing of the table became resident
+    assert np.array_equal(got.view(np.float32), table[ids])
+    sub = tensor_rows(t, 100, 200, "part")
+    assert np.array_equal(sub.rows(np.array([0, 99])).view(np.float32), table[[100, 199]])
+    expert = ExpertTensors.from_stacked(GGUFFile(path).tensor("stack")).experts[2]
+    assert np.array_equal(expert.rows(np.array([5])).view(np.float32), table[[2 * rows // 4 + 5]])
+    with pytest.raises(IndexError, match="outside 0..99"):
+        sub.rows(np.array([100]))
+    _ = t.data[ids].copy()  # the map's way: what the rows above did not do
+    assert _mapped_kib(path) - before > 1024
 
 
 def test_missing_file(tmp_path):

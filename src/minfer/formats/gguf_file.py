@@ -10,8 +10,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +26,66 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 
 
+class OpenFile:
+    """A file kept open for reading at offsets (``os.preadv``), closed when the last holder is gone."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = os.dup(fd)  # the very file that was mapped, even if the path is replaced later
+        weakref.finalize(self, os.close, self.fd)
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """Where a tensor's rows lie in its file, to read a few of them without touching the memory map.
+
+    Reading scattered rows through the map (an embedding lookup) maps the kernel's fault-around window
+    (64 KiB) around each into the process: 512 random tokens of a 1.7B model's embeddings made 55 MiB of
+    the file resident. Read with ``preadv``, the rows go through the page cache only."""
+
+    file: OpenFile
+    offset: int  # of row 0
+    row_bytes: int
+    n_rows: int
+
+    def sub(self, r0: int, r1: int) -> FileRows:
+        """Rows ``r0..r1`` as rows of their own."""
+        return FileRows(self.file, self.offset + r0 * self.row_bytes, self.row_bytes, r1 - r0)
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """``uint8[len(ids), row_bytes]``: the rows ``ids`` (each in ``0 .. n_rows - 1``)."""
+        ids = np.asarray(ids).reshape(-1)
+        out = np.empty((ids.size, self.row_bytes), np.uint8)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.n_rows):
+            raise IndexError(f"row ids {int(ids.min())}..{int(ids.max())} outside 0..{self.n_rows - 1}")
+        fd, offset, rb = self.file.fd, self.offset, self.row_bytes
+        for i, r in enumerate(ids.tolist()):
+            if os.preadv(fd, [out[i]], offset + r * rb) != rb:
+                raise FormatError(f"{self.file.path}: shorter than when it was loaded (changed on disk?)")
+        return out
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor of a GGUF file.
 
     ``shape`` is in numpy order (rows first): a GGUF matrix with ``ne = [n_in, n_out]`` has shape
     ``(n_out, n_in)``. ``data`` is the raw memory-mapped bytes, one row of ``shape[-1]`` values per
-    row of the array: ``uint8[n_rows, row_nbytes]``.
+    row of the array: ``uint8[n_rows, row_nbytes]``. ``file_rows``, where the rows come straight from a
+    file, reads some of them without the map (see :class:`FileRows`).
     """
 
     name: str
     ggml_type: GGMLType
     shape: tuple[int, ...]
     data: np.ndarray
+    file_rows: FileRows | None = field(default=None, compare=False, repr=False)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """``data[ids]`` (a copy), read from the file where it can be, so that no page is mapped for it."""
+        if self.file_rows is not None:
+            return self.file_rows.read(ids)
+        return self.data[ids]
 
     @property
     def n_elements(self) -> int:
@@ -50,7 +98,8 @@ class GGUFTensor:
 
 def tensor_rows(t: GGUFTensor, r0: int, r1: int, name: str) -> GGUFTensor:
     """Rows ``r0..r1`` of a matrix as a tensor of its own: a view of the same bytes (a fused projection's part)."""
-    return GGUFTensor(name, t.ggml_type, (r1 - r0, *t.shape[1:]), t.data[r0:r1])
+    rows = t.file_rows.sub(r0, r1) if t.file_rows is not None else None
+    return GGUFTensor(name, t.ggml_type, (r1 - r0, *t.shape[1:]), t.data[r0:r1], rows)
 
 
 @dataclass(frozen=True)
@@ -67,8 +116,7 @@ class ExpertTensors:
         if len(t.shape) != 3:
             raise FormatError(f"tensor {t.name!r} has shape {t.shape}, expected 3-D (experts, rows, columns)")
         n, rows = t.shape[0], t.shape[1]
-        return cls(t.name, tuple(GGUFTensor(f"{t.name}[{e}]", t.ggml_type, t.shape[1:], t.data[e * rows:(e + 1) * rows])
-                                 for e in range(n)))
+        return cls(t.name, tuple(tensor_rows(t, e * rows, (e + 1) * rows, f"{t.name}[{e}]") for e in range(n)))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,6 +153,7 @@ class GGUFFile:
                 if size == 0:
                     raise FormatError(f"{path}: empty file, not a GGUF file")
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                opened = OpenFile(path, f.fileno()) if hasattr(os, "preadv") else None
         except OSError as e:
             raise FormatError(f"{path}: cannot read: {e.strerror}") from None
         self._mmap = mm
@@ -135,7 +184,8 @@ class GGUFFile:
                 raise FormatError(
                     f"{path}: truncated GGUF file: tensor {name!r} needs bytes up to {end}, the file has {size}"
                 )
-            tensors[name] = GGUFTensor(name, ggml_type, shape, buffer[begin:end].reshape(n_rows, row_bytes))
+            file_rows = FileRows(opened, begin, row_bytes, n_rows) if opened is not None else None
+            tensors[name] = GGUFTensor(name, ggml_type, shape, buffer[begin:end].reshape(n_rows, row_bytes), file_rows)
         self.tensors = tensors
 
     # -- typed metadata access ------------------------------------------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 
 from minfer.errors import FormatError
 from minfer.formats.block_types import GGMLType
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.gguf_file import FileRows, GGUFTensor, OpenFile
 
 # safetensors dtype -> the engine's type; other dtypes are listed, and refused when a model needs them
 SAFETENSORS_TYPES: dict[str, GGMLType] = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
@@ -73,6 +73,7 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
                 size = os.fstat(f.fileno()).st_size
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                opened = OpenFile(path, f.fileno()) if size and hasattr(os, "preadv") else None
         except (OSError, ValueError, struct.error) as e:
             raise FormatError(f"{path}: cannot read the safetensors header ({e})") from None
         self._mmap = mm
@@ -91,9 +92,11 @@ class SafetensorsFile:
             n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
             row_bytes = n_cols * _ITEMSIZE[dtype]
             data = buffer[begin:end]
+            rows = FileRows(opened, begin, row_bytes, n_rows) if opened is not None else None
             if begin % _ITEMSIZE[dtype]:
                 data = data.copy()  # a misaligned tensor (no writer we know makes one): aligned private copy
-            self.tensors[name] = GGUFTensor(name, SAFETENSORS_TYPES[dtype], shape, data.reshape(n_rows, row_bytes))
+            self.tensors[name] = GGUFTensor(name, SAFETENSORS_TYPES[dtype], shape, data.reshape(n_rows, row_bytes),
+                                            rows)
 
 
 def _first_line(e: BaseException) -> str:

@@ -234,7 +234,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
             raise ModelError(f"{info.file}: tensor {hf_name!r} has dtype {info.dtype}, not supported "
                              f"(supported: {', '.join(SAFETENSORS_TYPES)})")
         t = folder.tensors[hf_name]
-        tensors[name] = GGUFTensor(name, t.ggml_type, t.shape, t.data)
+        tensors[name] = GGUFTensor(name, t.ggml_type, t.shape, t.data, t.file_rows)
         origin[name] = (hf_name, info.file)
 
     for stack, by_expert in experts.items():

@@ -159,7 +159,7 @@ def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: n
 
 def get_rows(table: np.ndarray | GGUFTensor, ids: np.ndarray, out: np.ndarray) -> None:
     if isinstance(table, GGUFTensor):
-        out[:] = dequantize_rows(table.data[ids], table.ggml_type, table.shape[-1])
+        out[:] = dequantize_rows(table.rows(ids), table.ggml_type, table.shape[-1])
     else:
         np.take(table, ids, axis=0, out=out)
 
