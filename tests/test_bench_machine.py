@@ -87,3 +87,19 @@ def test_a_size_of_zero_leaves_that_test_out_as_in_llama_bench():
         bench(FIXTURE, [0], [0], [1], 1, measure_machine=False)
     with pytest.raises(BadRequestError, match="test sizes must be >= 0"):
         bench(FIXTURE, [-1], [2], [1], 1, measure_machine=False)
+
+
+def test_a_peer_that_crashes_is_reported_as_a_crash(tmp_path):
+    """A llama.cpp build that dies in its kernels (this one's AMX path did, on a Sapphire Rapids VM) must be
+    reported as the crash it is, with its last words, not as a plain exit."""
+    from minfer.tools.bench import PairedPeer
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho \'{"engine": "llama.cpp", "version": "fake"}\'\nread line\n'
+                    'echo "ggml: boom" >&2\nkill -SEGV $$\n')
+    fake.chmod(0o755)
+    peer = PairedPeer(str(fake), FIXTURE, [8], [4])
+    assert peer.ok
+    peer.run("pp8", 1, 0, keep=True)
+    assert peer.info["error"] == "the llama.cpp child exited (killed by SIGSEGV): ggml: boom"
+    assert not peer.ok and peer.records == {}

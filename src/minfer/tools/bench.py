@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -159,6 +160,17 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _child_exit(proc: subprocess.Popen[str]) -> str:
+    """How a peer's child ended, with the last line it wrote to stderr (a crash must say it crashed)."""
+    code = proc.returncode
+    try:
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+    except ValueError:
+        how = f"killed by signal {-code}"
+    last = (proc.stderr.read() if proc.stderr is not None else "").strip().splitlines()[-1:]
+    return f"the llama.cpp child exited ({how})" + (f": {last[0][:200]}" if last else "")
+
+
 class PairedPeer:
     """llama.cpp in a child that keeps its model loaded (``bench_peers.py --serve``) and runs one test on request,
     so that its runs alternate with minfer's."""
@@ -182,8 +194,9 @@ class PairedPeer:
         assert self.proc is not None and self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
+            proc = self.proc
             self.close()
-            return {"error": "the llama.cpp child exited"}
+            return {"error": _child_exit(proc)}
         try:
             return json.loads(line)
         except json.JSONDecodeError:
