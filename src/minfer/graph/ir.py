@@ -9,7 +9,7 @@ which is what guarantees that a layer's KV store runs before the attention that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -192,7 +192,8 @@ class Backend(Protocol):
     def group_kernels(self, steps: Sequence[StepParts]) -> list[Callable[..., None]]:
         """The steps' kernels, where the backend runs some consecutive ones as one (see the CPU backend)."""
 
-    def running(self) -> AbstractContextManager[Any]: ...
+    def running(self, pass_key: Hashable | None = None) -> AbstractContextManager[Any]:
+        """The context plans run in; ``pass_key``: the kind of pass (its sizes), where the backend adapts to it."""
 
     def buffer(self, node: Node, take: Take) -> Any: ...
 

@@ -159,7 +159,7 @@ class ForwardRunner:
         plan.inputs["rows"][:] = rows
         if "output_rows" in plan.inputs:
             plan.inputs["output_rows"][:] = out_rows
-        with self.backend.running():
+        with self.backend.running((n, n_out, hidden)):
             if not self.observers:
                 out = plan.run()
                 # corrupt weights (a tensor type flipped in the header, NaN block scales) give NaN logits;

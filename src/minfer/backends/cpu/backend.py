@@ -16,9 +16,10 @@ worker in a fixed order, and BLAS runs single-threaded while plans execute.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from threadpoolctl import ThreadpoolController
 
 from minfer.backends.cpu import kernel_jobs
 from minfer.backends.cpu import reference as ref
+from minfer.backends.cpu.thread_governor import ThreadGovernor
 from minfer.compiling import KernelCompiler
 from minfer.errors import BadRequestError
 from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
@@ -41,6 +43,14 @@ Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GG
 def _get_rows(node: Node, out, table, ids) -> None:
     # a weight prepared for the fast matmuls (tied embeddings) still holds its tensor
     ref.get_rows(getattr(table, "tensor", table), ids, out)
+
+
+@contextmanager
+def _timed(governor: ThreadGovernor, key: Hashable, threads: int) -> Iterator[None]:
+    """Tell ``governor`` how long the block took on ``threads`` threads (not when it raised)."""
+    t0 = time.perf_counter()
+    yield
+    governor.record(key, threads, time.perf_counter() - t0)
 
 
 def _kv_load(node: Node, kv, store) -> None:
@@ -210,6 +220,9 @@ class CPUBackend:
         # kernels are compiled when a plan first needs them (prepare_kernels), only those it needs
         self.compiler = KernelCompiler()
         self._batched = False
+        # fewer threads while other processes take cores (MINFER_ADAPTIVE_THREADS=0: always ``threads``)
+        adaptive = kernels == "fast" and threads > 1 and os.environ.get("MINFER_ADAPTIVE_THREADS", "1") != "0"
+        self.governor = ThreadGovernor(threads) if adaptive else None
         if kernels == "fast":
             from minfer.backends.cpu import (
                 attention,
@@ -246,15 +259,21 @@ class CPUBackend:
                 self.compiler.need(kernel_jobs.cache_jobs(cache_type, self._batched))
         self.compiler.flush()
 
-    def running(self) -> AbstractContextManager[Any]:
-        """Context in which plans execute: BLAS on one thread, numba on ``threads``."""
+    def running(self, pass_key: Hashable | None = None) -> AbstractContextManager[Any]:
+        """Context in which plans execute: BLAS on one thread, numba on ``threads``. A pass of the kind
+        ``pass_key`` (its sizes) runs on as many as the thread governor picks for that kind, up to
+        ``threads``, and the governor learns how long it took (see :mod:`.thread_governor`)."""
         stack = ExitStack()
         stack.enter_context(self._blas.limit(limits=1, user_api="blas"))
         if self.kernels == "fast":
             import numba
 
             previous = numba.get_num_threads()
-            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+            n = min(self.threads, numba.config.NUMBA_NUM_THREADS)
+            if pass_key is not None and self.governor is not None:
+                n = min(n, self.governor.threads(pass_key))
+                stack.enter_context(_timed(self.governor, pass_key, n))
+            numba.set_num_threads(n)
             stack.callback(numba.set_num_threads, previous)
         return stack
 
