@@ -116,7 +116,12 @@ class ExpertTensors:
         if len(t.shape) != 3:
             raise FormatError(f"tensor {t.name!r} has shape {t.shape}, expected 3-D (experts, rows, columns)")
         n, rows = t.shape[0], t.shape[1]
-        return cls(t.name, tuple(tensor_rows(t, e * rows, (e + 1) * rows, f"{t.name}[{e}]") for e in range(n)))
+        def expert(e: int) -> GGUFTensor:
+            r0, r1 = e * rows, (e + 1) * rows
+            file_rows = t.file_rows.sub(r0, r1) if t.file_rows is not None else None
+            return GGUFTensor(f"{t.name}[{e}]", t.ggml_type, t.shape[1:], t.data[r0:r1], file_rows)
+
+        return cls(t.name, tuple(expert(e) for e in range(n)))
 
     @property
     def shape(self) -> tuple[int, ...]:
