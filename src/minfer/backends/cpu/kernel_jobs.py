@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from minfer.backends.cpu.simd512 import WIDE
 from minfer.compiling import CompileJob
 from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
@@ -162,6 +163,8 @@ _KQ = f"{_CPU}.kquant_matmul"
 _IQ = f"{_CPU}.iquant_matmul"
 _FM = f"{_CPU}.float_matmul"
 _ATT = f"{_CPU}.attention"
+# the 512-bit prefill of the repacked K-quants, which only a CPU with AVX-512 VNNI compiles and runs
+_WIDE_KQUANT = (f"{_CPU}.kquant_rows16:_matmul_pairs", f"{_CPU}.kquant_rows16:_matmul_q6_pairs") if WIDE else ()
 _QUANTIZE = (f"{_QM}:_quantize_serial", f"{_QM}:_quantize_parallel")
 _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q4_0: ((f"{_QM}:_gemv_q4_0", f"{_QM}:_gemm_q4_0", *_QUANTIZE), 6.0),
@@ -174,8 +177,8 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
     **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel", f"{_CPU}.kquant_rows8:_matmul",
             f"{_CPU}.kquant_rows8:_repack", f"{_CPU}.kquant_rows8:_matmul_q6_group",
-            f"{_CPU}.kquant_rows8:_repack_q6"),
-           24.0)
+            f"{_CPU}.kquant_rows8:_repack_q6", *_WIDE_KQUANT),
+           24.0 + 8.0 * bool(_WIDE_KQUANT))
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
     **{t: ((f"{_IQ}:_gemv_{t.name.lower()}", f"{_IQ}:_gemm_{t.name.lower()}", *_QUANTIZE), 5.0)
        for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},

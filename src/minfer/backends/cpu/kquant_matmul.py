@@ -71,7 +71,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from minfer.backends.cpu import kquant_rows8
+from minfer.backends.cpu import kquant_rows8, kquant_rows16
 from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
@@ -880,7 +880,7 @@ class _Prepared:
         # raw pages are then given back, so the copy replaces them in memory rather than sitting beside them
         self.rows8 = self.rows8_kernel = None
         if kquant_rows8.supports(t, n_out, n_in):
-            repack, self.rows8_kernel = kquant_rows8.REPACKED[t]
+            repack, self.rows8_kernel = kquant_rows16.REPACKED[t]
             self.rows8 = repack(flat, n_out, n_in)
             release_file_pages(w.data)
 

@@ -302,6 +302,15 @@ def _member(gg, pa, pb, pc, oa, ob, oc):
     return pa, oa.reshape(-1), oa.shape[1], i
 
 
+@njit(inline="always")
+def _sub_block_sums(bs, n):
+    """Per token and super-block, the eight sub-block sums B_j = bsums[2 j] + bsums[2 j + 1] (``n`` of them)."""
+    bp = np.empty(n, np.int16)
+    for i in range(n):
+        bp[i] = bs[2 * i] + bs[2 * i + 1]
+    return bp
+
+
 @njit(parallel=True, cache=True)
 def _matmul(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     """``oa[n_tok, n_a]`` (C-contiguous) from the repacked weights ``pa`` (``five``: 1 for Q5_K's layout, 0
@@ -314,10 +323,7 @@ def _matmul(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     nbk = n_in // QK_K
     nb8 = nbk * 8
     sb_bytes = SB_BYTES + _Q5_EXTRA * five
-    # per token and super-block, the eight sub-block sums B_j = bsums[2 j] + bsums[2 j + 1]
-    bp = np.empty(n_tok * nb8, np.int16)
-    for i in range(n_tok * nb8):
-        bp[i] = bs[2 * i] + bs[2 * i + 1]
+    bp = _sub_block_sums(bs, n_tok * nb8)
     n_quad = n_tok - n_tok % QUAD
     for gg in prange((oa.shape[1] + ob.shape[1] + oc.shape[1]) // 8):
         packed, flat, n_out, g = _member(gg, pa, pb, pc, oa, ob, oc)

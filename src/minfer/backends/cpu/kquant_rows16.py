@@ -1,0 +1,275 @@
+"""Prefill on 512-bit registers: the repacked Q4_K, Q5_K and Q6_K weights of :mod:`kquant_rows8`, two groups
+of eight rows at a time, one in each half of a zmm register (where ``simd512.WIDE``: AVX-512 VNNI).
+
+Why: the eight-row prefill spends ~18 operations on each sub-block of each token and group (eight
+pmaddubsw, six int16 adds, two pmaddwd by the scales, two int32 adds). Here a sub-block of a token and
+*two* groups is eight ``vpdpbusd`` (the 32 products of each row summed into int32 lanes, no int16 pair
+step), one ``vpmulld`` by the rows' scales and one add. The weight registers are unpacked once for four
+tokens, as before.
+
+The integers are the eight-row kernels' (each row's Σ_j scale_j · dot_j is exact in int32 either way:
+see kquant_rows8's bounds), and each group's float accumulation is the very same ``_finish`` on its
+eight lanes, so every output is the same bits as the eight-row kernel's, hence as decode's.
+
+Only whole quads of tokens take this path; the last ``n_tok % 4`` tokens and decode go to the eight-row
+kernel (the same operations as there). A weight with an odd number of groups runs its last group
+through the eight-row quad loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from minfer.backends.cpu import kquant_rows8 as r8
+from minfer.backends.cpu.kquant_rows8 import (
+    _Q5_EXTRA,
+    _Q6_SCALES,
+    _SCALES,
+    NO_OUTPUT,
+    NO_WEIGHT,
+    Q6_SB_BYTES,
+    QK_K,
+    QUAD,
+    SB_BYTES,
+    _finish,
+    _q6_finish,
+    _q6_quad,
+    _q6_scales,
+    _quad,
+    _store_quad,
+    _sub_block_sums,
+)
+from minfer.backends.cpu.simd import add_i32x8, broadcast_i16_pair, madd_i16x16, zeros_f32x8, zeros_i32x8
+from minfer.backends.cpu.simd512 import (
+    WIDE,
+    add_i32x16,
+    broadcast_4bytes_x16,
+    dpbusd_x16,
+    high_i32x8,
+    low_i32x8,
+    mul_i32x16,
+    q4k_values_x16,
+    q5k_values_x16,
+    q6k_values_x16,
+    s8_scales_x16,
+    u8_scales_x16,
+    zeros_i32x16,
+)
+from minfer.formats.quants import GGMLType
+
+
+@njit(inline="always")
+def _dots(w, k0, n, aq, ao):
+    """Σ over registers ``w[k0 .. k0+n-1]`` against the activation quads from byte ``ao``: int32 per row."""
+    d = dpbusd_x16(zeros_i32x16(), w[k0], broadcast_4bytes_x16(aq, ao))
+    for k in range(1, n):
+        d = dpbusd_x16(d, w[k0 + k], broadcast_4bytes_x16(aq, ao + 4 * k))
+    return d
+
+
+@njit(inline="always")
+def _sub(s, w, sc, aq, ao):
+    """``s`` plus one Q4_K/Q5_K sub-block's 32 products per row times the rows' scales ``sc``."""
+    return add_i32x16(s, mul_i32x16(add_i32x16(_dots(w, 0, 4, aq, ao), _dots(w, 4, 4, aq, ao + 16)), sc))
+
+
+@njit(inline="always")
+def _values(packed, o, o2, j, five):
+    if five:
+        return q5k_values_x16(packed, o + 128 * j, o2 + 128 * j, o + 1024 + 32 * j, o2 + 1024 + 32 * j)
+    return q4k_values_x16(packed, o + 128 * j, o2 + 128 * j)
+
+
+@njit(inline="always")
+def _pair_quad(acc, packed, o, o2, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, five):
+    """Four tokens through one super-block of two groups: ``acc`` holds the four tokens' accumulators of the
+    group at ``o``, then those of the group at ``o2``."""
+    s0 = s1 = s2 = s3 = zeros_i32x16()
+    osc = _SCALES + _Q5_EXTRA * five
+    for j in range(8):
+        w = _values(packed, o, o2, j, five)
+        sc = u8_scales_x16(packed, o + osc + 8 * j, o2 + osc + 8 * j)
+        s0 = _sub(s0, w, sc, aq, ao + 32 * j)
+        s1 = _sub(s1, w, sc, aq, ao + n_in + 32 * j)
+        s2 = _sub(s2, w, sc, aq, ao + 2 * n_in + 32 * j)
+        s3 = _sub(s3, w, sc, aq, ao + 3 * n_in + 32 * j)
+    return (
+        _finish(acc[0], low_i32x8(s0), packed, o, bp, bo, dq, do, five),
+        _finish(acc[1], low_i32x8(s1), packed, o, bp, bo + nb8, dq, do + nbk, five),
+        _finish(acc[2], low_i32x8(s2), packed, o, bp, bo + 2 * nb8, dq, do + 2 * nbk, five),
+        _finish(acc[3], low_i32x8(s3), packed, o, bp, bo + 3 * nb8, dq, do + 3 * nbk, five),
+        _finish(acc[4], high_i32x8(s0), packed, o2, bp, bo, dq, do, five),
+        _finish(acc[5], high_i32x8(s1), packed, o2, bp, bo + nb8, dq, do + nbk, five),
+        _finish(acc[6], high_i32x8(s2), packed, o2, bp, bo + 2 * nb8, dq, do + 2 * nbk, five),
+        _finish(acc[7], high_i32x8(s3), packed, o2, bp, bo + 3 * nb8, dq, do + 3 * nbk, five),
+    )
+
+
+@njit(inline="always")
+def _pair(pp, pa, pb, pc, oa, ob, oc):
+    """Pair ``pp`` of a call's weights a, b, c (each weight's groups 0-1, 2-3, ...; an odd last group is a
+    pair of one): (its weight, its output, the output's width, its first group, whether a second follows)."""
+    i = np.int64(pp)
+    na, nb, nc = oa.shape[1] // 8, ob.shape[1] // 8, oc.shape[1] // 8
+    pa_n, pb_n = (na + 1) // 2, (nb + 1) // 2
+    if i >= pa_n + pb_n:
+        g = 2 * (i - pa_n - pb_n)
+        return pc, oc.reshape(-1), oc.shape[1], g, g + 1 < nc
+    if i >= pa_n:
+        g = 2 * (i - pa_n)
+        return pb, ob.reshape(-1), ob.shape[1], g, g + 1 < nb
+    return pa, oa.reshape(-1), oa.shape[1], 2 * i, 2 * i + 1 < na
+
+
+def _n_pairs(*outs: np.ndarray) -> int:
+    return sum((o.shape[1] // 8 + 1) // 2 for o in outs)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five, n_pairs):
+    """kquant_rows8's ``_matmul`` for ``n_tok`` a multiple of ``QUAD``, two groups per work item."""
+    n_tok = oa.shape[0]
+    n_in = aq.shape[0] // n_tok
+    nbk = n_in // QK_K
+    nb8 = nbk * 8
+    sb_bytes = SB_BYTES + _Q5_EXTRA * five
+    bp = _sub_block_sums(bs, n_tok * nb8)
+    for pp in prange(n_pairs):
+        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
+        og = g * nbk * sb_bytes
+        og2 = og + nbk * sb_bytes
+        for t in range(0, n_tok, QUAD):
+            if two:
+                z = zeros_f32x8()
+                acc = (z, z, z, z, z, z, z, z)
+                for b in range(nbk):
+                    acc = _pair_quad(acc, packed, og + b * sb_bytes, og2 + b * sb_bytes, aq, t * n_in + b * QK_K,
+                                     n_in, bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
+                _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
+                _store_quad(flat, t * n_out + 8 * g + 8, n_out, acc[4], acc[5], acc[6], acc[7])
+            else:
+                a0 = a1 = a2 = a3 = zeros_f32x8()
+                for b in range(nbk):
+                    a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, og + b * sb_bytes, aq, t * n_in + b * QK_K, n_in,
+                                           bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
+                _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
+
+
+# --- Q6_K ------------------------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _q6_sub(s, u, sc, aq, ao):
+    """``s`` plus one Q6_K sub-block's 16 products per row times the rows' scales ``sc``."""
+    return add_i32x16(s, mul_i32x16(_dots(u, 0, 4, aq, ao), sc))
+
+
+@njit(inline="always")
+def _q6_pair_quad(acc, packed, o, o2, aq, ao, n_in, bs, bo, nb16, dq, do, nbk):
+    """``_pair_quad`` for the Q6_K layout."""
+    s0 = s1 = s2 = s3 = zeros_i32x16()
+    m0 = m1 = m2 = m3 = n0 = n1 = n2 = n3 = zeros_i32x8()
+    for i in range(8):
+        osc, osc2 = o + _Q6_SCALES + 16 * i, o2 + _Q6_SCALES + 16 * i
+        for h in range(2):
+            u = q6k_values_x16(packed, o + 192 * i + 96 * h, o2 + 192 * i + 96 * h)
+            sc = s8_scales_x16(packed, osc + h, osc2 + h)
+            a = ao + 32 * i + 16 * h
+            s0 = _q6_sub(s0, u, sc, aq, a)
+            s1 = _q6_sub(s1, u, sc, aq, a + n_in)
+            s2 = _q6_sub(s2, u, sc, aq, a + 2 * n_in)
+            s3 = _q6_sub(s3, u, sc, aq, a + 3 * n_in)
+        # the offset term per group, as the eight-row kernel computes it
+        sm, sn = _q6_scales(packed, osc)[2], _q6_scales(packed, osc2)[2]
+        m0 = add_i32x8(m0, madd_i16x16(sm, broadcast_i16_pair(bs, bo + 2 * i)))
+        m1 = add_i32x8(m1, madd_i16x16(sm, broadcast_i16_pair(bs, bo + nb16 + 2 * i)))
+        m2 = add_i32x8(m2, madd_i16x16(sm, broadcast_i16_pair(bs, bo + 2 * nb16 + 2 * i)))
+        m3 = add_i32x8(m3, madd_i16x16(sm, broadcast_i16_pair(bs, bo + 3 * nb16 + 2 * i)))
+        n0 = add_i32x8(n0, madd_i16x16(sn, broadcast_i16_pair(bs, bo + 2 * i)))
+        n1 = add_i32x8(n1, madd_i16x16(sn, broadcast_i16_pair(bs, bo + nb16 + 2 * i)))
+        n2 = add_i32x8(n2, madd_i16x16(sn, broadcast_i16_pair(bs, bo + 2 * nb16 + 2 * i)))
+        n3 = add_i32x8(n3, madd_i16x16(sn, broadcast_i16_pair(bs, bo + 3 * nb16 + 2 * i)))
+    return (
+        _q6_finish(acc[0], low_i32x8(s0), m0, packed, o, dq, do),
+        _q6_finish(acc[1], low_i32x8(s1), m1, packed, o, dq, do + nbk),
+        _q6_finish(acc[2], low_i32x8(s2), m2, packed, o, dq, do + 2 * nbk),
+        _q6_finish(acc[3], low_i32x8(s3), m3, packed, o, dq, do + 3 * nbk),
+        _q6_finish(acc[4], high_i32x8(s0), n0, packed, o2, dq, do),
+        _q6_finish(acc[5], high_i32x8(s1), n1, packed, o2, dq, do + nbk),
+        _q6_finish(acc[6], high_i32x8(s2), n2, packed, o2, dq, do + 2 * nbk),
+        _q6_finish(acc[7], high_i32x8(s3), n3, packed, o2, dq, do + 3 * nbk),
+    )
+
+
+@njit(parallel=True, cache=True)
+def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, n_pairs):
+    """kquant_rows8's ``_matmul_q6_group`` for ``n_tok`` a multiple of ``QUAD``, two groups per work item."""
+    n_tok = oa.shape[0]
+    n_in = aq.shape[0] // n_tok
+    nbk = n_in // QK_K
+    nb16 = nbk * 16
+    for pp in prange(n_pairs):
+        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
+        og = g * nbk * Q6_SB_BYTES
+        og2 = og + nbk * Q6_SB_BYTES
+        for t in range(0, n_tok, QUAD):
+            if two:
+                z = zeros_f32x8()
+                acc = (z, z, z, z, z, z, z, z)
+                for b in range(nbk):
+                    acc = _q6_pair_quad(acc, packed, og + b * Q6_SB_BYTES, og2 + b * Q6_SB_BYTES, aq,
+                                        t * n_in + b * QK_K, n_in, bs, (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
+                _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
+                _store_quad(flat, t * n_out + 8 * g + 8, n_out, acc[4], acc[5], acc[6], acc[7])
+            else:
+                a0 = a1 = a2 = a3 = zeros_f32x8()
+                for b in range(nbk):
+                    a0, a1, a2, a3 = _q6_quad(a0, a1, a2, a3, packed, og + b * Q6_SB_BYTES, aq, t * n_in + b * QK_K,
+                                              n_in, bs, (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
+                _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
+
+
+# --- the kernels kquant_matmul calls ---------------------------------------------------------------
+
+
+def _split(wide, narrow, extra: tuple, packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray,
+           out: np.ndarray, pb: np.ndarray, ob: np.ndarray, pc: np.ndarray, oc: np.ndarray) -> None:
+    """The whole quads of tokens on ``wide``, the rest (decode, a prompt's last ``n_tok % 4``) on ``narrow``."""
+    n_tok = out.shape[0]
+    n_quad = n_tok - n_tok % QUAD
+    if n_quad == 0:
+        narrow(packed, q, d, bsums, out, pb, ob, pc, oc)
+        return
+    nbk = q.shape[0] // n_tok // QK_K
+    nq, nd, ns = n_quad * nbk * QK_K, n_quad * nbk, n_quad * nbk * 16
+    wide(packed, pb, pc, q[:nq], d[:nd], bsums[:ns], out[:n_quad], ob[:n_quad], oc[:n_quad], *extra,
+         _n_pairs(out, ob, oc))
+    if n_quad < n_tok:
+        narrow(packed, q[nq:], d[nd:], bsums[ns:], out[n_quad:], pb, ob[n_quad:], pc, oc[n_quad:])
+
+
+def _matmul_q4_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
+                 pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
+                 oc: np.ndarray = NO_OUTPUT) -> None:
+    _split(_matmul_pairs, r8._matmul_q4_k, (0,), packed, q, d, bsums, out, pb, ob, pc, oc)
+
+
+def _matmul_q5_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
+                 pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
+                 oc: np.ndarray = NO_OUTPUT) -> None:
+    _split(_matmul_pairs, r8._matmul_q5_k, (1,), packed, q, d, bsums, out, pb, ob, pc, oc)
+
+
+def _matmul_q6_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
+                 pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
+                 oc: np.ndarray = NO_OUTPUT) -> None:
+    _split(_matmul_q6_pairs, r8._matmul_q6, (), packed, q, d, bsums, out, pb, ob, pc, oc)
+
+
+# kquant_rows8.REPACKED, with the prefill of whole quads on these kernels where the CPU has AVX-512 VNNI
+REPACKED = {
+    GGMLType.Q4_K: (r8.REPACKED[GGMLType.Q4_K][0], _matmul_q4_k),
+    GGMLType.Q5_K: (r8.REPACKED[GGMLType.Q5_K][0], _matmul_q5_k),
+    GGMLType.Q6_K: (r8.REPACKED[GGMLType.Q6_K][0], _matmul_q6_k),
+} if WIDE else r8.REPACKED

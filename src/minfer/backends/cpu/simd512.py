@@ -1,0 +1,217 @@
+"""512-bit registers (AVX-512 with VNNI): the vector types and intrinsics of the prefill kernels that carry
+two groups of eight rows side by side, one group in each 256-bit half (:mod:`kquant_rows16`).
+
+The groups lie apart in memory (each group's layout is :mod:`kquant_rows8`'s), so a register is two
+32-byte loads joined (LLVM makes that one load and one ``vinserti64x4`` from memory); everything after the
+loads is one instruction for sixteen rows. Only the integer work is wide: a group's float accumulators
+stay eight lanes, so each group gets the very float operations of the eight-row kernels.
+
+``WIDE`` says whether the CPU has what these need (AVX-512 F, BW and VNNI: ``vpdpbusd`` on zmm,
+``vpmulld``, byte shifts and masks); ``MINFER_AVX512=0`` keeps the 256-bit kernels (tests compare the two
+bit for bit: the integers are exact either way). Like ``MINFER_VNNI``, it changes compiled code: give such
+a process its own ``NUMBA_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from minfer.backends.cpu.simd import (
+    LL_I8,
+    LL_I16,
+    LL_I32,
+    VNNI,
+    VecType,
+    i32x8,
+    ir_call,
+    ir_splat,
+    is_1d,
+    load_element,
+    shuffle_mask,
+    splat_constant,
+    target_has,
+)
+
+WIDE = VNNI and os.environ.get("MINFER_AVX512", "1") != "0" and all(
+    target_has(f) for f in ("avx512f", "avx512bw", "avx512vnni"))
+
+i32x16 = VecType("i32", 16)
+i8x64 = VecType("i8", 64)
+V16I, V64B = i32x16.llvm_type(), i8x64.llvm_type()
+V32S = ir.VectorType(LL_I16, 32)
+_V8B, _V16S = ir.VectorType(LL_I8, 8), ir.VectorType(LL_I16, 16)
+
+
+def ir_join(builder: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """``lo`` in the low half, ``hi`` in the high half of a vector of twice their lanes."""
+    n = lo.type.count
+    return builder.shuffle_vector(lo, hi, shuffle_mask(2 * n, lambda i: i))
+
+
+def _load_pair(context, builder, sig, args, at: int, at2: int, delta: int, vty: ir.VectorType) -> ir.Value:
+    """``vty`` at byte ``args[at] + delta`` joined with ``vty`` at ``args[at2] + delta`` of array ``args[0]``."""
+
+    def load(k):
+        index = builder.add(args[k], ir.Constant(args[k].type, delta))
+        return load_element(context, builder, sig.args[0], args[0], index, sig.args[k], vty)
+
+    return ir_join(builder, load(at), load(at2))
+
+
+def _nibbles(builder: ir.IRBuilder, v: ir.Value, high: bool) -> ir.Value:
+    """The low (or high) nibbles of the bytes of ``v`` (int16 lanes: 16-bit shifts, then a byte mask)."""
+    if high:
+        v = builder.lshr(v, splat_constant(V32S, 4))
+    return builder.and_(builder.bitcast(v, V64B), splat_constant(V64B, 15))
+
+
+def _bits_to(builder: ir.IRBuilder, h: ir.Value, src: int, dst: int, mask: int) -> ir.Value:
+    """Bits ``src..`` of each byte of ``h`` (int16 lanes) moved to ``dst..`` and masked by ``mask``: 16-bit
+    shifts, then a byte mask, so that no bit of the neighbouring byte stays."""
+    if dst > src:
+        h = builder.shl(h, splat_constant(V32S, dst - src))
+    elif src > dst:
+        h = builder.lshr(h, splat_constant(V32S, src - dst))
+    return builder.and_(builder.bitcast(h, V64B), splat_constant(V64B, mask))
+
+
+@intrinsic
+def q4k_values_x16(typingctx, raw, off, off2):
+    """Q4_K's sub-block of two groups (``kquant_rows8._chunks`` at ``off`` and at ``off2``): eight registers,
+    each four consecutive values of sixteen rows."""
+    if not is_1d(raw):
+        return None
+    tup = types.UniTuple(i8x64, 8)
+
+    def codegen(context, builder, sig, args):
+        regs = []
+        for c in range(4):
+            v = _load_pair(context, builder, sig, args, 1, 2, 32 * c, _V16S)
+            regs += [_nibbles(builder, v, False), _nibbles(builder, v, True)]
+        return context.make_tuple(builder, tup, regs)
+
+    return tup(raw, off, off2), codegen
+
+
+@intrinsic
+def q5k_values_x16(typingctx, raw, off, off2, hb, hb2):
+    """Q5_K's sub-block of two groups (``kquant_rows8._chunks5``): the nibbles at ``off``/``off2`` with each
+    value's fifth bit (bit m of the bytes at ``hb``/``hb2`` for register m) as bit 4."""
+    if not is_1d(raw):
+        return None
+    tup = types.UniTuple(i8x64, 8)
+
+    def codegen(context, builder, sig, args):
+        h = _load_pair(context, builder, sig, args, 3, 4, 0, _V16S)
+        regs = []
+        for m in range(8):
+            v = _load_pair(context, builder, sig, args, 1, 2, 32 * (m // 2), _V16S)
+            regs.append(builder.or_(_nibbles(builder, v, m % 2 == 1), _bits_to(builder, h, m, 4, 0x10)))
+        return context.make_tuple(builder, tup, regs)
+
+    return tup(raw, off, off2, hb, hb2), codegen
+
+
+@intrinsic
+def q6k_values_x16(typingctx, raw, off, off2):
+    """Q6_K's sub-block of two groups (``kquant_rows8._q6_values``): four registers of values 0..63."""
+    if not is_1d(raw):
+        return None
+    tup = types.UniTuple(i8x64, 4)
+
+    def codegen(context, builder, sig, args):
+        n0, n1, h = (_load_pair(context, builder, sig, args, 1, 2, d, _V16S) for d in (0, 32, 64))
+        lows = [_nibbles(builder, n0, False), _nibbles(builder, n0, True),
+                _nibbles(builder, n1, False), _nibbles(builder, n1, True)]
+        return context.make_tuple(builder, tup, [builder.or_(lo, _bits_to(builder, h, 2 * m, 4, 0x30))
+                                                 for m, lo in enumerate(lows)])
+
+    return tup(raw, off, off2), codegen
+
+
+def _scales(signed: bool, stride: int):
+    @intrinsic
+    def scales(typingctx, raw, off, off2):
+        if not is_1d(raw):
+            return None
+
+        def codegen(context, builder, sig, args):
+            if stride == 1:
+                v = _load_pair(context, builder, sig, args, 1, 2, 0, _V8B)
+            else:  # every other byte of 16: one sub-block's scales among a pair's
+                w = _load_pair(context, builder, sig, args, 1, 2, 0, ir.VectorType(LL_I8, 16))
+                v = builder.shuffle_vector(w, w, shuffle_mask(16, lambda i: stride * i))
+            return builder.sext(v, V16I) if signed else builder.zext(v, V16I)
+
+        return i32x16(raw, off, off2), codegen
+
+    return scales
+
+
+# the unsigned scale bytes at ``off`` and ``off2`` (eight each: one per row) in sixteen int32 lanes
+u8_scales_x16 = _scales(signed=False, stride=1)
+# the signed scales of the even (odd: from ``off + 1``) sub-block of a pair, ``[row (8), (sc_2i, sc_2i+1)]``
+s8_scales_x16 = _scales(signed=True, stride=2)
+
+
+@intrinsic
+def broadcast_4bytes_x16(typingctx, arr, off):
+    """The 4 bytes at byte offset ``off`` of an int8 array, repeated in all sixteen 32-bit lanes."""
+    if not is_1d(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], LL_I32)
+        return builder.bitcast(ir_splat(builder, v, 16), V64B)
+
+    return i8x64(arr, off), codegen
+
+
+@intrinsic
+def dpbusd_x16(typingctx, acc, u, a):
+    """``acc`` + lane i = Σ_{k<4} u[4i+k] a[4i+k] (u unsigned bytes, a signed), exact: one vpdpbusd."""
+    if not (acc == i32x16 and u == i8x64 and a == i8x64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return ir_call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I,
+                       [args[0], builder.bitcast(args[1], V16I), builder.bitcast(args[2], V16I)])
+
+    return i32x16(acc, u, a), codegen
+
+
+@intrinsic
+def zeros_i32x16(typingctx):
+    return i32x16(), lambda context, builder, sig, args: ir.Constant(V16I, [0] * 16)
+
+
+@intrinsic
+def add_i32x16(typingctx, a, b):
+    return i32x16(i32x16, i32x16), lambda context, builder, sig, args: builder.add(args[0], args[1])
+
+
+@intrinsic
+def mul_i32x16(typingctx, a, b):
+    """a * b, int32 lanes (vpmulld; the low 32 bits, exact where the product fits)."""
+    return i32x16(i32x16, i32x16), lambda context, builder, sig, args: builder.mul(args[0], args[1])
+
+
+def _half(high: bool):
+    @intrinsic
+    def half(typingctx, v):
+        if v != i32x16:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.shuffle_vector(args[0], args[0], shuffle_mask(8, lambda i: i + 8 * high))
+
+        return i32x8(v), codegen
+
+    return half
+
+
+low_i32x8, high_i32x8 = _half(False), _half(True)  # the first group's eight lanes, the second's

@@ -1,0 +1,62 @@
+"""The 512-bit prefill of the repacked K-quant layouts (``kquant_rows16``: two groups of eight rows per zmm
+register, AVX-512 VNNI).
+
+Where the CPU has it, ``kquant_matmul`` runs it for every prompt of four tokens or more, so the parity,
+prefill = decode and threads tests of ``test_kquant_rows8`` run it too. Here: it is chosen exactly where
+the CPU has what it needs, and it gives the eight-row kernel's bits for every type, token count (whole
+quads and a tail), odd and even group counts, and q/k/v-style calls of several weights. Where the CPU has
+no AVX-512 VNNI these skip, saying so; the eight-row kernels then run everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_kquants import acts, weight
+
+from minfer.backends.cpu import kquant_matmul as km
+from minfer.backends.cpu import kquant_rows8 as r8
+from minfer.backends.cpu import kquant_rows16 as r16
+from minfer.backends.cpu import simd, simd512
+from minfer.formats.block_types import GGMLType
+
+TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+NO_WIDE = "no AVX-512 F+BW+VNNI on this CPU (or MINFER_AVX512=0 / MINFER_VNNI=0): the 512-bit prefill cannot run here"
+
+
+def test_selection_follows_the_cpu_features():
+    has = all(simd.target_has(f) for f in ("avx512f", "avx512bw", "avx512vnni"))
+    wanted = simd.VNNI and has and os.environ.get("MINFER_AVX512", "1") != "0"
+    assert simd512.WIDE == wanted
+    assert (r16.REPACKED is r8.REPACKED) == (not wanted)
+    print(f"512-bit K-quant prefill in use here: {simd512.WIDE}")
+
+
+def _operands(xs: np.ndarray):
+    q = km.quantize_activations_q8_k(xs)
+    return q._q.reshape(-1), q._d.reshape(-1), q._bs.reshape(-1)
+
+
+@pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tok", [4, 13, 64])
+def test_the_same_bits_as_the_eight_row_kernel(t, n_tok):
+    """One weight and three (groups 5, 2 and 3: a pair of one at the end of two of them) in one call."""
+    x = acts(n_tok, 512)
+    ws = [weight(t, n_out, 512, seed=40 + i) for i, n_out in enumerate((40, 16, 24))]
+    repack, wide = r16.REPACKED[t]
+    _, narrow = r8.REPACKED[t]
+    packed = [repack(np.ascontiguousarray(w.data), w.shape[0], 512) for w in ws]
+    q, d, bs = _operands(x)
+    for members in (1, 3):
+        outs = {}
+        for name, kernel in (("wide", wide), ("narrow", narrow)):
+            o = [np.full((n_tok, w.shape[0]), np.nan, np.float32) for w in ws[:members]]
+            args = [a for pair in zip(packed[1:members], o[1:], strict=True) for a in pair]
+            kernel(packed[0], q, d, bs, o[0], *args)
+            outs[name] = o
+        for a, b in zip(outs["wide"], outs["narrow"], strict=True):
+            assert not np.isnan(a).any()
+            assert a.view(np.uint32).tolist() == b.view(np.uint32).tolist()
