@@ -83,7 +83,7 @@ class BenchReport:
 
     def against_machine(self, r: BenchRecord) -> dict[str, float]:
         """What a record implies: tg the bandwidth and its fraction of the measured one, pp GFLOP/s and theirs
-        of the float32 FMA peak."""
+        of the float32 FMA peak (and, where the CPU has VNNI, of the int8 dot-product peak)."""
         if r.tokens_per_s <= 0:
             return {}
         n = int(r.test[2:]) if r.test[2:].isdigit() else 0
@@ -95,8 +95,12 @@ class BenchReport:
             matmul, attention = self.pp_flops(n)
             seconds = n / r.tokens_per_s
             peak = self.machine.fma_flops.get(r.threads, 0.0)
-            return {"gflop_s": (matmul + attention) / seconds / 1e9, "matmul_gflop_s": matmul / seconds / 1e9,
-                    "peak_fraction": (matmul + attention) / seconds / peak if peak else 0.0}
+            out = {"gflop_s": (matmul + attention) / seconds / 1e9, "matmul_gflop_s": matmul / seconds / 1e9,
+                   "peak_fraction": (matmul + attention) / seconds / peak if peak else 0.0}
+            int8_peak = self.machine.describe()["int8_peak_op_s"].get(r.threads, 0.0)
+            if int8_peak:  # the bound of integer-quantized weights' matmuls where the CPU has VNNI
+                out["int8_peak_fraction"] = (matmul + attention) / seconds / int8_peak
+            return out
         return {}
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -393,6 +397,8 @@ def markdown(report: BenchReport) -> str:
             vs = f"{m['bandwidth_gb_s']:.1f} GB/s = {m['bandwidth_fraction']:.0%} of measured"
         elif "gflop_s" in m:
             vs = f"{m['gflop_s']:.1f} GFLOP/s = {m['peak_fraction']:.0%} of f32 FMA peak"
+            if "int8_peak_fraction" in m:
+                vs += f", {m['int8_peak_fraction']:.0%} of int8 peak"
         lines.append(f"| {r.engine} | {r.threads} | {r.test} | {r.tokens_per_s:.2f} ± {r.stddev:.2f} | {ratio} "
                      f"| {vs} |")
     mach = report.machine.describe()
