@@ -41,7 +41,7 @@ def _operands(xs: np.ndarray):
 
 @pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n_tok", [4, 13, 64])
+@pytest.mark.parametrize("n_tok", [1, 3, 4, 13, 64])
 def test_the_same_bits_as_the_eight_row_kernel(t, n_tok):
     """One weight and three (groups 5, 2 and 3: a pair of one at the end of two of them) in one call."""
     x = acts(n_tok, 512)

@@ -1,4 +1,4 @@
-"""512-bit registers (AVX-512 with VNNI): the vector types and intrinsics of the prefill kernels that carry
+"""512-bit registers (AVX-512 with VNNI): the vector types and intrinsics of the K-quant kernels that carry
 two groups of eight rows side by side, one group in each 256-bit half (:mod:`kquant_rows16`).
 
 The groups lie apart in memory (each group's layout is :mod:`kquant_rows8`'s), so a register is two
