@@ -21,13 +21,17 @@ from numba import types
 from numba.extending import intrinsic
 
 from minfer.backends.cpu.simd import (
+    LL_F32,
     LL_I8,
     LL_I16,
     LL_I32,
     VNNI,
     VecType,
+    element_pointer,
     i32x8,
     ir_call,
+    ir_fmadd,
+    ir_half_to_float,
     ir_splat,
     is_1d,
     load_element,
@@ -215,3 +219,102 @@ def _half(high: bool):
 
 
 low_i32x8, high_i32x8 = _half(False), _half(True)  # the first group's eight lanes, the second's
+
+
+# --- float32 on sixteen lanes (lane for lane the operations of two eight-lane registers) -------------------
+
+f32x16 = VecType("f32", 16)
+V16F = f32x16.llvm_type()
+
+
+@intrinsic
+def load_f32x16(typingctx, arr, i):
+    """arr[i:i+16] of a float32 array."""
+    if not (is_1d(arr) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], V16F)
+
+    return f32x16(arr, i), codegen
+
+
+@intrinsic
+def store_f32x16(typingctx, arr, i, v):
+    """arr[i:i+16] = v for a float32 array."""
+    if not (is_1d(arr) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], V16F),
+                      align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, f32x16), codegen
+
+
+@intrinsic
+def splat_at_x16(typingctx, arr, i):
+    """arr[i] of a float32 array in all sixteen lanes."""
+    if not (is_1d(arr) and arr.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = load_element(context, builder, sig.args[0], args[0], args[1], sig.args[1], LL_F32)
+        return ir_splat(builder, x, 16)
+
+    return f32x16(arr, i), codegen
+
+
+@intrinsic
+def mul_f32x16(typingctx, a, b):
+    return f32x16(f32x16, f32x16), lambda context, builder, sig, args: builder.fmul(args[0], args[1])
+
+
+@intrinsic
+def fma_i32x16(typingctx, acc, v, scale):
+    """acc + float(v) * scale for int32 lanes v (``simd.fma_i32x8`` on sixteen lanes)."""
+
+    def codegen(context, builder, sig, args):
+        return ir_fmadd(builder, builder.sitofp(args[1], V16F), args[2], args[0])
+
+    return f32x16(f32x16, i32x16, f32x16), codegen
+
+
+@intrinsic
+def halves_x16(typingctx, raw, off, off2):
+    """The eight float16 at byte ``off`` and the eight at ``off2`` of a uint8 array, as float32 (exact)."""
+    if not is_1d(raw):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return ir_half_to_float(builder, _load_pair(context, builder, sig, args, 1, 2, 0, ir.VectorType(LL_I16, 8)))
+
+    return f32x16(raw, off, off2), codegen
+
+
+@intrinsic
+def bytes_x16(typingctx, raw, off, off2):
+    """Eight registers: the 32 bytes at ``off + 32 c`` joined with those at ``off2 + 32 c`` (c = 0..7)."""
+    if not is_1d(raw):
+        return None
+    tup = types.UniTuple(i8x64, 8)
+
+    def codegen(context, builder, sig, args):
+        regs = [_load_pair(context, builder, sig, args, 1, 2, 32 * c, ir.VectorType(LL_I8, 32)) for c in range(8)]
+        return context.make_tuple(builder, tup, regs)
+
+    return tup(raw, off, off2), codegen
+
+
+@intrinsic
+def bytes_128_x16(typingctx):
+    """64 bytes of 0x80: read unsigned by ``dpbusd_x16``, 128 x Σ of a signed operand's quads."""
+    return i8x64(), lambda context, builder, sig, args: splat_constant(V64B, 0x80)
+
+
+@intrinsic
+def neg_i32x16(typingctx, v):
+    if v != i32x16:
+        return None
+    return i32x16(v), lambda context, builder, sig, args: builder.neg(args[0])

@@ -1,11 +1,12 @@
-"""The 512-bit prefill of the repacked K-quant layouts (``kquant_rows16``: two groups of eight rows per zmm
-register, AVX-512 VNNI).
+"""The kernels on 512-bit registers (AVX-512 VNNI, ``simd512.WIDE``): two groups of eight rows per zmm
+register, for the repacked K-quants (``kquant_rows16``, prefill and decode) and Q8_0 (prefill).
 
-Where the CPU has it, ``kquant_matmul`` runs it for every prompt of four tokens or more, so the parity,
-prefill = decode and threads tests of ``test_kquant_rows8`` run it too. Here: it is chosen exactly where
-the CPU has what it needs, and it gives the eight-row kernel's bits for every type, token count (whole
-quads and a tail), odd and even group counts, and q/k/v-style calls of several weights. Where the CPU has
-no AVX-512 VNNI these skip, saying so; the eight-row kernels then run everywhere.
+Where the CPU has them, the matmuls run them, so the parity, prefill = decode and threads tests of
+``test_kquant_rows8`` and ``test_quant_matmul`` run them too. Here: they are chosen exactly where the CPU
+has what they need, and they give the eight-row kernels' bits for every type, token count (whole quads,
+a tail, past one 64-token pass), odd and even group counts, rows past the last group, and q/k/v-style
+calls of several weights. Where the CPU has no AVX-512 VNNI these skip, saying so; the eight-row kernels
+then run everywhere.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import os
 
 import numpy as np
 import pytest
+from gguf import quants as gq
 from test_kquants import acts, weight
 
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import kquant_rows8 as r8
 from minfer.backends.cpu import kquant_rows16 as r16
+from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd, simd512
 from minfer.formats.block_types import GGMLType
+from minfer.formats.gguf_file import GGUFTensor
 
 TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 NO_WIDE = "no AVX-512 F+BW+VNNI on this CPU (or MINFER_AVX512=0 / MINFER_VNNI=0): the 512-bit prefill cannot run here"
@@ -60,3 +64,19 @@ def test_the_same_bits_as_the_eight_row_kernel(t, n_tok):
         for a, b in zip(outs["wide"], outs["narrow"], strict=True):
             assert not np.isnan(a).any()
             assert a.view(np.uint32).tolist() == b.view(np.uint32).tolist()
+
+
+@pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)
+@pytest.mark.parametrize("n_out", [40, 43, 48])  # five groups (one alone at the end), three more rows, six
+@pytest.mark.parametrize("n_tok", [2, 13, 70])
+def test_q8_0_prefill_gives_the_eight_row_kernels_bits(n_out, n_tok):
+    rng = np.random.default_rng(n_out + n_tok)
+    w = rng.standard_normal((n_out, 512)).astype(np.float32)
+    p = qm.prepare(GGUFTensor("w", GGMLType.Q8_0, (n_out, 512), gq.quantize(w, GGMLType.Q8_0).view(np.uint8)))
+    xq = qm.quantize_activations(acts(n_tok, 512))
+    au = qm._shifted_activations(xq._q, n_tok)
+    wide, narrow = (np.full((n_tok, n_out), np.nan, np.float32) for _ in range(2))
+    qm._q8_0_pairs(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, wide)
+    qm._q8_0_rows8(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, narrow)
+    assert not np.isnan(wide).any()
+    assert wide.view(np.uint32).tolist() == narrow.view(np.uint32).tolist()
