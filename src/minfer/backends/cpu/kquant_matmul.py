@@ -876,8 +876,9 @@ class _Prepared:
         self.rb = rb
         self.n_out, self.n_in = n_out, n_in
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
-        # Q4_K, Q5_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8); the
-        # raw pages are then given back, so the copy replaces them in memory rather than sitting beside them
+        # Q4_K, Q5_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8;
+        # kquant_rows16 on AVX-512 VNNI); the raw pages are then given back, so the copy replaces them in memory
+        # rather than sitting beside them
         self.rows8 = self.rows8_kernel = None
         if kquant_rows8.supports(t, n_out, n_in):
             repack, self.rows8_kernel = kquant_rows16.REPACKED[t]
