@@ -96,10 +96,11 @@ class GGUFTensor:
         return int(self.data.nbytes)
 
 
-def tensor_rows(t: GGUFTensor, r0: int, r1: int, name: str) -> GGUFTensor:
-    """Rows ``r0..r1`` of a matrix as a tensor of its own: a view of the same bytes (a fused projection's part)."""
+def tensor_rows(t: GGUFTensor, r0: int, r1: int, name: str, shape: tuple[int, ...] | None = None) -> GGUFTensor:
+    """Rows ``r0..r1`` of ``t.data`` as a tensor of its own: a view of the same bytes (a fused projection's
+    part; ``shape``, where the rows are not those of a matrix: one expert of a stacked tensor)."""
     rows = t.file_rows.sub(r0, r1) if t.file_rows is not None else None
-    return GGUFTensor(name, t.ggml_type, (r1 - r0, *t.shape[1:]), t.data[r0:r1], rows)
+    return GGUFTensor(name, t.ggml_type, shape or (r1 - r0, *t.shape[1:]), t.data[r0:r1], rows)
 
 
 @dataclass(frozen=True)
@@ -116,12 +117,8 @@ class ExpertTensors:
         if len(t.shape) != 3:
             raise FormatError(f"tensor {t.name!r} has shape {t.shape}, expected 3-D (experts, rows, columns)")
         n, rows = t.shape[0], t.shape[1]
-        def expert(e: int) -> GGUFTensor:
-            r0, r1 = e * rows, (e + 1) * rows
-            file_rows = t.file_rows.sub(r0, r1) if t.file_rows is not None else None
-            return GGUFTensor(f"{t.name}[{e}]", t.ggml_type, t.shape[1:], t.data[r0:r1], file_rows)
-
-        return cls(t.name, tuple(expert(e) for e in range(n)))
+        return cls(t.name, tuple(tensor_rows(t, e * rows, (e + 1) * rows, f"{t.name}[{e}]", t.shape[1:])
+                                 for e in range(n)))
 
     @property
     def shape(self) -> tuple[int, ...]:

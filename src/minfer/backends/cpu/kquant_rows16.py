@@ -146,12 +146,14 @@ def _pair(pp, pa, pb, pc, oa, ob, oc):
     return pa, oa.reshape(-1), oa.shape[1], 2 * i, 2 * i + 1 < na
 
 
-def _n_pairs(*outs: np.ndarray) -> int:
-    return sum((o.shape[1] // 8 + 1) // 2 for o in outs)
+@njit(inline="always")
+def _n_pairs(oa, ob, oc):
+    """How many pairs ``_pair`` numbers."""
+    return (oa.shape[1] // 8 + 1) // 2 + (ob.shape[1] // 8 + 1) // 2 + (oc.shape[1] // 8 + 1) // 2
 
 
 @njit(parallel=True, cache=True)
-def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five, n_pairs):
+def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     """kquant_rows8's ``_matmul``, two groups per work item."""
     n_tok = oa.shape[0]
     n_in = aq.shape[0] // n_tok
@@ -160,7 +162,7 @@ def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five, n_pairs):
     sb_bytes = SB_BYTES + _Q5_EXTRA * five
     bp = _sub_block_sums(bs, n_tok * nb8)
     n_quad = n_tok - n_tok % QUAD
-    for pp in prange(n_pairs):
+    for pp in prange(_n_pairs(oa, ob, oc)):
         packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
         og = g * nbk * sb_bytes
         og2 = og + nbk * sb_bytes
@@ -260,14 +262,14 @@ def _q6_pair_one(a, b, packed, o, o2, aq, ao, bs, bo, dq, do):
 
 
 @njit(parallel=True, cache=True)
-def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, n_pairs):
+def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc):
     """kquant_rows8's ``_matmul_q6_group``, two groups per work item."""
     n_tok = oa.shape[0]
     n_in = aq.shape[0] // n_tok
     nbk = n_in // QK_K
     nb16 = nbk * 16
     n_quad = n_tok - n_tok % QUAD
-    for pp in prange(n_pairs):
+    for pp in prange(_n_pairs(oa, ob, oc)):
         packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
         og = g * nbk * Q6_SB_BYTES
         og2 = og + nbk * Q6_SB_BYTES
@@ -310,19 +312,19 @@ def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, n_pairs):
 def _matmul_q4_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
                  pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
                  oc: np.ndarray = NO_OUTPUT) -> None:
-    _matmul_pairs(packed, pb, pc, q, d, bsums, out, ob, oc, 0, _n_pairs(out, ob, oc))
+    _matmul_pairs(packed, pb, pc, q, d, bsums, out, ob, oc, 0)
 
 
 def _matmul_q5_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
                  pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
                  oc: np.ndarray = NO_OUTPUT) -> None:
-    _matmul_pairs(packed, pb, pc, q, d, bsums, out, ob, oc, 1, _n_pairs(out, ob, oc))
+    _matmul_pairs(packed, pb, pc, q, d, bsums, out, ob, oc, 1)
 
 
 def _matmul_q6_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
                  pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
                  oc: np.ndarray = NO_OUTPUT) -> None:
-    _matmul_q6_pairs(packed, pb, pc, q, d, bsums, out, ob, oc, _n_pairs(out, ob, oc))
+    _matmul_q6_pairs(packed, pb, pc, q, d, bsums, out, ob, oc)
 
 
 # kquant_rows8.REPACKED, with the matmuls on these kernels where the CPU has AVX-512 VNNI
