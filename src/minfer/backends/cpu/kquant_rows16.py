@@ -171,6 +171,10 @@ def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
                 z = zeros_f32x8()
                 acc = (z, z, z, z, z, z, z, z)
                 for b in range(nbk):
+                    if t == 0:  # the pair's weights come from memory once: ask for them ahead of the unpacking
+                        for c in range(0, sb_bytes, 64):
+                            prefetch(packed, og + b * sb_bytes + PREFETCH_BYTES + c)
+                            prefetch(packed, og2 + b * sb_bytes + PREFETCH_BYTES + c)
                     acc = _pair_quad(acc, packed, og + b * sb_bytes, og2 + b * sb_bytes, aq, t * n_in + b * QK_K,
                                      n_in, bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
                 _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
@@ -278,6 +282,10 @@ def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc):
                 z = zeros_f32x8()
                 acc = (z, z, z, z, z, z, z, z)
                 for b in range(nbk):
+                    if t == 0:
+                        for c in range(0, Q6_SB_BYTES, 64):
+                            prefetch(packed, og + b * Q6_SB_BYTES + PREFETCH_BYTES + c)
+                            prefetch(packed, og2 + b * Q6_SB_BYTES + PREFETCH_BYTES + c)
                     acc = _q6_pair_quad(acc, packed, og + b * Q6_SB_BYTES, og2 + b * Q6_SB_BYTES, aq,
                                         t * n_in + b * QK_K, n_in, bs, (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
                 _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
