@@ -80,3 +80,20 @@ def test_q8_0_prefill_gives_the_eight_row_kernels_bits(n_out, n_tok):
     qm._q8_0_rows8(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, narrow)
     assert not np.isnan(wide).any()
     assert wide.view(np.uint32).tolist() == narrow.view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("n_tok", [1, 2, 9])
+def test_a_plans_bound_q8_0_call_runs_the_kernel_matmul_runs(monkeypatch, n_tok):
+    # the same bits either way, so only the kernel the call runs tells them apart: a plan's bound call
+    # once kept the eight-row kernel while matmul ran the pairs
+    ran = []
+    pairs = qm._q8_0_pairs
+    monkeypatch.setattr(qm, "_q8_0_pairs", lambda *a: (ran.append("pairs"), pairs(*a)))
+    rng = np.random.default_rng(n_tok)
+    w = rng.standard_normal((40, 512)).astype(np.float32)
+    p = qm.prepare(GGUFTensor("w", GGMLType.Q8_0, (40, 512), gq.quantize(w, GGMLType.Q8_0).view(np.uint8)))
+    x = acts(n_tok, 512)
+    out = np.empty((n_tok, 40), np.float32)
+    qm.matmul(x, p, out)
+    qm.direct_call(x, p, out, None)()
+    assert ran == (["pairs", "pairs"] if simd512.WIDE and n_tok > 1 else [])
