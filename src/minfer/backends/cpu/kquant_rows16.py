@@ -35,7 +35,10 @@ from minfer.backends.cpu.kquant_rows8 import (
     QK_K,
     QUAD,
     SB_BYTES,
+    SMALL_PASS_TOKENS,
     _finish,
+    _load_one,
+    _load_quad,
     _one,
     _q6_finish,
     _q6_one,
@@ -48,7 +51,6 @@ from minfer.backends.cpu.kquant_rows8 import (
 from minfer.backends.cpu.simd import (
     add_i32x8,
     broadcast_i16_pair,
-    load_f32x8,
     madd_i16x16,
     prefetch,
     store_f32x8,
@@ -153,29 +155,6 @@ def _pair(pp, pa, pb, pc, oa, ob, oc):
 def _n_pairs(oa, ob, oc):
     """How many pairs ``_pair`` numbers."""
     return (oa.shape[1] // 8 + 1) // 2 + (ob.shape[1] // 8 + 1) // 2 + (oc.shape[1] // 8 + 1) // 2
-
-# Passes of up to SMALL_PASS_TOKENS tokens (decode, a few sequences' decode, a verified draft) go through each
-# pair's super-blocks once, every token at each super-block: the weights are read from memory once and
-# their streaming overlaps all the tokens' arithmetic, where token-major order would stream them during the
-# first four tokens alone. The tokens' accumulators live in the output between super-blocks (a float32
-# store and load are exact, so the bits are those of token-major order).
-SMALL_PASS_TOKENS = 16
-
-
-@njit(inline="always")
-def _load_quad(flat, at, n_out, first):
-    """The accumulators ``_store_quad`` left at ``at`` (zeros before the first super-block)."""
-    if first:
-        z = zeros_f32x8()
-        return z, z, z, z
-    return (load_f32x8(flat, at), load_f32x8(flat, at + n_out), load_f32x8(flat, at + 2 * n_out),
-            load_f32x8(flat, at + 3 * n_out))
-
-
-@njit(inline="always")
-def _load_one(flat, at, first):
-    return zeros_f32x8() if first else load_f32x8(flat, at)
-
 
 @njit(inline="always")
 def _prefetch_block(packed, o, o2, two, n_bytes):

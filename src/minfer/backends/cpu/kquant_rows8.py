@@ -70,6 +70,7 @@ from minfer.backends.cpu.simd import (
     i32x8,
     is_1d,
     load_element,
+    load_f32x8,
     load_halves8,
     load_u8_i16x16,
     low_nibbles32,
@@ -314,6 +315,54 @@ def _sub_block_sums(bs, n):
     return bp
 
 
+# Passes of up to SMALL_PASS_TOKENS tokens (decode, a few sequences' decode, a verified draft) go through each
+# group's super-blocks once, every token at each super-block: the weights are read from memory once and
+# their streaming overlaps all the tokens' arithmetic, where token-major order would stream them during the
+# first four tokens alone. The tokens' accumulators live in the output between super-blocks (a float32
+# store and load are exact, so the bits are those of token-major order).
+# Measured (1.7B-shaped Q4_K_M gate+up, weights from memory, 2 threads, the 256-bit VNNI path) against one
+# token: 2 tokens 1.49x -> 1.18x, 4 tokens 1.90x -> 1.49x, 8 tokens 2.76x -> 1.76x, 16 tokens 4.32x -> 3.16x.
+SMALL_PASS_TOKENS = 16
+
+
+@njit(inline="always")
+def _load_quad(flat, at, n_out, first):
+    """The accumulators ``_store_quad`` left at ``at`` (zeros before the first super-block)."""
+    if first:
+        z = zeros_f32x8()
+        return z, z, z, z
+    return (load_f32x8(flat, at), load_f32x8(flat, at + n_out), load_f32x8(flat, at + 2 * n_out),
+            load_f32x8(flat, at + 3 * n_out))
+
+
+@njit(inline="always")
+def _load_one(flat, at, first):
+    return zeros_f32x8() if first else load_f32x8(flat, at)
+
+
+@njit(inline="always")
+def _small_pass(packed, flat, n_out, g, og, aq, dq, bp, n_tok, n_in, nbk, five):
+    """One group's rows for a pass of at most ``SMALL_PASS_TOKENS`` tokens, super-block-major."""
+    nb8 = nbk * 8
+    sb_bytes = SB_BYTES + _Q5_EXTRA * five
+    n_quad = n_tok - n_tok % QUAD
+    for b in range(nbk):
+        o = og + b * sb_bytes
+        for k in range(0, sb_bytes, 64):
+            prefetch(packed, o + PREFETCH_BYTES + k)
+        first = b == 0
+        for t in range(0, n_quad, QUAD):
+            at = t * n_out + 8 * g
+            a0, a1, a2, a3 = _load_quad(flat, at, n_out, first)
+            a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bp, t * nb8 + 8 * b,
+                                   nb8, dq, t * nbk + b, nbk, five)
+            _store_quad(flat, at, n_out, a0, a1, a2, a3)
+        for t in range(n_quad, n_tok):
+            at = t * n_out + 8 * g
+            store_f32x8(flat, at, _one(_load_one(flat, at, first), packed, o, aq, t * n_in + b * QK_K, bp,
+                                       t * nb8 + 8 * b, dq, t * nbk + b, five))
+
+
 @njit(parallel=True, cache=True)
 def _matmul(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     """``oa[n_tok, n_a]`` (C-contiguous) from the repacked weights ``pa`` (``five``: 1 for Q5_K's layout, 0
@@ -331,6 +380,9 @@ def _matmul(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     for gg in prange((oa.shape[1] + ob.shape[1] + oc.shape[1]) // 8):
         packed, flat, n_out, g = _member(gg, pa, pb, pc, oa, ob, oc)
         og = g * nbk * sb_bytes
+        if n_tok <= SMALL_PASS_TOKENS:
+            _small_pass(packed, flat, n_out, g, og, aq, dq, bp, n_tok, n_in, nbk, five)
+            continue
         for t in range(0, n_quad, QUAD):
             a0 = a1 = a2 = a3 = zeros_f32x8()
             for b in range(nbk):
@@ -338,12 +390,10 @@ def _matmul(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
                 a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bp,
                                        t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
             _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
-        for t in range(n_quad, n_tok):  # decode, and the last n_tok % 4 tokens
+        for t in range(n_quad, n_tok):  # the last n_tok % 4 tokens (the group's weights are in cache by now)
             a0 = zeros_f32x8()
             for b in range(nbk):
                 o = og + b * sb_bytes
-                for k in range(0, sb_bytes, 64):
-                    prefetch(packed, o + PREFETCH_BYTES + k)
                 a0 = _one(a0, packed, o, aq, t * n_in + b * QK_K, bp, t * nb8 + 8 * b, dq, t * nbk + b, five)
             store_f32x8(flat, t * n_out + 8 * g, a0)
 
@@ -550,6 +600,28 @@ def _q6_quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bs, bo, nb16, dq, do, nbk)
     return a0, a1, a2, a3
 
 
+@njit(inline="always")
+def _q6_small_pass(packed, flat, n_out, g, og, aq, dq, bs, n_tok, n_in, nbk):
+    """``_small_pass`` for the Q6_K layout."""
+    nb16 = nbk * 16
+    n_quad = n_tok - n_tok % QUAD
+    for b in range(nbk):
+        o = og + b * Q6_SB_BYTES
+        for k in range(0, Q6_SB_BYTES, 64):
+            prefetch(packed, o + Q6_PREFETCH_BYTES + k)
+        first = b == 0
+        for t in range(0, n_quad, QUAD):
+            at = t * n_out + 8 * g
+            a0, a1, a2, a3 = _load_quad(flat, at, n_out, first)
+            a0, a1, a2, a3 = _q6_quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bs,
+                                      (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
+            _store_quad(flat, at, n_out, a0, a1, a2, a3)
+        for t in range(n_quad, n_tok):
+            at = t * n_out + 8 * g
+            store_f32x8(flat, at, _q6_one(_load_one(flat, at, first), packed, o, aq, t * n_in + b * QK_K, bs,
+                                          (t * nbk + b) * 16, dq, t * nbk + b))
+
+
 @njit(parallel=True, cache=True)
 def _matmul_q6_group(pa, pb, pc, aq, dq, bs, oa, ob, oc):
     """``_matmul`` for the repacked Q6_K layout."""
@@ -561,6 +633,9 @@ def _matmul_q6_group(pa, pb, pc, aq, dq, bs, oa, ob, oc):
     for gg in prange((oa.shape[1] + ob.shape[1] + oc.shape[1]) // 8):
         packed, flat, n_out, g = _member(gg, pa, pb, pc, oa, ob, oc)
         og = g * nbk * Q6_SB_BYTES
+        if n_tok <= SMALL_PASS_TOKENS:
+            _q6_small_pass(packed, flat, n_out, g, og, aq, dq, bs, n_tok, n_in, nbk)
+            continue
         for t in range(0, n_quad, QUAD):
             a0 = a1 = a2 = a3 = zeros_f32x8()
             for b in range(nbk):
@@ -572,8 +647,6 @@ def _matmul_q6_group(pa, pb, pc, aq, dq, bs, oa, ob, oc):
             a0 = zeros_f32x8()
             for b in range(nbk):
                 o = og + b * Q6_SB_BYTES
-                for k in range(0, Q6_SB_BYTES, 64):
-                    prefetch(packed, o + Q6_PREFETCH_BYTES + k)
                 a0 = _q6_one(a0, packed, o, aq, t * n_in + b * QK_K, bs, (t * nbk + b) * 16, dq, t * nbk + b)
             store_f32x8(flat, t * n_out + 8 * g, a0)
 
