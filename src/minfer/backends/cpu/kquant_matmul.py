@@ -71,7 +71,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from minfer.backends.cpu import kquant_rows8, kquant_rows16
+from minfer.backends.cpu import kquant_amx, kquant_rows8
 from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
@@ -877,11 +877,12 @@ class _Prepared:
         self.n_out, self.n_in = n_out, n_in
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
         # Q4_K, Q5_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8;
-        # kquant_rows16 on AVX-512 VNNI); the raw pages are then given back, so the copy replaces them in memory
+        # kquant_rows16 on AVX-512 VNNI, Q4_K's prefill on AMX tiles where they run: kquant_amx); the raw pages
+        # are then given back, so the copy replaces them in memory
         # rather than sitting beside them
         self.rows8 = self.rows8_kernel = None
         if kquant_rows8.supports(t, n_out, n_in):
-            repack, self.rows8_kernel = kquant_rows16.REPACKED[t]
+            repack, self.rows8_kernel = kquant_amx.REPACKED[t]
             self.rows8 = repack(flat, n_out, n_in)
             release_file_pages(w.data)
 

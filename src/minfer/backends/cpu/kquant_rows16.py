@@ -198,6 +198,44 @@ def _small_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bp, n_tok, n_in, n
                 store_f32x8(flat, at, _one(_load_one(flat, at, first), packed, o, aq, ao, bp, bo, dq, do, five))
 
 
+@njit(inline="always")
+def _large_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bp, t_first, n_tok, n_in, nbk, five):
+    """One pair's rows for tokens ``t_first`` .. ``n_tok`` - 1 of a prompt, four tokens at a time (their
+    accumulators in registers through the pair's super-blocks), then the last one to three alone."""
+    nb8 = nbk * 8
+    sb_bytes = SB_BYTES + _Q5_EXTRA * five
+    n_quad = n_tok - (n_tok - t_first) % QUAD
+    for t in range(t_first, n_quad, QUAD):
+        if two:
+            z = zeros_f32x8()
+            acc = (z, z, z, z, z, z, z, z)
+            for b in range(nbk):
+                if t == t_first:  # the pair's weights come from memory once: ask for them ahead of the unpacking
+                    _prefetch_block(packed, og + b * sb_bytes, og2 + b * sb_bytes, True, sb_bytes)
+                acc = _pair_quad(acc, packed, og + b * sb_bytes, og2 + b * sb_bytes, aq, t * n_in + b * QK_K,
+                                 n_in, bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
+            _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
+            _store_quad(flat, t * n_out + 8 * g + 8, n_out, acc[4], acc[5], acc[6], acc[7])
+        else:
+            a0 = a1 = a2 = a3 = zeros_f32x8()
+            for b in range(nbk):
+                a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, og + b * sb_bytes, aq, t * n_in + b * QK_K, n_in,
+                                       bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
+            _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
+    for t in range(n_quad, n_tok):  # the last (n_tok - t_first) % 4 tokens (the pair's weights are in cache by now)
+        a = b = zeros_f32x8()
+        for k in range(nbk):
+            o, o2 = og + k * sb_bytes, og2 + k * sb_bytes
+            ao, bo, do = t * n_in + k * QK_K, t * nb8 + 8 * k, t * nbk + k
+            if two:
+                a, b = _pair_one(a, b, packed, o, o2, aq, ao, bp, bo, dq, do, five)
+            else:
+                a = _one(a, packed, o, aq, ao, bp, bo, dq, do, five)
+        store_f32x8(flat, t * n_out + 8 * g, a)
+        if two:
+            store_f32x8(flat, t * n_out + 8 * g + 8, b)
+
+
 @njit(parallel=True, cache=True)
 def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     """kquant_rows8's ``_matmul``, two groups per work item."""
@@ -207,7 +245,6 @@ def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     nb8 = nbk * 8
     sb_bytes = SB_BYTES + _Q5_EXTRA * five
     bp = _sub_block_sums(bs, n_tok * nb8)
-    n_quad = n_tok - n_tok % QUAD
     for pp in prange(_n_pairs(oa, ob, oc)):
         packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
         og = g * nbk * sb_bytes
@@ -215,35 +252,7 @@ def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
         if n_tok <= SMALL_PASS_TOKENS:
             _small_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bp, n_tok, n_in, nbk, five)
             continue
-        for t in range(0, n_quad, QUAD):
-            if two:
-                z = zeros_f32x8()
-                acc = (z, z, z, z, z, z, z, z)
-                for b in range(nbk):
-                    if t == 0:  # the pair's weights come from memory once: ask for them ahead of the unpacking
-                        _prefetch_block(packed, og + b * sb_bytes, og2 + b * sb_bytes, True, sb_bytes)
-                    acc = _pair_quad(acc, packed, og + b * sb_bytes, og2 + b * sb_bytes, aq, t * n_in + b * QK_K,
-                                     n_in, bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
-                _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
-                _store_quad(flat, t * n_out + 8 * g + 8, n_out, acc[4], acc[5], acc[6], acc[7])
-            else:
-                a0 = a1 = a2 = a3 = zeros_f32x8()
-                for b in range(nbk):
-                    a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, og + b * sb_bytes, aq, t * n_in + b * QK_K, n_in,
-                                           bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
-                _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
-        for t in range(n_quad, n_tok):  # the last n_tok % 4 tokens (the pair's weights are in cache by now)
-            a = b = zeros_f32x8()
-            for k in range(nbk):
-                o, o2 = og + k * sb_bytes, og2 + k * sb_bytes
-                ao, bo, do = t * n_in + k * QK_K, t * nb8 + 8 * k, t * nbk + k
-                if two:
-                    a, b = _pair_one(a, b, packed, o, o2, aq, ao, bp, bo, dq, do, five)
-                else:
-                    a = _one(a, packed, o, aq, ao, bp, bo, dq, do, five)
-            store_f32x8(flat, t * n_out + 8 * g, a)
-            if two:
-                store_f32x8(flat, t * n_out + 8 * g + 8, b)
+        _large_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bp, 0, n_tok, n_in, nbk, five)
 
 
 # --- Q6_K ------------------------------------------------------------------------------------------

@@ -228,6 +228,11 @@ V16F = f32x16.llvm_type()
 
 
 @intrinsic
+def zeros_f32x16(typingctx):
+    return f32x16(), lambda context, builder, sig, args: ir.Constant(V16F, [0.0] * 16)
+
+
+@intrinsic
 def load_f32x16(typingctx, arr, i):
     """arr[i:i+16] of a float32 array."""
     if not (is_1d(arr) and arr.dtype == types.float32):
