@@ -33,14 +33,28 @@ def test_a_tile_configuration_holds_each_tiles_shape():
     assert cfg[22:24].view(np.uint16)[0] == 32 and cfg[51] == 8
 
 
+def test_base_8_digits_of_every_q6_k_scale_fit_the_panels():
+    sc = np.arange(-128, 128)
+    rest, digits = sc.copy(), []
+    for _ in range(3):  # as kquant_amx._digit_bytes computes them
+        d = ((rest + 3) & 7) - 3
+        digits.append(d)
+        rest = (rest - d) >> 3
+    assert np.array_equal(digits[0] + 8 * digits[1] + 64 * digits[2], sc)
+    assert all(d.min() >= -3 and d.max() <= 4 for d in digits)
+    products = np.outer(np.arange(-32, 32), np.arange(-3, 5))  # (u - 32) times a digit: a signed byte
+    assert products.min() >= -128 and products.max() <= 127
+
+
 @pytest.mark.skipif(WHY_NOT != "ok", reason=f"AMX tiles cannot run here: {WHY_NOT}")
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tok", [32, 37, 70])
-def test_q4_k_on_tiles_gives_the_eight_row_kernels_bits(n_tok):
+def test_the_tiles_give_the_eight_row_kernels_bits(t, n_tok):
     """One weight and three (groups 5, 2 and 3: a pair of one at the end of two of them) in one call."""
     x = acts(n_tok, 512)
-    ws = [weight(GGMLType.Q4_K, n_out, 512, seed=50 + i) for i, n_out in enumerate((40, 16, 24))]
-    repack, tiles = kquant_amx.REPACKED[GGMLType.Q4_K]
-    _, narrow = r8.REPACKED[GGMLType.Q4_K]
+    ws = [weight(t, n_out, 512, seed=50 + i) for i, n_out in enumerate((40, 16, 24))]
+    repack, tiles = kquant_amx.REPACKED[t]
+    _, narrow = r8.REPACKED[t]
     packed = [repack(np.ascontiguousarray(w.data), w.shape[0], 512) for w in ws]
     xq = km.quantize_activations_q8_k(x)
     q, d, bs = xq._q, xq._d, xq._bs

@@ -59,6 +59,7 @@ def test_bench_json_reports_bandwidth_and_gflops():
     assert rows["pp16"]["gflop_s"] > rows["pp16"]["matmul_gflop_s"] > 0
     m = rows["pp16"]["machine"]
     assert m["read_bandwidth_bytes_s"]["1"] > 0 and m["f32_fma_flop_s"]["1"] > 0
+    assert m["amx"] == "ok" or len(m["amx"]) > 10  # whether the AMX tiles ran, or why not
 
 
 def test_compare_without_llamacpp_still_reports_minfer(tmp_path):

@@ -409,6 +409,9 @@ def markdown(report: BenchReport) -> str:
                      f"(measured, {mach['instruction_set']}, {mach['f32_lanes']} lanes)"
                      + (f", int8 dot-product peak ~{4 * report.machine.fma_flops.get(t, 0) / 1e9:.0f} GOP/s (4x, "
                         "derived)" if mach["int8_dot"] else ""))
+    amx = mach.get("amx", "")
+    used = "Q4_K and Q6_K prefill of 32+ tokens runs on them"
+    lines.append("\nAMX tiles: " + (used if amx == "ok" else f"not used ({amx})"))
     lines.append(f"\nGFLOP/s of pp: matmuls 2 x {report.layer_matmul_params / 1e6:.0f} M x N + output "
                  f"2 x {report.output_params / 1e6:.0f} M + causal attention; tg bandwidth: "
                  f"{report.weight_bytes_per_token / 2**20:.1f} MiB of weights per token x t/s")

@@ -104,8 +104,11 @@ class MachineProbe:
 
     def describe(self) -> dict[str, object]:
         name, lanes, vnni = instruction_set(cpu_flags())
+        from minfer.backends.cpu import amx  # (its probe runs in a child process, once per CPU)
+
         return {"instruction_set": name, "f32_lanes": lanes, "int8_dot": vnni, "l3_bytes": l3_bytes(),
-                "read_bandwidth_bytes_s": dict(self.bandwidth), "f32_fma_flop_s": dict(self.fma_flops),
+                "amx": amx.reason(), "read_bandwidth_bytes_s": dict(self.bandwidth),
+                "f32_fma_flop_s": dict(self.fma_flops),
                 "int8_peak_op_s": {t: 4 * f for t, f in self.fma_flops.items()} if vnni else {}}
 
 

@@ -349,14 +349,48 @@ def _q6_small_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bs, n_tok, n_in
                 store_f32x8(flat, at, _q6_one(_load_one(flat, at, first), packed, o, aq, ao, bs, bo, dq, do))
 
 
+@njit(inline="always")
+def _q6_large_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bs, t_first, n_tok, n_in, nbk):
+    """``_large_pass`` for the Q6_K layout."""
+    nb16 = nbk * 16
+    n_quad = n_tok - (n_tok - t_first) % QUAD
+    for t in range(t_first, n_quad, QUAD):
+        if two:
+            z = zeros_f32x8()
+            acc = (z, z, z, z, z, z, z, z)
+            for b in range(nbk):
+                if t == t_first:
+                    _prefetch_block(packed, og + b * Q6_SB_BYTES, og2 + b * Q6_SB_BYTES, True, Q6_SB_BYTES)
+                acc = _q6_pair_quad(acc, packed, og + b * Q6_SB_BYTES, og2 + b * Q6_SB_BYTES, aq,
+                                    t * n_in + b * QK_K, n_in, bs, (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
+            _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
+            _store_quad(flat, t * n_out + 8 * g + 8, n_out, acc[4], acc[5], acc[6], acc[7])
+        else:
+            a0 = a1 = a2 = a3 = zeros_f32x8()
+            for b in range(nbk):
+                a0, a1, a2, a3 = _q6_quad(a0, a1, a2, a3, packed, og + b * Q6_SB_BYTES, aq, t * n_in + b * QK_K,
+                                          n_in, bs, (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
+            _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
+    for t in range(n_quad, n_tok):
+        a = b = zeros_f32x8()
+        for k in range(nbk):
+            o, o2 = og + k * Q6_SB_BYTES, og2 + k * Q6_SB_BYTES
+            ao, bo, do = t * n_in + k * QK_K, (t * nbk + k) * 16, t * nbk + k
+            if two:
+                a, b = _q6_pair_one(a, b, packed, o, o2, aq, ao, bs, bo, dq, do)
+            else:
+                a = _q6_one(a, packed, o, aq, ao, bs, bo, dq, do)
+        store_f32x8(flat, t * n_out + 8 * g, a)
+        if two:
+            store_f32x8(flat, t * n_out + 8 * g + 8, b)
+
+
 @njit(parallel=True, cache=True)
 def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc):
     """kquant_rows8's ``_matmul_q6_group``, two groups per work item."""
     n_tok = oa.shape[0]
     n_in = aq.shape[0] // n_tok
     nbk = n_in // QK_K
-    nb16 = nbk * 16
-    n_quad = n_tok - n_tok % QUAD
     for pp in prange(_n_pairs(oa, ob, oc)):
         packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
         og = g * nbk * Q6_SB_BYTES
@@ -364,35 +398,7 @@ def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc):
         if n_tok <= SMALL_PASS_TOKENS:
             _q6_small_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bs, n_tok, n_in, nbk)
             continue
-        for t in range(0, n_quad, QUAD):
-            if two:
-                z = zeros_f32x8()
-                acc = (z, z, z, z, z, z, z, z)
-                for b in range(nbk):
-                    if t == 0:
-                        _prefetch_block(packed, og + b * Q6_SB_BYTES, og2 + b * Q6_SB_BYTES, True, Q6_SB_BYTES)
-                    acc = _q6_pair_quad(acc, packed, og + b * Q6_SB_BYTES, og2 + b * Q6_SB_BYTES, aq,
-                                        t * n_in + b * QK_K, n_in, bs, (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
-                _store_quad(flat, t * n_out + 8 * g, n_out, acc[0], acc[1], acc[2], acc[3])
-                _store_quad(flat, t * n_out + 8 * g + 8, n_out, acc[4], acc[5], acc[6], acc[7])
-            else:
-                a0 = a1 = a2 = a3 = zeros_f32x8()
-                for b in range(nbk):
-                    a0, a1, a2, a3 = _q6_quad(a0, a1, a2, a3, packed, og + b * Q6_SB_BYTES, aq, t * n_in + b * QK_K,
-                                              n_in, bs, (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
-                _store_quad(flat, t * n_out + 8 * g, n_out, a0, a1, a2, a3)
-        for t in range(n_quad, n_tok):
-            a = b = zeros_f32x8()
-            for k in range(nbk):
-                o, o2 = og + k * Q6_SB_BYTES, og2 + k * Q6_SB_BYTES
-                ao, bo, do = t * n_in + k * QK_K, (t * nbk + k) * 16, t * nbk + k
-                if two:
-                    a, b = _q6_pair_one(a, b, packed, o, o2, aq, ao, bs, bo, dq, do)
-                else:
-                    a = _q6_one(a, packed, o, aq, ao, bs, bo, dq, do)
-            store_f32x8(flat, t * n_out + 8 * g, a)
-            if two:
-                store_f32x8(flat, t * n_out + 8 * g + 8, b)
+        _q6_large_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bs, 0, n_tok, n_in, nbk)
 
 
 # --- the kernels kquant_matmul calls ---------------------------------------------------------------
