@@ -98,13 +98,14 @@ _scaled_low, _scaled_high = _scaled(False), _scaled(True)
 
 
 @intrinsic
-def _store_bytes64(typingctx, arr, at, v):
-    """``v``'s 64 bytes at byte ``at`` of a uint8 array."""
-    if not (is_1d(arr) and v == i32x16):
+def _store64(typingctx, arr, at, v):
+    """``v``'s 64 bytes (sixteen int32 lanes or 64 bytes) at byte ``at`` of a uint8 array."""
+    if not (is_1d(arr) and v in (i32x16, i8x64)):
         return None
 
     def codegen(context, builder, sig, args):
-        builder.store(args[2], element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], V16I),
+        vty = args[2].type
+        builder.store(args[2], element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], vty),
                       align=1)
         return context.get_dummy_value()
 
@@ -179,8 +180,8 @@ def _build_panels(packed, og, og2, nbk, panel):
             sc = u8_scales_x16(packed, o + _SCALES + 8 * j, o2 + _SCALES + 8 * j)
             at = (4 * b + j // 2) * _STEP_BYTES + (j % 2) * 512
             for c in range(8):
-                _store_bytes64(panel, at + 64 * c, _scaled_low(w[c], sc))
-                _store_bytes64(panel, at + 1024 + 64 * c, _scaled_high(w[c], sc))
+                _store64(panel, at + 64 * c, _scaled_low(w[c], sc))
+                _store64(panel, at + 1024 + 64 * c, _scaled_high(w[c], sc))
 
 
 @njit(parallel=True, cache=True)
@@ -276,20 +277,6 @@ _digit0, _digit1, _digit2 = _digit_bytes(0), _digit_bytes(1), _digit_bytes(2)
 
 
 @intrinsic
-def _store_i8x64(typingctx, arr, at, v):
-    """``v``'s 64 bytes at byte ``at`` of a uint8 array."""
-    if not (is_1d(arr) and v == i8x64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                                               ir.VectorType(LL_I8, 64)), align=1)
-        return context.get_dummy_value()
-
-    return types.void(arr, at, v), codegen
-
-
-@intrinsic
 def _digits_sum(typingctx, c0, c1, c2):
     """c0 + 8 c1 + 64 c2 on int32 lanes (exact: |S - 32 M| < 2^31)."""
     if not (c0 == i32x16 and c1 == i32x16 and c2 == i32x16):
@@ -316,9 +303,9 @@ def _build_q6_panels(packed, og, og2, nbk, panel):
             sc = s8_scales_x16(packed, o + at_sc, o2 + at_sc)
             at = (4 * b + sb // 4) * _Q6_STEP_BYTES + (sb % 4) * 256
             for c in range(4):
-                _store_i8x64(panel, at + 64 * c, _digit0(u[c], sc))
-                _store_i8x64(panel, at + 1024 + 64 * c, _digit1(u[c], sc))
-                _store_i8x64(panel, at + 2048 + 64 * c, _digit2(u[c], sc))
+                _store64(panel, at + 64 * c, _digit0(u[c], sc))
+                _store64(panel, at + 1024 + 64 * c, _digit1(u[c], sc))
+                _store64(panel, at + 2048 + 64 * c, _digit2(u[c], sc))
 
 
 @njit(parallel=True, cache=True)
