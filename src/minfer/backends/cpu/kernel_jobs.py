@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from minfer.backends.cpu import amx
 from minfer.backends.cpu.simd512 import WIDE
 from minfer.compiling import CompileJob
 from minfer.formats.gguf_file import GGUFTensor
@@ -64,6 +65,20 @@ def compile_matmul(type_name: str) -> None:
                 xq = quant_matmul.quantize_activations(x)  # a shared QUANTIZE node's output, as plans pass it
                 module.matmul(x, w, out, xq)
             module.matmul(x, w, out)
+
+
+def compile_matmul_amx(type_name: str) -> None:
+    """Q4_K's and Q6_K's prefill on AMX tiles (a job of its own beside the k-quants one: both are long)."""
+    from minfer.backends.cpu import kquant_matmul
+    from minfer.backends.cpu.kquant_amx import AMX_TOKENS
+    from minfer.formats.block_types import block_size, type_size
+
+    n_in, n_out = 256, 16
+    x = np.random.default_rng(0).standard_normal((AMX_TOKENS, n_in)).astype(F32)
+    for wt in (GGMLType.Q4_K, GGMLType.Q6_K):
+        raw = _read_only(np.zeros((n_out, n_in // block_size(wt) * type_size(wt)), np.uint8))
+        w = kquant_matmul.prepare(GGUFTensor("warmup", wt, (n_out, n_in), raw))
+        kquant_matmul.matmul(x, w, np.empty((AMX_TOKENS, n_out), F32))
 
 
 def compile_norms(gain: str) -> None:
@@ -165,6 +180,10 @@ _FM = f"{_CPU}.float_matmul"
 _ATT = f"{_CPU}.attention"
 # the 512-bit prefill of the repacked K-quants, which only a CPU with AVX-512 VNNI compiles and runs
 _WIDE_KQUANT = (f"{_CPU}.kquant_rows16:_matmul_pairs", f"{_CPU}.kquant_rows16:_matmul_q6_pairs") if WIDE else ()
+# and their prefill on AMX tiles, which only a process the probe lets use them compiles (amx.reason: the
+# probe's answer is kept on disk, so this costs a child process once per machine)
+_AMX_KQUANT = ((f"{_CPU}.kquant_amx:_matmul_tiles", f"{_CPU}.kquant_amx:_matmul_q6_tiles")
+               if WIDE and amx.usable() else ())
 _QUANTIZE = (f"{_QM}:_quantize_serial", f"{_QM}:_quantize_parallel")
 _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q4_0: ((f"{_QM}:_gemv_q4_0", f"{_QM}:_gemm_q4_0", *_QUANTIZE), 6.0),
@@ -212,6 +231,8 @@ def matmul_jobs(types: Iterable[GGMLType]) -> list[CompileJob]:
         kernels, estimate = _MATMUL_KERNELS[ts[0]]
         what = ", ".join(sorted({t.name for t in ts}))
         jobs.append(_job(f"matmul:{family}", what, kernels, estimate, ts[0].name))
+        if _AMX_KQUANT and {GGMLType.Q4_K, GGMLType.Q6_K} & set(ts):
+            jobs.append(_job("matmul-amx:k-quants", what + " on AMX tiles", _AMX_KQUANT, 28.0, ts[0].name))
     return jobs
 
 
