@@ -131,36 +131,33 @@ def tile_config(typingctx, cfg):
     return types.void(cfg), codegen
 
 
-def tile_load(tile: int):
-    """``load(arr, at, stride)``: tile ``tile``'s rows from element ``at`` of a 1-D array, ``stride`` bytes apart."""
+def _tile_memory(name: str, tile: int):
+    """An intrinsic ``(arr, at, stride)`` calling LLVM's ``name`` on tile ``tile`` and the rows from element
+    ``at`` of a 1-D array, ``stride`` bytes apart."""
 
     @intrinsic
-    def load(typingctx, arr, at, stride):
+    def move(typingctx, arr, at, stride):
+        if not is_1d(arr):
+            return None
+
         def codegen(context, builder, sig, args):
             stride64 = context.cast(builder, args[2], sig.args[2], types.int64)
-            ir_call(builder, "llvm.x86.tileloadd64", ir.VoidType(),
-                    [_tile(tile), _pointer(context, builder, sig, args, 0), stride64])
+            ir_call(builder, name, ir.VoidType(), [_tile(tile), _pointer(context, builder, sig, args, 0), stride64])
             return context.get_dummy_value()
 
         return types.void(arr, at, stride), codegen
 
-    return load
+    return move
+
+
+def tile_load(tile: int):
+    """``load(arr, at, stride)``: tile ``tile``'s rows from element ``at`` of a 1-D array, ``stride`` bytes apart."""
+    return _tile_memory("llvm.x86.tileloadd64", tile)
 
 
 def tile_store(tile: int):
     """``store(arr, at, stride)``: tile ``tile``'s rows to element ``at`` of a 1-D array, ``stride`` bytes apart."""
-
-    @intrinsic
-    def store(typingctx, arr, at, stride):
-        def codegen(context, builder, sig, args):
-            stride64 = context.cast(builder, args[2], sig.args[2], types.int64)
-            ir_call(builder, "llvm.x86.tilestored64", ir.VoidType(),
-                    [_tile(tile), _pointer(context, builder, sig, args, 0), stride64])
-            return context.get_dummy_value()
-
-        return types.void(arr, at, stride), codegen
-
-    return store
+    return _tile_memory("llvm.x86.tilestored64", tile)
 
 
 def tile_zero(tile: int):
