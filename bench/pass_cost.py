@@ -10,23 +10,13 @@ a plan prepared beforehand; the time is the median of ``--reps`` passes.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from graph_overhead import best_of  # (this folder: a script's own)
 
 import minfer
 
 PROMPT = 64
-
-
-def median_seconds(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -46,7 +36,7 @@ def main() -> None:
     print(f"{model.path.name}, {a.threads} threads, after a {PROMPT}-token prompt (median of {a.reps}):")
     for k in sizes:
         tokens, positions = rng.integers(0, n_vocab, k), np.arange(PROMPT, PROMPT + k)
-        seconds = median_seconds(lambda: runner.forward(tokens, positions), a.reps)  # noqa: B023
+        seconds = best_of(lambda: runner.forward(tokens, positions), a.reps)  # noqa: B023 (the median)
         base = base or seconds
         print(f"  k={k:2d}: {seconds * 1e3:8.2f} ms  {seconds / base:5.2f}x the 1-token pass  "
               f"{k / seconds:7.1f} tokens/s")

@@ -180,10 +180,9 @@ _FM = f"{_CPU}.float_matmul"
 _ATT = f"{_CPU}.attention"
 # the 512-bit prefill of the repacked K-quants, which only a CPU with AVX-512 VNNI compiles and runs
 _WIDE_KQUANT = (f"{_CPU}.kquant_rows16:_matmul_pairs", f"{_CPU}.kquant_rows16:_matmul_q6_pairs") if WIDE else ()
-# and their prefill on AMX tiles, which only a process the probe lets use them compiles (amx.reason: the
-# probe's answer is kept on disk, so this costs a child process once per machine)
-_AMX_KQUANT = ((f"{_CPU}.kquant_amx:_matmul_tiles", f"{_CPU}.kquant_amx:_matmul_q6_tiles")
-               if WIDE and amx.usable() else ())
+# and their prefill on AMX tiles, which only a process the probe lets use them compiles (asked only for a
+# model with Q4_K or Q6_K weights: the probe's answer is kept on disk, but the first ask costs a child process)
+_AMX_KQUANT = (f"{_CPU}.kquant_amx:_matmul_tiles", f"{_CPU}.kquant_amx:_matmul_q6_tiles")
 _QUANTIZE = (f"{_QM}:_quantize_serial", f"{_QM}:_quantize_parallel")
 _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q4_0: ((f"{_QM}:_gemv_q4_0", f"{_QM}:_gemm_q4_0", *_QUANTIZE), 6.0),
@@ -231,7 +230,7 @@ def matmul_jobs(types: Iterable[GGMLType]) -> list[CompileJob]:
         kernels, estimate = _MATMUL_KERNELS[ts[0]]
         what = ", ".join(sorted({t.name for t in ts}))
         jobs.append(_job(f"matmul:{family}", what, kernels, estimate, ts[0].name))
-        if _AMX_KQUANT and {GGMLType.Q4_K, GGMLType.Q6_K} & set(ts):
+        if {GGMLType.Q4_K, GGMLType.Q6_K} & set(ts) and WIDE and amx.usable():
             jobs.append(_job("matmul-amx:k-quants", what + " on AMX tiles", _AMX_KQUANT, 28.0, ts[0].name))
     return jobs
 
