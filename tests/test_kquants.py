@@ -407,7 +407,7 @@ np.savez(sys.argv[2], **res)
 
 def _generic_inputs() -> tuple[np.ndarray, dict[str, GGUFTensor]]:
     weights = {t.name: weight(t, 23, 512, seed=10) for t in ALL_TYPES}
-    for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):  # whole groups of 8: the repacked layouts
+    for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q5_0):  # whole groups of 8: repacked
         weights[f"{t.name}@24"] = weight(t, 24, 512, seed=11)
     return acts(13, 512, seed=9), weights
 

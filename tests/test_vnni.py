@@ -39,22 +39,22 @@ TOKENS = (13, 70)
 N_OUT, N_IN = 27, 512  # rows: not a multiple of 8 (row groups) nor of 16 (work items)
 
 
-def weight(t: GGMLType, seed: int) -> GGUFTensor:
+def weight(t: GGMLType, seed: int, n_out: int = N_OUT) -> GGUFTensor:
     """Random valid blocks (K-quants: random bytes, sane f16 scales of either sign; gguf quantizes the
     rest from Gaussian values with one block of a clear offset)."""
     rng = np.random.default_rng(seed)
     if t in F16_AT:
         nb = N_IN // block_size(t)
-        raw = rng.integers(0, 256, (N_OUT, nb, type_size(t)), dtype=np.uint8)
+        raw = rng.integers(0, 256, (n_out, nb, type_size(t)), dtype=np.uint8)
         for off in F16_AT[t]:
-            v = rng.uniform(0.25, 1.0, (N_OUT, nb)) * rng.choice([-1.0, 1.0], (N_OUT, nb)) * 1e-2
-            raw[:, :, off : off + 2] = v.astype(np.float16).view(np.uint8).reshape(N_OUT, nb, 2)
-        raw = raw.reshape(N_OUT, -1)
+            v = rng.uniform(0.25, 1.0, (n_out, nb)) * rng.choice([-1.0, 1.0], (n_out, nb)) * 1e-2
+            raw[:, :, off : off + 2] = v.astype(np.float16).view(np.uint8).reshape(n_out, nb, 2)
+        raw = raw.reshape(n_out, -1)
     else:
-        w = rng.standard_normal((N_OUT, N_IN)).astype(np.float32) * 0.1
+        w = rng.standard_normal((n_out, N_IN)).astype(np.float32) * 0.1
         w[0, :32] += 0.5
-        raw = gq.quantize(w, t).view(np.uint8).reshape(N_OUT, -1)
-    return GGUFTensor("w", t, (N_OUT, N_IN), raw)
+        raw = gq.quantize(w, t).view(np.uint8).reshape(n_out, -1)
+    return GGUFTensor("w", t, (n_out, N_IN), raw)
 
 
 def acts(n_tok: int, seed: int) -> np.ndarray:
@@ -65,7 +65,9 @@ def acts(n_tok: int, seed: int) -> np.ndarray:
 
 
 def _weights() -> dict[str, GGUFTensor]:
-    return {t.name: weight(t, seed=3 + i) for i, t in enumerate(K_TYPES + Q_TYPES)}
+    ws = {t.name: weight(t, seed=3 + i) for i, t in enumerate(K_TYPES + Q_TYPES)}
+    ws["Q5_0@40"] = weight(GGMLType.Q5_0, seed=20, n_out=40)  # whole groups of eight: q5_rows8's layout
+    return ws
 
 
 def _matmul(x: np.ndarray, w: GGUFTensor) -> np.ndarray:
@@ -82,7 +84,7 @@ def test_selection_follows_the_cpu_features():
 
 
 @pytest.mark.skipif(not simd.VNNI, reason=NO_VNNI)
-@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES])
+@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES] + ["Q5_0@40"])
 def test_vnni_prefill_parity_with_the_reference(name):
     """The VNNI kernels against the float64 product of the dequantized weights and of the activations as
     they are quantized (the integer parts are exact; what is left is float32 rounding)."""
@@ -118,7 +120,7 @@ from minfer.formats.quants import GGMLType
 data = np.load(sys.argv[1])
 res = {"vnni": np.array(simd.VNNI)}
 for name in sys.argv[3].split(","):
-    w = GGUFTensor("w", GGMLType[name], tuple(data[name + "_shape"]), data[name])
+    w = GGUFTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
     mod = km if km.supports(w.ggml_type) else qm
     for n in (13, 70):
         out = np.empty((n, w.shape[0]), np.float32)

@@ -55,6 +55,8 @@ def compile_matmul(type_name: str) -> None:
     shapes = [(t, 9)]
     if module is kquant_matmul and t not in (GGMLType.Q5_0, GGMLType.Q5_1):
         shapes += [(GGMLType.Q4_K, 16), (GGMLType.Q5_K, 16), (GGMLType.Q6_K, 16)]
+    elif module is kquant_matmul:  # Q5_0's repacked layout (q5_rows8)
+        shapes += [(GGMLType.Q5_0, 16)]
     for n_tok in (1, PREFILL_TOKENS):
         x = np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(F32)
         for wt, n_out in shapes:
@@ -178,6 +180,7 @@ _KQ = f"{_CPU}.kquant_matmul"
 _IQ = f"{_CPU}.iquant_matmul"
 _FM = f"{_CPU}.float_matmul"
 _ATT = f"{_CPU}.attention"
+_Q5 = f"{_CPU}.q5_rows8"
 # the 512-bit prefill of the repacked K-quants, which only a CPU with AVX-512 VNNI compiles and runs
 _WIDE_KQUANT = (f"{_CPU}.kquant_rows16:_matmul_pairs", f"{_CPU}.kquant_rows16:_matmul_q6_pairs") if WIDE else ()
 # and their prefill on AMX tiles, which only a process the probe lets use them compiles (asked only for a
@@ -192,8 +195,9 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.F32: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
     GGMLType.F16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
     GGMLType.BF16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
-    GGMLType.Q5_0: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
-    GGMLType.Q5_1: ((f"{_KQ}:_matmul_q5", *_QUANTIZE), 3.5),
+    **{t: ((f"{_KQ}:_matmul_q5", *_QUANTIZE, f"{_Q5}:_rows8", f"{_Q5}:_repack_kernel",
+            *((f"{_Q5}:_pairs",) if WIDE else ())), 5.0 + 2.0 * WIDE)
+       for t in (GGMLType.Q5_0, GGMLType.Q5_1)},
     **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel", f"{_CPU}.kquant_rows8:_matmul",
             f"{_CPU}.kquant_rows8:_repack", f"{_CPU}.kquant_rows8:_matmul_q6_group",
             f"{_CPU}.kquant_rows8:_repack_q6", *_WIDE_KQUANT),

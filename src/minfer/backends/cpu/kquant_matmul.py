@@ -57,7 +57,8 @@ Loop shapes
 Repacked rows
     Q4_K, Q5_K and Q6_K weights whose rows come in whole groups of eight run instead on a copy repacked at
     load with the rows in the lanes (:mod:`minfer.backends.cpu.kquant_rows8`, decode and prefill alike);
-    the file's pages are given back. Other shapes, and the other types, take the kernels here.
+    so do Q5_0 weights (:mod:`minfer.backends.cpu.q5_rows8`). The file's pages are given back. Other
+    shapes, and the other types, take the kernels here.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from minfer.backends.cpu import kquant_amx, kquant_rows8
+from minfer.backends.cpu import kquant_amx, kquant_rows8, q5_rows8
 from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
@@ -877,13 +878,16 @@ class _Prepared:
         self.n_out, self.n_in = n_out, n_in
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
         # Q4_K, Q5_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8;
-        # kquant_rows16 on AVX-512 VNNI, Q4_K's prefill on AMX tiles where they run: kquant_amx); the raw pages
-        # are then given back, so the copy replaces them in memory
-        # rather than sitting beside them
+        # kquant_rows16 on AVX-512 VNNI, Q4_K's prefill on AMX tiles where they run: kquant_amx), and so do
+        # Q5_0's (q5_rows8); the raw pages are then given back, so the copy replaces them in memory rather
+        # than sitting beside them
         self.rows8 = self.rows8_kernel = None
         if kquant_rows8.supports(t, n_out, n_in):
             repack, self.rows8_kernel = kquant_amx.REPACKED[t]
             self.rows8 = repack(flat, n_out, n_in)
+            release_file_pages(w.data)
+        elif t == GGMLType.Q5_0 and q5_rows8.supports(n_out, n_in):  # the kernel depends on the token count
+            self.rows8 = q5_rows8.repack(flat, n_out, n_in)
             release_file_pages(w.data)
 
 
@@ -928,7 +932,10 @@ def matmul(
             xq = quantize_activations(x)
         elif not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: {w.ggml_type.name} weights need Q8 activations of shape {x.shape}")
-        _matmul_q5(p.kind, p.flat, p.rb, xq.q_flat, xq.ds_flat, dst)
+        if p.rows8 is not None:
+            q5_rows8.kernel(n_tok)(p.rows8, xq.q_flat, xq.ds_flat, dst)
+        else:
+            _matmul_q5(p.kind, p.flat, p.rb, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
         out[...] = dst[:, : p.n_out]
 
@@ -974,6 +981,9 @@ def direct_call(
     if not isinstance(xq, QuantizedActivations):
         return None
     q, ds = xq.q_flat, xq.ds_flat
+    if rows8 is not None:
+        q5_kernel = q5_rows8.kernel(out.shape[0])
+        return lambda: q5_kernel(rows8, q, ds, out)
     return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
 
 
@@ -987,7 +997,7 @@ def group_call(
     same bits as its own call's."""
     if not 2 <= len(ws) <= 3 or len(outs) != len(ws):
         return None
-    if not all(isinstance(w, _Prepared) and w.rows8 is not None for w in ws):
+    if not all(isinstance(w, _Prepared) and w.is_k and w.rows8 is not None for w in ws):
         return None
     if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous or x.shape[0] == 0:
         return None
@@ -1016,7 +1026,7 @@ def warmup() -> None:
     n_in = QK_K
     for n_tok in (1, GEMM_TOKENS + 1):
         x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-        for n_out in (5, 8):  # 8: Q4_K's, Q5_K's and Q6_K's repacked groups
+        for n_out in (5, 8):  # 8: Q4_K's, Q5_K's, Q6_K's and Q5_0's repacked groups
             out = np.empty((n_tok, n_out), np.float32)
             for t in SUPPORTED_TYPES:
                 raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)
