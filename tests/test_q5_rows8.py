@@ -117,8 +117,9 @@ def test_the_512_bit_prefill_gives_the_eight_row_kernels_bits(n_out, n_tok):
     p = km.prepare(weight(Q5_0, n_out, 512, seed=n_out + n_tok))
     xq = km.quantize_activations(acts(n_tok, 512))
     wide, narrow = (np.full((n_tok, n_out), np.nan, np.float32) for _ in range(2))
-    q5._pairs(p.rows8, xq.q_flat, xq.ds_flat, wide)
-    q5._rows8(p.rows8, xq.q_flat, xq.ds_flat, narrow)
+    none = (q5.NO_WEIGHT, q5.NO_OUTPUT) * 2
+    q5._pairs(p.rows8, xq.q_flat, xq.ds_flat, wide, *none)
+    q5._rows8(p.rows8, xq.q_flat, xq.ds_flat, narrow, *none)
     assert not np.isnan(wide).any()
     assert wide.view(np.uint32).tolist() == narrow.view(np.uint32).tolist()
 
@@ -139,6 +140,22 @@ def test_a_plans_bound_call_runs_the_kernel_matmul_runs(monkeypatch, n_tok):
     assert ran == [expected, expected]
 
 
+@pytest.mark.parametrize("n_tok", [1, 6, 13, 70])
+def test_weights_reading_one_input_in_one_call_give_their_own_bits(n_tok):
+    """q/k/v (gate/up) in one parallel loop: each output equals its own matmul's, bit for bit."""
+    ws = [km.prepare(weight(Q5_0, n_out, 512, seed=30 + i)) for i, n_out in enumerate((40, 16, 24))]
+    x = acts(n_tok, 512, seed=33)
+    xq = km.quantize_activations(x)
+    for members in (ws[:2], ws):
+        outs = [np.full((n_tok, w.n_out), np.nan, np.float32) for w in members]
+        call = km.group_call(x, members, outs, None, xq)
+        assert call is not None
+        call()
+        for w, out in zip(members, outs, strict=True):
+            own = fast(x, w.tensor)
+            assert out.view(np.uint32).tolist() == own.view(np.uint32).tolist()
+
+
 def test_weights_of_other_row_counts_keep_a_correct_path():
     x = acts(5, 512, seed=34)
     for n_out in (8, 12, 37):
@@ -146,6 +163,11 @@ def test_weights_of_other_row_counts_keep_a_correct_path():
         wd = deq(w.data, Q5_0, 512).astype(np.float64)
         xr, _ = rounded_acts(x, Q5_0)
         np.testing.assert_allclose(fast(x, w), xr @ wd.T, rtol=0, atol=1e-6 * float(np.abs(xr).sum(1).max()))
-    assert km.group_call(x, [km.prepare(weight(Q5_0, 16, 512))] * 2, [np.empty((5, 16), np.float32)] * 2) is None
+    pair, outs = [km.prepare(weight(Q5_0, 16, 512))] * 2, [np.empty((5, 16), np.float32)] * 2
+    assert km.group_call(x, pair, outs) is None  # no quantized activations to share
+    assert km.group_call(x, pair, outs, None, km.quantize_activations(x[:4])) is None  # not these activations
+    rows = [km.prepare(weight(Q5_0, 16, 512)), km.prepare(weight(Q5_0, 12, 512))]  # 12: not repacked
+    assert km.group_call(x, rows, [np.empty((5, 16), np.float32), np.empty((5, 12), np.float32)], None,
+                         km.quantize_activations(x)) is None
     empty = GGUFTensor("w", Q5_0, (8, 0), np.zeros((8, 0), np.uint8))
     assert np.array_equal(fast(np.zeros((2, 0), np.float32), empty), np.zeros((2, 8), np.float32))

@@ -79,14 +79,16 @@ def test_tiny_model_loads_and_runs(tmp_path, shape, file_type):
     assert logits.shape[-1] == 512 and np.isfinite(logits).all()
 
 
-def test_matmuls_reading_one_input_run_as_one_loop_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize(("shape", "q5_0"), [("tiny", False), ("tiny-q5", True)])
+def test_matmuls_reading_one_input_run_as_one_loop_with_the_same_logits(tmp_path, shape, q5_0):
     """In a Q4_K_M model, q and k (v too where it is Q4_K) and gate and up run in one parallel loop per
-    layer: fewer parallel regions per token, the same logits bit for bit as each matmul on its own."""
+    layer: fewer parallel regions per token, the same logits bit for bit as each matmul on its own. With
+    rows of no whole super-blocks they are Q5_0 (llama.cpp's fallback), quantized once by a shared node."""
     import minfer
     from minfer.backends.cpu.backend import _computed_by_group, _GroupedMatmuls
 
     out = tmp_path / "m.gguf"
-    sm.write_model(out, "tiny", "q4_k_m", TOKENIZER, quantizer="minfer", log=lambda _: None)
+    sm.write_model(out, shape, "q4_k_m", TOKENIZER, quantizer="minfer", log=lambda _: None)
     grouped = minfer.load(out, n_ctx=32, threads=2)
     alone = minfer.load(out, n_ctx=32, threads=2)
     alone.runner.backend.group_kernels = lambda steps: [fn for _, fn, _, _ in steps]
@@ -97,7 +99,9 @@ def test_matmuls_reading_one_input_run_as_one_loop_with_the_same_logits(tmp_path
     steps = grouped.runner.plan(1, 1).steps
     firsts = [s.node.name for s in steps if isinstance(s.fn, _GroupedMatmuls)]
     absorbed = [s.node.name for s in steps if s.fn is _computed_by_group]
-    assert {n.split(".")[-1] for n in firsts} == {"q", "ffn_gate"} and len(firsts) == 2 * sm.SHAPES["tiny"].n_layer
+    assert {n.split(".")[-1] for n in firsts} == {"q", "ffn_gate"} and len(firsts) == 2 * sm.SHAPES[shape].n_layer
+    blocks = {t.name: t.ggml_type.name for t in sm.plan(sm.SHAPES[shape], 512, "q4_k_m")}
+    assert (blocks["blk.0.attn_q.weight"], blocks["blk.0.ffn_up.weight"]) == (("Q5_0",) * 2 if q5_0 else ("Q4_K",) * 2)
     assert {n.split(".")[-1] for n in absorbed} >= {"k", "ffn_up"}
     assert not any(isinstance(s.fn, _GroupedMatmuls) for s in alone.runner.plan(1, 1).steps)
     for got, own in zip(*runs, strict=True):

@@ -91,6 +91,8 @@ SHAPES: dict[str, ModelShape] = {
     "tiny": ModelShape("llama", 256, 2, 4, 2, 512),
     "tiny-qwen2": ModelShape("qwen2", 256, 2, 4, 2, 512, rope_base=1e6, rms_eps=1e-6),
     "tiny-qwen3": ModelShape("qwen3", 256, 2, 4, 2, 512, head_dim=128, rope_base=1e6, rms_eps=1e-6),
+    # rows of 320 and 640: no whole super-blocks, so a "Q4_K_M" file is mostly Q5_0 (as SmolLM2-360M's)
+    "tiny-q5": ModelShape("llama", 320, 2, 5, 1, 640),
 }
 
 # --type -> (llama.cpp's LLAMA_FTYPE_MOSTLY_* suffix, the GGUF file type, the main block type)

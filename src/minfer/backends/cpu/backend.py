@@ -197,8 +197,10 @@ class _GroupedMatmuls:
 
 
 def _reads_same_activations(a: Node, b: Node) -> bool:
-    return a.op is Op.MATMUL and b.op is Op.MATMUL and len(a.inputs) == len(b.inputs) == 2 and \
-        a.inputs[0].id == b.inputs[0].id
+    """Two matmuls of one input (and, where a QUANTIZE node quantizes it for them, of one quantized copy)."""
+    if a.op is not Op.MATMUL or b.op is not Op.MATMUL or len(a.inputs) != len(b.inputs):
+        return False
+    return a.inputs[0].id == b.inputs[0].id and (len(a.inputs) == 2 or a.inputs[2].id == b.inputs[2].id)
 
 
 MAX_GROUP = 3  # q, k and v
@@ -377,7 +379,7 @@ class CPUBackend:
             if j - i > 1:
                 run = steps[i:j]
                 call = self._kq.group_call(args[0], [a[1] for _, _, _, a in run], [o for _, _, o, _ in run],
-                                           self._q8k_scratch)
+                                           self._q8k_scratch, args[2] if len(args) > 2 else None)
                 if call is not None:
                     fns[i] = _GroupedMatmuls(call, run)
                     fns[i + 1 : j] = [_computed_by_group] * (j - i - 1)

@@ -933,7 +933,7 @@ def matmul(
         elif not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: {w.ggml_type.name} weights need Q8 activations of shape {x.shape}")
         if p.rows8 is not None:
-            q5_rows8.kernel(n_tok)(p.rows8, xq.q_flat, xq.ds_flat, dst)
+            q5_rows8.matmul(p.rows8, xq.q_flat, xq.ds_flat, dst)
         else:
             _matmul_q5(p.kind, p.flat, p.rb, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
@@ -982,22 +982,23 @@ def direct_call(
         return None
     q, ds = xq.q_flat, xq.ds_flat
     if rows8 is not None:
-        q5_kernel = q5_rows8.kernel(out.shape[0])
-        return lambda: q5_kernel(rows8, q, ds, out)
+        q5_kernel, none, nothing = q5_rows8.kernel(out.shape[0]), q5_rows8.NO_WEIGHT, q5_rows8.NO_OUTPUT
+        return lambda: q5_kernel(rows8, q, ds, out, none, nothing, none, nothing)
     return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
 
 
 def group_call(
-    x: np.ndarray, ws: Sequence[_Prepared], outs: Sequence[np.ndarray], scratch: Q8KScratch | None = None
+    x: np.ndarray, ws: Sequence[_Prepared], outs: Sequence[np.ndarray], scratch: Q8KScratch | None = None,
+    xq: QuantizedActivations | None = None,
 ) -> Callable[[], None] | None:
     """``matmul(x, w, out)`` for two or three weights that read the same activations ``x`` (q/k/v,
-    gate/up), bound to these arrays with none of the checks: ``x`` quantized once (into ``scratch``, as
-    :func:`direct_call` does), then one parallel loop over all the weights' groups of rows. None unless
-    every weight is on the same repacked layout (kquant_rows8) and every operand fits. Each output is the
-    same bits as its own call's."""
+    gate/up), bound to these arrays with none of the checks: ``x`` quantized once (K-quants: into
+    ``scratch``, as :func:`direct_call` does; Q5_0: ``xq``, a shared QUANTIZE node's), then one parallel
+    loop over all the weights' groups of rows. None unless every weight is on the same repacked layout
+    (kquant_rows8, q5_rows8) and every operand fits. Each output is the same bits as its own call's."""
     if not 2 <= len(ws) <= 3 or len(outs) != len(ws):
         return None
-    if not all(isinstance(w, _Prepared) and w.is_k and w.rows8 is not None for w in ws):
+    if not all(isinstance(w, _Prepared) and w.rows8 is not None for w in ws):
         return None
     if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous or x.shape[0] == 0:
         return None
@@ -1007,6 +1008,13 @@ def group_call(
     if any(o.shape != (n_tok, w.n_out) or o.dtype != np.float32 or not o.flags.c_contiguous
            for w, o in zip(ws, outs, strict=True)):
         return None
+    if not ws[0].is_k:  # Q5_0: the activations come quantized
+        if not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
+            return None
+        members = [a for w, o in zip(ws, outs, strict=True) for a in (w.rows8, o)]
+        members += [q5_rows8.NO_WEIGHT, q5_rows8.NO_OUTPUT] * (3 - len(ws))
+        q5_kernel, q, ds = q5_rows8.kernel(n_tok), xq.q_flat, xq.ds_flat
+        return lambda: q5_kernel(members[0], q, ds, *members[1:])
     own, quantize = _quantizer(x, scratch)
     kernel = ws[0].rows8_kernel
     args = [ws[0].rows8, own._q, own._d, own._bs, outs[0]]

@@ -27,6 +27,8 @@ Arithmetic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -280,43 +282,67 @@ def _group_prefill(packed, o, nb, aq, ds, corr, acc, h, n_tok, flat, n_out, g):
             store_f32x8(flat, t * n_out + 8 * g, load_f32x8(acc, h + 8 * (t - t0)))
 
 
+@njit(inline="always")
+def _member(i, per, pa, pb, pc, oa, ob, oc):
+    """Work item ``i`` of a call's weights a, b, c (in that order) at ``per`` groups of eight rows per item:
+    (its weight, its flat output, the output's width, the item's first group in that weight)."""
+    i = np.int64(i)  # a prange index may be unsigned: minus a signed count it would be a float
+    na = (oa.shape[1] // 8 + per - 1) // per
+    nb = (ob.shape[1] // 8 + per - 1) // per
+    if i >= na + nb:
+        return pc, oc.reshape(-1), oc.shape[1], per * (i - na - nb)
+    if i >= na:
+        return pb, ob.reshape(-1), ob.shape[1], per * (i - na)
+    return pa, oa.reshape(-1), oa.shape[1], per * i
+
+
+@njit(inline="always")
+def _items(per, oa, ob, oc):
+    """The work items of a call at ``per`` groups per item."""
+    n = 0
+    for width in (oa.shape[1], ob.shape[1], oc.shape[1]):
+        n += (width // 8 + per - 1) // per
+    return n
+
+
 @njit(parallel=True, cache=True)
-def _rows8(packed, aq, ds, out):
-    """``out[n_tok, n_out]`` for a Q5_0 weight repacked by :func:`repack` (``n_out`` a multiple of 8): ``aq``
-    the int8 activations (``n_tok * n_in``), ``ds`` their (d, d Σa) pairs per block (quant_matmul's)."""
-    n_tok, n_out = out.shape
+def _rows8(pa, aq, ds, oa, pb, ob, pc, oc):
+    """``oa[n_tok, n_a]`` for a Q5_0 weight repacked by :func:`repack` (``n_a`` a multiple of 8): ``aq`` the
+    int8 activations (``n_tok * n_in``), ``ds`` their (d, d Σa) pairs per block (quant_matmul's); and
+    ``ob`` from ``pb``, ``oc`` from ``pc`` in the same parallel loop (weights that read the same
+    activations: q/k/v, gate/up), or outputs of no columns where there are none. Each group of eight
+    rows is the same operations whichever call it is in."""
+    n_tok = oa.shape[0]
     nb = aq.shape[0] // n_tok // QK
-    n_groups = n_out // 8
     corr = _corrections(aq, n_tok * nb)
+    n_items = _items(1, oa, ob, oc)
     span = 0 if n_tok == 1 else 8 * min(n_tok, TOKENS)
-    acc = np.empty(n_groups * span, np.float32)  # each group's accumulators (one allocation per call)
-    flat = out.reshape(-1)
-    for g in prange(n_groups):
+    acc = np.empty(n_items * span, np.float32)  # each group's accumulators (one allocation per call)
+    for i in prange(n_items):
+        packed, flat, n_out, g = _member(i, 1, pa, pb, pc, oa, ob, oc)
         o = g * nb * GROUP_BLOCK
         if n_tok == 1:
             _decode_group(packed, o, nb, aq, ds, corr, flat, g)
         else:
-            _group_prefill(packed, o, nb, aq, ds, corr, acc, g * span, n_tok, flat, n_out, g)
+            _group_prefill(packed, o, nb, aq, ds, corr, acc, i * span, n_tok, flat, n_out, g)
 
 
 @njit(parallel=True, cache=True)
-def _pairs(packed, aq, ds, out):
+def _pairs(pa, aq, ds, oa, pb, ob, pc, oc):
     """``_rows8`` for ``n_tok`` > 1 on 512-bit registers (``simd512.WIDE`` only): two groups per work item,
     one in each half of a register, lane for lane the same operations (an odd last group: ``_rows8``'s)."""
-    n_tok, n_out = out.shape
+    n_tok = oa.shape[0]
     nb = aq.shape[0] // n_tok // QK
     n_in = nb * QK
-    n_groups = n_out // 8
-    n_items = (n_groups + 1) // 2
     corr = _corrections(aq, n_tok * nb)
+    n_items = _items(2, oa, ob, oc)
     span = 16 * min(n_tok, TOKENS)
     acc = np.empty(n_items * span, np.float32)
-    flat = out.reshape(-1)
     for item in prange(n_items):
-        g = 2 * item
+        packed, flat, n_out, g = _member(item, 2, pa, pb, pc, oa, ob, oc)
         o = g * nb * GROUP_BLOCK
         h = item * span
-        if g + 1 == n_groups:
+        if g + 1 == n_out // 8:
             _group_prefill(packed, o, nb, aq, ds, corr, acc, h, n_tok, flat, n_out, g)
             continue
         o2 = o + nb * GROUP_BLOCK
@@ -340,10 +366,20 @@ def _pairs(packed, aq, ds, out):
                 store_f32x16(flat, t * n_out + 8 * g, load_f32x16(acc, h + 16 * (t - t0)))
 
 
-def kernel(n_tok: int):
-    """The kernel for a call of ``n_tok`` tokens: ``(packed, aq, ds, out)``; the 512-bit pairs for a
-    prefill where the CPU has them (the same bits as the eight-row kernel's)."""
+# the absent weights and outputs of a call with fewer than three
+NO_WEIGHT = np.empty(0, np.uint8)
+NO_OUTPUT = np.empty((0, 0), np.float32)
+
+
+def kernel(n_tok: int) -> Callable[..., None]:
+    """The kernel for a call of ``n_tok`` tokens, ``(pa, aq, ds, oa, pb, ob, pc, oc)``: the 512-bit pairs
+    for a prefill where the CPU has them (the same bits as the eight-row kernel's)."""
     return _pairs if WIDE and n_tok > 1 else _rows8
+
+
+def matmul(packed: np.ndarray, aq: np.ndarray, ds: np.ndarray, out: np.ndarray) -> None:
+    """``out[n_tok, n_out]`` from one repacked weight (see ``_rows8``)."""
+    kernel(out.shape[0])(packed, aq, ds, out, NO_WEIGHT, NO_OUTPUT, NO_WEIGHT, NO_OUTPUT)
 
 
 # ---------------------------------------------------------------------------------------------------
