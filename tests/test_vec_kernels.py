@@ -177,6 +177,26 @@ def test_swiglu_and_silu_match_reference(rng, shape):
     np.testing.assert_array_equal(g2, got)
 
 
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_a_prompts_rows_on_every_thread_give_each_rows_bits_alone(rng, op):
+    """From ``PARALLEL_ROWS`` rows on the gated activations share the rows among the threads: each row is
+    the same bits as that row computed alone (the serial kernel), in place or not."""
+    n = elementwise.PARALLEL_ROWS + 5
+    gate, up = _silu_inputs(rng, (n, 1000)), rng.standard_normal((n, 1000)).astype(F32)
+    fn = getattr(elementwise, op)
+    alone = np.empty_like(gate)
+    for r in range(n):
+        fn(gate[r : r + 1], up[r : r + 1], alone[r : r + 1])
+    together, g2, u2 = np.empty_like(gate), gate.copy(), up.copy()
+    fn(gate, up, together)
+    fn(g2, up, g2)
+    fn(gate, u2, u2)
+    for got in (together, g2, u2):
+        assert got.view(np.uint32).tolist() == alone.view(np.uint32).tolist()
+    with pytest.raises(ValueError, match="must be equal"):
+        fn(gate, up[:-1], together)
+
+
 def test_silu_special_values():
     x = np.array([[np.nan, np.inf, -np.inf, 0.0, -0.0, -200.0, 200.0]], F32)
     out, expect = np.empty_like(x), np.empty_like(x)

@@ -118,6 +118,8 @@ def compile_elementwise(ops: str) -> None:
                 fn(x, x, out)
         elif name in ("swiglu", "geglu"):
             getattr(ew, name)(x, x, out)
+            many = np.ones((ew.PARALLEL_ROWS, 64), F32)  # a prompt's rows: the parallel kernel
+            getattr(ew, name)(many, many, np.empty_like(many))
         elif name in ("silu", "gelu"):
             getattr(ew, name)(x, out)
         elif name == "scale":
@@ -209,10 +211,13 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
 _EW = f"{_CPU}.elementwise"
 _ELEMENTWISE_OP = {Op.ADD: "add", Op.MUL: "mul", Op.SWIGLU: "swiglu", Op.SILU: "silu", Op.GEGLU: "geglu",
                    Op.GELU: "gelu", Op.SCALE: "scale"}
-_ELEMENTWISE_KERNEL = {"add": "_binary_kernel", "mul": "_binary_kernel", "swiglu": "_swiglu_kernel",
-                       "silu": "_swiglu_kernel", "geglu": "_geglu_kernel", "gelu": "_geglu_kernel",
-                       "scale": "_scale_kernel"}
-_ELEMENTWISE_S = {"_binary_kernel": 1.5, "_swiglu_kernel": 1.0, "_geglu_kernel": 1.5, "_scale_kernel": 0.2}
+# (SwiGLU and GEGLU: a serial kernel for decode, a parallel one for prompts)
+_ELEMENTWISE_KERNEL = {"add": ("_binary_kernel",), "mul": ("_binary_kernel",),
+                       "swiglu": ("_swiglu_kernel", "_swiglu_parallel"), "silu": ("_swiglu_kernel",),
+                       "geglu": ("_geglu_kernel", "_geglu_parallel"), "gelu": ("_geglu_kernel",),
+                       "scale": ("_scale_kernel",)}
+_ELEMENTWISE_S = {"_binary_kernel": 1.5, "_swiglu_kernel": 1.0, "_geglu_kernel": 1.5, "_scale_kernel": 0.2,
+                  "_swiglu_parallel": 1.0, "_geglu_parallel": 1.0}
 
 
 # weight types whose matmul is one kernel (the type is an argument): one job compiles the family's
@@ -243,7 +248,7 @@ def elementwise_job(ops: Iterable[str]) -> CompileJob | None:
     ops = sorted(set(ops))
     if not ops:
         return None
-    kernels = tuple(dict.fromkeys(f"{_EW}:{_ELEMENTWISE_KERNEL[o.partition('+')[0]]}" for o in ops))
+    kernels = tuple(dict.fromkeys(f"{_EW}:{k}" for o in ops for k in _ELEMENTWISE_KERNEL[o.partition('+')[0]]))
     estimate = sum(_ELEMENTWISE_S[k.split(":")[1]] for k in kernels) + 0.7 * sum("+" in o for o in ops)
     return _job(f"elementwise:{','.join(ops)}", "elementwise", kernels, estimate, ",".join(ops))
 
