@@ -442,9 +442,10 @@ def test_attention_known_answers():
     np.testing.assert_allclose(out[0], [3.301906, 2.0, 0, 0], atol=1e-5)
 
 
-def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
+@pytest.mark.parametrize(("n_head", "n_head_kv"), [(9, 3), (4, 4)])  # (4, 4): units of 64 tokens of one head
+def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng, n_head, n_head_kv):
     # a token's output does not depend on the other tokens in the call nor on the thread count
-    n_head, n_head_kv, hd = 9, 3, 64
+    hd = 64
     q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, list(range(200)), n_ctx=256)
     geometry = (n_head, n_head_kv, hd, hd, 0.125)
     runs = [at_threads(n, lambda: _vk_attention(q, k_reg, v_reg, pos, *geometry)) for n in (1, MAX_THREADS)]
@@ -475,7 +476,7 @@ def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng):
 
 @pytest.mark.parametrize(("hdk", "hdv"), [(12, 12), (40, 72), (100, 36), (128, 128)])
 def test_head_dims_off_the_vector_width_pair_and_split_alike(rng, hdk, hdv):
-    # a prefill unit's rows go in pairs of 32-value passes, with 8-value and single-value tails; a decode
+    # a prefill unit's rows go in pairs of 64-value passes, with 8-value and single-value tails; a decode
     # step walks the rows by steps that follow the head dims: every shape gives the reference's values and
     # a decode row equal to its prefill row at 1 and 2 threads
     n_head, n_head_kv = 6, 2

@@ -52,12 +52,27 @@ from minfer.backends.cpu.simd import (
     zeros_f32x8,
     zeros_f64x4,
 )
+from minfer.backends.cpu.simd512 import (
+    broadcast_row_f32x16,
+    high_f32x8,
+    load_row_f32x16,
+    load_rows_f32x16,
+    low_f32x8,
+    muladd_f32x16,
+    splat_f32x16,
+    store_row_f32x16,
+    zeros_f32x16,
+)
 from minfer.errors import ContextOverflowError
 
 # (module constants are compiled into the kernels: changing one at run time has no effect)
 I64 = np.int64
-# attention work unit: the query heads of one kv head (or a subset) over this many consecutive tokens
+# attention work unit: the query heads of one kv head (or a subset) over a multiple of this many consecutive
+# tokens, as many as make about ATTN_UNIT_ROWS (token, head) rows: a unit copies each K/V block out of the
+# cache once for all its rows (see _attn_unit), which 16 rows of one head (MHA) paid for ~10% of 1.7B's
+# prefill attention
 ATTN_TOKEN_BLOCK = 16
+ATTN_UNIT_ROWS = 64
 # attention key block: K/V rows used by every (token, head) pair of a unit while they sit in L1
 # (64 rows x 64 floats = 16 KiB of K, then of V)
 ATTN_KEY_BLOCK = 64
@@ -209,31 +224,23 @@ def _attn_scores(q, t, qo, kr, ko, kbase, j0, j1, hdk, scale32, sc, row):
 @njit(cache=True, error_model="numpy")
 def _attn_scores2(q, ta, qa, tb, qb, kr, kbase, j0, j1, hdk, scale32, sc, ra, rb):
     """Two query rows' scores against the same keys j0..j1-1 of a packed block (``kr`` row ``j - kbase``,
-    from column 0): rows ``(ta, qa)`` -> ``sc[ra]``, ``(tb, qb)`` -> ``sc[rb]``. Each K load serves both
-    rows (eight accumulators: four keys of each); every score is the float operations of
-    :func:`_attn_scores`, so pairing never changes a bit."""
+    from column 0): rows ``(ta, qa)`` -> ``sc[ra]``, ``(tb, qb)`` -> ``sc[rb]``. Sixteen lanes: row a's
+    eight in the low half, row b's in the high half against one K load in both, so each register
+    operation does both rows' work (one instruction on AVX-512, two elsewhere); every lane is the float
+    operations of :func:`_attn_scores`'s eight, so pairing never changes a bit."""
     j = j0
     if hdk % 8 == 0:
         while j + 4 <= j1:
             r = j - kbase
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros_f32x8()
+            a0 = a1 = a2 = a3 = zeros_f32x16()
             for c in range(0, hdk, 8):
-                qv = load_row_f32x8(q, ta, qa + c)
-                pv = load_row_f32x8(q, tb, qb + c)
-                k0 = load_row_f32x8(kr, r, c)
-                a0 = muladd_f32x8(a0, qv, k0)
-                b0 = muladd_f32x8(b0, pv, k0)
-                k1 = load_row_f32x8(kr, r + 1, c)
-                a1 = muladd_f32x8(a1, qv, k1)
-                b1 = muladd_f32x8(b1, pv, k1)
-                k2 = load_row_f32x8(kr, r + 2, c)
-                a2 = muladd_f32x8(a2, qv, k2)
-                b2 = muladd_f32x8(b2, pv, k2)
-                k3 = load_row_f32x8(kr, r + 3, c)
-                a3 = muladd_f32x8(a3, qv, k3)
-                b3 = muladd_f32x8(b3, pv, k3)
-            store_hsums4_scaled(sc, ra, j, scale32, a0, a1, a2, a3)
-            store_hsums4_scaled(sc, rb, j, scale32, b0, b1, b2, b3)
+                qv = load_rows_f32x16(q, ta, qa + c, tb, qb + c)
+                a0 = muladd_f32x16(a0, qv, broadcast_row_f32x16(kr, r, c))
+                a1 = muladd_f32x16(a1, qv, broadcast_row_f32x16(kr, r + 1, c))
+                a2 = muladd_f32x16(a2, qv, broadcast_row_f32x16(kr, r + 2, c))
+                a3 = muladd_f32x16(a3, qv, broadcast_row_f32x16(kr, r + 3, c))
+            store_hsums4_scaled(sc, ra, j, scale32, low_f32x8(a0), low_f32x8(a1), low_f32x8(a2), low_f32x8(a3))
+            store_hsums4_scaled(sc, rb, j, scale32, high_f32x8(a0), high_f32x8(a1), high_f32x8(a2), high_f32x8(a3))
             j += 4
     while j < j1:
         sc[ra, j] = _dot(q, ta, qa, kr, j - kbase, 0, hdk) * scale32
@@ -328,45 +335,45 @@ def _attn_pv(sc, row, vr, vo, vbase, j0, j1, hdv, out, t, oo):
 @njit(cache=True, error_model="numpy")
 def _attn_pv2(sc, ra, rb, vr, vbase, j0, j1, hdv, out, oa, ob):
     """:func:`_attn_pv` for two rows over the same keys of a packed block (``vr`` row ``j - vbase``, from
-    column 0): ``out[oa] += Σ sc[ra, j] v_j`` and ``out[ob] += Σ sc[rb, j] v_j``, 32 values of both per
-    pass, each V load serving both. Every output value adds its products in key order, as
-    :func:`_attn_pv` does."""
+    column 0): ``out[oa] += Σ sc[ra, j] v_j`` and ``out[ob] += Σ sc[rb, j] v_j``, 64 values of both per
+    pass in sixteen-lane registers, each V load serving both. Every output value adds its products in key
+    order, as :func:`_attn_pv` does (a lane is an output value: the register width changes no bit)."""
     d = 0
-    while d + 32 <= hdv:
-        x0 = load_row_f32x8(out, oa, d)
-        x1 = load_row_f32x8(out, oa, d + 8)
-        x2 = load_row_f32x8(out, oa, d + 16)
-        x3 = load_row_f32x8(out, oa, d + 24)
-        y0 = load_row_f32x8(out, ob, d)
-        y1 = load_row_f32x8(out, ob, d + 8)
-        y2 = load_row_f32x8(out, ob, d + 16)
-        y3 = load_row_f32x8(out, ob, d + 24)
+    while d + 64 <= hdv:
+        x0 = load_row_f32x16(out, oa, d)
+        x1 = load_row_f32x16(out, oa, d + 16)
+        x2 = load_row_f32x16(out, oa, d + 32)
+        x3 = load_row_f32x16(out, oa, d + 48)
+        y0 = load_row_f32x16(out, ob, d)
+        y1 = load_row_f32x16(out, ob, d + 16)
+        y2 = load_row_f32x16(out, ob, d + 32)
+        y3 = load_row_f32x16(out, ob, d + 48)
         for j in range(j0, j1):
             r = j - vbase
-            wa = splat_f32x8(sc[ra, j])
-            wb = splat_f32x8(sc[rb, j])
-            v = load_row_f32x8(vr, r, d)
-            x0 = muladd_f32x8(x0, wa, v)
-            y0 = muladd_f32x8(y0, wb, v)
-            v = load_row_f32x8(vr, r, d + 8)
-            x1 = muladd_f32x8(x1, wa, v)
-            y1 = muladd_f32x8(y1, wb, v)
-            v = load_row_f32x8(vr, r, d + 16)
-            x2 = muladd_f32x8(x2, wa, v)
-            y2 = muladd_f32x8(y2, wb, v)
-            v = load_row_f32x8(vr, r, d + 24)
-            x3 = muladd_f32x8(x3, wa, v)
-            y3 = muladd_f32x8(y3, wb, v)
-        store_row_f32x8(out, oa, d, x0)
-        store_row_f32x8(out, oa, d + 8, x1)
-        store_row_f32x8(out, oa, d + 16, x2)
-        store_row_f32x8(out, oa, d + 24, x3)
-        store_row_f32x8(out, ob, d, y0)
-        store_row_f32x8(out, ob, d + 8, y1)
-        store_row_f32x8(out, ob, d + 16, y2)
-        store_row_f32x8(out, ob, d + 24, y3)
-        d += 32
-    if d < hdv:  # the rest of the values (fewer than 32), one row at a time: the same operations per value
+            wa = splat_f32x16(sc[ra, j])
+            wb = splat_f32x16(sc[rb, j])
+            v = load_row_f32x16(vr, r, d)
+            x0 = muladd_f32x16(x0, wa, v)
+            y0 = muladd_f32x16(y0, wb, v)
+            v = load_row_f32x16(vr, r, d + 16)
+            x1 = muladd_f32x16(x1, wa, v)
+            y1 = muladd_f32x16(y1, wb, v)
+            v = load_row_f32x16(vr, r, d + 32)
+            x2 = muladd_f32x16(x2, wa, v)
+            y2 = muladd_f32x16(y2, wb, v)
+            v = load_row_f32x16(vr, r, d + 48)
+            x3 = muladd_f32x16(x3, wa, v)
+            y3 = muladd_f32x16(y3, wb, v)
+        store_row_f32x16(out, oa, d, x0)
+        store_row_f32x16(out, oa, d + 16, x1)
+        store_row_f32x16(out, oa, d + 32, x2)
+        store_row_f32x16(out, oa, d + 48, x3)
+        store_row_f32x16(out, ob, d, y0)
+        store_row_f32x16(out, ob, d + 16, y1)
+        store_row_f32x16(out, ob, d + 32, y2)
+        store_row_f32x16(out, ob, d + 48, y3)
+        d += 64
+    if d < hdv:  # the rest of the values (fewer than 64), one row at a time: the same operations per value
         _attn_pv(sc, ra, vr, d, vbase, j0, j1, hdv - d, out, oa, d)
         _attn_pv(sc, rb, vr, d, vbase, j0, j1, hdv - d, out, ob, d)
 
@@ -489,6 +496,12 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, wi
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def _unit_tokens(group):
+    """Tokens per phase-0 unit of a model with ``group`` query heads per kv head."""
+    return ATTN_TOKEN_BLOCK * max(1, ATTN_UNIT_ROWS // (ATTN_TOKEN_BLOCK * group))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _head_subsets(group, n_head_kv, n_blocks, n_threads):
     """(n_sub, per_sub): phase-0 units are (kv head, subset of its query heads, token block). A unit reads
     its K/V blocks once for all its heads; only when there are fewer (kv head, token block) pairs than
@@ -532,8 +545,8 @@ def _attn_task(
     heads are cut into ``n_split`` contiguous ranges."""
     if phase == 0:
         g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
-        t0 = b * ATTN_TOKEN_BLOCK
-        t1 = min(q.shape[0], t0 + ATTN_TOKEN_BLOCK)
+        t0 = b * _unit_tokens(group)
+        t1 = min(q.shape[0], t0 + _unit_tokens(group))
         _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
     elif phase == 2:
         _attn_softmax(sc, I64(u), I64(0), max_len)  # the signature _attn_unit's call compiles
@@ -618,7 +631,7 @@ def _attn_kernel(
             return t
         max_len = max(max_len, p + 1)
     group = n_head // n_head_kv
-    n_blocks = (nt + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+    n_blocks = (nt + _unit_tokens(group) - 1) // _unit_tokens(group)
     n_chunks = (max_len + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
     scale32 = F32(scale)
     # the thread count comes from the caller: numba's get_num_threads inside a kernel would keep it out of
@@ -707,14 +720,15 @@ def _attn_rows_kernel(
             n_runs += 1
     run_start[n_runs] = nt
     group = n_head // n_head_kv
+    tokens = _unit_tokens(group)
     n_blocks_all = I64(0)
     for i in range(n_runs):
-        n_blocks_all += (run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+        n_blocks_all += (run_start[i + 1] - run_start[i] + tokens - 1) // tokens
     n_sub, per_sub = _head_subsets(group, n_head_kv, n_blocks_all, n_threads)
     unit_end = np.empty(n_runs, np.int64)  # units of runs 0..i end before unit_end[i]
     n_units = I64(0)
     for i in range(n_runs):
-        n_units += n_head_kv * n_sub * ((run_start[i + 1] - run_start[i] + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK)
+        n_units += n_head_kv * n_sub * ((run_start[i + 1] - run_start[i] + tokens - 1) // tokens)
         unit_end[i] = n_units
     scale32 = F32(scale)
     for v in prange(n_units):
@@ -723,10 +737,10 @@ def _attn_rows_kernel(
         while unit_end[i] <= u:
             i += 1
         t_first = run_start[i]
-        n_blocks = (run_start[i + 1] - t_first + ATTN_TOKEN_BLOCK - 1) // ATTN_TOKEN_BLOCK
+        n_blocks = (run_start[i + 1] - t_first + tokens - 1) // tokens
         g, h0, h1, b = _unit_span(u - (unit_end[i] - n_head_kv * n_sub * n_blocks), n_blocks, n_sub, per_sub, group)
-        t0 = t_first + b * ATTN_TOKEN_BLOCK
-        t1 = min(run_start[i + 1], t0 + ATTN_TOKEN_BLOCK)
+        t0 = t_first + b * tokens
+        t1 = min(run_start[i + 1], t0 + tokens)
         base = rows[t_first] - positions[t_first]
         _attn_unit(
             q, k_region[base:], v_region[base:], positions, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out

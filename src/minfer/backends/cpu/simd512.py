@@ -28,12 +28,14 @@ from minfer.backends.cpu.simd import (
     VNNI,
     VecType,
     element_pointer,
+    f32x8,
     i32x8,
     ir_call,
     ir_fmadd,
     ir_half_to_float,
     ir_splat,
     is_1d,
+    is_f32_rows,
     load_element,
     shuffle_mask,
     splat_constant,
@@ -323,3 +325,107 @@ def neg_i32x16(typingctx, v):
     if v != i32x16:
         return None
     return i32x16(v), lambda context, builder, sig, args: builder.neg(args[0])
+
+
+# --- float32 rows on sixteen lanes (attention: portable LLVM vectors, two 256-bit registers without AVX-512) ---
+
+
+def _f32_row_pointer(context, builder, sig, args, at: int, vty: ir.Type) -> ir.Value:
+    """Address of ``arr[args[at], args[at + 1]]`` (``arr`` = args[0]) as ``vty*``."""
+    a = context.make_array(sig.args[0])(context, builder, args[0])
+    r = context.cast(builder, args[at], sig.args[at], types.intp)
+    c = context.cast(builder, args[at + 1], sig.args[at + 1], types.intp)
+    byte_off = builder.add(builder.mul(r, builder.extract_value(a.strides, 0)), builder.mul(c, ir.Constant(r.type, 4)))
+    return builder.bitcast(builder.gep(builder.bitcast(a.data, LL_I8.as_pointer()), [byte_off]), vty.as_pointer())
+
+
+_V8F = ir.VectorType(LL_F32, 8)
+
+
+@intrinsic
+def load_row_f32x16(typingctx, arr, row, col):
+    """``arr[row, col:col+16]`` of a 2-D float32 array with contiguous rows."""
+    if not is_f32_rows(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_f32_row_pointer(context, builder, sig, args, 1, V16F), align=4)
+
+    return f32x16(arr, row, col), codegen
+
+
+@intrinsic
+def store_row_f32x16(typingctx, arr, row, col, v):
+    """``arr[row, col:col+16] = v``."""
+    if not (is_f32_rows(arr) and v == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[3], _f32_row_pointer(context, builder, sig, args, 1, V16F), align=4)
+        return context.get_dummy_value()
+
+    return types.none(arr, row, col, v), codegen
+
+
+@intrinsic
+def load_rows_f32x16(typingctx, arr, ra, ca, rb, cb):
+    """``arr[ra, ca:ca+8]`` in the low eight lanes, ``arr[rb, cb:cb+8]`` in the high eight."""
+    if not is_f32_rows(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        lo = builder.load(_f32_row_pointer(context, builder, sig, args, 1, _V8F), align=4)
+        hi = builder.load(_f32_row_pointer(context, builder, sig, args, 3, _V8F), align=4)
+        return ir_join(builder, lo, hi)
+
+    return f32x16(arr, ra, ca, rb, cb), codegen
+
+
+@intrinsic
+def broadcast_row_f32x16(typingctx, arr, row, col):
+    """``arr[row, col:col+8]`` in both halves (one broadcast load on AVX-512)."""
+    if not is_f32_rows(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_f32_row_pointer(context, builder, sig, args, 1, _V8F), align=4)
+        return ir_join(builder, v, v)
+
+    return f32x16(arr, row, col), codegen
+
+
+@intrinsic
+def splat_f32x16(typingctx, x):
+    """x (any float, as float32) in all sixteen lanes."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return ir_splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), 16)
+
+    return f32x16(x), codegen
+
+
+@intrinsic
+def muladd_f32x16(typingctx, acc, a, b):
+    """``acc + a * b`` lane by lane, rounded twice (``simd.muladd_f32x8`` on sixteen lanes)."""
+    if not (acc == f32x16 and a == f32x16 and b == f32x16):
+        return None
+    return f32x16(acc, a, b), lambda context, builder, sig, args: builder.fadd(args[0], builder.fmul(args[1], args[2]))
+
+
+def _f32_half(high: bool):
+    @intrinsic
+    def half(typingctx, v):
+        if v != f32x16:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.shuffle_vector(args[0], args[0], shuffle_mask(8, lambda i: i + 8 * high))
+
+        return f32x8(v), codegen
+
+    return half
+
+
+low_f32x8, high_f32x8 = _f32_half(False), _f32_half(True)
