@@ -191,7 +191,8 @@ _AMX_KQUANT = (f"{_CPU}.kquant_amx:_matmul_tiles", f"{_CPU}.kquant_amx:_matmul_q
 _QUANTIZE = (f"{_QM}:_quantize_serial", f"{_QM}:_quantize_parallel")
 _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q4_0: ((f"{_QM}:_gemv_q4_0", f"{_QM}:_gemm_q4_0", *_QUANTIZE), 6.0),
-    GGMLType.Q4_1: ((f"{_QM}:_q4_1_rows8", f"{_QM}:_repack_q4_1_kernel", *_QUANTIZE), 6.5),
+    GGMLType.Q4_1: ((f"{_QM}:_q4_1_rows8", f"{_QM}:_repack_q4_1_kernel", *_QUANTIZE,
+                     *((f"{_QM}:_q4_1_pairs",) if WIDE else ())), 6.5 + 3.0 * WIDE),
     GGMLType.Q8_0: ((f"{_QM}:_q8_0_rows8", f"{_QM}:_repack_q8_0_kernel", *_QUANTIZE,
                      *((f"{_QM}:_q8_0_pairs",) if WIDE else ())), 3.5 + 3.0 * WIDE),
     GGMLType.F32: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
