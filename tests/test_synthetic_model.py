@@ -79,11 +79,12 @@ def test_tiny_model_loads_and_runs(tmp_path, shape, file_type):
     assert logits.shape[-1] == 512 and np.isfinite(logits).all()
 
 
-@pytest.mark.parametrize(("shape", "q5_0"), [("tiny", False), ("tiny-q5", True)])
+@pytest.mark.parametrize(("shape", "q5_0"), [("tiny", False), ("tiny-q5", True), ("tiny-qwen2", False)])
 def test_matmuls_reading_one_input_run_as_one_loop_with_the_same_logits(tmp_path, shape, q5_0):
     """In a Q4_K_M model, q and k (v too where it is Q4_K) and gate and up run in one parallel loop per
     layer: fewer parallel regions per token, the same logits bit for bit as each matmul on its own. With
-    rows of no whole super-blocks they are Q5_0 (llama.cpp's fallback), quantized once by a shared node."""
+    rows of no whole super-blocks they are Q5_0 (llama.cpp's fallback), quantized once by a shared node;
+    Qwen2's q/k/v biases are added after all three matmuls."""
     import minfer
     from minfer.backends.cpu.backend import _computed_by_group, _GroupedMatmuls
 

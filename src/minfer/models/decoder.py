@@ -81,8 +81,7 @@ def build_decoder_graph(
     def norm(x: Node, gain: str, name: str, layer: int | None, width: int | None = None) -> Node:
         return b.mul(b.rms_norm(x, eps, width, name=name, layer=layer), w(gain), name=name + ".gain", layer=layer)
 
-    def projection(x: Node, p: str, which: str, il: int) -> Node:
-        y = b.matmul(x, w(f"{p}attn_{which}.weight"), name=f"{p}{which}", layer=il)
+    def biased(y: Node, p: str, which: str, il: int) -> Node:
         bias = f"{p}attn_{which}.bias"
         if model.has_tensor(bias):
             y = b.add(y, w(bias), name=f"{p}{which}.bias", layer=il)
@@ -94,9 +93,10 @@ def build_decoder_graph(
     for il in range(hp.n_layer):
         p = f"blk.{il}."
         h = norm(x, p + "attn_norm.weight", p + "attn_norm", il) if arch.pre_norms else x
-        q = projection(h, p, "q", il)
-        k = projection(h, p, "k", il)
-        v = projection(h, p, "v", il)
+        # the three matmuls before any bias: consecutive steps reading one input, which the CPU backend runs
+        # as one parallel loop (Qwen2's biases between them kept them three)
+        q, k, v = (b.matmul(h, w(f"{p}attn_{c}.weight"), name=f"{p}{c}", layer=il) for c in "qkv")
+        q, k, v = (biased(y, p, c, il) for y, c in zip((q, k, v), "qkv", strict=True))
         if arch.qk_norm is not None:
             q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=arch.qk_norm_width(hp))
             k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=arch.qk_norm_width(hp))
