@@ -1,6 +1,6 @@
 """The kernels on 512-bit registers (AVX-512 VNNI, ``simd512.WIDE``): two groups of eight rows per zmm
 register, for the repacked K-quants (``kquant_rows16``, prefill and decode), Q8_0 and Q4_1 (prefill; Q5_0's:
-``test_q5_rows8``).
+``test_block32_rows8``).
 
 Where the CPU has them, the matmuls run them, so the parity, prefill = decode and threads tests of
 ``test_kquant_rows8`` and ``test_quant_matmul`` run them too. Here: they are chosen exactly where the CPU

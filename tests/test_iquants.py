@@ -74,12 +74,13 @@ def _threads_outputs(x, w, threads=(1, 2)) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tok", [1, 3, 8, 21])  # decode; prefill tail only; one whole tile; tiles + tail
-def test_fast_matmul_parity(t, n_tok):
+@pytest.mark.parametrize("n_out", [37, 40])  # 40: IQ4's repacked layout (block32_rows8)
+def test_fast_matmul_parity(t, n_tok, n_out):
     """The integer path against the exact product of the dequantized weights and the Q8-rounded activations
     (float64), with test_quant_matmul's derived bound: the block sums are exact, so only float32 roundings
     remain, (3 n_blocks + 8) u S at most. Against the unquantized product, rounding an activation moves it
     by at most d/2. The same bits at 1 and 2 threads, and a decode row equals its prefill row."""
-    n_out, n_in = 37, 512  # rows not a multiple of 4 (decode pass) nor of 16 (prefill work item)
+    n_in = 512  # 37 rows: not a multiple of 4 (decode pass) nor of 16 (prefill work item)
     raw = _random_rows(t, n_out, n_in, seed=n_tok)
     w = GGUFTensor("w", t, (n_out, n_in), raw)
     x = np.random.default_rng(2).standard_normal((n_tok, n_in)).astype(np.float32)
@@ -116,11 +117,11 @@ from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
 data = np.load(sys.argv[1])
 res = {"avx2": np.array(simd.AVX2)}
-for t in iq.SUPPORTED_TYPES:
-    w = GGUFTensor("w", t, tuple(data[t.name + "_shape"]), data[t.name])
+for name in sys.argv[3].split(","):
+    w = GGUFTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
     for n in (1, 13):
-        res[f"{t.name}_{n}"] = np.empty((n, w.shape[0]), np.float32)
-        iq.matmul(data["x"][:n], w, res[f"{t.name}_{n}"])
+        res[f"{name}_{n}"] = np.empty((n, w.shape[0]), np.float32)
+        iq.matmul(data["x"][:n], w, res[f"{name}_{n}"])
 np.savez(sys.argv[2], **res)
 """
 
@@ -128,20 +129,24 @@ np.savez(sys.argv[2], **res)
 @pytest.mark.slow
 @pytest.mark.skipif(not simd.AVX2, reason="this host already runs the generic path")
 def test_generic_simd_path_gives_the_same_bits(tmp_path, request):
-    """The portable table lookup and dot products (non-x86 CPUs) give the AVX2 path's bits."""
+    """The portable table lookup and dot products (non-x86 CPUs) give the AVX2 path's bits (24 rows: IQ4's
+    repacked layout, block32_rows8)."""
     x = np.random.default_rng(7).standard_normal((13, 512)).astype(np.float32)
     arrays, ours = {"x": x}, {}
-    for t in TYPES:
-        raw = _random_rows(t, 23, 512, seed=8)
-        arrays[t.name], arrays[t.name + "_shape"] = raw, np.array([23, 512])
+    cases = [(t, 23) for t in TYPES] + [(GGMLType.IQ4_NL, 24), (GGMLType.IQ4_XS, 24)]
+    for t, n_out in cases:
+        name = t.name if n_out == 23 else f"{t.name}@{n_out}"
+        raw = _random_rows(t, n_out, 512, seed=8)
+        arrays[name], arrays[name + "_shape"] = raw, np.array([n_out, 512])
         for n in (1, 13):
-            ours[f"{t.name}_{n}"] = _threads_outputs(x[:n], GGUFTensor("w", t, (23, 512), raw), threads=(2,))[0]
+            ours[f"{name}_{n}"] = _threads_outputs(x[:n], GGUFTensor("w", t, (n_out, 512), raw), threads=(2,))[0]
     np.savez(tmp_path / "in.npz", **arrays)
     env = dict(os.environ, MINFER_GENERIC_SIMD="1", NUMBA_CACHE_DIR=str(request.config.cache.mkdir("numba-generic-iq")))
     env["PYTHONPATH"] = str(Path(iq.__file__).parents[3]) + os.pathsep + env.get("PYTHONPATH", "")
     (tmp_path / "run.py").write_text(_GENERIC_SCRIPT)
-    subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                   env=env, check=True)
+    names = ",".join(k for k in arrays if k != "x" and not k.endswith("_shape"))
+    cmd = [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "in.npz"), str(tmp_path / "out.npz"), names]
+    subprocess.run(cmd, env=env, check=True)
     got = np.load(tmp_path / "out.npz")
     assert not got["avx2"]
     for key, value in ours.items():

@@ -144,7 +144,7 @@ def test_bit_identical_at_1_and_2_threads_and_with_shared_activations(t):
         assert np.array_equal(direct, results[0])
 
 
-@pytest.mark.parametrize("t", [*TYPES, GGMLType.Q5_0], ids=lambda t: t.name)  # Q5_0: q5_rows8's layout
+@pytest.mark.parametrize("t", [*TYPES, GGMLType.Q5_0], ids=lambda t: t.name)  # Q5_0: block32_rows8's layout
 def test_file_pages_of_a_repacked_weight_are_given_back(t, tmp_path):
     """The repacked copy replaces the file's resident pages instead of sitting beside them."""
     w = weight(t, 256, 2048, seed=26)

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import quants as gq
+from test_iquants import _random_rows
 
+from minfer.backends.cpu import iquant_matmul as iq
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd
@@ -66,13 +68,15 @@ def acts(n_tok: int, seed: int) -> np.ndarray:
 
 def _weights() -> dict[str, GGUFTensor]:
     ws = {t.name: weight(t, seed=3 + i) for i, t in enumerate(K_TYPES + Q_TYPES)}
-    ws["Q5_0@40"] = weight(GGMLType.Q5_0, seed=20, n_out=40)  # whole groups of eight: q5_rows8's layout
+    ws["Q5_0@40"] = weight(GGMLType.Q5_0, seed=20, n_out=40)  # whole groups of eight: block32_rows8's layout
+    for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS):  # and its IQ4 layouts (random blocks: gguf cannot quantize IQ4)
+        ws[f"{t.name}@40"] = GGUFTensor("w", t, (40, N_IN), _random_rows(t, 40, N_IN, seed=21))
     return ws
 
 
 def _matmul(x: np.ndarray, w: GGUFTensor) -> np.ndarray:
     out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
-    (km if km.supports(w.ggml_type) else qm).matmul(x, w, out)
+    (km if km.supports(w.ggml_type) else iq if iq.supports(w.ggml_type) else qm).matmul(x, w, out)
     return out
 
 
@@ -84,7 +88,7 @@ def test_selection_follows_the_cpu_features():
 
 
 @pytest.mark.skipif(not simd.VNNI, reason=NO_VNNI)
-@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES] + ["Q5_0@40"])
+@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES] + ["Q5_0@40", "IQ4_NL@40", "IQ4_XS@40"])
 def test_vnni_prefill_parity_with_the_reference(name):
     """The VNNI kernels against the float64 product of the dequantized weights and of the activations as
     they are quantized (the integer parts are exact; what is left is float32 rounding)."""
@@ -111,6 +115,7 @@ import sys
 import numpy as np
 from gguf import quants as gq
 
+from minfer.backends.cpu import iquant_matmul as iq
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd
@@ -121,7 +126,7 @@ data = np.load(sys.argv[1])
 res = {"vnni": np.array(simd.VNNI)}
 for name in sys.argv[3].split(","):
     w = GGUFTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
-    mod = km if km.supports(w.ggml_type) else qm
+    mod = km if km.supports(w.ggml_type) else iq if iq.supports(w.ggml_type) else qm
     for n in (13, 70):
         out = np.empty((n, w.shape[0]), np.float32)
         mod.matmul(data["x"][:n], w, out)

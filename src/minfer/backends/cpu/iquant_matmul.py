@@ -33,6 +33,7 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.extending import intrinsic
 
+from minfer.backends.cpu import block32_rows8
 from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
@@ -43,7 +44,13 @@ from minfer.backends.cpu.matmul_tiles import (
     weight_bytes,
     weight_shape,
 )
-from minfer.backends.cpu.quant_matmul import QK, QuantizedActivations, quantize_activations, tile_scales
+from minfer.backends.cpu.quant_matmul import (
+    QK,
+    QuantizedActivations,
+    quantize_activations,
+    release_file_pages,
+    tile_scales,
+)
 from minfer.backends.cpu.simd import (
     LL_I16,
     LL_I32,
@@ -377,7 +384,7 @@ def supports(ggml_type: GGMLType) -> bool:
 class _Prepared:
     """The flat bytes and geometry of one weight, computed once per tensor."""
 
-    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kernels", "table")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kernels", "table", "rows8", "kind")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -385,6 +392,12 @@ class _Prepared:
         self.rb = self.n_in // block_size(t) * type_size(t)
         self.flat = read_only(weight_bytes(w, self.rb))
         self.tensor, self.kernels, self.table = w, _KERNELS[t], _TABLE[t]
+        # IQ4_NL and IQ4_XS in whole groups of eight rows run on a copy repacked for them (block32_rows8,
+        # decode and prefill alike); the file's pages are then given back, so the copy replaces them
+        self.rows8, self.kind = None, block32_rows8.KINDS.get(t)
+        if block32_rows8.supports(t, self.n_out, self.n_in):
+            self.rows8 = block32_rows8.repack(t, self.flat, self.n_out, self.n_in)
+            release_file_pages(w.data)
 
 
 def prepare(w: GGUFTensor) -> _Prepared:
@@ -405,16 +418,20 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
     elif xq.q.shape != x.shape:
         raise ModelError(f"{p.tensor.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-    p.kernels[n_tok > 1](p.flat, p.rb, p.table, _E8M0, xq.q_flat, xq.ds_flat, dst)
+    if p.rows8 is not None:
+        block32_rows8.matmul(p.kind, p.rows8, xq.q_flat, xq.ds_flat, dst)
+    else:
+        p.kernels[n_tok > 1](p.flat, p.rb, p.table, _E8M0, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
         out[...] = dst
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) the kernels once."""
+    """Compile (or load from numba's cache) the kernels once (8 rows: IQ4's repacked layout)."""
     for n_tok in (1, 9):
         x = np.zeros((n_tok, 256), np.float32)
-        out = np.empty((n_tok, 3), np.float32)
-        for t in SUPPORTED_TYPES:
-            raw = np.zeros((3, 256 // block_size(t) * type_size(t)), np.uint8)
-            matmul(x, GGUFTensor("warmup", t, (3, 256), raw), out)
+        for n_out in (3, 8):
+            out = np.empty((n_tok, n_out), np.float32)
+            for t in SUPPORTED_TYPES:
+                raw = np.zeros((n_out, 256 // block_size(t) * type_size(t)), np.uint8)
+                matmul(x, GGUFTensor("warmup", t, (n_out, 256), raw), out)

@@ -55,8 +55,8 @@ def compile_matmul(type_name: str) -> None:
     shapes = [(t, 9)]
     if module is kquant_matmul and t not in (GGMLType.Q5_0, GGMLType.Q5_1):
         shapes += [(GGMLType.Q4_K, 16), (GGMLType.Q5_K, 16), (GGMLType.Q6_K, 16)]
-    elif module is kquant_matmul:  # Q5_0's repacked layout (q5_rows8)
-        shapes += [(GGMLType.Q5_0, 16)]
+    elif t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.IQ4_NL, GGMLType.IQ4_XS):  # block32_rows8's layouts
+        shapes += [(GGMLType.Q5_0 if t == GGMLType.Q5_1 else t, 16)]
     for n_tok in (1, PREFILL_TOKENS):
         x = np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(F32)
         for wt, n_out in shapes:
@@ -182,7 +182,9 @@ _KQ = f"{_CPU}.kquant_matmul"
 _IQ = f"{_CPU}.iquant_matmul"
 _FM = f"{_CPU}.float_matmul"
 _ATT = f"{_CPU}.attention"
-_Q5 = f"{_CPU}.q5_rows8"
+_B32 = f"{_CPU}.block32_rows8"
+# Q5_0's, IQ4_NL's and IQ4_XS's repacked kernels (one compilation serves the three: ``kind`` is an argument)
+_BLOCK32 = (f"{_B32}:_rows8", f"{_B32}:_repack_kernel", *((f"{_B32}:_pairs",) if WIDE else ()))
 # the 512-bit prefill of the repacked K-quants, which only a CPU with AVX-512 VNNI compiles and runs
 _WIDE_KQUANT = (f"{_CPU}.kquant_rows16:_matmul_pairs", f"{_CPU}.kquant_rows16:_matmul_q6_pairs") if WIDE else ()
 # and their prefill on AMX tiles, which only a process the probe lets use them compiles (asked only for a
@@ -198,16 +200,15 @@ _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.F32: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
     GGMLType.F16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
     GGMLType.BF16: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),
-    **{t: ((f"{_KQ}:_matmul_q5", *_QUANTIZE, f"{_Q5}:_rows8", f"{_Q5}:_repack_kernel",
-            *((f"{_Q5}:_pairs",) if WIDE else ())), 5.0 + 2.0 * WIDE)
-       for t in (GGMLType.Q5_0, GGMLType.Q5_1)},
+    **{t: ((f"{_KQ}:_matmul_q5", *_QUANTIZE, *_BLOCK32), 10.0) for t in (GGMLType.Q5_0, GGMLType.Q5_1)},
     **{t: ((f"{_KQ}:_matmul_k", f"{_KQ}:_q8k_serial", f"{_KQ}:_q8k_parallel", f"{_CPU}.kquant_rows8:_matmul",
             f"{_CPU}.kquant_rows8:_repack", f"{_CPU}.kquant_rows8:_matmul_q6_group",
             f"{_CPU}.kquant_rows8:_repack_q6", *_WIDE_KQUANT),
            24.0 + 8.0 * bool(_WIDE_KQUANT))
        for t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)},
-    **{t: ((f"{_IQ}:_gemv_{t.name.lower()}", f"{_IQ}:_gemm_{t.name.lower()}", *_QUANTIZE), 5.0)
-       for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)},
+    GGMLType.MXFP4: ((f"{_IQ}:_gemv_mxfp4", f"{_IQ}:_gemm_mxfp4", *_QUANTIZE), 5.0),
+    **{t: ((f"{_IQ}:_gemv_{t.name.lower()}", f"{_IQ}:_gemm_{t.name.lower()}", *_QUANTIZE, *_BLOCK32), 12.0)
+       for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS)},
 }
 _EW = f"{_CPU}.elementwise"
 _ELEMENTWISE_OP = {Op.ADD: "add", Op.MUL: "mul", Op.SWIGLU: "swiglu", Op.SILU: "silu", Op.GEGLU: "geglu",

@@ -57,7 +57,7 @@ Loop shapes
 Repacked rows
     Q4_K, Q5_K and Q6_K weights whose rows come in whole groups of eight run instead on a copy repacked at
     load with the rows in the lanes (:mod:`minfer.backends.cpu.kquant_rows8`, decode and prefill alike);
-    so do Q5_0 weights (:mod:`minfer.backends.cpu.q5_rows8`). The file's pages are given back. Other
+    so do Q5_0 weights (:mod:`minfer.backends.cpu.block32_rows8`). The file's pages are given back. Other
     shapes, and the other types, take the kernels here.
 """
 
@@ -72,7 +72,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from minfer.backends.cpu import kquant_amx, kquant_rows8, q5_rows8
+from minfer.backends.cpu import block32_rows8, kquant_amx, kquant_rows8
 from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
@@ -879,15 +879,15 @@ class _Prepared:
         self.kind = _K_KIND[t] if self.is_k else _Q5_KIND[t]
         # Q4_K, Q5_K and Q6_K in whole groups of eight rows run on a copy repacked for them (kquant_rows8;
         # kquant_rows16 on AVX-512 VNNI, Q4_K's prefill on AMX tiles where they run: kquant_amx), and so do
-        # Q5_0's (q5_rows8); the raw pages are then given back, so the copy replaces them in memory rather
+        # Q5_0's (block32_rows8); the raw pages are then given back, so the copy replaces them in memory rather
         # than sitting beside them
         self.rows8 = self.rows8_kernel = None
         if kquant_rows8.supports(t, n_out, n_in):
             repack, self.rows8_kernel = kquant_amx.REPACKED[t]
             self.rows8 = repack(flat, n_out, n_in)
             release_file_pages(w.data)
-        elif t == GGMLType.Q5_0 and q5_rows8.supports(n_out, n_in):  # the kernel depends on the token count
-            self.rows8 = q5_rows8.repack(flat, n_out, n_in)
+        elif block32_rows8.supports(t, n_out, n_in):  # Q5_0 (the kernel depends on the token count)
+            self.rows8 = block32_rows8.repack(t, flat, n_out, n_in)
             release_file_pages(w.data)
 
 
@@ -933,7 +933,7 @@ def matmul(
         elif not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: {w.ggml_type.name} weights need Q8 activations of shape {x.shape}")
         if p.rows8 is not None:
-            q5_rows8.matmul(p.rows8, xq.q_flat, xq.ds_flat, dst)
+            block32_rows8.matmul(block32_rows8.Q5_0, p.rows8, xq.q_flat, xq.ds_flat, dst)
         else:
             _matmul_q5(p.kind, p.flat, p.rb, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
@@ -982,8 +982,9 @@ def direct_call(
         return None
     q, ds = xq.q_flat, xq.ds_flat
     if rows8 is not None:
-        q5_kernel, none, nothing = q5_rows8.kernel(out.shape[0]), q5_rows8.NO_WEIGHT, q5_rows8.NO_OUTPUT
-        return lambda: q5_kernel(rows8, q, ds, out, none, nothing, none, nothing)
+        b32, table = block32_rows8.kernel(out.shape[0]), block32_rows8.IQ4_TABLE
+        none, nothing = block32_rows8.NO_WEIGHT, block32_rows8.NO_OUTPUT
+        return lambda: b32(block32_rows8.Q5_0, table, q, ds, rows8, out, none, nothing, none, nothing)
     return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
 
 
@@ -995,7 +996,7 @@ def group_call(
     gate/up), bound to these arrays with none of the checks: ``x`` quantized once (K-quants: into
     ``scratch``, as :func:`direct_call` does; Q5_0: ``xq``, a shared QUANTIZE node's), then one parallel
     loop over all the weights' groups of rows. None unless every weight is on the same repacked layout
-    (kquant_rows8, q5_rows8) and every operand fits. Each output is the same bits as its own call's."""
+    (kquant_rows8, block32_rows8) and every operand fits. Each output is the same bits as its own call's."""
     if not 2 <= len(ws) <= 3 or len(outs) != len(ws):
         return None
     if not all(isinstance(w, _Prepared) and w.rows8 is not None for w in ws):
@@ -1012,9 +1013,9 @@ def group_call(
         if not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
             return None
         members = [a for w, o in zip(ws, outs, strict=True) for a in (w.rows8, o)]
-        members += [q5_rows8.NO_WEIGHT, q5_rows8.NO_OUTPUT] * (3 - len(ws))
-        q5_kernel, q, ds = q5_rows8.kernel(n_tok), xq.q_flat, xq.ds_flat
-        return lambda: q5_kernel(members[0], q, ds, *members[1:])
+        members += [block32_rows8.NO_WEIGHT, block32_rows8.NO_OUTPUT] * (3 - len(ws))
+        b32, table, q, ds = block32_rows8.kernel(n_tok), block32_rows8.IQ4_TABLE, xq.q_flat, xq.ds_flat
+        return lambda: b32(block32_rows8.Q5_0, table, q, ds, *members)
     own, quantize = _quantizer(x, scratch)
     kernel = ws[0].rows8_kernel
     args = [ws[0].rows8, own._q, own._d, own._bs, outs[0]]
