@@ -1,5 +1,6 @@
-"""Q5_0, IQ4_NL and IQ4_XS on the repacked eight-row layouts (``block32_rows8``): what ``kquant_matmul.matmul``
-(Q5_0) and ``iquant_matmul.matmul`` (IQ4) run for weights whose rows come in whole groups of eight. Q5_0 is
+"""Q5_0, Q4_0, IQ4_NL and IQ4_XS on the repacked eight-row layouts (``block32_rows8``): what the matmuls
+(``kquant_matmul``'s for Q5_0, ``quant_matmul``'s for Q4_0, ``iquant_matmul``'s for IQ4) run for weights whose
+rows come in whole groups of eight. Q5_0 is
 what llama.cpp writes for the K-quant rows of files whose rows are not a multiple of 256 (SmolLM2-360M's).
 
 The layouts are read back through their documented bytes independently of the kernels; the compiled
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
+from gguf import quants as gq
 from test_iquants import _random_rows
 from test_kquants import acts, weight
 
@@ -30,8 +32,9 @@ from minfer.formats.iquants import IQ4_VALUES
 from minfer.formats.quants import dequantize_rows
 
 U = 2.0**-24
-Q5_0, IQ4_NL, IQ4_XS = GGMLType.Q5_0, GGMLType.IQ4_NL, GGMLType.IQ4_XS
-TYPES = [Q5_0, IQ4_NL, IQ4_XS]
+Q5_0, Q4_0, IQ4_NL, IQ4_XS = GGMLType.Q5_0, GGMLType.Q4_0, GGMLType.IQ4_NL, GGMLType.IQ4_XS
+TYPES = [Q5_0, Q4_0, IQ4_NL, IQ4_XS]
+MODULES = {Q5_0: km, Q4_0: qm, IQ4_NL: iq, IQ4_XS: iq}
 NO_WIDE = "no AVX-512 F/BW/VNNI on this CPU (or MINFER_AVX512=0): the 512-bit kernel cannot run here"
 
 
@@ -39,6 +42,7 @@ NO_WIDE = "no AVX-512 F/BW/VNNI on this CPU (or MINFER_AVX512=0): the 512-bit ke
 def _compiled():
     km.warmup()
     iq.warmup()
+    qm.warmup()
 
 
 def _ids(t: GGMLType) -> str:
@@ -48,18 +52,21 @@ def _ids(t: GGMLType) -> str:
 def _weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> GGUFTensor:
     if t == Q5_0:  # gguf quantizes it: Gaussian weights, one block with a clear offset
         return weight(t, n_out, n_in, seed)
+    if t == Q4_0:
+        w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32) * 0.1
+        return GGUFTensor("w", t, (n_out, n_in), gq.quantize(w, t).view(np.uint8))
     return GGUFTensor("w", t, (n_out, n_in), _random_rows(t, n_out, n_in, seed))
 
 
 def _fast(x: np.ndarray, w: GGUFTensor | object, xq=None) -> np.ndarray:
     t = (w.tensor if hasattr(w, "tensor") else w).ggml_type
     out = np.full((x.shape[0], (w.tensor if hasattr(w, "tensor") else w).shape[0]), np.nan, np.float32)
-    (km if t == Q5_0 else iq).matmul(x, w, out, xq)
+    MODULES[t].matmul(x, w, out, xq)
     return out
 
 
 def _prepare(w: GGUFTensor):
-    return (km if w.ggml_type == Q5_0 else iq).prepare(w)
+    return MODULES[w.ggml_type].prepare(w)
 
 
 def _unpack(t: GGMLType, packed: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
@@ -80,6 +87,8 @@ def _unpack(t: GGMLType, packed: np.ndarray, n_out: int, n_in: int) -> np.ndarra
         words = blk[..., 128:160].copy().view("<u4")  # [g, b, c]
         bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [g, b, c, 4 row + i]
         q = u + 16 * bits.reshape(g, nb, 8, 8, 4) - 16
+    elif t == Q4_0:
+        q = u - 8
     else:
         q = IQ4_VALUES[u].astype(np.int64)
     q = q.transpose(0, 3, 1, 2, 4).reshape(n_out, nb, 32)
@@ -149,9 +158,9 @@ def test_bit_identical_at_1_and_2_threads_and_with_shared_activations(t):
         assert results[0].view(np.uint32).tolist() == results[1].view(np.uint32).tolist()
         xq = qm.quantize_activations(x)
         assert np.array_equal(_fast(x, p, xq), results[0])
-        if t == Q5_0:  # a plan's bound call (IQ4's plans call matmul)
+        if t in (Q5_0, Q4_0):  # a plan's bound call (IQ4's plans call matmul)
             direct = np.empty_like(results[0])
-            km.direct_call(x, p, direct, xq)()
+            MODULES[t].direct_call(x, p, direct, xq)()
             assert np.array_equal(direct, results[0])
 
 
@@ -186,10 +195,11 @@ def test_a_plans_bound_call_runs_the_kernel_matmul_runs(monkeypatch, n_tok):
     assert ran == [expected, expected]
 
 
+@pytest.mark.parametrize("t", [Q5_0, Q4_0], ids=_ids)
 @pytest.mark.parametrize("n_tok", [1, 6, 13, 70])
-def test_weights_reading_one_input_in_one_call_give_their_own_bits(n_tok):
+def test_weights_reading_one_input_in_one_call_give_their_own_bits(t, n_tok):
     """q/k/v (gate/up) in one parallel loop: each output equals its own matmul's, bit for bit."""
-    ws = [km.prepare(weight(Q5_0, n_out, 512, seed=30 + i)) for i, n_out in enumerate((40, 16, 24))]
+    ws = [_prepare(_weight(t, n_out, 512, seed=30 + i)) for i, n_out in enumerate((40, 16, 24))]
     x = acts(n_tok, 512, seed=33)
     xq = km.quantize_activations(x)
     for members in (ws[:2], ws):

@@ -1,4 +1,4 @@
-"""Q5_0, IQ4_NL and IQ4_XS weights repacked at load into groups of eight rows: decode and prefill on one
+"""Q5_0, Q4_0, IQ4_NL and IQ4_XS weights repacked at load into groups of eight rows: decode and prefill on one
 integer arithmetic.
 
 These types have blocks of 32 values with one scale each and take Q8 activations (blocks of 32,
@@ -8,13 +8,13 @@ those shapes most of the matmul weights are Q5_0. IQ4_NL and IQ4_XS map 4-bit in
 16 int8 values. Their row-by-row kernels unpack each block once per row and per few tokens; here a block
 of eight rows is one set of registers that serves every token.
 
-Layouts (per group of eight rows and block of 32 values; ``kind`` 0 Q5_0, 1 IQ4_NL, 2 IQ4_XS)
+Layouts (per group of eight rows and block of 32 values; ``kind`` 0 Q5_0, 1 IQ4_NL, 2 IQ4_XS, 3 Q4_0)
     ``[0, 128)`` nibbles ``[j (4), row (8), i (4)]``: the low nibble holds value ``4 j + i`` of the row,
     the high nibble value ``4 (j + 4) + i`` (the files' byte j of a block packs values j and j + 16, so
     the bytes move whole), then
     * Q5_0 (176 bytes, the file's 8 x 22): ``[128, 160)`` the fifth bits, one 32-bit word per chunk ``c``
       (8) whose bit ``4 row + i`` is the fifth bit of value ``4 c + i``; ``[160, 176)`` the rows' f16 d;
-    * IQ4_NL (144 bytes, the file's 8 x 18): ``[128, 144)`` the rows' f16 d;
+    * IQ4_NL and Q4_0 (144 bytes, the file's 8 x 18): ``[128, 144)`` the rows' f16 d;
     * IQ4_XS (136 bytes): ``[128, 136)`` the rows' sub-block scales ``ls - 32`` as int8; after a group's
       eight blocks of a super-block, its rows' f16 d (16 bytes: 1104 per super-block, the file's 8 x 136
       plus 16).
@@ -23,21 +23,22 @@ Layouts (per group of eight rows and block of 32 values; ``kind`` 0 Q5_0, 1 IQ4_
     table (IQ4: one ``vpshufb``).
 
 Arithmetic
-    Each value is made unsigned, ``u = q + 16`` (Q5_0: 0..31) or the table biased by +128 (IQ4, under
-    VNNI), so one ``vpdpbusd`` (unsigned by signed) does four products of eight rows against four
-    activation bytes broadcast; ``Σ q a = Σ u a - 16 Σ a`` (or ``- 128 Σ a``) exactly, with that term of
-    each token's block computed once per call and used as the sum's starting value. Without VNNI the same
-    integers come from ``pmaddubsw``: Q5_0's four chunks' int16 pair sums at a time (at most 4 x 2 x 31 x
-    127 < 2^15) then ``pmaddwd``; IQ4's signed table with llama.cpp's sign trick (``|w| * (a * sign w)``).
-    Every row and token then does, block after block, ``acc = fma(float(Σ q a), d_w d_x, acc)`` with the
-    dequantizer's float32 block scale ``d_w`` (IQ4_XS: ``d * (ls - 32)``, exact): the same float operations
-    for one token (decode) or many (prefill), on eight lanes or on the sixteen of ``_pairs`` (AVX-512: two
-    groups side by side), at any thread count. Tests hold all of them to the same bits.
+    Each value is made unsigned, ``u = q + 16`` (Q5_0: 0..31), ``q + 8`` (Q4_0: the stored nibble) or
+    the table biased by +128 (IQ4, under VNNI), so one ``vpdpbusd`` (unsigned by signed) does four
+    products of eight rows against four activation bytes broadcast; ``Σ q a = Σ u a - 16 Σ a`` (``- 8 Σ
+    a``, ``- 128 Σ a``) exactly, with that term of each token's block computed once per call and used as
+    the sum's starting value. Without VNNI the same integers come from ``pmaddubsw``: Q5_0's and Q4_0's
+    four chunks' int16 pair sums at a time (at most 4 x 2 x 31 x 127 < 2^15) then ``pmaddwd``; IQ4's
+    signed table with llama.cpp's sign trick (``|w| * (a * sign w)``). Every row and token then does,
+    block after block, ``acc = fma(float(Σ q a), d_w d_x, acc)`` with the dequantizer's float32 block
+    scale ``d_w`` (IQ4_XS: ``d * (ls - 32)``, exact): the same float operations for one token (decode) or
+    many (prefill), on eight lanes or on the sixteen of ``_pairs`` (AVX-512: two groups side by side), at
+    any thread count. Tests hold all of them to the same bits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from llvmlite import ir
@@ -106,19 +107,20 @@ from minfer.formats.quants import GGMLType
 
 LL_I64 = ir.IntType(64)
 QK = 32
-Q5_0, IQ4_NL, IQ4_XS = 0, 1, 2  # the kernels' ``kind``
-KINDS = {GGMLType.Q5_0: Q5_0, GGMLType.IQ4_NL: IQ4_NL, GGMLType.IQ4_XS: IQ4_XS}
-_FILE_BLOCK = (22, 18, 136)  # bytes per row and block of the file (IQ4_XS: per super-block of 256)
-GROUP_BLOCK = (176, 144, 136)  # bytes per group of eight rows and block of 32 values
+Q5_0, IQ4_NL, IQ4_XS, Q4_0 = 0, 1, 2, 3  # the kernels' ``kind``
+KINDS = {GGMLType.Q5_0: Q5_0, GGMLType.IQ4_NL: IQ4_NL, GGMLType.IQ4_XS: IQ4_XS, GGMLType.Q4_0: Q4_0}
+_FILE_BLOCK = (22, 18, 136, 18)  # bytes per row and block of the file (IQ4_XS: per super-block of 256)
+GROUP_BLOCK = (176, 144, 136, 144)  # bytes per group of eight rows and block of 32 values
 XS_SUPER = 8 * 136 + 16  # IQ4_XS: bytes per group and super-block (eight blocks, then the rows' d)
-_SCALES = (160, 128, 128)  # where a group's block keeps its scales (IQ4_XS: the sub-block scales)
+_SCALES = (160, 128, 128, 128)  # where a group's block keeps its scales (IQ4_XS: the sub-block scales)
 _BITS = 128  # Q5_0's fifth bits
 TOKENS = 64  # tokens per pass over a group's weights in memory: their activations stay in L2
 PREFETCH = 2048  # decode streams the weights from DRAM: fetch this many bytes ahead
 # the IQ4 table as the kernels look it up: biased by +128 under VNNI (vpdpbusd's unsigned operand)
 IQ4_TABLE = ((IQ4_VALUES.astype(np.int16) + 128).astype(np.uint8).view(np.int8) if VNNI else IQ4_VALUES).copy()
-# what the values' bias adds to Σ u a, per unit of Σ a: Q5_0's +16, IQ4's +128 under VNNI (none without)
-_BIAS = (16, 128 if VNNI else 0, 128 if VNNI else 0)
+# what the values' bias adds to Σ u a, per unit of Σ a: Q5_0's +16, Q4_0's +8, IQ4's +128 under VNNI (none
+# without: the signed table)
+_BIAS = (16, 128 if VNNI else 0, 128 if VNNI else 0, 8)
 
 
 def supports(ggml_type: GGMLType, n_out: int, n_in: int) -> bool:
@@ -201,6 +203,37 @@ def _q5_values16(typingctx, packed, o, o2):
             hi = builder.zext(load(2, _BITS + 4 * c, LL_I32), LL_I64)
             regs.append(_or_fifth_bits(builder, nib, builder.or_(lo, builder.shl(hi, ir.Constant(LL_I64, 32))), V64B))
         return context.make_tuple(builder, tup, regs)
+
+    return tup(packed, o, o2), codegen
+
+
+@intrinsic
+def _q4_values8(typingctx, packed, o):
+    """Q4_0: the eight value registers (0..15: the stored nibbles, q + 8) of the group's block at byte ``o``."""
+    if not is_1d(packed):
+        return None
+    tup = types.UniTuple(i8x32, 8)
+
+    def codegen(context, builder, sig, args):
+        load = _loader(context, builder, sig, args)
+        return context.make_tuple(builder, tup, [_nibbles(builder, load(1, 32 * (c % 4), V16S), c, V32B)
+                                                 for c in range(8)])
+
+    return tup(packed, o), codegen
+
+
+@intrinsic
+def _q4_values16(typingctx, packed, o, o2):
+    """``_q4_values8`` of two groups, one in each half of eight 512-bit registers."""
+    if not is_1d(packed):
+        return None
+    tup = types.UniTuple(i8x64, 8)
+
+    def codegen(context, builder, sig, args):
+        load = _loader(context, builder, sig, args)
+        return context.make_tuple(builder, tup, [
+            _nibbles(builder, ir_join(builder, load(1, 32 * (c % 4), V16S), load(2, 32 * (c % 4), V16S)), c, V64B)
+            for c in range(8)])
 
     return tup(packed, o, o2), codegen
 
@@ -313,6 +346,8 @@ def _weights8(kind, packed, p, dp, table):
     """(the value registers, the rows' float32 scales) of the group's block at ``p`` (d at ``dp``)."""
     if kind == Q5_0:
         w = _q5_values8(packed, p)
+    elif kind == Q4_0:
+        w = _q4_values8(packed, p)
     else:
         w = _iq4_values8(packed, p, table)
     d = load_halves8(packed, dp)
@@ -326,6 +361,8 @@ def _weights16(kind, packed, p, p2, dp, dp2, table):
     """``_weights8`` of two groups."""
     if kind == Q5_0:
         w = _q5_values16(packed, p, p2)
+    elif kind == Q4_0:
+        w = _q4_values16(packed, p, p2)
     else:
         w = _iq4_values16(packed, p, p2, table)
     d = halves_x16(packed, dp, dp2)
@@ -347,7 +384,7 @@ def _block(kind, w, start, aq, ao):
         r = dpbusd(r, w[5], broadcast_4bytes(aq, ao + 20))
         s = dpbusd(s, w[6], broadcast_4bytes(aq, ao + 24))
         return add_i32x8(s, dpbusd(r, w[7], broadcast_4bytes(aq, ao + 28)))
-    if kind != Q5_0:  # IQ4's signed table: llama.cpp's sign trick, each chunk widened at once
+    if kind == IQ4_NL or kind == IQ4_XS:  # IQ4's signed table: llama.cpp's sign trick, each chunk widened at once
         s = add_i32x8(dot_s8s8(w[0], broadcast_4bytes(aq, ao)), dot_s8s8(w[1], broadcast_4bytes(aq, ao + 4)))
         s = add_i32x8(s, add_i32x8(dot_s8s8(w[2], broadcast_4bytes(aq, ao + 8)),
                                    dot_s8s8(w[3], broadcast_4bytes(aq, ao + 12))))
@@ -356,7 +393,7 @@ def _block(kind, w, start, aq, ao):
         s = add_i32x8(s, add_i32x8(dot_s8s8(w[6], broadcast_4bytes(aq, ao + 24)),
                                    dot_s8s8(w[7], broadcast_4bytes(aq, ao + 28))))
         return add_i32x8(start, s)
-    # Q5_0: int16 pair sums of four chunks at a time stay below 2^15
+    # Q5_0, Q4_0: int16 pair sums of four chunks at a time stay below 2^15
     p = pairs_u8s8(w[0], broadcast_4bytes(aq, ao))
     p = add_i16x16(p, pairs_u8s8(w[1], broadcast_4bytes(aq, ao + 4)))
     p = add_i16x16(p, pairs_u8s8(w[2], broadcast_4bytes(aq, ao + 8)))
@@ -538,6 +575,18 @@ def matmul(kind: int, packed: np.ndarray, aq: np.ndarray, ds: np.ndarray, out: n
     kernel(out.shape[0])(kind, IQ4_TABLE, aq, ds, packed, out, NO_WEIGHT, NO_OUTPUT, NO_WEIGHT, NO_OUTPUT)
 
 
+def bound_call(
+    kind: int, packed: np.ndarray, aq: np.ndarray, ds: np.ndarray, out: np.ndarray,
+    more: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+) -> Callable[[], None]:
+    """``matmul`` bound to these arrays (a plan's call: the kernel chosen once), with up to two more (weight,
+    output) pairs of the same kind computed in the same parallel loop (q/k/v, gate/up)."""
+    members = [packed, out] + [a for pair in more for a in pair]
+    members += [NO_WEIGHT, NO_OUTPUT] * (3 - len(members) // 2)
+    run = kernel(out.shape[0])
+    return lambda: run(kind, IQ4_TABLE, aq, ds, *members)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Repacking (at load; parallel over groups)
 # ---------------------------------------------------------------------------------------------------
@@ -634,7 +683,7 @@ def repack_reference(ggml_type: GGMLType, data: np.ndarray, n_out: int, n_in: in
     nb = n_in // QK
     blocks = np.ascontiguousarray(data).reshape(g, 8, nb, _FILE_BLOCK[kind])
     d = _rows_f16(blocks[..., 0:2])
-    if kind == IQ4_NL:
+    if kind in (IQ4_NL, Q4_0):
         return np.ascontiguousarray(np.concatenate((_nibble_bytes(blocks[..., 2:]), d), axis=2)).reshape(-1)
     qh = blocks[..., 2:6].copy().view("<u4")[..., 0]  # [g, row, b]
     fifth = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [g, row, b, value]

@@ -390,7 +390,7 @@ def supports(ggml_type: GGMLType) -> bool:
 class _Prepared:
     """The flat bytes and geometry of one weight, computed once per tensor."""
 
-    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kernels", "table", "rows8", "kind")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kernels", "table", "rows8", "block32_kind")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -400,8 +400,9 @@ class _Prepared:
         self.tensor, self.kernels, self.table = w, _KERNELS[t], _TABLE[t]
         # IQ4_NL and IQ4_XS in whole groups of eight rows run on a copy repacked for them (block32_rows8,
         # decode and prefill alike); the file's pages are then given back, so the copy replaces them
-        self.rows8, self.kind = None, block32_rows8.KINDS.get(t)
+        self.rows8 = self.block32_kind = None
         if block32_rows8.supports(t, self.n_out, self.n_in):
+            self.block32_kind = block32_rows8.KINDS[t]
             self.rows8 = block32_rows8.repack(t, self.flat, self.n_out, self.n_in)
             release_file_pages(w.data)
 
@@ -425,7 +426,7 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
         raise ModelError(f"{p.tensor.name}: quantized activations of shape {xq.q.shape} do not match x {x.shape}")
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     if p.rows8 is not None:
-        block32_rows8.matmul(p.kind, p.rows8, xq.q_flat, xq.ds_flat, dst)
+        block32_rows8.matmul(p.block32_kind, p.rows8, xq.q_flat, xq.ds_flat, dst)
     else:
         p.kernels[n_tok > 1](p.flat, p.rb, p.table, _E8M0, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:

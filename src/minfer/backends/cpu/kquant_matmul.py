@@ -857,7 +857,8 @@ def supports(ggml_type: GGMLType) -> bool:
 class _Prepared:
     """What the kernels need from one weight tensor, computed once per tensor (see quant_matmul)."""
 
-    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded", "rows8", "rows8_kernel")
+    __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded", "rows8", "rows8_kernel",
+                 "block32_kind")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -881,12 +882,13 @@ class _Prepared:
         # kquant_rows16 on AVX-512 VNNI, Q4_K's prefill on AMX tiles where they run: kquant_amx), and so do
         # Q5_0's (block32_rows8); the raw pages are then given back, so the copy replaces them in memory rather
         # than sitting beside them
-        self.rows8 = self.rows8_kernel = None
+        self.rows8 = self.rows8_kernel = self.block32_kind = None
         if kquant_rows8.supports(t, n_out, n_in):
             repack, self.rows8_kernel = kquant_amx.REPACKED[t]
             self.rows8 = repack(flat, n_out, n_in)
             release_file_pages(w.data)
         elif block32_rows8.supports(t, n_out, n_in):  # Q5_0 (the kernel depends on the token count)
+            self.block32_kind = block32_rows8.KINDS[t]
             self.rows8 = block32_rows8.repack(t, flat, n_out, n_in)
             release_file_pages(w.data)
 
@@ -982,9 +984,7 @@ def direct_call(
         return None
     q, ds = xq.q_flat, xq.ds_flat
     if rows8 is not None:
-        b32, table = block32_rows8.kernel(out.shape[0]), block32_rows8.IQ4_TABLE
-        none, nothing = block32_rows8.NO_WEIGHT, block32_rows8.NO_OUTPUT
-        return lambda: b32(block32_rows8.Q5_0, table, q, ds, rows8, out, none, nothing, none, nothing)
+        return block32_rows8.bound_call(block32_rows8.Q5_0, rows8, q, ds, out)
     return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
 
 
@@ -999,7 +999,9 @@ def group_call(
     (kquant_rows8, block32_rows8) and every operand fits. Each output is the same bits as its own call's."""
     if not 2 <= len(ws) <= 3 or len(outs) != len(ws):
         return None
-    if not all(isinstance(w, _Prepared) and w.rows8 is not None for w in ws):
+    kinds = {getattr(w, "block32_kind", None) for w in ws}
+    block32 = len(kinds) == 1 and None not in kinds  # one kind of block32_rows8's layouts (Q5_0, Q4_0, IQ4)
+    if not block32 and not all(isinstance(w, _Prepared) and w.is_k and w.rows8 is not None for w in ws):
         return None
     if x.ndim != 2 or x.dtype != np.float32 or not x.flags.c_contiguous or x.shape[0] == 0:
         return None
@@ -1009,13 +1011,11 @@ def group_call(
     if any(o.shape != (n_tok, w.n_out) or o.dtype != np.float32 or not o.flags.c_contiguous
            for w, o in zip(ws, outs, strict=True)):
         return None
-    if not ws[0].is_k:  # Q5_0: the activations come quantized
+    if block32:  # the activations come quantized (a shared QUANTIZE node's)
         if not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
             return None
-        members = [a for w, o in zip(ws, outs, strict=True) for a in (w.rows8, o)]
-        members += [block32_rows8.NO_WEIGHT, block32_rows8.NO_OUTPUT] * (3 - len(ws))
-        b32, table, q, ds = block32_rows8.kernel(n_tok), block32_rows8.IQ4_TABLE, xq.q_flat, xq.ds_flat
-        return lambda: b32(block32_rows8.Q5_0, table, q, ds, *members)
+        more = [(w.rows8, o) for w, o in zip(ws[1:], outs[1:], strict=True)]
+        return block32_rows8.bound_call(kinds.pop(), ws[0].rows8, xq.q_flat, xq.ds_flat, outs[0], more)
     own, quantize = _quantizer(x, scratch)
     kernel = ws[0].rows8_kernel
     args = [ws[0].rows8, own._q, own._d, own._bs, outs[0]]

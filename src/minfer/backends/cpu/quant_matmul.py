@@ -16,8 +16,10 @@ Integer path (what llama.cpp does in ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` 
     * Q4_0 (``w = d_w (n - 8)``): ``d_w d_x Σ (n - 8) a``, the ``-8 Σ a`` folded in as integers;
     * Q8_0 (``w = d_w q``): ``d_w d_x Σ q a``.
 
-    Q4_0: the eight int32 lanes are converted to float and accumulated with one fused multiply-add per
-    block (scale ``d_w * d_x``); the row's result is a fixed-order horizontal sum of the eight lanes.
+    Q4_0 weights in whole groups of eight rows (every real model's) run on :mod:`block32_rows8`'s repacked
+    copy. Other shapes take the row-by-row kernels here: the eight int32 lanes are converted to float and
+    accumulated with one fused multiply-add per block (scale ``d_w * d_x``); the row's result is a
+    fixed-order horizontal sum of the eight lanes.
     Q4_1 and Q8_0 run on copies repacked at load into groups of eight rows (see ``_q4_1_rows8``,
     ``_q8_0_rows8``): a block's integer sum is exact, and each row does ``acc = fma(float(Σ n a), d_w d_x,
     acc)`` block after block (Q4_1 then ``acc = fma(m, d_x Σa, acc)``).
@@ -64,7 +66,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from minfer.backends.cpu import float_matmul
+from minfer.backends.cpu import block32_rows8, float_matmul
 from minfer.backends.cpu.matmul_tiles import (
     GEMM_ROWS,
     GEMM_TOKENS,
@@ -987,8 +989,9 @@ def repack_q8_0_reference(data: np.ndarray, n_out: int, n_in: int) -> np.ndarray
     return np.ascontiguousarray(np.concatenate((values, scales), axis=2)).reshape(-1)
 
 
-# Q4_1 and Q8_0 run their row-group kernels on a repacked copy for any number of tokens (Q4_0 its decode
-# and prefill kernels on the raw blocks): the kernels and the repacking
+# Q4_1 and Q8_0 run their row-group kernels on a repacked copy for any number of tokens (Q4_0 block32_rows8's,
+# or where its rows are not whole groups, its decode and prefill kernels on the raw blocks): the kernels and
+# the repacking
 _ROWS8 = {GGMLType.Q4_1: (_q4_1_rows8, _repack_q4_1), GGMLType.Q8_0: (_q8_0_rows8, _repack_q8_0)}
 
 
@@ -1005,7 +1008,7 @@ class _Prepared:
     matmul ~200 times on the same tensors: building views and checking sizes each time would cost
     about as much as the small matmuls themselves)."""
 
-    __slots__ = ("tensor", "flat", "rb", "float_kind", "n_out", "n_in", "rows8", "rows8_kernel")
+    __slots__ = ("tensor", "flat", "rb", "float_kind", "n_out", "n_in", "rows8", "rows8_kernel", "block32_kind")
 
     def __init__(self, w: GGUFTensor) -> None:
         t = w.ggml_type
@@ -1020,9 +1023,14 @@ class _Prepared:
         self.flat = read_only(weight_bytes(w, rb))
         self.rb = rb
         self.n_out, self.n_in = n_out, n_in
-        # Q4_1 and Q8_0 run on a repacked copy (both decode and prefill); the raw pages are then given back
-        self.rows8 = self.rows8_kernel = None
-        if t in _ROWS8:
+        # Q4_1 and Q8_0 run on a repacked copy (both decode and prefill), and so does Q4_0 in whole groups of
+        # eight rows (block32_rows8's layout); the raw pages are then given back
+        self.rows8 = self.rows8_kernel = self.block32_kind = None
+        if block32_rows8.supports(t, n_out, n_in):
+            self.block32_kind = block32_rows8.KINDS[t]
+            self.rows8 = block32_rows8.repack(t, data.reshape(n_out, rb), n_out, n_in)
+            release_file_pages(data)
+        elif t in _ROWS8:
             self.rows8_kernel, repack = _ROWS8[t]
             self.rows8 = repack(data.reshape(n_out, rb), n_out, n_in)
             if n_out % 8 == 0:
@@ -1076,6 +1084,8 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
         if p.rows8_kernel is _q8_0_rows8:
             au = _shifted_activations(xq._q, n_tok)
             _q8_0_kernel(n_tok)(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, dst)
+        elif p.block32_kind is not None:
+            block32_rows8.matmul(p.block32_kind, p.rows8, xq._q, xq._ds, dst)
         elif p.rows8 is not None:
             _q4_1_kernel(n_tok)(p.rows8, p.flat, p.rb, xq._q, xq._ds, dst)
         else:
@@ -1118,6 +1128,8 @@ def direct_call(
 
             def run() -> None:
                 _q8_0_rows8(rows8, flat, rb, q, _NO_BYTES, ds, out)
+    elif w.block32_kind is not None:
+        run = block32_rows8.bound_call(w.block32_kind, w.rows8, q, ds, out)
     elif w.rows8 is not None:
         rows8, rows8_kernel, flat, rb = w.rows8, _q4_1_kernel(out.shape[0]), w.flat, w.rb
 
