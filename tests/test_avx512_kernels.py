@@ -1,6 +1,6 @@
 """The kernels on 512-bit registers (AVX-512 VNNI, ``simd512.WIDE``): two groups of eight rows per zmm
-register, for the repacked K-quants (``kquant_rows16``, prefill and decode), Q8_0 and Q4_1 (prefill; Q5_0's:
-``test_block32_rows8``).
+register, for the repacked K-quants (``kquant_rows16``, prefill and decode) and Q8_0 (prefill; Q4_0's, Q4_1's,
+Q5_0's and IQ4's: ``test_block32_rows8``).
 
 Where the CPU has them, the matmuls run them, so the parity, prefill = decode and threads tests of
 ``test_kquant_rows8`` and ``test_quant_matmul`` run them too. Here: they are chosen exactly where the CPU
@@ -81,35 +81,6 @@ def test_q8_0_prefill_gives_the_eight_row_kernels_bits(n_out, n_tok):
     qm._q8_0_rows8(p.rows8, p.flat, p.rb, xq._q, au, xq._ds, narrow)
     assert not np.isnan(wide).any()
     assert wide.view(np.uint32).tolist() == narrow.view(np.uint32).tolist()
-
-
-@pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)
-@pytest.mark.parametrize("n_out", [40, 43, 48])  # five groups (one alone at the end), three more rows, six
-@pytest.mark.parametrize("n_tok", [9, 13, 70])
-def test_q4_1_prefill_gives_the_eight_row_kernels_bits(n_out, n_tok):
-    rng = np.random.default_rng(n_out + n_tok)
-    w = rng.standard_normal((n_out, 512)).astype(np.float32)
-    p = qm.prepare(GGUFTensor("w", GGMLType.Q4_1, (n_out, 512), gq.quantize(w, GGMLType.Q4_1).view(np.uint8)))
-    xq = qm.quantize_activations(acts(n_tok, 512))
-    wide, narrow = (np.full((n_tok, n_out), np.nan, np.float32) for _ in range(2))
-    qm._q4_1_pairs(p.rows8, p.flat, p.rb, xq._q, xq._ds, wide)
-    qm._q4_1_rows8(p.rows8, p.flat, p.rb, xq._q, xq._ds, narrow)
-    assert not np.isnan(wide).any()
-    assert wide.view(np.uint32).tolist() == narrow.view(np.uint32).tolist()
-
-
-@pytest.mark.parametrize("n_tok", [1, 8, 9])
-def test_a_plans_bound_q4_1_call_runs_the_kernel_matmul_runs(monkeypatch, n_tok):
-    ran = []
-    pairs = qm._q4_1_pairs
-    monkeypatch.setattr(qm, "_q4_1_pairs", lambda *a: (ran.append("pairs"), pairs(*a)))
-    w = np.random.default_rng(n_tok).standard_normal((40, 512)).astype(np.float32)
-    p = qm.prepare(GGUFTensor("w", GGMLType.Q4_1, (40, 512), gq.quantize(w, GGMLType.Q4_1).view(np.uint8)))
-    x = acts(n_tok, 512)
-    out = np.empty((n_tok, 40), np.float32)
-    qm.matmul(x, p, out)
-    qm.direct_call(x, p, out, None)()
-    assert ran == (["pairs", "pairs"] if simd512.WIDE and n_tok > qm.ROWS8_REGISTER_TOKENS else [])
 
 
 @pytest.mark.parametrize("n_tok", [1, 2, 9])

@@ -1,5 +1,5 @@
-"""Q5_0, Q4_0, IQ4_NL and IQ4_XS on the repacked eight-row layouts (``block32_rows8``): what the matmuls
-(``kquant_matmul``'s for Q5_0, ``quant_matmul``'s for Q4_0, ``iquant_matmul``'s for IQ4) run for weights whose
+"""Q4_0, Q4_1, Q5_0, IQ4_NL and IQ4_XS on the repacked eight-row layouts (``block32_rows8``): what the matmuls
+(``kquant_matmul``'s for Q5_0, ``quant_matmul``'s for Q4_x, ``iquant_matmul``'s for IQ4) run for weights whose
 rows come in whole groups of eight. Q5_0 is
 what llama.cpp writes for the K-quant rows of files whose rows are not a multiple of 256 (SmolLM2-360M's).
 
@@ -32,9 +32,10 @@ from minfer.formats.iquants import IQ4_VALUES
 from minfer.formats.quants import dequantize_rows
 
 U = 2.0**-24
-Q5_0, Q4_0, IQ4_NL, IQ4_XS = GGMLType.Q5_0, GGMLType.Q4_0, GGMLType.IQ4_NL, GGMLType.IQ4_XS
-TYPES = [Q5_0, Q4_0, IQ4_NL, IQ4_XS]
-MODULES = {Q5_0: km, Q4_0: qm, IQ4_NL: iq, IQ4_XS: iq}
+Q5_0, Q4_0, Q4_1 = GGMLType.Q5_0, GGMLType.Q4_0, GGMLType.Q4_1
+IQ4_NL, IQ4_XS = GGMLType.IQ4_NL, GGMLType.IQ4_XS
+TYPES = [Q5_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS]
+MODULES = {Q5_0: km, Q4_0: qm, Q4_1: qm, IQ4_NL: iq, IQ4_XS: iq}
 NO_WIDE = "no AVX-512 F/BW/VNNI on this CPU (or MINFER_AVX512=0): the 512-bit kernel cannot run here"
 
 
@@ -52,7 +53,7 @@ def _ids(t: GGMLType) -> str:
 def _weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> GGUFTensor:
     if t == Q5_0:  # gguf quantizes it: Gaussian weights, one block with a clear offset
         return weight(t, n_out, n_in, seed)
-    if t == Q4_0:
+    if t in (Q4_0, Q4_1):
         w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32) * 0.1
         return GGUFTensor("w", t, (n_out, n_in), gq.quantize(w, t).view(np.uint8))
     return GGUFTensor("w", t, (n_out, n_in), _random_rows(t, n_out, n_in, seed))
@@ -89,6 +90,10 @@ def _unpack(t: GGMLType, packed: np.ndarray, n_out: int, n_in: int) -> np.ndarra
         q = u + 16 * bits.reshape(g, nb, 8, 8, 4) - 16
     elif t == Q4_0:
         q = u - 8
+    elif t == Q4_1:  # d u + m
+        m = blk[..., 144:160].copy().view(np.float16).astype(np.float64).transpose(0, 2, 1).reshape(n_out, nb, 1)
+        u = u.transpose(0, 3, 1, 2, 4).reshape(n_out, nb, 32)
+        return (d.transpose(0, 2, 1).reshape(n_out, nb, 1) * u + m).reshape(n_out, n_in)
     else:
         q = IQ4_VALUES[u].astype(np.int64)
     q = q.transpose(0, 3, 1, 2, 4).reshape(n_out, nb, 32)
@@ -106,10 +111,10 @@ def test_repacked_bytes_hold_the_files_values(t):
 
 def test_which_weights_take_the_repacked_layout():
     for t in TYPES:
-        assert _prepare(_weight(t, 16, 512)).rows8 is not None
-        assert _prepare(_weight(t, 37, 512)).rows8 is None  # not whole groups: the row-by-row kernel
-    assert km.prepare(weight(GGMLType.Q5_1, 16, 512)).rows8 is None
-    assert iq.prepare(_weight(GGMLType.MXFP4, 16, 512)).rows8 is None
+        assert _prepare(_weight(t, 16, 512)).block32_kind == b32.KINDS[t]
+        assert _prepare(_weight(t, 37, 512)).block32_kind is None  # not whole groups: the other kernels
+    assert km.prepare(weight(GGMLType.Q5_1, 16, 512)).block32_kind is None
+    assert iq.prepare(_weight(GGMLType.MXFP4, 16, 512)).block32_kind is None
 
 
 @pytest.mark.parametrize("t", TYPES, ids=_ids)
@@ -123,7 +128,15 @@ def test_matmul_parity(t, n_tok):
     xq = qm.quantize_activations(x)
     xr = (xq.q.reshape(n_tok, -1, 32) * xq.ds[:, :, :1]).reshape(x.shape).astype(np.float64)
     exact = xr @ wd.T
-    scale = np.abs(xr) @ np.abs(wd).T
+    terms = np.abs(wd)
+    if t == Q4_1:  # the kernel adds d u and m apart: bound by both terms' magnitudes (they may cancel)
+        parts = []
+        for zero in (0, 2):  # d, then m zeroed
+            raw = w.data.reshape(n_out, -1, 20).copy()
+            raw[:, :, zero : zero + 2] = 0
+            parts.append(np.abs(dequantize_rows(raw.reshape(n_out, -1), t, n_in).astype(np.float64)))
+        terms = parts[0] + parts[1]
+    scale = np.abs(xr) @ terms.T
     n_blocks = n_in // 32
     assert np.all(np.abs(out - exact) <= (2 * n_blocks + 8) * U * scale + 1e-30)
     assert np.max(np.abs(out - exact) / (scale + 1e-30)) < 1e-6
@@ -158,7 +171,7 @@ def test_bit_identical_at_1_and_2_threads_and_with_shared_activations(t):
         assert results[0].view(np.uint32).tolist() == results[1].view(np.uint32).tolist()
         xq = qm.quantize_activations(x)
         assert np.array_equal(_fast(x, p, xq), results[0])
-        if t in (Q5_0, Q4_0):  # a plan's bound call (IQ4's plans call matmul)
+        if t in (Q5_0, Q4_0, Q4_1):  # a plan's bound call (IQ4's plans call matmul)
             direct = np.empty_like(results[0])
             MODULES[t].direct_call(x, p, direct, xq)()
             assert np.array_equal(direct, results[0])
@@ -195,7 +208,7 @@ def test_a_plans_bound_call_runs_the_kernel_matmul_runs(monkeypatch, n_tok):
     assert ran == [expected, expected]
 
 
-@pytest.mark.parametrize("t", [Q5_0, Q4_0], ids=_ids)
+@pytest.mark.parametrize("t", [Q5_0, Q4_0, Q4_1], ids=_ids)
 @pytest.mark.parametrize("n_tok", [1, 6, 13, 70])
 def test_weights_reading_one_input_in_one_call_give_their_own_bits(t, n_tok):
     """q/k/v (gate/up) in one parallel loop: each output equals its own matmul's, bit for bit."""

@@ -55,7 +55,7 @@ def compile_matmul(type_name: str) -> None:
     shapes = [(t, 9)]
     if module is kquant_matmul and t not in (GGMLType.Q5_0, GGMLType.Q5_1):
         shapes += [(GGMLType.Q4_K, 16), (GGMLType.Q5_K, 16), (GGMLType.Q6_K, 16)]
-    elif t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.IQ4_NL, GGMLType.IQ4_XS):  # block32_rows8's
+    elif t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.IQ4_NL, GGMLType.IQ4_XS):
         shapes += [(GGMLType.Q5_0 if t == GGMLType.Q5_1 else t, 16)]
     for n_tok in (1, PREFILL_TOKENS):
         x = np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(F32)
@@ -193,8 +193,7 @@ _AMX_KQUANT = (f"{_CPU}.kquant_amx:_matmul_tiles", f"{_CPU}.kquant_amx:_matmul_q
 _QUANTIZE = (f"{_QM}:_quantize_serial", f"{_QM}:_quantize_parallel")
 _MATMUL_KERNELS: dict[GGMLType, tuple[tuple[str, ...], float]] = {
     GGMLType.Q4_0: ((f"{_QM}:_gemv_q4_0", f"{_QM}:_gemm_q4_0", *_QUANTIZE, *_BLOCK32), 13.0),
-    GGMLType.Q4_1: ((f"{_QM}:_q4_1_rows8", f"{_QM}:_repack_q4_1_kernel", *_QUANTIZE,
-                     *((f"{_QM}:_q4_1_pairs",) if WIDE else ())), 6.5 + 3.0 * WIDE),
+    GGMLType.Q4_1: ((f"{_QM}:_q4_1_rows8", f"{_QM}:_repack_q4_1_kernel", *_QUANTIZE, *_BLOCK32), 13.5),
     GGMLType.Q8_0: ((f"{_QM}:_q8_0_rows8", f"{_QM}:_repack_q8_0_kernel", *_QUANTIZE,
                      *((f"{_QM}:_q8_0_pairs",) if WIDE else ())), 3.5 + 3.0 * WIDE),
     GGMLType.F32: ((f"{_FM}:_gemv_float", f"{_FM}:_gemm_float"), 6.5),

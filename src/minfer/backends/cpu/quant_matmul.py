@@ -16,8 +16,10 @@ Integer path (what llama.cpp does in ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` 
     * Q4_0 (``w = d_w (n - 8)``): ``d_w d_x Σ (n - 8) a``, the ``-8 Σ a`` folded in as integers;
     * Q8_0 (``w = d_w q``): ``d_w d_x Σ q a``.
 
-    Q4_0 weights in whole groups of eight rows (every real model's) run on :mod:`block32_rows8`'s repacked
-    copy. Other shapes take the row-by-row kernels here: the eight int32 lanes are converted to float and
+    Q4_0 and Q4_1 weights in whole groups of eight rows (every real model's) run on :mod:`block32_rows8`'s
+    repacked copy (its 512-bit pairs: SmolLM2-135M's 576x1536 and 1536x576 at 512 tokens 1.4x the
+    eight-row kernel here, which now serves Q4_1 rows in other shapes). Q4_0's other shapes take the
+    row-by-row kernels here: the eight int32 lanes are converted to float and
     accumulated with one fused multiply-add per block (scale ``d_w * d_x``); the row's result is a
     fixed-order horizontal sum of the eight lanes.
     Q4_1 and Q8_0 run on copies repacked at load into groups of eight rows (see ``_q4_1_rows8``,
@@ -47,8 +49,7 @@ How the loops are shaped (measured, see ``bench/matmul_bench.py``)
     register (``_q8_0_pairs``; lane for lane the same operations, ``tests/test_avx512_kernels.py``): 512
     tokens at 1.7B shapes 1.40-1.60x the eight-row kernel. Its first pass over a pair's blocks prefetches
     them: a pass of 2, 4 or 8 tokens then costs 1.00x, 1.10x, 1.30x a 1-token pass (1.7B Q8_0, was 1.38x,
-    1.43x, 1.51x on the eight-row kernel). Q4_1's prompts (more than ``ROWS8_REGISTER_TOKENS`` tokens) do the
-    same (``_q4_1_pairs``): SmolLM2-135M's 576x1536 and 1536x576 at 512 tokens 1.4x the eight-row kernel.
+    1.43x, 1.51x on the eight-row kernel).
     Q4_1 against the row-by-row kernels (kept in the bench as variants): 8 tokens ~20% faster, 2-4
     tokens ~2x, prompts of 64+ tokens ~1.7x; one token 10-20% slower in the matmuls alone (it streams the
     same bytes), which end to end (tg128) was lost in the noise. Q8_0 (SmolLM2's 49152x576 output head,
@@ -137,13 +138,11 @@ from minfer.backends.cpu.simd512 import (
     bytes_128_x16,
     bytes_x16,
     dpbusd_x16,
-    fma_f32x16,
     fma_i32x16,
     halves_x16,
     load_f32x16,
     mul_f32x16,
     neg_i32x16,
-    nibbles_x16,
     splat_at_x16,
     store_f32x16,
     zeros_i32x16,
@@ -618,70 +617,6 @@ def _q4_1_rows8(packed, raw, rb, aq, ds, out):
             out[t, r] = _q4_1_row_exact(raw, r * rb, nb, aq, t * n_in, ds, t * nb * 2)
 
 
-@njit(inline="always")
-def _q4_1_pair_block(w, aq, ao):
-    """``_rows8_block_vnni`` for sixteen rows (two groups: ``simd512.nibbles_x16``); the same integers."""
-    s = dpbusd_x16(zeros_i32x16(), w[0], broadcast_4bytes_x16(aq, ao))
-    r = dpbusd_x16(zeros_i32x16(), w[1], broadcast_4bytes_x16(aq, ao + 4))
-    s = dpbusd_x16(s, w[2], broadcast_4bytes_x16(aq, ao + 8))
-    r = dpbusd_x16(r, w[3], broadcast_4bytes_x16(aq, ao + 12))
-    s = dpbusd_x16(s, w[4], broadcast_4bytes_x16(aq, ao + 16))
-    r = dpbusd_x16(r, w[5], broadcast_4bytes_x16(aq, ao + 20))
-    s = dpbusd_x16(s, w[6], broadcast_4bytes_x16(aq, ao + 24))
-    return add_i32x16(s, dpbusd_x16(r, w[7], broadcast_4bytes_x16(aq, ao + 28)))
-
-
-@njit(parallel=True, cache=True)
-def _q4_1_pairs(packed, raw, rb, aq, ds, out):
-    """``_q4_1_rows8`` for a prompt (more than ``ROWS8_REGISTER_TOKENS`` tokens) on 512-bit registers
-    (``simd512.WIDE`` only): two groups of eight rows per work item, one in each half of a register. Lane
-    for lane the same integer and float operations as the eight-row kernel, so the same bits; an odd last
-    group, and the rows past the last whole group, run the eight-row code."""
-    n_tok, n_out = out.shape
-    nb = rb // 20
-    n_in = nb * QK
-    n_groups = n_out // 8
-    n_items = n_groups // 2
-    span = 16 * min(n_tok, ROWS8_TOKENS)
-    acc = np.empty(n_items * span, np.float32)
-    flat = out.reshape(-1)
-    for p in prange(n_items):
-        o = 2 * p * nb * 160
-        o2 = o + nb * 160
-        h = p * span
-        for t0 in range(0, n_tok, ROWS8_TOKENS):
-            t1 = min(n_tok, t0 + ROWS8_TOKENS)
-            for i in range(h, h + 16 * (t1 - t0)):
-                acc[i] = np.float32(0.0)
-            for b in range(nb):
-                if t0 == 0:  # the first pass over the pair's blocks reads them from memory
-                    for c in range(0, 160, 64):
-                        prefetch(packed, o + b * 160 + ROWS8_PREFETCH + c)
-                        prefetch(packed, o2 + b * 160 + ROWS8_PREFETCH + c)
-                w = nibbles_x16(packed, o + b * 160, o2 + b * 160)
-                wd = halves_x16(packed, o + b * 160 + 128, o2 + b * 160 + 128)
-                wm = halves_x16(packed, o + b * 160 + 144, o2 + b * 160 + 144)
-                for t in range(t0, t1):
-                    k = h + 16 * (t - t0)
-                    do = (t * nb + b) * 2
-                    a = fma_i32x16(load_f32x16(acc, k), _q4_1_pair_block(w, aq, t * n_in + b * QK),
-                                   mul_f32x16(wd, splat_at_x16(ds, do)))
-                    store_f32x16(acc, k, fma_f32x16(a, wm, splat_at_x16(ds, do + 1)))
-            for t in range(t0, t1):  # groups 2p and 2p + 1 are columns 16 p .. 16 p + 15
-                store_f32x16(flat, t * n_out + 16 * p, load_f32x16(acc, h + 16 * (t - t0)))
-    if n_groups % 2 or n_out % 8:  # an odd last group and the last 1..7 rows: the eight-row kernel on them
-        first = 16 * n_items
-        rest = np.empty((n_tok, n_out - first), np.float32)
-        _q4_1_rows8(packed[first // 8 * nb * 160:], raw[first * rb:], rb, aq, ds, rest)
-        out[:, first:] = rest
-
-
-def _q4_1_kernel(n_tok: int) -> Callable[..., None]:
-    """The repacked Q4_1 kernel for a call of ``n_tok`` tokens: the 512-bit pairs for a prompt where the CPU
-    has them (the same bits as the eight-row kernel's), else the eight-row kernel."""
-    return _q4_1_pairs if WIDE and n_tok > ROWS8_REGISTER_TOKENS else _q4_1_rows8
-
-
 @njit(parallel=True, cache=True)
 def _repack_q4_1_kernel(raw, rb, packed):
     """:func:`repack_q4_1_reference`'s layout from the flat raw rows (``rb`` bytes each), one pass, the
@@ -1087,7 +1022,7 @@ def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Quanti
         elif p.block32_kind is not None:
             block32_rows8.matmul(p.block32_kind, p.rows8, xq._q, xq._ds, dst)
         elif p.rows8 is not None:
-            _q4_1_kernel(n_tok)(p.rows8, p.flat, p.rb, xq._q, xq._ds, dst)
+            _q4_1_rows8(p.rows8, p.flat, p.rb, xq._q, xq._ds, dst)
         else:
             (_gemv_q4_0 if n_tok == 1 else _gemm_q4_0)(p.flat, p.rb, xq._q, xq._ds, dst)
     if dst is not out:
@@ -1131,7 +1066,7 @@ def direct_call(
     elif w.block32_kind is not None:
         run = block32_rows8.bound_call(w.block32_kind, w.rows8, q, ds, out)
     elif w.rows8 is not None:
-        rows8, rows8_kernel, flat, rb = w.rows8, _q4_1_kernel(out.shape[0]), w.flat, w.rb
+        rows8, rows8_kernel, flat, rb = w.rows8, w.rows8_kernel, w.flat, w.rb
 
         def run() -> None:
             rows8_kernel(rows8, flat, rb, q, ds, out)

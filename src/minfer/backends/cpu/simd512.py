@@ -123,24 +123,6 @@ def q5k_values_x16(typingctx, raw, off, off2, hb, hb2):
 
 
 @intrinsic
-def nibbles_x16(typingctx, raw, off, off2):
-    """Q4_1's block of two groups (``quant_matmul._rows8_weights``: the 128 bytes at ``off`` and at ``off2``):
-    eight registers, the low then the high nibbles of each 32 bytes, four consecutive values of sixteen rows."""
-    if not is_1d(raw):
-        return None
-    tup = types.UniTuple(i8x64, 8)
-
-    def codegen(context, builder, sig, args):
-        regs = []
-        for m in range(8):
-            v = _load_pair(context, builder, sig, args, 1, 2, 32 * (m // 2), _V16S)
-            regs.append(_nibbles(builder, v, m % 2 == 1))
-        return context.make_tuple(builder, tup, regs)
-
-    return tup(raw, off, off2), codegen
-
-
-@intrinsic
 def q6k_values_x16(typingctx, raw, off, off2):
     """Q6_K's sub-block of two groups (``kquant_rows8._q6_values``): four registers of values 0..63."""
     if not is_1d(raw):
