@@ -89,8 +89,8 @@ def test_selection_follows_the_cpu_features():
 
 
 @pytest.mark.skipif(not simd.VNNI, reason=NO_VNNI)
-@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES] + ["Q5_0@40", "Q4_0@40", "Q4_1@40", "IQ4_NL@40",
-                                                                                 "IQ4_XS@40"])
+@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES] + [f"{n}@40" for n in ("Q5_0", "Q4_0", "Q4_1",
+                                                                                          "IQ4_NL", "IQ4_XS")])
 def test_vnni_prefill_parity_with_the_reference(name):
     """The VNNI kernels against the float64 product of the dequantized weights and of the activations as
     they are quantized (the integer parts are exact; what is left is float32 rounding)."""
