@@ -32,10 +32,11 @@ from minfer.formats.iquants import IQ4_VALUES
 from minfer.formats.quants import dequantize_rows
 
 U = 2.0**-24
-Q5_0, Q4_0, Q4_1 = GGMLType.Q5_0, GGMLType.Q4_0, GGMLType.Q4_1
+Q5_0, Q5_1, Q4_0, Q4_1 = GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.Q4_1
 IQ4_NL, IQ4_XS = GGMLType.IQ4_NL, GGMLType.IQ4_XS
-TYPES = [Q5_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS]
-MODULES = {Q5_0: km, Q4_0: qm, Q4_1: qm, IQ4_NL: iq, IQ4_XS: iq}
+TYPES = [Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, IQ4_XS]
+MODULES = {Q5_0: km, Q5_1: km, Q4_0: qm, Q4_1: qm, IQ4_NL: iq, IQ4_XS: iq}
+WITH_MIN = {Q4_1: 20, Q5_1: 24}  # the types with an offset m (f16 at byte 2 of a block of these bytes)
 NO_WIDE = "no AVX-512 F/BW/VNNI on this CPU (or MINFER_AVX512=0): the 512-bit kernel cannot run here"
 
 
@@ -51,7 +52,7 @@ def _ids(t: GGMLType) -> str:
 
 
 def _weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> GGUFTensor:
-    if t == Q5_0:  # gguf quantizes it: Gaussian weights, one block with a clear offset
+    if t in (Q5_0, Q5_1):  # gguf quantizes them: Gaussian weights, one block with a clear offset
         return weight(t, n_out, n_in, seed)
     if t in (Q4_0, Q4_1):
         w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32) * 0.1
@@ -80,20 +81,21 @@ def _unpack(t: GGMLType, packed: np.ndarray, n_out: int, n_in: int) -> np.ndarra
         d = np.repeat(d, 8, axis=1) * blk[..., 128:136].view(np.int8)  # [g, b, row]: d (ls - 32)
     else:
         blk = packed.reshape(g, nb, b32.GROUP_BLOCK[b32.KINDS[t]])
-        at = 160 if t == Q5_0 else 128
+        at = 160 if t in (Q5_0, Q5_1) else 128
         d = blk[..., at : at + 16].copy().view(np.float16).astype(np.float64)  # [g, b, row]
     nib = blk[..., :128].reshape(g, nb, 4, 8, 4)  # [g, b, j, row, i]
     u = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int64)  # [g, b, c, row, i]: chunk c < 4 low
-    if t == Q5_0:
+    if t in (Q5_0, Q5_1):
         words = blk[..., 128:160].copy().view("<u4")  # [g, b, c]
         bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [g, b, c, 4 row + i]
-        q = u + 16 * bits.reshape(g, nb, 8, 8, 4) - 16
-    elif t == Q4_0:
-        q = u - 8
-    elif t == Q4_1:  # d u + m
-        m = blk[..., 144:160].copy().view(np.float16).astype(np.float64).transpose(0, 2, 1).reshape(n_out, nb, 1)
+        u = u + 16 * bits.reshape(g, nb, 8, 8, 4)
+    if t in WITH_MIN:  # d u + m
+        at = 144 if t == Q4_1 else 176
+        m = blk[..., at : at + 16].copy().view(np.float16).astype(np.float64).transpose(0, 2, 1).reshape(n_out, nb, 1)
         u = u.transpose(0, 3, 1, 2, 4).reshape(n_out, nb, 32)
         return (d.transpose(0, 2, 1).reshape(n_out, nb, 1) * u + m).reshape(n_out, n_in)
+    if t in (Q5_0, Q4_0):
+        q = u - (16 if t == Q5_0 else 8)
     else:
         q = IQ4_VALUES[u].astype(np.int64)
     q = q.transpose(0, 3, 1, 2, 4).reshape(n_out, nb, 32)
@@ -113,7 +115,6 @@ def test_which_weights_take_the_repacked_layout():
     for t in TYPES:
         assert _prepare(_weight(t, 16, 512)).block32_kind == b32.KINDS[t]
         assert _prepare(_weight(t, 37, 512)).block32_kind is None  # not whole groups: the other kernels
-    assert km.prepare(weight(GGMLType.Q5_1, 16, 512)).block32_kind is None
     assert iq.prepare(_weight(GGMLType.MXFP4, 16, 512)).block32_kind is None
 
 
@@ -129,10 +130,10 @@ def test_matmul_parity(t, n_tok):
     xr = (xq.q.reshape(n_tok, -1, 32) * xq.ds[:, :, :1]).reshape(x.shape).astype(np.float64)
     exact = xr @ wd.T
     terms = np.abs(wd)
-    if t == Q4_1:  # the kernel adds d u and m apart: bound by both terms' magnitudes (they may cancel)
+    if t in WITH_MIN:  # the kernel adds d u and m apart: bound by both terms' magnitudes (they may cancel)
         parts = []
         for zero in (0, 2):  # d, then m zeroed
-            raw = w.data.reshape(n_out, -1, 20).copy()
+            raw = w.data.reshape(n_out, -1, WITH_MIN[t]).copy()
             raw[:, :, zero : zero + 2] = 0
             parts.append(np.abs(dequantize_rows(raw.reshape(n_out, -1), t, n_in).astype(np.float64)))
         terms = parts[0] + parts[1]
@@ -171,7 +172,7 @@ def test_bit_identical_at_1_and_2_threads_and_with_shared_activations(t):
         assert results[0].view(np.uint32).tolist() == results[1].view(np.uint32).tolist()
         xq = qm.quantize_activations(x)
         assert np.array_equal(_fast(x, p, xq), results[0])
-        if t in (Q5_0, Q4_0, Q4_1):  # a plan's bound call (IQ4's plans call matmul)
+        if t not in (IQ4_NL, IQ4_XS):  # a plan's bound call (IQ4's plans call matmul)
             direct = np.empty_like(results[0])
             MODULES[t].direct_call(x, p, direct, xq)()
             assert np.array_equal(direct, results[0])
@@ -208,7 +209,7 @@ def test_a_plans_bound_call_runs_the_kernel_matmul_runs(monkeypatch, n_tok):
     assert ran == [expected, expected]
 
 
-@pytest.mark.parametrize("t", [Q5_0, Q4_0, Q4_1], ids=_ids)
+@pytest.mark.parametrize("t", [Q5_0, Q5_1, Q4_0, Q4_1], ids=_ids)
 @pytest.mark.parametrize("n_tok", [1, 6, 13, 70])
 def test_weights_reading_one_input_in_one_call_give_their_own_bits(t, n_tok):
     """q/k/v (gate/up) in one parallel loop: each output equals its own matmul's, bit for bit."""

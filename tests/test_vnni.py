@@ -68,7 +68,7 @@ def acts(n_tok: int, seed: int) -> np.ndarray:
 
 def _weights() -> dict[str, GGUFTensor]:
     ws = {t.name: weight(t, seed=3 + i) for i, t in enumerate(K_TYPES + Q_TYPES)}
-    for t in (GGMLType.Q5_0, GGMLType.Q4_0, GGMLType.Q4_1):  # whole groups of eight: block32_rows8's layouts
+    for t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.Q4_1):  # whole groups of eight: block32_rows8's
         ws[f"{t.name}@40"] = weight(t, seed=20, n_out=40)
     for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS):  # and its IQ4 layouts (random blocks: gguf cannot quantize IQ4)
         ws[f"{t.name}@40"] = GGUFTensor("w", t, (40, N_IN), _random_rows(t, 40, N_IN, seed=21))
@@ -89,8 +89,8 @@ def test_selection_follows_the_cpu_features():
 
 
 @pytest.mark.skipif(not simd.VNNI, reason=NO_VNNI)
-@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES] + [f"{n}@40" for n in ("Q5_0", "Q4_0", "Q4_1",
-                                                                                          "IQ4_NL", "IQ4_XS")])
+@pytest.mark.parametrize("name", [t.name for t in K_TYPES + Q_TYPES] + [f"{n}@40" for n in ("Q5_0", "Q5_1", "Q4_0",
+                                                                                          "Q4_1", "IQ4_NL", "IQ4_XS")])
 def test_vnni_prefill_parity_with_the_reference(name):
     """The VNNI kernels against the float64 product of the dequantized weights and of the activations as
     they are quantized (the integer parts are exact; what is left is float32 rounding)."""

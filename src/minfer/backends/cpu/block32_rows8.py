@@ -1,5 +1,5 @@
-"""Q4_0, Q4_1, Q5_0, IQ4_NL and IQ4_XS weights repacked at load into groups of eight rows: decode and prefill
-on one integer arithmetic.
+"""Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS weights repacked at load into groups of eight rows: decode and
+prefill on one integer arithmetic.
 
 These types have blocks of 32 values with one scale each and take Q8 activations (blocks of 32,
 ``quant_matmul.quantize_activations``). Q5_0 is what llama.cpp writes for the K-quant rows whose length is
@@ -8,7 +8,8 @@ those shapes most of the matmul weights are Q5_0. IQ4_NL and IQ4_XS map 4-bit in
 16 int8 values. Their row-by-row kernels unpack each block once per row and per few tokens; here a block
 of eight rows is one set of registers that serves every token.
 
-Layouts (per group of eight rows and block of 32 values; ``kind`` 0 Q5_0, 1 IQ4_NL, 2 IQ4_XS, 3 Q4_0, 4 Q4_1)
+Layouts (per group of eight rows and block of 32 values; ``kind`` 0 Q5_0, 1 IQ4_NL, 2 IQ4_XS, 3 Q4_0, 4 Q4_1,
+5 Q5_1)
     ``[0, 128)`` nibbles ``[j (4), row (8), i (4)]``: the low nibble holds value ``4 j + i`` of the row,
     the high nibble value ``4 (j + 4) + i`` (the files' byte j of a block packs values j and j + 16, so
     the bytes move whole), then
@@ -16,6 +17,7 @@ Layouts (per group of eight rows and block of 32 values; ``kind`` 0 Q5_0, 1 IQ4_
       (8) whose bit ``4 row + i`` is the fifth bit of value ``4 c + i``; ``[160, 176)`` the rows' f16 d;
     * IQ4_NL and Q4_0 (144 bytes, the file's 8 x 18): ``[128, 144)`` the rows' f16 d;
     * Q4_1 (160 bytes, the file's 8 x 20): ``[128, 144)`` the rows' f16 d, ``[144, 160)`` their f16 m;
+    * Q5_1 (192 bytes, the file's 8 x 24): Q5_0's, then ``[176, 192)`` the rows' f16 m;
     * IQ4_XS (136 bytes): ``[128, 136)`` the rows' sub-block scales ``ls - 32`` as int8; after a group's
       eight blocks of a super-block, its rows' f16 d (16 bytes: 1104 per super-block, the file's 8 x 136
       plus 16).
@@ -24,17 +26,17 @@ Layouts (per group of eight rows and block of 32 values; ``kind`` 0 Q5_0, 1 IQ4_
     table (IQ4: one ``vpshufb``).
 
 Arithmetic
-    Each value is made unsigned, ``u = q + 16`` (Q5_0: 0..31), ``q + 8`` (Q4_0; Q4_1's is unsigned) or
+    Each value is made unsigned, ``u = q + 16`` (Q5_0: 0..31), ``q + 8`` (Q4_0; Q4_1's and Q5_1's are) or
     the table biased by +128 (IQ4, under VNNI), so one ``vpdpbusd`` (unsigned by signed) does four
     products of eight rows against four activation bytes broadcast; ``Σ q a = Σ u a - 16 Σ a`` (``- 8 Σ
     a``, ``- 128 Σ a``) exactly, with that term of each token's block computed once per call and used as
-    the sum's starting value. Without VNNI the same integers come from ``pmaddubsw``: Q5_0's and Q4_x's
+    the sum's starting value. Without VNNI the same integers come from ``pmaddubsw``: Q5_x's and Q4_x's
     four chunks' int16 pair sums at a time (at most 4 x 2 x 31 x 127 < 2^15) then ``pmaddwd``; IQ4's
     signed table with llama.cpp's sign trick (``|w| * (a * sign w)``). Every row and token then does,
     block after block, ``acc = fma(float(Σ q a), d_w d_x, acc)`` with the dequantizer's float32 block
     scale ``d_w`` (IQ4_XS: ``d * (ls - 32)``, exact): the same float operations for one token (decode) or
     many (prefill), on eight lanes or on the sixteen of ``_pairs`` (AVX-512: two groups side by side), at
-    any thread count; Q4_1 then adds its offset, ``acc = fma(m, d_x Σa, acc)``. Tests hold all of them to
+    any thread count; Q4_1 and Q5_1 then add their offset, ``acc = fma(m, d_x Σa, acc)``. Tests hold all of them to
     the same bits.
 """
 
@@ -111,13 +113,13 @@ from minfer.formats.quants import GGMLType
 
 LL_I64 = ir.IntType(64)
 QK = 32
-Q5_0, IQ4_NL, IQ4_XS, Q4_0, Q4_1 = 0, 1, 2, 3, 4  # the kernels' ``kind``
+Q5_0, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q5_1 = 0, 1, 2, 3, 4, 5  # the kernels' ``kind``
 KINDS = {GGMLType.Q5_0: Q5_0, GGMLType.IQ4_NL: IQ4_NL, GGMLType.IQ4_XS: IQ4_XS, GGMLType.Q4_0: Q4_0,
-         GGMLType.Q4_1: Q4_1}
-_FILE_BLOCK = (22, 18, 136, 18, 20)  # bytes per row and block of the file (IQ4_XS: per super-block of 256)
-GROUP_BLOCK = (176, 144, 136, 144, 160)  # bytes per group of eight rows and block of 32 values
+         GGMLType.Q4_1: Q4_1, GGMLType.Q5_1: Q5_1}
+_FILE_BLOCK = (22, 18, 136, 18, 20, 24)  # bytes per row and block of the file (IQ4_XS: per super-block of 256)
+GROUP_BLOCK = (176, 144, 136, 144, 160, 192)  # bytes per group of eight rows and block of 32 values
 XS_SUPER = 8 * 136 + 16  # IQ4_XS: bytes per group and super-block (eight blocks, then the rows' d)
-_SCALES = (160, 128, 128, 128, 128)  # where a group's block keeps its scales (IQ4_XS: the sub-block scales)
+_SCALES = (160, 128, 128, 128, 128, 160)  # where a group's block keeps its scales (IQ4_XS: the sub-block scales)
 _BITS = 128  # Q5_0's fifth bits
 TOKENS = 64  # tokens per pass over a group's weights in memory: their activations stay in L2
 PREFETCH = 2048  # decode streams the weights from DRAM: fetch this many bytes ahead
@@ -125,7 +127,7 @@ PREFETCH = 2048  # decode streams the weights from DRAM: fetch this many bytes a
 IQ4_TABLE = ((IQ4_VALUES.astype(np.int16) + 128).astype(np.uint8).view(np.int8) if VNNI else IQ4_VALUES).copy()
 # what the values' bias adds to Σ u a, per unit of Σ a: Q5_0's +16, Q4_0's +8, IQ4's +128 under VNNI (none
 # without: the signed table)
-_BIAS = (16, 128 if VNNI else 0, 128 if VNNI else 0, 8, 0)
+_BIAS = (16, 128 if VNNI else 0, 128 if VNNI else 0, 8, 0, 0)
 
 
 def supports(ggml_type: GGMLType, n_out: int, n_in: int) -> bool:
@@ -350,14 +352,14 @@ def _at(kind, og, b):
 def _weights8(kind, packed, p, dp, table):
     """(the value registers, the rows' float32 scales, Q4_1's offsets m) of the group's block at ``p`` (d at
     ``dp``; the other kinds' m: unused)."""
-    if kind == Q5_0:
+    if kind == Q5_0 or kind == Q5_1:
         w = _q5_values8(packed, p)
     elif kind == Q4_0 or kind == Q4_1:
         w = _q4_values8(packed, p)
     else:
         w = _iq4_values8(packed, p, table)
     d = load_halves8(packed, dp)
-    m = load_halves8(packed, dp + 16) if kind == Q4_1 else d
+    m = load_halves8(packed, dp + 16) if kind == Q4_1 or kind == Q5_1 else d
     if kind == IQ4_XS:
         d = mul_f32x8(_int8_scales8(packed, p + _SCALES[IQ4_XS]), d)
     return w, d, m
@@ -366,14 +368,14 @@ def _weights8(kind, packed, p, dp, table):
 @njit(inline="always")
 def _weights16(kind, packed, p, p2, dp, dp2, table):
     """``_weights8`` of two groups."""
-    if kind == Q5_0:
+    if kind == Q5_0 or kind == Q5_1:
         w = _q5_values16(packed, p, p2)
     elif kind == Q4_0 or kind == Q4_1:
         w = _q4_values16(packed, p, p2)
     else:
         w = _iq4_values16(packed, p, p2, table)
     d = halves_x16(packed, dp, dp2)
-    m = halves_x16(packed, dp + 16, dp2 + 16) if kind == Q4_1 else d
+    m = halves_x16(packed, dp + 16, dp2 + 16) if kind == Q4_1 or kind == Q5_1 else d
     if kind == IQ4_XS:
         d = mul_f32x16(_int8_scales16(packed, p + _SCALES[IQ4_XS], p2 + _SCALES[IQ4_XS]), d)
     return w, d, m
@@ -458,7 +460,7 @@ def _decode_group(kind, table, packed, og, nb, aq, ds, corr, flat, g):
         _prefetch_block(packed, p)
         w, d, m = _weights8(kind, packed, p, dp, table)
         a = fma_i32x8(a, _block(kind, w, _splat_i32x8(corr, b), aq, b * QK), mul_f32x8(d, splat_at(ds, 2 * b)))
-        if kind == Q4_1:
+        if kind == Q4_1 or kind == Q5_1:
             a = fma_f32x8(a, m, splat_at(ds, 2 * b + 1))
     store_f32x8(flat, 8 * g, a)
 
@@ -481,7 +483,7 @@ def _group_prefill(kind, table, packed, og, nb, aq, ds, corr, acc, h, n_tok, fla
                 k = h + 8 * (t - t0)
                 s = _block(kind, w, _splat_i32x8(corr, t * nb + b), aq, t * n_in + b * QK)
                 a = fma_i32x8(load_f32x8(acc, k), s, mul_f32x8(d, splat_at(ds, 2 * (t * nb + b))))
-                if kind == Q4_1:
+                if kind == Q4_1 or kind == Q5_1:
                     a = fma_f32x8(a, m, splat_at(ds, 2 * (t * nb + b) + 1))
                 store_f32x8(acc, k, a)
         for t in range(t0, t1):
@@ -567,7 +569,7 @@ def _pairs(kind, table, aq, ds, pa, oa, pb, ob, pc, oc):
                     k = h + 16 * (t - t0)
                     s = _block16(w, _splat_i32x16(corr, t * nb + b), aq, t * n_in + b * QK)
                     a = fma_i32x16(load_f32x16(acc, k), s, mul_f32x16(d, splat_at_x16(ds, 2 * (t * nb + b))))
-                    if kind == Q4_1:
+                    if kind == Q4_1 or kind == Q5_1:
                         a = fma_f32x16(a, m, splat_at_x16(ds, 2 * (t * nb + b) + 1))
                     store_f32x16(acc, k, a)
             for t in range(t0, t1):  # groups g and g + 1 are columns 8 g .. 8 g + 15
@@ -619,7 +621,7 @@ def _repack_kernel(kind, raw, rb, packed):
         og = g * gb
         for b in range(nb):
             p, dp = _at(kind, og, b)
-            if kind == Q5_0:
+            if kind == Q5_0 or kind == Q5_1:
                 for k in range(_BITS, _BITS + 32):
                     packed[p + k] = 0
             for r in range(8):
@@ -638,17 +640,17 @@ def _repack_kernel(kind, raw, rb, packed):
                     src = row + b * _FILE_BLOCK[kind]
                     packed[dp + 2 * r] = raw[src]
                     packed[dp + 2 * r + 1] = raw[src + 1]
-                    qs = src + (6 if kind == Q5_0 else 4 if kind == Q4_1 else 2)
-                    if kind == Q4_1:  # m after d
+                    qs = src + (6 if kind == Q5_0 else 4 if kind == Q4_1 else 8 if kind == Q5_1 else 2)
+                    if kind == Q4_1 or kind == Q5_1:  # m after d
                         packed[dp + 16 + 2 * r] = raw[src + 2]
                         packed[dp + 16 + 2 * r + 1] = raw[src + 3]
                 for j in range(16):
                     c, i = j // 4, j % 4
                     packed[p + 32 * c + 4 * r + i] = raw[qs + j]
-                if kind == Q5_0:
-                    src = row + b * 22
-                    qh = (np.uint32(raw[src + 2]) | (np.uint32(raw[src + 3]) << 8)
-                          | (np.uint32(raw[src + 4]) << 16) | (np.uint32(raw[src + 5]) << 24))
+                if kind == Q5_0 or kind == Q5_1:
+                    at = row + b * _FILE_BLOCK[kind] + (2 if kind == Q5_0 else 4)
+                    qh = (np.uint32(raw[at]) | (np.uint32(raw[at + 1]) << 8)
+                          | (np.uint32(raw[at + 2]) << 16) | (np.uint32(raw[at + 3]) << 24))
                     for j in range(16):
                         c, i = j // 4, j % 4
                         bit = np.uint8(1 << (4 * (r % 2) + i))
@@ -706,8 +708,12 @@ def repack_reference(ggml_type: GGMLType, data: np.ndarray, n_out: int, n_in: in
     if kind == Q4_1:
         m = _rows_f16(blocks[..., 2:4])
         return np.ascontiguousarray(np.concatenate((_nibble_bytes(blocks[..., 4:]), d, m), axis=2)).reshape(-1)
-    qh = blocks[..., 2:6].copy().view("<u4")[..., 0]  # [g, row, b]
+    at = 2 if kind == Q5_0 else 4  # qh (Q5_1: after d and m)
+    qh = blocks[..., at : at + 4].copy().view("<u4")[..., 0]  # [g, row, b]
     fifth = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # [g, row, b, value]
     fifth = fifth.reshape(g, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 8, 32)  # [g, b, c, 4 row + i]
     bits = np.packbits(fifth.astype(np.uint8), axis=-1, bitorder="little").reshape(g, nb, 32)
-    return np.ascontiguousarray(np.concatenate((_nibble_bytes(blocks[..., 6:]), bits, d), axis=2)).reshape(-1)
+    parts = [_nibble_bytes(blocks[..., at + 4 :]), bits, d]
+    if kind == Q5_1:
+        parts.append(_rows_f16(blocks[..., 2:4]))
+    return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)

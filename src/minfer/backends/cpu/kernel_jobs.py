@@ -50,13 +50,13 @@ def compile_matmul(type_name: str) -> None:
     t = GGMLType[type_name]
     module = next(m for m in (quant_matmul, kquant_matmul, iquant_matmul) if m.supports(t))
     n_in = 256
-    # 9 rows: the row-by-row paths and the rows past whole groups of 8; 16: Q4_K's, Q5_K's and Q6_K's repacked
-    # layouts, compiled with the k-quants family whichever of its types names the job
+    # 9 rows: the row-by-row paths and the rows past whole groups of 8; 16: the repacked layouts (Q4_K's, Q5_K's
+    # and Q6_K's compiled with the k-quants family whichever of its types names the job)
     shapes = [(t, 9)]
     if module is kquant_matmul and t not in (GGMLType.Q5_0, GGMLType.Q5_1):
         shapes += [(GGMLType.Q4_K, 16), (GGMLType.Q5_K, 16), (GGMLType.Q6_K, 16)]
     elif t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.IQ4_NL, GGMLType.IQ4_XS):
-        shapes += [(GGMLType.Q5_0 if t == GGMLType.Q5_1 else t, 16)]
+        shapes += [(t, 16)]  # block32_rows8's layouts
     for n_tok in (1, PREFILL_TOKENS):
         x = np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(F32)
         for wt, n_out in shapes:

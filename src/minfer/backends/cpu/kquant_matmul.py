@@ -57,7 +57,7 @@ Loop shapes
 Repacked rows
     Q4_K, Q5_K and Q6_K weights whose rows come in whole groups of eight run instead on a copy repacked at
     load with the rows in the lanes (:mod:`minfer.backends.cpu.kquant_rows8`, decode and prefill alike);
-    so do Q5_0 weights (:mod:`minfer.backends.cpu.block32_rows8`). The file's pages are given back. Other
+    so do Q5_0 and Q5_1 weights (:mod:`minfer.backends.cpu.block32_rows8`). The file's pages are given back. Other
     shapes, and the other types, take the kernels here.
 """
 
@@ -887,7 +887,7 @@ class _Prepared:
             repack, self.rows8_kernel = kquant_amx.REPACKED[t]
             self.rows8 = repack(flat, n_out, n_in)
             release_file_pages(w.data)
-        elif block32_rows8.supports(t, n_out, n_in):  # Q5_0 (the kernel depends on the token count)
+        elif block32_rows8.supports(t, n_out, n_in):  # Q5_0, Q5_1 (the kernel depends on the token count)
             self.block32_kind = block32_rows8.KINDS[t]
             self.rows8 = block32_rows8.repack(t, flat, n_out, n_in)
             release_file_pages(w.data)
@@ -935,7 +935,7 @@ def matmul(
         elif not isinstance(xq, QuantizedActivations) or xq.q.shape != x.shape:
             raise ModelError(f"{w.name}: {w.ggml_type.name} weights need Q8 activations of shape {x.shape}")
         if p.rows8 is not None:
-            block32_rows8.matmul(block32_rows8.Q5_0, p.rows8, xq.q_flat, xq.ds_flat, dst)
+            block32_rows8.matmul(p.block32_kind, p.rows8, xq.q_flat, xq.ds_flat, dst)
         else:
             _matmul_q5(p.kind, p.flat, p.rb, xq.q_flat, xq.ds_flat, dst)
     if dst is not out:
@@ -984,7 +984,7 @@ def direct_call(
         return None
     q, ds = xq.q_flat, xq.ds_flat
     if rows8 is not None:
-        return block32_rows8.bound_call(block32_rows8.Q5_0, rows8, q, ds, out)
+        return block32_rows8.bound_call(w.block32_kind, rows8, q, ds, out)
     return lambda: _matmul_q5(kind, flat, rb, q, ds, out)
 
 
