@@ -497,17 +497,18 @@ def _group_prefill(kind, table, packed, og, nb, aq, ds, corr, acc, h, n_tok, fla
 
 
 @njit(inline="always")
-def _member(i, per, pa, pb, pc, oa, ob, oc):
+def _member(i, per, pa, pb, pc, oa, ob, oc, fa, fb, fc):
     """Work item ``i`` of a call's weights a, b, c (in that order) at ``per`` groups of eight rows per item:
-    (its weight, its flat output, the output's width, the item's first group in that weight)."""
+    (its weight, its flat output (``fa``, ``fb``, ``fc``: the outputs' flat views, made once per call), the
+    output's width, the item's first group in that weight)."""
     i = np.int64(i)  # a prange index may be unsigned: minus a signed count it would be a float
     na = (oa.shape[1] // 8 + per - 1) // per
     nb = (ob.shape[1] // 8 + per - 1) // per
     if i >= na + nb:
-        return pc, oc.reshape(-1), oc.shape[1], per * (i - na - nb)
+        return pc, fc, oc.shape[1], per * (i - na - nb)
     if i >= na:
-        return pb, ob.reshape(-1), ob.shape[1], per * (i - na)
-    return pa, oa.reshape(-1), oa.shape[1], per * i
+        return pb, fb, ob.shape[1], per * (i - na)
+    return pa, fa, oa.shape[1], per * i
 
 
 @njit(inline="always")
@@ -531,8 +532,7 @@ def _rows8(kind, table, aq, ds, pa, oa, pb, ob, pc, oc):
     corr = _corrections(kind, aq, n_tok * nb)
     n_items = _items(1, oa, ob, oc)
     if n_tok == 1 and n_items == oa.shape[1] // 8:  # a decode of one weight: no per-item choice of member
-        # (picking a member's output makes a view of it per item, whose reference counting both threads
-        # contend for: ~1.3 us of a 9 us decode matmul at SmolLM2-135M's shapes)
+        # (~0.5 us of a 10 us decode matmul at SmolLM2-135M's shapes)
         fa = oa.reshape(-1)
         gb = _group_bytes(kind, nb)
         for i in prange(n_items):
@@ -540,8 +540,11 @@ def _rows8(kind, table, aq, ds, pa, oa, pb, ob, pc, oc):
         return
     span = 0 if n_tok == 1 else 8 * min(n_tok, TOKENS)
     acc = np.empty(n_items * span, np.float32)  # each group's accumulators (one allocation per call)
+    # the outputs' flat views, made once: a view made per item (its reference counted by both threads) cost
+    # ~1.3 us of a 9 us decode matmul at SmolLM2-135M's shapes
+    fa, fb, fc = oa.reshape(-1), ob.reshape(-1), oc.reshape(-1)
     for i in prange(n_items):
-        packed, flat, n_out, g = _member(i, 1, pa, pb, pc, oa, ob, oc)
+        packed, flat, n_out, g = _member(i, 1, pa, pb, pc, oa, ob, oc, fa, fb, fc)
         og = g * _group_bytes(kind, nb)
         if n_tok == 1:
             _decode_group(kind, table, packed, og, nb, aq, ds, corr, flat, g)
@@ -561,8 +564,9 @@ def _pairs(kind, table, aq, ds, pa, oa, pb, ob, pc, oc):
     n_items = _items(2, oa, ob, oc)
     span = 16 * min(n_tok, TOKENS)
     acc = np.empty(n_items * span, np.float32)
+    fa, fb, fc = oa.reshape(-1), ob.reshape(-1), oc.reshape(-1)
     for item in prange(n_items):
-        packed, flat, n_out, g = _member(item, 2, pa, pb, pc, oa, ob, oc)
+        packed, flat, n_out, g = _member(item, 2, pa, pb, pc, oa, ob, oc, fa, fb, fc)
         og = g * gb
         h = item * span
         if g + 1 == n_out // 8:
