@@ -193,8 +193,9 @@ def _matmul_tiles(pa, pb, pc, aq, dq, bs, oa, ob, oc, cfg):
     nb8 = nbk * 8
     bp = _sub_block_sums(bs, n_tok * nb8)
     n_tiled = n_tok - n_tok % TILE_TOKENS
+    fa, fb, fc = oa.reshape(-1), ob.reshape(-1), oc.reshape(-1)  # once, not per item
     for pp in prange(_n_pairs(oa, ob, oc)):
-        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
+        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc, fa, fb, fc)
         og = g * nbk * SB_BYTES
         og2 = og + nbk * SB_BYTES
         rest = 0
@@ -315,8 +316,9 @@ def _matmul_q6_tiles(pa, pb, pc, aq, dq, bs, oa, ob, oc, cfg):
     n_in = aq.shape[0] // n_tok
     nbk = n_in // QK_K
     n_tiled = n_tok - n_tok % TILE_TOKENS
+    fa, fb, fc = oa.reshape(-1), ob.reshape(-1), oc.reshape(-1)  # once, not per item
     for pp in prange(_n_pairs(oa, ob, oc)):
-        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
+        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc, fa, fb, fc)
         og = g * nbk * Q6_SB_BYTES
         og2 = og + nbk * Q6_SB_BYTES
         rest = 0

@@ -136,19 +136,20 @@ def _pair_one(a, b, packed, o, o2, aq, ao, bp, bo, dq, do, five):
 
 
 @njit(inline="always")
-def _pair(pp, pa, pb, pc, oa, ob, oc):
+def _pair(pp, pa, pb, pc, oa, ob, oc, fa, fb, fc):
     """Pair ``pp`` of a call's weights a, b, c (each weight's groups 0-1, 2-3, ...; an odd last group is a
-    pair of one): (its weight, its output, the output's width, its first group, whether a second follows)."""
+    pair of one): (its weight, its flat output (of ``fa``, ``fb``, ``fc``, made once per call: see
+    kquant_rows8's ``_member``), the output's width, its first group, whether a second follows)."""
     i = np.int64(pp)
     na, nb, nc = oa.shape[1] // 8, ob.shape[1] // 8, oc.shape[1] // 8
     pa_n, pb_n = (na + 1) // 2, (nb + 1) // 2
     if i >= pa_n + pb_n:
         g = 2 * (i - pa_n - pb_n)
-        return pc, oc.reshape(-1), oc.shape[1], g, g + 1 < nc
+        return pc, fc, oc.shape[1], g, g + 1 < nc
     if i >= pa_n:
         g = 2 * (i - pa_n)
-        return pb, ob.reshape(-1), ob.shape[1], g, g + 1 < nb
-    return pa, oa.reshape(-1), oa.shape[1], 2 * i, 2 * i + 1 < na
+        return pb, fb, ob.shape[1], g, g + 1 < nb
+    return pa, fa, oa.shape[1], 2 * i, 2 * i + 1 < na
 
 
 @njit(inline="always")
@@ -245,8 +246,9 @@ def _matmul_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc, five):
     nb8 = nbk * 8
     sb_bytes = SB_BYTES + _Q5_EXTRA * five
     bp = _sub_block_sums(bs, n_tok * nb8)
+    fa, fb, fc = oa.reshape(-1), ob.reshape(-1), oc.reshape(-1)  # once, not per item
     for pp in prange(_n_pairs(oa, ob, oc)):
-        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
+        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc, fa, fb, fc)
         og = g * nbk * sb_bytes
         og2 = og + nbk * sb_bytes
         if n_tok <= SMALL_PASS_TOKENS:
@@ -391,8 +393,9 @@ def _matmul_q6_pairs(pa, pb, pc, aq, dq, bs, oa, ob, oc):
     n_tok = oa.shape[0]
     n_in = aq.shape[0] // n_tok
     nbk = n_in // QK_K
+    fa, fb, fc = oa.reshape(-1), ob.reshape(-1), oc.reshape(-1)  # once, not per item
     for pp in prange(_n_pairs(oa, ob, oc)):
-        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc)
+        packed, flat, n_out, g, two = _pair(pp, pa, pb, pc, oa, ob, oc, fa, fb, fc)
         og = g * nbk * Q6_SB_BYTES
         og2 = og + nbk * Q6_SB_BYTES
         if n_tok <= SMALL_PASS_TOKENS:
