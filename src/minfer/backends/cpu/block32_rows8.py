@@ -388,18 +388,27 @@ def _weights16(kind, packed, p, p2, dp, dp2, table):
 
 
 @njit(inline="always")
+def dot_block_vnni(start, w, aq, ao):
+    """Eight int32 lanes: ``start`` + lane r = Σ u a over one block of eight rows (``w[0..7]``: value
+    registers, chunk c four consecutive unsigned values of each row) against the activation block at byte
+    ``ao`` of ``aq``: eight vpdpbusd (VNNI only) in two chains of four (integer sums: any order gives the
+    same result)."""
+    s = dpbusd(start, w[0], broadcast_4bytes(aq, ao))
+    r = dpbusd(zeros_i32x8(), w[1], broadcast_4bytes(aq, ao + 4))
+    s = dpbusd(s, w[2], broadcast_4bytes(aq, ao + 8))
+    r = dpbusd(r, w[3], broadcast_4bytes(aq, ao + 12))
+    s = dpbusd(s, w[4], broadcast_4bytes(aq, ao + 16))
+    r = dpbusd(r, w[5], broadcast_4bytes(aq, ao + 20))
+    s = dpbusd(s, w[6], broadcast_4bytes(aq, ao + 24))
+    return add_i32x8(s, dpbusd(r, w[7], broadcast_4bytes(aq, ao + 28)))
+
+
+@njit(inline="always")
 def _block(kind, w, start, aq, ao):
     """Eight int32 lanes: ``start`` + lane r = Σ u a over one block of row r against the activation block at
     byte ``ao``; exact."""
-    if VNNI:  # two chains of four (integer sums: any order gives the same result)
-        s = dpbusd(start, w[0], broadcast_4bytes(aq, ao))
-        r = dpbusd(zeros_i32x8(), w[1], broadcast_4bytes(aq, ao + 4))
-        s = dpbusd(s, w[2], broadcast_4bytes(aq, ao + 8))
-        r = dpbusd(r, w[3], broadcast_4bytes(aq, ao + 12))
-        s = dpbusd(s, w[4], broadcast_4bytes(aq, ao + 16))
-        r = dpbusd(r, w[5], broadcast_4bytes(aq, ao + 20))
-        s = dpbusd(s, w[6], broadcast_4bytes(aq, ao + 24))
-        return add_i32x8(s, dpbusd(r, w[7], broadcast_4bytes(aq, ao + 28)))
+    if VNNI:
+        return dot_block_vnni(start, w, aq, ao)
     if kind == IQ4_NL or kind == IQ4_XS:  # IQ4's signed table: llama.cpp's sign trick, each chunk widened at once
         s = add_i32x8(dot_s8s8(w[0], broadcast_4bytes(aq, ao)), dot_s8s8(w[1], broadcast_4bytes(aq, ao + 4)))
         s = add_i32x8(s, add_i32x8(dot_s8s8(w[2], broadcast_4bytes(aq, ao + 8)),

@@ -211,15 +211,24 @@ def _swiglu_row(gate, up, has_up, r, where, out):
             out[r, i] = (g / (F32(1.0) + exp32(-g))) * up[r, i]
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _gated_where(gate, up, has_up, out):
+    """-2 when the shapes of a gated activation's operands do not fit, else where ``out`` is: 1 gate, 2 up, 0
+    an array that overlaps neither."""
+    rows, cols = gate.shape
+    if out.shape[0] != rows or out.shape[1] != cols or up.shape[0] != rows or up.shape[1] != cols:
+        return -2
+    return 1 if out.ctypes.data == gate.ctypes.data else (2 if has_up and out.ctypes.data == up.ctypes.data else 0)
+
+
 @njit(cache=True, error_model="numpy", nogil=True)
 def _swiglu_kernel(gate, up, has_up, out):
     """Returns -1 when done, -2 when the shapes do not fit (nothing written then). ``out`` is gate, up,
     or an array that overlaps neither."""
-    rows, cols = gate.shape
-    if out.shape[0] != rows or out.shape[1] != cols or up.shape[0] != rows or up.shape[1] != cols:
+    where = _gated_where(gate, up, has_up, out)
+    if where == -2:
         return -2
-    where = 1 if out.ctypes.data == gate.ctypes.data else (2 if has_up and out.ctypes.data == up.ctypes.data else 0)
-    for r in range(rows):
+    for r in range(gate.shape[0]):
         _swiglu_row(gate, up, has_up, r, where, out)
     return -1
 
@@ -227,11 +236,10 @@ def _swiglu_kernel(gate, up, has_up, out):
 @njit(cache=True, error_model="numpy", parallel=True)
 def _swiglu_parallel(gate, up, has_up, out):
     """``_swiglu_kernel`` with the rows shared among the threads (the same operations on each row)."""
-    rows, cols = gate.shape
-    if out.shape[0] != rows or out.shape[1] != cols or up.shape[0] != rows or up.shape[1] != cols:
+    where = _gated_where(gate, up, has_up, out)
+    if where == -2:
         return -2
-    where = 1 if out.ctypes.data == gate.ctypes.data else (2 if has_up and out.ctypes.data == up.ctypes.data else 0)
-    for r in prange(rows):
+    for r in prange(gate.shape[0]):
         _swiglu_row(gate, up, has_up, r, where, out)
     return -1
 
@@ -285,11 +293,10 @@ def _geglu_row(gate, up, has_up, r, where, out):
 @njit(cache=True, error_model="numpy", nogil=True)
 def _geglu_kernel(gate, up, has_up, out):
     """Returns -1 when done, -2 when the shapes do not fit (nothing written then)."""
-    rows, cols = gate.shape
-    if out.shape[0] != rows or out.shape[1] != cols or up.shape[0] != rows or up.shape[1] != cols:
+    where = _gated_where(gate, up, has_up, out)
+    if where == -2:
         return -2
-    where = 1 if out.ctypes.data == gate.ctypes.data else (2 if has_up and out.ctypes.data == up.ctypes.data else 0)
-    for r in range(rows):
+    for r in range(gate.shape[0]):
         _geglu_row(gate, up, has_up, r, where, out)
     return -1
 
@@ -297,11 +304,10 @@ def _geglu_kernel(gate, up, has_up, out):
 @njit(cache=True, error_model="numpy", parallel=True)
 def _geglu_parallel(gate, up, has_up, out):
     """``_geglu_kernel`` with the rows shared among the threads."""
-    rows, cols = gate.shape
-    if out.shape[0] != rows or out.shape[1] != cols or up.shape[0] != rows or up.shape[1] != cols:
+    where = _gated_where(gate, up, has_up, out)
+    if where == -2:
         return -2
-    where = 1 if out.ctypes.data == gate.ctypes.data else (2 if has_up and out.ctypes.data == up.ctypes.data else 0)
-    for r in prange(rows):
+    for r in prange(gate.shape[0]):
         _geglu_row(gate, up, has_up, r, where, out)
     return -1
 

@@ -520,14 +520,7 @@ def _rows8_block(w, aq, ao):
 @njit(inline="always")
 def _rows8_block_vnni(w, aq, ao):
     """``_rows8_block`` as eight vpdpbusd (VNNI; the same exact integers)."""
-    s = dpbusd(zeros_i32x8(), w[0], broadcast_4bytes(aq, ao))
-    r = dpbusd(zeros_i32x8(), w[1], broadcast_4bytes(aq, ao + 4))
-    s = dpbusd(s, w[2], broadcast_4bytes(aq, ao + 8))
-    r = dpbusd(r, w[3], broadcast_4bytes(aq, ao + 12))
-    s = dpbusd(s, w[4], broadcast_4bytes(aq, ao + 16))
-    r = dpbusd(r, w[5], broadcast_4bytes(aq, ao + 20))
-    s = dpbusd(s, w[6], broadcast_4bytes(aq, ao + 24))
-    return add_i32x8(s, dpbusd(r, w[7], broadcast_4bytes(aq, ao + 28)))
+    return block32_rows8.dot_block_vnni(zeros_i32x8(), w, aq, ao)
 
 
 @njit(inline="always")
