@@ -176,107 +176,51 @@ def _lookup64(builder: ir.IRBuilder, idx: ir.Value, table: ir.Value) -> ir.Value
     return ir_call(builder, "llvm.x86.avx512.pshuf.b.512", V64B, [table, idx])
 
 
-@intrinsic
-def _q5_values8(typingctx, packed, o):
-    """Q5_0: the eight value registers (chunk c: values 4c..4c+3 of the eight rows, 0..31) of the group's
-    block at byte ``o``."""
-    if not is_1d(packed):
-        return None
-    tup = types.UniTuple(i8x32, 8)
+def _values(how: str, wide: bool):
+    """An intrinsic giving the eight value registers of a group's block (chunk c: values 4c..4c+3 of each
+    row, lane = row): ``(packed, o, table)``, or ``(packed, o, o2, table)`` for two groups, one in each half
+    of 512-bit registers (``wide``). ``how``: "q5" nibbles with the fifth bits (0..31), "q4" the nibbles
+    (0..15), "iq4" the nibbles looked up in ``table`` (16 int8; the others ignore it)."""
+    vty = V64B if wide else V32B
+    tup = types.UniTuple(i8x64 if wide else i8x32, 8)
 
     def codegen(context, builder, sig, args):
         load = _loader(context, builder, sig, args)
-        regs = [_or_fifth_bits(builder, _nibbles(builder, load(1, 32 * (c % 4), V16S), c, V32B),
-                               load(1, _BITS + 4 * c, LL_I32), V32B) for c in range(8)]
-        return context.make_tuple(builder, tup, regs)
-
-    return tup(packed, o), codegen
-
-
-@intrinsic
-def _q5_values16(typingctx, packed, o, o2):
-    """``_q5_values8`` of two groups (blocks at ``o`` and ``o2``), one in each half of eight 512-bit registers."""
-    if not is_1d(packed):
-        return None
-    tup = types.UniTuple(i8x64, 8)
-
-    def codegen(context, builder, sig, args):
-        load = _loader(context, builder, sig, args)
+        tv = _table_register(context, builder, sig, args, len(args) - 1, vty.count) if how == "iq4" else None
         regs = []
         for c in range(8):
-            nib = _nibbles(builder, ir_join(builder, load(1, 32 * (c % 4), V16S), load(2, 32 * (c % 4), V16S)), c,
-                           V64B)
-            lo = builder.zext(load(1, _BITS + 4 * c, LL_I32), LL_I64)
-            hi = builder.zext(load(2, _BITS + 4 * c, LL_I32), LL_I64)
-            regs.append(_or_fifth_bits(builder, nib, builder.or_(lo, builder.shl(hi, ir.Constant(LL_I64, 32))), V64B))
+            v = load(1, 32 * (c % 4), V16S)
+            if wide:
+                v = ir_join(builder, v, load(2, 32 * (c % 4), V16S))
+            nib = _nibbles(builder, v, c, vty)
+            if how == "q5":
+                bits = load(1, _BITS + 4 * c, LL_I32)
+                if wide:
+                    hi = builder.zext(load(2, _BITS + 4 * c, LL_I32), LL_I64)
+                    bits = builder.or_(builder.zext(bits, LL_I64), builder.shl(hi, ir.Constant(LL_I64, 32)))
+                nib = _or_fifth_bits(builder, nib, bits, vty)
+            elif how == "iq4":
+                nib = _lookup64(builder, nib, tv) if wide else ir_lookup16(builder, nib, tv)
+            regs.append(nib)
         return context.make_tuple(builder, tup, regs)
 
-    return tup(packed, o, o2), codegen
+    if wide:
+        @intrinsic
+        def values16(typingctx, packed, o, o2, table):
+            return (tup(packed, o, o2, table), codegen) if is_1d(packed) else None
+
+        return values16
+
+    @intrinsic
+    def values8(typingctx, packed, o, table):
+        return (tup(packed, o, table), codegen) if is_1d(packed) else None
+
+    return values8
 
 
-@intrinsic
-def _q4_values8(typingctx, packed, o):
-    """Q4_0 and Q4_1: the eight value registers (0..15: the stored nibbles) of the group's block at byte ``o``."""
-    if not is_1d(packed):
-        return None
-    tup = types.UniTuple(i8x32, 8)
-
-    def codegen(context, builder, sig, args):
-        load = _loader(context, builder, sig, args)
-        return context.make_tuple(builder, tup, [_nibbles(builder, load(1, 32 * (c % 4), V16S), c, V32B)
-                                                 for c in range(8)])
-
-    return tup(packed, o), codegen
-
-
-@intrinsic
-def _q4_values16(typingctx, packed, o, o2):
-    """``_q4_values8`` of two groups, one in each half of eight 512-bit registers."""
-    if not is_1d(packed):
-        return None
-    tup = types.UniTuple(i8x64, 8)
-
-    def codegen(context, builder, sig, args):
-        load = _loader(context, builder, sig, args)
-        return context.make_tuple(builder, tup, [
-            _nibbles(builder, ir_join(builder, load(1, 32 * (c % 4), V16S), load(2, 32 * (c % 4), V16S)), c, V64B)
-            for c in range(8)])
-
-    return tup(packed, o, o2), codegen
-
-
-@intrinsic
-def _iq4_values8(typingctx, packed, o, table):
-    """IQ4: the eight value registers of the group's block at byte ``o``, its nibbles looked up in ``table``."""
-    if not is_1d(packed):
-        return None
-    tup = types.UniTuple(i8x32, 8)
-
-    def codegen(context, builder, sig, args):
-        load = _loader(context, builder, sig, args)
-        tv = _table_register(context, builder, sig, args, 2, 32)
-        regs = [ir_lookup16(builder, _nibbles(builder, load(1, 32 * (c % 4), V16S), c, V32B), tv) for c in range(8)]
-        return context.make_tuple(builder, tup, regs)
-
-    return tup(packed, o, table), codegen
-
-
-@intrinsic
-def _iq4_values16(typingctx, packed, o, o2, table):
-    """``_iq4_values8`` of two groups, one in each half of eight 512-bit registers."""
-    if not is_1d(packed):
-        return None
-    tup = types.UniTuple(i8x64, 8)
-
-    def codegen(context, builder, sig, args):
-        load = _loader(context, builder, sig, args)
-        tv = _table_register(context, builder, sig, args, 3, 64)
-        regs = [_lookup64(builder, _nibbles(builder, ir_join(builder, load(1, 32 * (c % 4), V16S),
-                                                             load(2, 32 * (c % 4), V16S)), c, V64B), tv)
-                for c in range(8)]
-        return context.make_tuple(builder, tup, regs)
-
-    return tup(packed, o, o2, table), codegen
+_q5_values8, _q5_values16 = _values("q5", False), _values("q5", True)
+_q4_values8, _q4_values16 = _values("q4", False), _values("q4", True)  # Q4_0 and Q4_1
+_iq4_values8, _iq4_values16 = _values("iq4", False), _values("iq4", True)
 
 
 @intrinsic
@@ -359,9 +303,9 @@ def _weights8(kind, packed, p, dp, table):
     """(the value registers, the rows' float32 scales, Q4_1's offsets m) of the group's block at ``p`` (d at
     ``dp``; the other kinds' m: unused)."""
     if kind == Q5_0 or kind == Q5_1:
-        w = _q5_values8(packed, p)
+        w = _q5_values8(packed, p, table)
     elif kind == Q4_0 or kind == Q4_1:
-        w = _q4_values8(packed, p)
+        w = _q4_values8(packed, p, table)
     else:
         w = _iq4_values8(packed, p, table)
     d = load_halves8(packed, dp)
@@ -375,9 +319,9 @@ def _weights8(kind, packed, p, dp, table):
 def _weights16(kind, packed, p, p2, dp, dp2, table):
     """``_weights8`` of two groups."""
     if kind == Q5_0 or kind == Q5_1:
-        w = _q5_values16(packed, p, p2)
+        w = _q5_values16(packed, p, p2, table)
     elif kind == Q4_0 or kind == Q4_1:
-        w = _q4_values16(packed, p, p2)
+        w = _q4_values16(packed, p, p2, table)
     else:
         w = _iq4_values16(packed, p, p2, table)
     d = halves_x16(packed, dp, dp2)
