@@ -558,3 +558,17 @@ def load(
     return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
                  trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize,
                  engine_config=engine_config, draft=draft, lookup=lookup, speculative=speculative)
+
+
+def keep_for_process(collect: bool = False) -> None:
+    """Freeze what is loaded so far (the model, the tokenizer's tables, the plans) out of the cyclic garbage
+    collector's walks, for a process that keeps its model until it exits (``minfer run``, ``chat``,
+    ``serve``). Unfrozen, SmolLM2's ~190,000 loaded objects make a full collection take ~45 ms, and one
+    lands inside the first passes of a generation, where allocations bind the plans' kernels: it cost a
+    verifying pass of 9 tokens 59 ms instead of 11. ``collect`` first frees what is already garbage (a
+    server's one-time cost at start; a run skips it for its start time)."""
+    import gc
+
+    if collect:
+        gc.collect()
+    gc.freeze()

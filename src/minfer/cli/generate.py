@@ -67,11 +67,13 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import minfer
+    from minfer.api import keep_for_process
 
     model_ref, prompt = model_and_prompt(args)
     model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
                         trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter, quantize=args.quantize,
                         **speculative_kwargs(args))
+    keep_for_process()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
@@ -130,12 +132,14 @@ def autosave_path() -> str:
 # parts would share the loop's state
 def cmd_chat(args: argparse.Namespace) -> int:
     import minfer
+    from minfer.api import keep_for_process
     from minfer.runtime.conversation import Conversation
 
     if args.logprobs is not None:
         raise MinferError("--logprobs is printed by `minfer run`, not in the chat")
     model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
                         quantize=args.quantize, **speculative_kwargs(args))
+    keep_for_process()
     sampling = sampling_kwargs(args)
     conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)
     turn = dict(stop=args.stop, context_shift=args.context_shift, n_keep=args.keep, **constraint_kwargs(args))
