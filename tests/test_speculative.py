@@ -349,7 +349,8 @@ def test_cli_summary_reports_acceptance_and_tokens_per_pass():
 def test_cli_run_and_chat_keep_the_loaded_model_out_of_the_collectors_walks():
     """``minfer run`` and ``chat`` freeze what they loaded (gc.freeze): a full collection walking it cost a
     verifying pass of SmolLM2 48 ms on top of its 11 (:func:`minfer.api.keep_for_process`)."""
-    probe = ("import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr)); "
+    probe = ("import atexit, gc, sys; "
+             "atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr)); "
              "from minfer.cli import main; sys.argv[0] = 'minfer'; sys.exit(main())")
     gemma = str(fixture_dir("gemma3") / "model-f32.gguf")  # it has a chat template
     for args in (["run", str(LLAMA), "hello", "-n", "2"], ["chat", gemma, "-n", "2"]):
