@@ -261,15 +261,15 @@ def test_verifying_passes_take_a_few_sizes_all_prepared_before_the_first_token()
     assert model.complete(ids, 40, temperature=0).tokens == minfer.load(LLAMA).complete(ids, 40, temperature=0).tokens
 
 
-def test_a_sequence_whose_drafts_are_rarely_kept_stops_drafting_for_a_while():
-    """Drafts that keep under 30% of their tokens (after 8 drafted) switch speculation off for 64 steps;
-    kept drafts do not, and neither do a few early rejections."""
+def test_a_draft_models_sequence_whose_drafts_are_rarely_kept_stops_drafting_for_a_while():
+    """Draft-model drafts that keep under 30% of their tokens (after 8 drafted) switch speculation off for 64
+    steps; kept drafts do not, and neither do a few early rejections."""
     from minfer.runtime.sampling import Sampler, SamplingParams
     from minfer.runtime.speculative import SpeculativeSettings
     from minfer.runtime.speculative.state import OFF_STEPS, SequenceSpeculation
 
     def spec():
-        return SequenceSpeculation(SpeculativeSettings(mode="lookup"), [1, 2, 3], Sampler(SamplingParams()))
+        return SequenceSpeculation(SpeculativeSettings(mode="draft"), [1, 2, 3], Sampler(SamplingParams()))
 
     poor = spec()
     for _ in range(2):
@@ -286,6 +286,71 @@ def test_a_sequence_whose_drafts_are_rarely_kept_stops_drafting_for_a_while():
     early = spec()
     early.verified(3, 0)
     assert early.skip == 1  # backing off, not off
+
+
+def test_draft_length_maximizes_expected_tokens_per_pass_cost():
+    from minfer.runtime.speculative.policy import PassCosts, best_length, expected_tokens
+
+    assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 8) == 9.0
+
+    def prior(n):
+        return 1 + 0.15 * (n - 1)
+
+    def exact(n):
+        return n
+
+    assert best_length(0.1, 8, prior, exact) == 0  # 1.1 tokens for 1.15 passes: a plain decode is better
+    assert best_length(0.2, 8, prior, exact) == 1  # 1.2 / 1.15
+    assert best_length(0.99, 8, prior, exact) == 8
+    assert best_length(0.99, 3, prior, exact) == 3  # only what the match holds
+    assert best_length(0.99, 0, prior, exact) == 0
+    # 9 tokens cost much more than 8 (SmolLM2: 2.43 against 2.14): a 3-gram match fills the pass of 8
+    smollm2 = {1: 1.0, 2: 1.21, 3: 1.39, 4: 1.51, 5: 1.7, 6: 1.85, 7: 2.0, 8: 2.14, 9: 2.43}.__getitem__
+    assert best_length(0.95, 8, smollm2, exact) == 7
+    # padded to 2, 4, 8: a draft of 2 costs what one of 3 does, so it is never better
+    padded = [2, 2, 4, 4, 8, 8, 8, 8, 9].__getitem__
+    assert best_length(0.7, 8, prior, lambda n: padded(n - 1) if n > 1 else 1) in (1, 3)
+
+    costs = PassCosts()
+    assert costs.relative(1) == 1.0 and costs.relative(5) == prior(5)  # the prior until measured
+    for n, seconds in ((1, 0.050), (1, 0.004), (4, 0.050), (4, 0.006)):  # each size's first pass binds: skipped
+        costs.record(n, seconds)
+    assert costs.relative(4) == 1.5
+    costs.record(4, 0.060)  # a pass slowed by something else moves the estimate a little
+    assert 1.5 < costs.relative(4) < 3
+    costs.record(1, 0.009)
+    costs.record(4, 0.003)  # never below a one-token pass
+    assert costs.relative(4) >= 1.0
+
+
+def test_prompt_lookup_drafts_what_its_matches_earn():
+    """A sequence whose 1-gram drafts are rejected stops drafting from 1-gram matches, keeps drafting
+    from 3-gram ones, and tries 1-gram matches again once the evidence has faded."""
+    from minfer.runtime.sampling import Sampler, SamplingParams
+    from minfer.runtime.speculative import SpeculativeSettings
+    from minfer.runtime.speculative.policy import PassCosts
+    from minfer.runtime.speculative.state import SequenceSpeculation
+
+    prompt = list(range(10, 40))
+    spec = SequenceSpeculation(SpeculativeSettings(mode="lookup"), prompt, Sampler(SamplingParams()))
+    costs = PassCosts()
+
+    def size(n):
+        return n
+
+    first = spec.lookup([15], 100, costs, size)  # 15 matched a 1-gram: one token drafted at the prior
+    assert first is not None and first.tokens == [16] and spec.matched == 1
+    spec.verified(1, 0)
+    assert spec.lookup([15, 99, 15], 100, costs, size) is None  # rejected: 1-gram drafts do not pay
+    strong = spec.lookup([15, 99, 15, 20, 21, 22], 100, costs, size)  # a 3-gram match: a long draft
+    assert strong is not None and strong.tokens[:3] == [23, 24, 25] and len(strong.tokens) >= 3
+    assert spec.matched == 3
+    spec.verified(len(strong.tokens), len(strong.tokens))
+    steps = 0
+    while spec.lookup([15, 99, 15, 20, 21, 22, 7, 15], 100, costs, size) is None:
+        steps += 1
+        assert steps < 100
+    assert steps >= 10  # 1-gram matches again, after a while
 
 
 # --- bad input ---------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +45,7 @@ from minfer.runtime.slots import Slots
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
+from minfer.runtime.speculative.policy import PassCosts
 from minfer.runtime.speculative.state import SequenceSpeculation, verify_size, verify_sizes
 
 EndOfContext = Literal["error", "length"]
@@ -99,6 +101,7 @@ class Batch:
     n_real: int
     drafts: list[Draft | None] | None = None  # None: no sequence has a draft this pass
     pooled: list[tuple[Running, int, int]] = field(default_factory=list)
+    n_prompt: int = 0  # prompt tokens (the rest decode or verify)
 
 
 @dataclass
@@ -146,6 +149,7 @@ class Scheduler:
         # speculative decoding: what a request without its own settings gets, and the draft model if any
         self.speculative = speculative or SpeculativeSettings()
         self.draft = draft
+        self.pass_costs = PassCosts()  # what decode and verifying passes cost: how long a lookup draft pays
         if draft is not None and (draft.capacity != self.slots.capacity or draft.kv.n_seq < self.slots.n_slots):
             raise BadRequestError("the draft model's cache does not match the engine's slots")
         self.check_speculative(self.speculative)
@@ -277,6 +281,7 @@ class Scheduler:
                     seqs.extend([run.slot] * k)
                     n_padding += k - len(draft.tokens)
         budget = self._prompt_budget(len(tokens))
+        n_decode = len(tokens)
         for run in self.running:
             if run.next_token is not None or budget <= 0:
                 continue
@@ -300,7 +305,8 @@ class Scheduler:
         spec = drafted if drafts else None
         if self.pad_seq is None:
             one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
-            return Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, rows, n_real, spec, pooled)
+            return Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, rows, n_real, spec, pooled,
+                         n_real - n_decode)
         pad = self.bucket(n_real) - n_real
         tokens += [0] * pad
         positions += [0] * pad
@@ -309,7 +315,7 @@ class Scheduler:
             # a pass of prompt chunks only still gets one (unused) output row; one with embeddings needs none
             spare = outputs[-1] if outputs else 0
             outputs += [spare] * (self.bucket(max(n_out, 1)) - n_out)
-        return Batch(tokens, positions, seqs, outputs, sampled, rows, n_real, spec, pooled)
+        return Batch(tokens, positions, seqs, outputs, sampled, rows, n_real, spec, pooled, n_real - n_decode)
 
     def _verify_padding(self, run: Running, k: int) -> int:
         """Padding rows after a draft of ``k`` tokens in an unpadded engine: its verifying pass is padded to
@@ -355,11 +361,8 @@ class Scheduler:
             room = min(out.max_tokens - out.stats.generated_tokens - 1, self.slots.capacity - 1 - run.pos)
             if budget is not None:
                 room = min(room, budget)
-            k = spec.limit(room)
-            if k < max(1, spec.settings.draft_min):
-                continue
             if spec.settings.mode == "lookup":
-                draft = spec.lookup(out.stats.tokens, k)
+                draft = spec.lookup(out.stats.tokens, room, self.pass_costs, self._pass_size(spec))
                 if draft is not None and out.constraint is not None:  # the grammar's allowed prefix only
                     draft = spec.kept(Draft(draft.tokens[: out.constraint.valid_prefix(draft.tokens)]))
                 if draft is not None:
@@ -367,6 +370,9 @@ class Scheduler:
                     if budget is not None:
                         budget -= len(draft.tokens)
             else:
+                k = spec.limit(room)
+                if k < max(1, spec.settings.draft_min):
+                    continue
                 assert spec.draft_sampler is not None
                 context = self.kv.tokens(run.slot)[: run.pos] + [run.next_token]
                 jobs.append((i, DraftJob(run.slot, context, k, spec.draft_sampler, spec.settings.draft_p_min,
@@ -381,6 +387,14 @@ class Scheduler:
                     if kept is not None:
                         drafts[i] = kept
         return drafts or None
+
+    def _pass_size(self, spec: SequenceSpeculation) -> Callable[[int], int]:
+        """The tokens a pass of a lone sequence's n evaluates: the bucket of a padded engine, else the
+        verifying pass's size for its settings."""
+        if self.pad_seq is not None:
+            return self.bucket
+        draft_max = spec.settings.draft_max
+        return lambda n: verify_size(n, draft_max) if n > 1 else 1
 
     # -- what each sequence does with the pass's outputs -------------------------------------------
 
@@ -399,6 +413,8 @@ class Scheduler:
             if run.next_token is None:
                 run.request.stats.prefill_seconds = output.ended - run.started_at
         self.n_steps += 1
+        if not batch.n_prompt and not batch.pooled:
+            self.pass_costs.record(len(batch.tokens), output.ended - output.started)
         if self.hooks.on_step:
             self.hooks.on_step(batch.n_real, len(batch.sampled), output.ended - output.started)
         logits = output.logits

@@ -1,26 +1,33 @@
 """One sequence's side of speculative decoding: its settings, its token history, its draft length.
 
-The draft length adapts to what the target accepts: a verifying pass of k + 1 tokens costs more than a
-one-token pass on a CPU (SmolLM2 and a 1.7B shape at 2 threads: 2, 4, 8 tokens cost 1.4, 1.8, 2.9
-one-token passes), so a draft the target keeps rejecting must stay short. After a pass that accepted the
-whole draft the next one may be twice as long (up to ``draft_max``); after a rejection at index m it
-holds at most m + 1 tokens. A draft rejected at its first token backs off: the sequence decodes plainly
-for 1, 2, 4 ... up to 16 steps before drafting again (free text, where prompt lookup keeps finding
-one-token matches that fail); a sequence whose drafts keep under 30% of their tokens stops drafting for
-64 steps.
+Prompt lookup sizes each draft by what it is expected to give (:mod:`.policy`): the sequence keeps, for
+each length of the n-gram its drafts matched, how many of their tokens the target kept (a draft kept up
+to its m-th token tried m + 1 of them; prior guesses count as two tokens, and every step fades the
+evidence by 2%, so a sequence whose 1-gram drafts fail stops drafting from 1-gram matches and tries again
+20-60 steps later). A 3-gram match in text that repeats the prompt is kept ~95% of the time per token
+(SmolLM2 copying a paragraph), a 1-gram one in free text almost never: the first fills the largest pass
+that pays, the second drafts nothing.
+
+A draft model's draft length adapts to what the target accepts: after a pass that accepted the whole draft
+the next one may be twice as long (up to ``draft_max``); after a rejection at index m it holds at most
+m + 1 tokens. A draft rejected at its first token backs off: the sequence decodes plainly for 1, 2, 4 ...
+up to 16 steps before drafting again; a sequence whose drafts keep under 30% of their tokens stops
+drafting for 64 steps.
 
 A verifying pass evaluates a bucketed number of tokens (:func:`verify_sizes`: 2, 4, 8 ... and
-``1 + draft_max``), so that its plan is one of a few prepared before the first token: a draft asks for as
-many tokens as its pass holds (they cost nothing more), and a shorter one is padded (see the scheduler).
+``1 + draft_max``), so that its plan is one of a few prepared before the first token: a shorter draft is
+padded (see the scheduler).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from minfer.runtime.sampling import Sampler, SamplingParams
 from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.lookup import TokenHistory, lookup_draft
+from minfer.runtime.speculative.policy import PassCosts, best_length
 from minfer.runtime.speculative.settings import SpeculativeSettings
 
 MAX_BACKOFF = 16
@@ -30,6 +37,12 @@ MAX_BACKOFF = 16
 OFF_ACCEPTANCE = 0.3
 OFF_AFTER = 8
 OFF_STEPS = 64
+# prompt lookup: the chance that the target keeps a draft token (after the one before), guessed by the
+# length n of the n-gram the draft matched until the sequence measures its own (SmolLM2, temperature 0:
+# ~0.95 at n = 3 on text that repeats the prompt, 0.8-0.9 at n = 2, 0-0.9 at n = 1)
+PRIOR_KEPT = {1: 0.2, 2: 0.5}  # n >= 3: 0.8
+PRIOR_WEIGHT = 2.0  # draft tokens the guess counts as
+EVIDENCE_FADE = 0.98  # per step
 
 
 def verify_sizes(draft_max: int) -> list[int]:
@@ -71,10 +84,15 @@ class SequenceSpeculation:
         self.skip = 0  # steps left to decode without a draft
         self.backoff = 1  # steps to skip after the next draft rejected whole
         self.drafted = self.accepted = 0  # since drafting last resumed
+        # prompt lookup: per matched n-gram length, draft tokens kept and tried (faded each step)
+        self.kept_by_n = [0.0] * (settings.ngram_max + 1)
+        self.tried_by_n = [0.0] * (settings.ngram_max + 1)
+        self.matched = 0  # the n-gram length of the draft being verified
 
     def limit(self, room: int) -> int:
-        """Tokens the next draft may hold: the adaptive length, within ``room`` (what the sequence may still
-        generate after the next token, and what its context still holds); 0 while backing off."""
+        """Tokens the next draft model's draft may hold: the adaptive length, within ``room`` (what the
+        sequence may still generate after the next token, and what its context still holds); 0 while
+        backing off."""
         if self.skip:
             self.skip -= 1
             return 0
@@ -83,15 +101,34 @@ class SequenceSpeculation:
             k = min(verify_size(1 + k, self.settings.draft_max) - 1, room)
         return k
 
-    def lookup(self, generated: list[int], k: int) -> Draft | None:
-        """Prompt lookup's draft after the tokens generated so far (the history catches up on them)."""
+    def kept_chance(self, n: int) -> float:
+        """The chance that the target keeps a token of a draft that matched an ``n``-gram, each after the
+        one before: what this sequence measured, with the prior guess for that length."""
+        prior = PRIOR_KEPT.get(n, 0.8)
+        return (self.kept_by_n[n] + PRIOR_WEIGHT * prior) / (self.tried_by_n[n] + PRIOR_WEIGHT)
+
+    def lookup(self, generated: list[int], room: int, costs: PassCosts,
+               pass_size: Callable[[int], int]) -> Draft | None:
+        """Prompt lookup's draft after the tokens generated so far (the history catches up on them), as
+        long as pays (:func:`~minfer.runtime.speculative.policy.best_length`) within ``room``; ``costs``
+        and ``pass_size`` say what a pass of n tokens costs and evaluates."""
         assert self.history is not None
         have = self.history.n - self.n_prompt
         if len(generated) > have:
             self.history.extend(generated[have:])
+        for n in range(len(self.kept_by_n)):
+            self.kept_by_n[n] *= EVIDENCE_FADE
+            self.tried_by_n[n] *= EVIDENCE_FADE
         s = self.settings
-        tokens, _ = lookup_draft(self.history.tokens, k, s.ngram_max, s.ngram_min)
-        return self.kept(Draft(tokens)) if tokens else None
+        k = min(room, s.draft_max)
+        if k < max(1, s.draft_min):
+            return None
+        tokens, n = lookup_draft(self.history.tokens, k, s.ngram_max, s.ngram_min)
+        if not tokens:
+            return None
+        d = best_length(self.kept_chance(n), len(tokens), costs.relative, pass_size)
+        self.matched = n
+        return self.kept(Draft(tokens[:d])) if d else None
 
     def kept(self, draft: Draft) -> Draft | None:
         """The draft, or None where it is shorter than ``draft_min``."""
@@ -99,6 +136,10 @@ class SequenceSpeculation:
 
     def verified(self, drafted: int, accepted: int) -> None:
         """The target kept ``accepted`` of ``drafted`` tokens: the next draft's length follows."""
+        if self.history is not None:  # prompt lookup: the evidence for drafts of this match length
+            self.kept_by_n[self.matched] += accepted
+            self.tried_by_n[self.matched] += accepted + (accepted < drafted)
+            return
         if accepted == drafted:
             self.k = min(2 * max(self.k, 1), self.settings.draft_max)
         else:

@@ -1,0 +1,72 @@
+"""How long a draft pays: the expected tokens a verifying pass gives against what the pass costs.
+
+A draft of d tokens whose tokens the target keeps one after the other with probability ``alpha`` each
+gives ``1 + alpha + ... + alpha^d`` tokens (the pass always gives one of its own), for the cost of a
+pass of 1 + d tokens (padded to a prepared size) instead of a one-token pass. The draft pays where that
+ratio beats 1, and the best length maximizes it. On a CPU the cost grows with the tokens (SmolLM2 at 2
+threads: 2, 4, 8, 9 tokens cost 1.21, 1.51, 2.14, 2.43 one-token passes; a 1.7B shape 1.10 at 4), so
+a weak match drafts one token or none, and a strong one fills the largest pass that pays.
+
+:class:`PassCosts` measures the curve on the passes that run (decode and verifying passes, no prompt in
+them); until a size has been measured a prior slope stands in for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# a pass of n tokens over a one-token pass until measured: 1 + PRIOR_SLOPE * (n - 1) (SmolLM2 at 2
+# threads measures 0.15-0.2 per token; larger models less, so this errs on the side of shorter drafts)
+PRIOR_SLOPE = 0.15
+# a size's estimate moves this far towards a faster pass, and this far towards a slower one: a pass is
+# slowed by what else runs (a collection, another process), never sped up, so the estimate follows the
+# fast passes and lets a few slow ones pass
+TOWARDS_FASTER = 0.5
+TOWARDS_SLOWER = 0.1
+
+
+class PassCosts:
+    """Seconds of decode and verifying passes by their token count, as measured on the passes that ran;
+    :meth:`relative` is a pass of n tokens over a one-token pass. The first pass of a size is not counted:
+    it binds its plan's kernels to their buffers (a few ms)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._seen: set[int] = set()
+
+    def record(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens not in self._seen:
+            self._seen.add(n_tokens)
+            return
+        mean = self._seconds.get(n_tokens)
+        if mean is None:
+            self._seconds[n_tokens] = seconds
+        else:
+            self._seconds[n_tokens] = mean + (TOWARDS_FASTER if seconds < mean else TOWARDS_SLOWER) * (seconds - mean)
+
+    def relative(self, n_tokens: int) -> float:
+        if n_tokens <= 1:
+            return 1.0
+        one, it = self._seconds.get(1), self._seconds.get(n_tokens)
+        if one and it:
+            return max(1.0, it / one)  # a noisy measurement never makes more tokens cheaper than one
+        return 1.0 + PRIOR_SLOPE * (n_tokens - 1)
+
+
+def expected_tokens(alpha: float, d: int) -> float:
+    """Tokens a verifying pass gives for a draft of ``d`` tokens, each kept (after the one before) with
+    probability ``alpha``: ``1 + alpha + ... + alpha^d``."""
+    return float(sum(alpha**j for j in range(d + 1)))
+
+
+def best_length(alpha: float, available: int, relative: Callable[[int], float],
+                pass_size: Callable[[int], int]) -> int:
+    """The draft length in ``0..available`` that gives the most tokens per unit of pass cost, where a
+    pass of n tokens is evaluated as ``pass_size(n)`` tokens costing ``relative`` one-token passes;
+    0 (no draft) unless some length beats a plain decode."""
+    best, best_rate = 0, 1.0
+    for d in range(1, available + 1):
+        rate = expected_tokens(alpha, d) / relative(pass_size(1 + d))
+        if rate > best_rate:
+            best, best_rate = d, rate
+    return best
