@@ -48,6 +48,10 @@ from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
 from minfer.runtime.speculative.policy import PassCosts
 from minfer.runtime.speculative.state import SequenceSpeculation, verify_size, verify_sizes
 
+# a draft model's token over a target's one-token pass until both are measured (SmolLM2-135M drafting for a
+# 1.7B shape: 0.11)
+DRAFT_TOKEN_PRIOR = 0.1
+
 EndOfContext = Literal["error", "length"]
 
 
@@ -361,8 +365,9 @@ class Scheduler:
             room = min(out.max_tokens - out.stats.generated_tokens - 1, self.slots.capacity - 1 - run.pos)
             if budget is not None:
                 room = min(room, budget)
+            cost = self._draft_cost(spec)
             if spec.settings.mode == "lookup":
-                draft = spec.lookup(out.stats.tokens, room, self.pass_costs, self._pass_size(spec))
+                draft = spec.lookup(out.stats.tokens, room, cost)
                 if draft is not None and out.constraint is not None:  # the grammar's allowed prefix only
                     draft = spec.kept(Draft(draft.tokens[: out.constraint.valid_prefix(draft.tokens)]))
                 if draft is not None:
@@ -370,8 +375,8 @@ class Scheduler:
                     if budget is not None:
                         budget -= len(draft.tokens)
             else:
-                k = spec.limit(room)
-                if k < max(1, spec.settings.draft_min):
+                k = spec.draft_length(room, cost)
+                if not k:
                     continue
                 assert spec.draft_sampler is not None
                 context = self.kv.tokens(run.slot)[: run.pos] + [run.next_token]
@@ -388,13 +393,22 @@ class Scheduler:
                         drafts[i] = kept
         return drafts or None
 
-    def _pass_size(self, spec: SequenceSpeculation) -> Callable[[int], int]:
-        """The tokens a pass of a lone sequence's n evaluates: the bucket of a padded engine, else the
-        verifying pass's size for its settings."""
+    def _draft_cost(self, spec: SequenceSpeculation) -> Callable[[int], float]:
+        """What a draft of d tokens costs this sequence, in one-token passes of the target: the verifying
+        pass, evaluated as a padded engine's bucket or the settings' verifying size, as if the sequence ran
+        alone (a bound: beside other sequences it costs less), and a draft model's d passes."""
+        costs = self.pass_costs
         if self.pad_seq is not None:
-            return self.bucket
-        draft_max = spec.settings.draft_max
-        return lambda n: verify_size(n, draft_max) if n > 1 else 1
+            size = self.bucket
+        else:
+            draft_max = spec.settings.draft_max
+            size = lambda n: verify_size(n, draft_max)  # noqa: E731
+        per_token = 0.0
+        if spec.settings.mode == "draft":
+            assert self.draft is not None
+            theirs, ours = self.draft.costs.seconds(1), costs.seconds(1)
+            per_token = theirs / ours if theirs and ours else DRAFT_TOKEN_PRIOR
+        return lambda d: costs.relative(size(1 + d)) + d * per_token
 
     # -- what each sequence does with the pass's outputs -------------------------------------------
 

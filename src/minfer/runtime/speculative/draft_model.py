@@ -12,6 +12,7 @@ Its vocabulary must be the target's, token for token (checked at load): draft id
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from minfer.runtime.kv_cache import KVCache, common_prefix
 from minfer.runtime.sampling import Sampler
 from minfer.runtime.sampling.pickers import search
 from minfer.runtime.speculative.draft import Draft
+from minfer.runtime.speculative.policy import PassCosts
 
 DRAFT_PLANS = 16  # batch shapes the draft runner keeps plans for (catch-up passes vary in length)
 
@@ -71,6 +73,7 @@ class DraftModel:
         self.model = model
         self.kv = KVCache(model.hparams, capacity * n_seq, cache_type, n_seq=n_seq)
         self.runner = ForwardRunner(model, backend, self.kv, max_plans=DRAFT_PLANS)
+        self.costs = PassCosts()  # its drafting passes (one token per drafting sequence): what a draft costs
 
     @property
     def capacity(self) -> int:
@@ -106,11 +109,13 @@ class DraftModel:
                         more.append(i)
                 alive = more
                 if alive:
+                    t0 = time.perf_counter()
                     logits = self.runner.forward(
                         [drafts[i][-1] for i in alive],
                         [len(jobs[i].context) + len(drafts[i]) - 1 for i in alive],
                         None, [jobs[i].slot for i in alive],
                     )
+                    self.costs.record(len(alive), time.perf_counter() - t0)
         finally:
             for job, n in zip(jobs, consumed, strict=True):
                 if n:

@@ -5,7 +5,9 @@ gives ``1 + alpha + ... + alpha^d`` tokens (the pass always gives one of its own
 pass of 1 + d tokens (padded to a prepared size) instead of a one-token pass. The draft pays where that
 ratio beats 1, and the best length maximizes it. On a CPU the cost grows with the tokens (SmolLM2 at 2
 threads: 2, 4, 8, 9 tokens cost 1.21, 1.51, 2.14, 2.43 one-token passes; a 1.7B shape 1.10 at 4), so
-a weak match drafts one token or none, and a strong one fills the largest pass that pays.
+a weak match drafts one token or none, and a strong one fills the largest pass that pays. A draft
+model's tokens cost its own passes too (SmolLM2-135M drafting for a 1.7B shape: 0.11 of a target decode
+each), which shortens its drafts.
 
 :class:`PassCosts` measures the curve on the passes that run (decode and verifying passes, no prompt in
 them); until a size has been measured a prior slope stands in for it.
@@ -30,11 +32,15 @@ class PassCosts:
     :meth:`relative` is a pass of n tokens over a one-token pass. The first pass of a size is not counted:
     it binds its plan's kernels to their buffers (a few ms)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior_slope: float = PRIOR_SLOPE, measure: bool = True) -> None:
+        self.prior_slope = prior_slope
+        self.measure = measure  # False: the prior alone, whatever the passes take (reproducible drafts)
         self._seconds: dict[int, float] = {}
         self._seen: set[int] = set()
 
     def record(self, n_tokens: int, seconds: float) -> None:
+        if not self.measure:
+            return
         if n_tokens not in self._seen:
             self._seen.add(n_tokens)
             return
@@ -44,13 +50,17 @@ class PassCosts:
         else:
             self._seconds[n_tokens] = mean + (TOWARDS_FASTER if seconds < mean else TOWARDS_SLOWER) * (seconds - mean)
 
+    def seconds(self, n_tokens: int) -> float | None:
+        """The estimate for a pass of ``n_tokens`` (None until one has been measured)."""
+        return self._seconds.get(n_tokens)
+
     def relative(self, n_tokens: int) -> float:
         if n_tokens <= 1:
             return 1.0
         one, it = self._seconds.get(1), self._seconds.get(n_tokens)
         if one and it:
             return max(1.0, it / one)  # a noisy measurement never makes more tokens cheaper than one
-        return 1.0 + PRIOR_SLOPE * (n_tokens - 1)
+        return 1.0 + self.prior_slope * (n_tokens - 1)
 
 
 def expected_tokens(alpha: float, d: int) -> float:
@@ -59,14 +69,13 @@ def expected_tokens(alpha: float, d: int) -> float:
     return float(sum(alpha**j for j in range(d + 1)))
 
 
-def best_length(alpha: float, available: int, relative: Callable[[int], float],
-                pass_size: Callable[[int], int]) -> int:
-    """The draft length in ``0..available`` that gives the most tokens per unit of pass cost, where a
-    pass of n tokens is evaluated as ``pass_size(n)`` tokens costing ``relative`` one-token passes;
+def best_length(alpha: float, available: int, cost: Callable[[int], float]) -> int:
+    """The draft length in ``0..available`` that gives the most tokens per unit of cost, where a draft of
+    d tokens costs ``cost(d)`` one-token passes (its verifying pass, and the drafting where that costs);
     0 (no draft) unless some length beats a plain decode."""
     best, best_rate = 0, 1.0
     for d in range(1, available + 1):
-        rate = expected_tokens(alpha, d) / relative(pass_size(1 + d))
+        rate = expected_tokens(alpha, d) / cost(d)
         if rate > best_rate:
             best, best_rate = d, rate
     return best
