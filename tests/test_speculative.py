@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from collections import Counter
 
 import numpy as np
@@ -281,7 +282,7 @@ def test_a_draft_models_sequence_whose_drafts_are_rarely_kept_stops_drafting_for
     from minfer.runtime.speculative.state import SequenceSpeculation
 
     def cost(d):  # SmolLM2-135M drafting for a 1.7B shape, 2 threads (bench/draft_pair.py)
-        return {1: 1.18, 2: 1.31, 3: 1.31}.get(d, 1.79) + 0.11 * d
+        return {0: 1.0, 1: 1.18, 2: 1.31, 3: 1.31}.get(d, 1.79) + 0.11 * d
 
     def spec():
         return SequenceSpeculation(SpeculativeSettings(mode="draft"), [1, 2, 3], Sampler(SamplingParams()))
@@ -327,10 +328,15 @@ def test_draft_length_maximizes_expected_tokens_per_pass_cost():
     smollm2 = {1: 1.0, 2: 1.21, 3: 1.39, 4: 1.51, 5: 1.7, 6: 1.85, 7: 2.0, 8: 2.14, 9: 2.43}
     assert best_length(0.95, 8, lambda d: smollm2[1 + d]) == 7
     # padded to 2, 4, 8: a draft of 2 costs what one of 3 does, so it is never better
-    padded = {2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8, 9: 9}
+    padded = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8, 9: 9}
     assert best_length(0.7, 8, lambda d: prior(padded[1 + d])) in (1, 3)
     # drafting costs too: the same acceptance drafts shorter
     assert best_length(0.7, 8, lambda d: prior(1 + d) + 0.3 * d) < best_length(0.7, 8, alone)
+    # beside three other decodes a draft competes with the whole pass's rate (4 tokens for 1.51 passes):
+    # a one-token draft kept 30% of the time pays alone, not there; one kept 95% of the time pays in both
+    assert best_length(0.3, 1, lambda d: smollm2[1 + d]) == 1
+    assert best_length(0.3, 1, lambda d: smollm2[4 + d], others=3) == 0
+    assert best_length(0.95, 5, lambda d: smollm2[4 + d], others=3) == 4
 
     costs = PassCosts()
     assert costs.relative(1) == 1.0 and costs.relative(5) == prior(5)  # the prior until measured
@@ -372,6 +378,47 @@ def test_prompt_lookup_drafts_what_its_matches_earn():
         steps += 1
         assert steps < 100
     assert steps >= 10  # 1-gram matches again, after a while
+
+
+def test_a_batch_where_drafts_do_not_pay_runs_plain():
+    """Beside other decodes a draft competes with the whole pass's rate. With passes that cost
+    1 + 0.1 (n - 1) one-token passes, a lone sequence's 1-gram lookup drafts pay (at the prior 20% per
+    token, a one-token draft gives 1.2 tokens for 1.1) while eight sequences' do not (8 tokens for 1.7
+    passes, 8.2 for 1.8 with a draft); where passes cost the same at any size the eight draft too."""
+    from minfer.runtime.engine import EngineConfig, build_engine
+    from minfer.runtime.engine_loop import EngineLoop
+    from minfer.runtime.requests import Finished, GenerationRequest
+    from minfer.runtime.speculative import SpeculativeSettings
+    from minfer.runtime.speculative.policy import PassCosts
+
+    model = minfer.load(LLAMA)
+    engine = build_engine(model.transformer, model.backend, model.tokenizer, 8 * 128, model.cache_type,
+                          EngineConfig(n_slots=8, batch_size=128, end_of_context="length"),
+                          speculative=SpeculativeSettings(mode="lookup"))
+    loop = EngineLoop(engine)
+    loop.start()
+    prompt = [0, *range(5, 40)] * 2  # the fixture's continuation has 1-gram matches in it, no longer ones
+
+    def drafted(n: int, slope: float) -> int:
+        engine.scheduler.pass_costs = PassCosts(prior_slope=slope, measure=False)
+        finished: list[Finished] = []
+        done = threading.Semaphore(0)
+
+        def emit(ev) -> None:
+            if isinstance(ev, Finished):
+                finished.append(ev)
+                done.release()
+        loop.submit([GenerationRequest(prompt, model.sampler(temperature=0.0), 40, emit) for _ in range(n)])
+        for _ in range(n):
+            assert done.acquire(timeout=120)
+        return sum(ev.stats.drafted_tokens for ev in finished)
+
+    try:
+        assert drafted(1, 0.1) > 0
+        assert drafted(8, 0.1) == 0
+        assert drafted(8, 0.0) > 0
+    finally:
+        loop.stop()
 
 
 # --- bad input ---------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from minfer.runtime.slots import Slots
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
-from minfer.runtime.speculative.policy import PassCosts
+from minfer.runtime.speculative.policy import PassCosts, expected_tokens
 from minfer.runtime.speculative.state import SequenceSpeculation, verify_size, verify_sizes
 
 # a draft model's token over a target's one-token pass until both are measured (SmolLM2-135M drafting for a
@@ -350,11 +350,19 @@ class Scheduler:
 
     def _drafts(self) -> dict[int, Draft] | None:
         """Speculation's policy: this step's drafts of the decoding sequences that speculate (by index in
-        ``running``), each as long as its sequence's room, its acceptance history and the batch allow."""
+        ``running``), each as long as its sequence's room, its acceptance history and the batch allow.
+
+        A draft must pay for the whole pass (:func:`~minfer.runtime.speculative.policy.best_length`): the
+        sequences are taken in turn, each against the pass as it stands with the drafts before it, the
+        tokens that pass is expected to give and what it costs; beside many decodes a draft must be kept
+        more often than alone, and a batch where none pays runs plain."""
         jobs: list[tuple[int, DraftJob]] = []
         drafts: dict[int, Draft] = {}
-        budget = None if self.batch_size is None else self.batch_size - sum(
-            1 for r in self.running if r.next_token is not None)
+        decoding = [r for r in self.running if r.next_token is not None]
+        budget = None if self.batch_size is None else self.batch_size - len(decoding)
+        n_pass = len(decoding)  # tokens the pass evaluates so far (each draft with its verifying padding)
+        expected = float(len(decoding))  # tokens it is expected to give
+        drafting = 0.0  # the draft model's passes for the drafts so far, in one-token passes of the target
         for i, run in enumerate(self.running):
             spec = run.spec
             if spec is None or not spec.enabled or run.next_token is None:
@@ -365,25 +373,29 @@ class Scheduler:
             room = min(out.max_tokens - out.stats.generated_tokens - 1, self.slots.capacity - 1 - run.pos)
             if budget is not None:
                 room = min(room, budget)
-            cost = self._draft_cost(spec)
+            cost, evaluated, per_token = self._draft_cost(spec, n_pass, drafting)
+            others = expected - 1
             if spec.settings.mode == "lookup":
-                draft = spec.lookup(out.stats.tokens, room, cost)
+                draft = spec.lookup(out.stats.tokens, room, cost, others)
                 if draft is not None and out.constraint is not None:  # the grammar's allowed prefix only
                     draft = spec.kept(Draft(draft.tokens[: out.constraint.valid_prefix(draft.tokens)]))
-                if draft is not None:
-                    drafts[i] = draft
-                    if budget is not None:
-                        budget -= len(draft.tokens)
+                if draft is None:
+                    continue
+                drafts[i] = draft
+                k = len(draft.tokens)
             else:
-                k = spec.draft_length(room, cost)
+                k = spec.draft_length(room, cost, others)
                 if not k:
                     continue
                 assert spec.draft_sampler is not None
                 context = self.kv.tokens(run.slot)[: run.pos] + [run.next_token]
                 jobs.append((i, DraftJob(run.slot, context, k, spec.draft_sampler, spec.settings.draft_p_min,
                                          out.stop_ids, out.constraint)))
-                if budget is not None:
-                    budget -= k
+            if budget is not None:
+                budget -= k
+            n_pass += evaluated(k)
+            expected += expected_tokens(spec.kept_chance(spec.matched), k) - 1
+            drafting += k * per_token
         if jobs:
             assert self.draft is not None
             for (i, _), draft in zip(jobs, self.draft.propose([job for _, job in jobs]), strict=True):
@@ -393,22 +405,26 @@ class Scheduler:
                         drafts[i] = kept
         return drafts or None
 
-    def _draft_cost(self, spec: SequenceSpeculation) -> Callable[[int], float]:
-        """What a draft of d tokens costs this sequence, in one-token passes of the target: the verifying
-        pass, evaluated as a padded engine's bucket or the settings' verifying size, as if the sequence ran
-        alone (a bound: beside other sequences it costs less), and a draft model's d passes."""
+    def _draft_cost(self, spec: SequenceSpeculation, n_pass: int, drafting: float
+                    ) -> tuple[Callable[[int], float], Callable[[int], int], float]:
+        """What the pass costs, in one-token passes of the target, with a draft of d tokens from this
+        sequence added to its ``n_pass`` tokens and the ``drafting`` its drafts so far cost; the tokens a
+        draft of d adds to the pass (its verifying padding in an unpadded engine); and a draft model's cost
+        per drafted token. A padded engine's pass is evaluated as its bucket."""
         costs = self.pass_costs
         if self.pad_seq is not None:
+            evaluated = lambda d: d  # noqa: E731
             size = self.bucket
         else:
             draft_max = spec.settings.draft_max
-            size = lambda n: verify_size(n, draft_max)  # noqa: E731
+            evaluated = lambda d: verify_size(1 + d, draft_max) - 1 if d else 0  # noqa: E731
+            size = lambda n: n  # noqa: E731
         per_token = 0.0
         if spec.settings.mode == "draft":
             assert self.draft is not None
             theirs, ours = self.draft.costs.seconds(1), costs.seconds(1)
             per_token = theirs / ours if theirs and ours else DRAFT_TOKEN_PRIOR
-        return lambda d: costs.relative(size(1 + d)) + d * per_token
+        return (lambda d: costs.relative(size(n_pass + evaluated(d))) + drafting + d * per_token), evaluated, per_token
 
     # -- what each sequence does with the pass's outputs -------------------------------------------
 

@@ -7,7 +7,9 @@ ratio beats 1, and the best length maximizes it. On a CPU the cost grows with th
 threads: 2, 4, 8, 9 tokens cost 1.21, 1.51, 2.14, 2.43 one-token passes; a 1.7B shape 1.10 at 4), so
 a weak match drafts one token or none, and a strong one fills the largest pass that pays. A draft
 model's tokens cost its own passes too (SmolLM2-135M drafting for a 1.7B shape: 0.11 of a target decode
-each), which shortens its drafts.
+each), which shortens its drafts. Beside other sequences a draft competes with the whole pass's rate:
+four decodes of SmolLM2 give 4 tokens for 1.51 one-token passes' time, and a one-token draft kept 30%
+of the time, which pays alone (1.3 tokens for 1.21), does not pay there (4.3 tokens for about 1.67).
 
 :class:`PassCosts` measures the curve on the passes that run (decode and verifying passes, no prompt in
 them); until a size has been measured a prior slope stands in for it.
@@ -69,13 +71,14 @@ def expected_tokens(alpha: float, d: int) -> float:
     return float(sum(alpha**j for j in range(d + 1)))
 
 
-def best_length(alpha: float, available: int, cost: Callable[[int], float]) -> int:
-    """The draft length in ``0..available`` that gives the most tokens per unit of cost, where a draft of
-    d tokens costs ``cost(d)`` one-token passes (its verifying pass, and the drafting where that costs);
-    0 (no draft) unless some length beats a plain decode."""
-    best, best_rate = 0, 1.0
+def best_length(alpha: float, available: int, cost: Callable[[int], float], others: float = 0.0) -> int:
+    """The draft length in ``0..available`` that gives the most tokens per unit of cost, where the pass
+    with a draft of d tokens costs ``cost(d)`` one-token passes (its verifying pass, and the drafting where
+    that costs) and the rest of the pass gives ``others`` tokens (0 for a sequence alone); 0 (no draft)
+    unless some length beats the pass without it."""
+    best, best_rate = 0, (others + 1.0) / cost(0)
     for d in range(1, available + 1):
-        rate = expected_tokens(alpha, d) / cost(d)
+        rate = (others + expected_tokens(alpha, d)) / cost(d)
         if rate > best_rate:
             best, best_rate = d, rate
     return best

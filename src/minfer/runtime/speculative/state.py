@@ -78,19 +78,21 @@ class SequenceSpeculation:
         prior = PRIOR_KEPT.get(n, 0.8)
         return (self.kept_by_n[n] + PRIOR_WEIGHT * prior) / (self.tried_by_n[n] + PRIOR_WEIGHT)
 
-    def draft_length(self, room: int, cost: Callable[[int], float]) -> int:
-        """Tokens a draft model's next draft may hold: the length that pays (``cost(d)``: what a draft of d
-        tokens costs, in one-token passes of the target), within ``room`` (what the sequence may still
-        generate after the next token, and what its context still holds); 0: no draft this step."""
+    def draft_length(self, room: int, cost: Callable[[int], float], others: float = 0.0) -> int:
+        """Tokens a draft model's next draft may hold: the length that pays (``cost(d)``: what the pass with
+        a draft of d tokens costs, in one-token passes of the target; ``others``: the tokens the rest of the
+        pass gives), within ``room`` (what the sequence may still generate after the next token, and what
+        its context still holds); 0: no draft this step."""
         self._fade()
         k = min(room, self.settings.draft_max)
         if k < max(1, self.settings.draft_min):
             return 0
-        return best_length(self.kept_chance(0), k, cost)
+        return best_length(self.kept_chance(0), k, cost, others)
 
-    def lookup(self, generated: list[int], room: int, cost: Callable[[int], float]) -> Draft | None:
+    def lookup(self, generated: list[int], room: int, cost: Callable[[int], float],
+               others: float = 0.0) -> Draft | None:
         """Prompt lookup's draft after the tokens generated so far (the history catches up on them), as
-        long as pays (``cost`` as for :meth:`draft_length`) within ``room``."""
+        long as pays (``cost`` and ``others`` as for :meth:`draft_length`) within ``room``."""
         assert self.history is not None
         have = self.history.n - self.n_prompt
         if len(generated) > have:
@@ -103,7 +105,7 @@ class SequenceSpeculation:
         tokens, n = lookup_draft(self.history.tokens, k, s.ngram_max, s.ngram_min)
         if not tokens:
             return None
-        d = best_length(self.kept_chance(n), len(tokens), cost)
+        d = best_length(self.kept_chance(n), len(tokens), cost, others)
         self.matched = n
         return self.kept(Draft(tokens[:d])) if d else None
 
