@@ -17,6 +17,7 @@ them); until a size has been measured a prior slope stands in for it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 # a pass of n tokens over a one-token pass until measured: 1 + PRIOR_SLOPE * (n - 1) (SmolLM2 at 2
@@ -27,6 +28,13 @@ PRIOR_SLOPE = 0.15
 # fast passes and lets a few slow ones pass
 TOWARDS_FASTER = 0.5
 TOWARDS_SLOWER = 0.1
+# passes of a size measured before its estimate replaces the prior (the fastest of them, then followed as
+# above): one slow first pass (a host's hiccup) would otherwise stand as the size's cost, and a size that
+# looks too dear to draft for is never run, so never measured again
+TRUSTED_AFTER = 3
+# a size not run for this many seconds is measured afresh: an estimate from passes slower than it now runs
+# (the first few of a plan can be) prices it out of drafting, so it would never be run to correct it
+STALE_AFTER = 10.0
 
 
 class PassCosts:
@@ -34,32 +42,46 @@ class PassCosts:
     :meth:`relative` is a pass of n tokens over a one-token pass. The first pass of a size is not counted:
     it binds its plan's kernels to their buffers (a few ms)."""
 
-    def __init__(self, prior_slope: float = PRIOR_SLOPE, measure: bool = True) -> None:
+    def __init__(self, prior_slope: float = PRIOR_SLOPE, measure: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.prior_slope = prior_slope
         self.measure = measure  # False: the prior alone, whatever the passes take (reproducible drafts)
+        self.clock = clock
         self._seconds: dict[int, float] = {}
-        self._seen: set[int] = set()
+        self._count: dict[int, int] = {}  # passes counted per size (after the first, not counted)
+        self._last: dict[int, float] = {}  # when each size last ran
 
     def record(self, n_tokens: int, seconds: float) -> None:
         if not self.measure:
             return
-        if n_tokens not in self._seen:
-            self._seen.add(n_tokens)
+        self._last[n_tokens] = self.clock()
+        count = self._count.get(n_tokens, -1) + 1
+        self._count[n_tokens] = count
+        if count == 0:
             return
         mean = self._seconds.get(n_tokens)
         if mean is None:
             self._seconds[n_tokens] = seconds
+        elif count <= TRUSTED_AFTER:
+            self._seconds[n_tokens] = min(mean, seconds)
         else:
             self._seconds[n_tokens] = mean + (TOWARDS_FASTER if seconds < mean else TOWARDS_SLOWER) * (seconds - mean)
 
     def seconds(self, n_tokens: int) -> float | None:
-        """The estimate for a pass of ``n_tokens`` (None until one has been measured)."""
-        return self._seconds.get(n_tokens)
+        """The estimate for a pass of ``n_tokens`` (None until ``TRUSTED_AFTER`` have been measured, and
+        again once none has run for ``STALE_AFTER`` seconds: the next ones measure it afresh)."""
+        if self._count.get(n_tokens, 0) < TRUSTED_AFTER:
+            return None
+        if self.clock() - self._last[n_tokens] > STALE_AFTER:
+            self._count[n_tokens] = 0  # bound already: the next pass counts
+            del self._seconds[n_tokens]
+            return None
+        return self._seconds[n_tokens]
 
     def relative(self, n_tokens: int) -> float:
         if n_tokens <= 1:
             return 1.0
-        one, it = self._seconds.get(1), self._seconds.get(n_tokens)
+        one, it = self.seconds(1), self.seconds(n_tokens)
         if one and it:
             return max(1.0, it / one)  # a noisy measurement never makes more tokens cheaper than one
         return 1.0 + self.prior_slope * (n_tokens - 1)
