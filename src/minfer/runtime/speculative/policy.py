@@ -4,12 +4,13 @@ A draft of d tokens whose tokens the target keeps one after the other with proba
 gives ``1 + alpha + ... + alpha^d`` tokens (the pass always gives one of its own), for the cost of a
 pass of 1 + d tokens (padded to a prepared size) instead of a one-token pass. The draft pays where that
 ratio beats 1, and the best length maximizes it. On a CPU the cost grows with the tokens (SmolLM2 at 2
-threads: 2, 4, 8, 9 tokens cost 1.21, 1.51, 2.14, 2.43 one-token passes; a 1.7B shape 1.10 at 4), so
-a weak match drafts one token or none, and a strong one fills the largest pass that pays. A draft
-model's tokens cost its own passes too (SmolLM2-135M drafting for a 1.7B shape: 0.11 of a target decode
-each), which shortens its drafts. Beside other sequences a draft competes with the whole pass's rate:
-four decodes of SmolLM2 give 4 tokens for 1.51 one-token passes' time, and a one-token draft kept 30%
-of the time, which pays alone (1.3 tokens for 1.21), does not pay there (4.3 tokens for about 1.67).
+threads: 2, 4, 8, 9 tokens cost 1.21, 1.51, 2.14, 2.43 one-token passes; a 1.7B Q4_K_M shape 1.29,
+1.33, 1.80 at 2, 4, 8), so a weak match drafts one token or none, and a strong one fills the largest
+pass that pays. A draft model's tokens cost its own passes too (SmolLM2-135M drafting for a 1.7B shape:
+0.1 of a target decode each), which shortens its drafts. Beside other sequences a draft competes with
+the whole pass's rate: four decodes of SmolLM2 give 4 tokens for 1.51 one-token passes' time, and a
+one-token draft kept 30% of the time, which pays alone (1.3 tokens for 1.21), does not pay there (4.3
+tokens for about 1.67).
 
 :class:`PassCosts` measures the curve on the passes that run (decode and verifying passes, no prompt in
 them); until a size has been measured a prior slope stands in for it.
