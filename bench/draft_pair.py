@@ -24,6 +24,7 @@ import statistics
 import time
 
 import numpy as np
+from graph_overhead import best_of  # (this folder: a script's own; the median of reps after one warm-up)
 
 import minfer
 from minfer.runtime.speculative.draft_model import DraftModel
@@ -61,16 +62,6 @@ def tune_sigma(logits: np.ndarray, noise: np.ndarray, tokens: np.ndarray, target
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if kept_share(logits, noise, tokens, mid) > target else (lo, mid)
     return (lo + hi) / 2
-
-
-def median_seconds(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -113,11 +104,11 @@ def main() -> None:
     cost = {}
     for k in sizes:
         toks, pos = rng.integers(0, vocab, k), np.arange(base, base + k)
-        cost[k] = median_seconds(lambda: runner.forward(toks, pos), 5)  # noqa: B023
+        cost[k] = best_of(lambda: runner.forward(toks, pos), 5)  # noqa: B023
     d_runner = draft.runner
     d_runner.forward(rng.integers(0, vocab, base), np.arange(base), [base - 1])
     d_tok = np.array([1])
-    d_cost = median_seconds(lambda: d_runner.forward(d_tok, [base]), 9)
+    d_cost = best_of(lambda: d_runner.forward(d_tok, [base]), 9)
     r = d_cost / cost[1]
     print("target passes: " + ", ".join(f"{k}: {cost[k] * 1e3:.1f} ms ({cost[k] / cost[1]:.2f}x)" for k in sizes)
           + f"; a draft token {d_cost * 1e3:.2f} ms ({r:.3f} of a target decode)")
