@@ -291,10 +291,11 @@ def test_a_replica_killed_during_16_requests_loses_none(cluster):
     wait_ready(cluster.url, 2, RECOVERY_SECONDS)  # (also: the replica the last test killed came back)
     prompts = [f"Count from {i} to {i + 20}, one number per line." for i in range(16)]
     results: list[httpx.Response | Exception] = [None] * 16  # type: ignore[list-item]
+    n_tokens = 64  # long enough that the victim still holds its requests when the kill lands
 
     def ask(i: int) -> None:
         try:
-            results[i] = chat(cluster.url, [{"role": "user", "content": prompts[i]}], max_tokens=24,
+            results[i] = chat(cluster.url, [{"role": "user", "content": prompts[i]}], max_tokens=n_tokens,
                               logit_bias={"2": -100})
         except Exception as e:  # noqa: BLE001 - reported below
             results[i] = e
@@ -310,7 +311,8 @@ def test_a_replica_killed_during_16_requests_loses_none(cluster):
         busy = [r for r in replicas if r["state"] == "ready" and r["slots_running"] > 0]
         if len(busy) == 2:
             victim = max(busy, key=lambda r: r["in_flight"])
-        time.sleep(0.2)
+        else:
+            time.sleep(0.2)
     assert victim is not None, "the requests never reached both replicas"
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -319,7 +321,7 @@ def test_a_replica_killed_during_16_requests_loses_none(cluster):
     lost = [(i, r if isinstance(r, Exception) else r.status_code) for i, r in enumerate(results)
             if isinstance(r, Exception) or r.status_code != 200]
     assert not lost, lost
-    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results)  # type: ignore[union-attr]
+    assert all(r.json()["usage"]["completion_tokens"] == n_tokens for r in results)  # type: ignore[union-attr]
     retried = [line for line in httpx.get(cluster.url + "/metrics", headers=AUTH, timeout=30).text.splitlines()
                if line.startswith("minfer_router_retries_total{") and f'replica="{victim["id"]}"' in line]
     assert retried and float(retried[0].split()[-1]) >= 1
