@@ -373,7 +373,7 @@ class Scheduler:
             room = min(out.max_tokens - out.stats.generated_tokens - 1, self.slots.capacity - 1 - run.pos)
             if budget is not None:
                 room = min(room, budget)
-            cost, evaluated, per_token = self._draft_cost(spec, n_pass, drafting)
+            cost, evaluated, per_token = self._draft_cost(run, n_pass, drafting)
             others = expected - 1
             if spec.settings.mode == "lookup":
                 draft = spec.lookup(out.stats.tokens, room, cost, others)
@@ -405,20 +405,17 @@ class Scheduler:
                         drafts[i] = kept
         return drafts or None
 
-    def _draft_cost(self, spec: SequenceSpeculation, n_pass: int, drafting: float
+    def _draft_cost(self, run: Running, n_pass: int, drafting: float
                     ) -> tuple[Callable[[int], float], Callable[[int], int], float]:
-        """What the pass costs, in one-token passes of the target, with a draft of d tokens from this
-        sequence added to its ``n_pass`` tokens and the ``drafting`` its drafts so far cost; the tokens a
-        draft of d adds to the pass (its verifying padding in an unpadded engine); and a draft model's cost
+        """What the pass costs, in one-token passes of the target, with a draft of d tokens from ``run``
+        added to its ``n_pass`` tokens and the ``drafting`` its drafts so far cost; the tokens a draft of d
+        adds to the pass (with its verifying padding, :meth:`_verify_padding`); and a draft model's cost
         per drafted token. A padded engine's pass is evaluated as its bucket."""
+        spec = run.spec
+        assert spec is not None
         costs = self.pass_costs
-        if self.pad_seq is not None:
-            evaluated = lambda d: d  # noqa: E731
-            size = self.bucket
-        else:
-            draft_max = spec.settings.draft_max
-            evaluated = lambda d: verify_size(1 + d, draft_max) - 1 if d else 0  # noqa: E731
-            size = lambda n: n  # noqa: E731
+        size = self.bucket if self.pad_seq is not None else (lambda n: n)
+        evaluated = lambda d: d + self._verify_padding(run, d) if d else 0  # noqa: E731
         per_token = 0.0
         if spec.settings.mode == "draft":
             assert self.draft is not None
