@@ -46,12 +46,12 @@ def _operands(xs: np.ndarray):
 
 @pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n_tok", [1, 3, 4, 13, 64])
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 7, 13, 64])
 def test_the_same_bits_as_the_eight_row_kernel(t, n_tok):
     """One weight and three (groups 5, 2 and 3: a pair of one at the end of two of them) in one call."""
     x = acts(n_tok, 512)
     ws = [weight(t, n_out, 512, seed=40 + i) for i, n_out in enumerate((40, 16, 24))]
-    repack, wide = r16.REPACKED[t]
+    repack, wide = r16.REPACKED[t][0], r16.PAIRS[t]
     _, narrow = r8.REPACKED[t]
     packed = [repack(np.ascontiguousarray(w.data), w.shape[0], 512) for w in ws]
     q, d, bs = _operands(x)
@@ -65,6 +65,30 @@ def test_the_same_bits_as_the_eight_row_kernel(t, n_tok):
         for a, b in zip(outs["wide"], outs["narrow"], strict=True):
             assert not np.isnan(a).any()
             assert a.view(np.uint32).tolist() == b.view(np.uint32).tolist()
+
+
+@pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_few_token_passes_take_the_eight_row_kernels_where_512_bits_are_split(monkeypatch, t):
+    """On a CPU that splits 512-bit operations (Zen 4) a decode of Q4_K/Q5_K streams its weights faster on the
+    eight-row kernels: matmul and a plan's bound call run them for passes of up to FEW_TOKENS_ON_EIGHT_ROWS
+    tokens, the pairs from there on (Q6_K: always the pairs)."""
+    assert r16.FEW_TOKENS_ON_EIGHT_ROWS == (3 if simd512.target_cpu_name() == "znver4" else 0)
+    ran = []
+    eight, pairs, q6_pairs = r8._matmul, r16._matmul_pairs, r16._matmul_q6_pairs
+    monkeypatch.setattr(r8, "_matmul", lambda *a: (ran.append("eight"), eight(*a)))
+    monkeypatch.setattr(r16, "_matmul_pairs", lambda *a: (ran.append("pairs"), pairs(*a)))
+    monkeypatch.setattr(r16, "_matmul_q6_pairs", lambda *a: (ran.append("pairs"), q6_pairs(*a)))
+    p = km.prepare(weight(t, 32, 512, seed=5))
+    few = r16.FEW_TOKENS_ON_EIGHT_ROWS if t != GGMLType.Q6_K else 0
+    for n_tok in range(1, 6):
+        x = acts(n_tok, 512)
+        out = np.empty((n_tok, 32), np.float32)
+        km.matmul(x, p, out)
+        km.direct_call(x, p, out, None)()
+        assert ran == ["eight" if n_tok <= few else "pairs"] * 2, n_tok
+        ran.clear()
+    print(f"CPU {simd512.target_cpu_name()}: {t.name} passes of up to {few} tokens on the eight-row kernels")
 
 
 @pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)

@@ -117,7 +117,7 @@ def test_prefill_rows_equal_decode_rows(t):
     for i in range(x.shape[0]):
         one = fast(x[i : i + 1], w)
         assert one.view(np.uint32).tolist() == many[i : i + 1].view(np.uint32).tolist(), i
-    for k in (6, 16):  # the super-block-major order of a few tokens (kquant_rows8.SMALL_PASS_TOKENS)
+    for k in (2, 3, 6, 7, 16):  # the super-block-major order of a few tokens (kquant_rows8.SMALL_PASS_TOKENS)
         assert fast(x[:k], w).view(np.uint32).tolist() == many[:k].view(np.uint32).tolist(), k
 
 

@@ -11,14 +11,22 @@ The integers are the eight-row kernels' (each row's Σ_j scale_j · dot_j is exa
 see kquant_rows8's bounds), and each group's float accumulation is the very same ``_finish`` on its
 eight lanes, so every output is the same bits as the eight-row kernel's, and a token's row is the same
 alone or in a prompt. A weight with an odd number of groups runs its last group on the eight-row code.
+Where the CPU splits 512-bit operations (Zen 4), Q4_K/Q5_K passes of up to three tokens run on the
+eight-row kernels instead (``FEW_TOKENS_ON_EIGHT_ROWS``).
 
 Measured (1.7B-shaped Q4_K_M, 2 threads, Sapphire Rapids-class VM, against the eight-row kernels):
 512-token matmuls Q4_K 1.41-1.56x, Q6_K 1.29-1.34x; pp512 92.7 -> 128.8 t/s; tg32 19.0 -> 20.9 t/s.
 Passes of a few tokens (``_small_pass``) against one token, gate+up with the weights read from memory:
 2 tokens 1.22x -> 1.13x, 4 tokens 1.94x -> 1.23x, 8 tokens 2.51x -> 1.73x, 16 tokens 3.68x -> 2.91x.
+Two of the last three tokens of such a pass share one unpacking of the weights (``_pair_duo``): on Zen 4,
+Q6_K 2048x8192 at 2 threads, 3 tokens 0.91x the time of one at a time, 6-7 tokens 0.92x (Q4_K 0.92-0.94x).
+Zen 4 (2 threads, weights from memory), a decode's Q4_K 8192x2048: 554 us on these kernels, 316-341 us on
+the eight-row ones; 1.7B Q4_K_M decode 61.0 -> 53.4 ms a token, 2-token passes 71.3 -> 60.7 ms.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 from numba import njit, prange
@@ -58,6 +66,7 @@ from minfer.backends.cpu.simd import (
     zeros_i32x8,
 )
 from minfer.backends.cpu.simd512 import (
+    SPLIT_512,
     WIDE,
     add_i32x16,
     broadcast_4bytes_x16,
@@ -136,6 +145,23 @@ def _pair_one(a, b, packed, o, o2, aq, ao, bp, bo, dq, do, five):
 
 
 @njit(inline="always")
+def _pair_duo(a0, a1, b0, b1, packed, o, o2, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, five):
+    """Two consecutive tokens through one super-block of two groups, each weight register unpacked once
+    (``a0``, ``a1``: the tokens' accumulators of the group at ``o``; ``b0``, ``b1``: at ``o2``)."""
+    s0 = s1 = zeros_i32x16()
+    osc = _SCALES + _Q5_EXTRA * five
+    for j in range(8):
+        w = _values(packed, o, o2, j, five)
+        sc = u8_scales_x16(packed, o + osc + 8 * j, o2 + osc + 8 * j)
+        s0 = _sub(s0, w, sc, aq, ao + 32 * j)
+        s1 = _sub(s1, w, sc, aq, ao + n_in + 32 * j)
+    return (_finish(a0, low_i32x8(s0), packed, o, bp, bo, dq, do, five),
+            _finish(a1, low_i32x8(s1), packed, o, bp, bo + nb8, dq, do + nbk, five),
+            _finish(b0, high_i32x8(s0), packed, o2, bp, bo, dq, do, five),
+            _finish(b1, high_i32x8(s1), packed, o2, bp, bo + nb8, dq, do + nbk, five))
+
+
+@njit(inline="always")
 def _pair(pp, pa, pb, pc, oa, ob, oc, fa, fb, fc):
     """Pair ``pp`` of a call's weights a, b, c (each weight's groups 0-1, 2-3, ...; an odd last group is a
     pair of one): (its weight, its flat output (of ``fa``, ``fb``, ``fc``, made once per call: see
@@ -188,7 +214,19 @@ def _small_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bp, n_tok, n_in, n
             else:
                 a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, five)
                 _store_quad(flat, at, n_out, a0, a1, a2, a3)
-        for t in range(n_quad, n_tok):
+        t_rest = n_quad
+        if two and n_tok - n_quad >= 2:  # two of the last three tokens on one unpacking of the weights
+            t = n_quad
+            at, ao, bo, do = t * n_out + 8 * g, t * n_in + b * QK_K, t * nb8 + 8 * b, t * nbk + b
+            a0, a1, c0, c1 = _pair_duo(_load_one(flat, at, first), _load_one(flat, at + n_out, first),
+                                       _load_one(flat, at + 8, first), _load_one(flat, at + n_out + 8, first),
+                                       packed, o, o2, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, five)
+            store_f32x8(flat, at, a0)
+            store_f32x8(flat, at + n_out, a1)
+            store_f32x8(flat, at + 8, c0)
+            store_f32x8(flat, at + n_out + 8, c1)
+            t_rest += 2
+        for t in range(t_rest, n_tok):
             at, ao, bo, do = t * n_out + 8 * g, t * n_in + b * QK_K, t * nb8 + 8 * b, t * nbk + b
             if two:
                 a, c = _pair_one(_load_one(flat, at, first), _load_one(flat, at + 8, first), packed, o, o2, aq, ao,
@@ -304,6 +342,30 @@ def _q6_pair_quad(acc, packed, o, o2, aq, ao, n_in, bs, bo, nb16, dq, do, nbk):
 
 
 @njit(inline="always")
+def _q6_pair_duo(a0, a1, b0, b1, packed, o, o2, aq, ao, n_in, bs, bo, nb16, dq, do, nbk):
+    """``_pair_duo`` for the Q6_K layout."""
+    s0 = s1 = zeros_i32x16()
+    m0 = m1 = n0 = n1 = zeros_i32x8()
+    for i in range(8):
+        osc, osc2 = o + _Q6_SCALES + 16 * i, o2 + _Q6_SCALES + 16 * i
+        for h in range(2):
+            u = q6k_values_x16(packed, o + 192 * i + 96 * h, o2 + 192 * i + 96 * h)
+            sc = s8_scales_x16(packed, osc + h, osc2 + h)
+            a = ao + 32 * i + 16 * h
+            s0 = _q6_sub(s0, u, sc, aq, a)
+            s1 = _q6_sub(s1, u, sc, aq, a + n_in)
+        sm, sn = _q6_scales(packed, osc)[2], _q6_scales(packed, osc2)[2]
+        m0 = add_i32x8(m0, madd_i16x16(sm, broadcast_i16_pair(bs, bo + 2 * i)))
+        m1 = add_i32x8(m1, madd_i16x16(sm, broadcast_i16_pair(bs, bo + nb16 + 2 * i)))
+        n0 = add_i32x8(n0, madd_i16x16(sn, broadcast_i16_pair(bs, bo + 2 * i)))
+        n1 = add_i32x8(n1, madd_i16x16(sn, broadcast_i16_pair(bs, bo + nb16 + 2 * i)))
+    return (_q6_finish(a0, low_i32x8(s0), m0, packed, o, dq, do),
+            _q6_finish(a1, low_i32x8(s1), m1, packed, o, dq, do + nbk),
+            _q6_finish(b0, high_i32x8(s0), n0, packed, o2, dq, do),
+            _q6_finish(b1, high_i32x8(s1), n1, packed, o2, dq, do + nbk))
+
+
+@njit(inline="always")
 def _q6_pair_one(a, b, packed, o, o2, aq, ao, bs, bo, dq, do):
     """``_pair_one`` for the Q6_K layout."""
     s = zeros_i32x16()
@@ -340,7 +402,19 @@ def _q6_small_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bs, n_tok, n_in
             else:
                 a0, a1, a2, a3 = _q6_quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bs, bo, nb16, dq, do, nbk)
                 _store_quad(flat, at, n_out, a0, a1, a2, a3)
-        for t in range(n_quad, n_tok):
+        t_rest = n_quad
+        if two and n_tok - n_quad >= 2:
+            t = n_quad
+            at, ao, bo, do = t * n_out + 8 * g, t * n_in + b * QK_K, (t * nbk + b) * 16, t * nbk + b
+            a0, a1, c0, c1 = _q6_pair_duo(_load_one(flat, at, first), _load_one(flat, at + n_out, first),
+                                          _load_one(flat, at + 8, first), _load_one(flat, at + n_out + 8, first),
+                                          packed, o, o2, aq, ao, n_in, bs, bo, nb16, dq, do, nbk)
+            store_f32x8(flat, at, a0)
+            store_f32x8(flat, at + n_out, a1)
+            store_f32x8(flat, at + 8, c0)
+            store_f32x8(flat, at + n_out + 8, c1)
+            t_rest += 2
+        for t in range(t_rest, n_tok):
             at, ao, bo, do = t * n_out + 8 * g, t * n_in + b * QK_K, (t * nbk + b) * 16, t * nbk + b
             if two:
                 a, c = _q6_pair_one(_load_one(flat, at, first), _load_one(flat, at + 8, first), packed, o, o2, aq,
@@ -425,9 +499,32 @@ def _matmul_q6_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.nda
     _matmul_q6_pairs(packed, pb, pc, q, d, bsums, out, ob, oc)
 
 
+# Passes of up to this many tokens of Q4_K/Q5_K run on the eight-row kernels (the same bits), where the CPU
+# splits 512-bit operations (simd512.SPLIT_512); Q6_K's pairs are as fast as its eight rows there in decode
+# and faster from two tokens on.
+FEW_TOKENS_ON_EIGHT_ROWS = 3 if SPLIT_512 else 0
+
+
+def _few_on_eight_rows(pairs: Callable[..., None], eight_rows: Callable[..., None]) -> Callable[..., None]:
+    """``pairs``, with passes of up to ``FEW_TOKENS_ON_EIGHT_ROWS`` tokens on ``eight_rows`` instead."""
+    if not FEW_TOKENS_ON_EIGHT_ROWS:
+        return pairs
+
+    def matmul(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
+               pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
+               oc: np.ndarray = NO_OUTPUT) -> None:
+        kernel = eight_rows if out.shape[0] <= FEW_TOKENS_ON_EIGHT_ROWS else pairs
+        kernel(packed, q, d, bsums, out, pb, ob, pc, oc)
+
+    return matmul
+
+
+# the matmuls on these kernels alone, whatever the token count (tests compare them with the eight-row ones)
+PAIRS = {GGMLType.Q4_K: _matmul_q4_k, GGMLType.Q5_K: _matmul_q5_k, GGMLType.Q6_K: _matmul_q6_k}
+
 # kquant_rows8.REPACKED, with the matmuls on these kernels where the CPU has AVX-512 VNNI
 REPACKED = {
-    GGMLType.Q4_K: (r8.REPACKED[GGMLType.Q4_K][0], _matmul_q4_k),
-    GGMLType.Q5_K: (r8.REPACKED[GGMLType.Q5_K][0], _matmul_q5_k),
+    GGMLType.Q4_K: (r8.REPACKED[GGMLType.Q4_K][0], _few_on_eight_rows(_matmul_q4_k, r8.REPACKED[GGMLType.Q4_K][1])),
+    GGMLType.Q5_K: (r8.REPACKED[GGMLType.Q5_K][0], _few_on_eight_rows(_matmul_q5_k, r8.REPACKED[GGMLType.Q5_K][1])),
     GGMLType.Q6_K: (r8.REPACKED[GGMLType.Q6_K][0], _matmul_q6_k),
 } if WIDE else r8.REPACKED

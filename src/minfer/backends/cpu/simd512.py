@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import llvmlite.binding as llb
+import numba
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -44,6 +46,20 @@ from minfer.backends.cpu.simd import (
 
 WIDE = VNNI and os.environ.get("MINFER_AVX512", "1") != "0" and all(
     target_has(f) for f in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+def target_cpu_name() -> str:
+    """The CPU numba compiles for: ``NUMBA_CPU_NAME`` where set (a portable cache), else the host's (LLVM's
+    name: ``znver4``, ``sapphirerapids``, ...)."""
+    name = numba.config.CPU_NAME
+    return llb.get_host_cpu_name() if name in (None, "", "host") else name
+
+
+# CPUs that run a 512-bit operation as two 256-bit halves (AMD Zen 4), where the Q4_K/Q5_K pairs do not
+# pay in passes of a few tokens: there a decode's weights stream from memory at 10-17 GB/s on the pairs
+# and 20-30 GB/s on the eight-row kernels (1.7B shapes, 1-2 threads; 3 tokens 1.3-1.45x, 4 tokens even).
+# Sapphire Rapids ran the pairs' decode faster than the eight-row kernels'.
+SPLIT_512 = target_cpu_name() == "znver4"
 
 i32x16 = VecType("i32", 16)
 i8x64 = VecType("i8", 64)
