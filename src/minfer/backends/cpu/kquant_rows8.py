@@ -293,6 +293,20 @@ def _quad(a0, a1, a2, a3, packed, o, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, fiv
 
 
 @njit(inline="always")
+def _duo(a0, a1, packed, o, aq, ao, n_in, bp, bo, nb8, dq, do, nbk, five):
+    """Two consecutive tokens through one super-block of a group, each weight register unpacked once."""
+    s0 = s1 = zeros_i32x8()
+    osc = o + _SCALES + _Q5_EXTRA * five
+    for j in range(8):
+        w = _values(packed, o, j, five)
+        sc = scale_pairs8(packed, osc + 8 * j)
+        s0 = _sub(s0, w, sc, aq, ao + 32 * j)
+        s1 = _sub(s1, w, sc, aq, ao + n_in + 32 * j)
+    return (_finish(a0, s0, packed, o, bp, bo, dq, do, five),
+            _finish(a1, s1, packed, o, bp, bo + nb8, dq, do + nbk, five))
+
+
+@njit(inline="always")
 def _member(gg, pa, pb, pc, oa, ob, oc, fa, fb, fc):
     """Group ``gg`` of a call's weights a, b, c (in that order): (its weight, its flat output (``fa``, ``fb``,
     ``fc``: the outputs' flat views, made once per call: a view made per item, its reference counted by both
@@ -358,7 +372,16 @@ def _small_pass(packed, flat, n_out, g, og, aq, dq, bp, n_tok, n_in, nbk, five):
             a0, a1, a2, a3 = _quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bp, t * nb8 + 8 * b,
                                    nb8, dq, t * nbk + b, nbk, five)
             _store_quad(flat, at, n_out, a0, a1, a2, a3)
-        for t in range(n_quad, n_tok):
+        t_rest = n_quad
+        if n_tok - n_quad >= 2:  # two of the last three tokens on one unpacking of the weights
+            t = n_quad
+            at = t * n_out + 8 * g
+            a0, a1 = _duo(_load_one(flat, at, first), _load_one(flat, at + n_out, first), packed, o, aq,
+                          t * n_in + b * QK_K, n_in, bp, t * nb8 + 8 * b, nb8, dq, t * nbk + b, nbk, five)
+            store_f32x8(flat, at, a0)
+            store_f32x8(flat, at + n_out, a1)
+            t_rest += 2
+        for t in range(t_rest, n_tok):
             at = t * n_out + 8 * g
             store_f32x8(flat, at, _one(_load_one(flat, at, first), packed, o, aq, t * n_in + b * QK_K, bp,
                                        t * nb8 + 8 * b, dq, t * nbk + b, five))
@@ -618,7 +641,7 @@ def _q6_small_pass(packed, flat, n_out, g, og, aq, dq, bs, n_tok, n_in, nbk):
             a0, a1, a2, a3 = _q6_quad(a0, a1, a2, a3, packed, o, aq, t * n_in + b * QK_K, n_in, bs,
                                       (t * nbk + b) * 16, nb16, dq, t * nbk + b, nbk)
             _store_quad(flat, at, n_out, a0, a1, a2, a3)
-        for t in range(n_quad, n_tok):
+        for t in range(n_quad, n_tok):  # (two tokens on one unpacking spill registers here: 1.2-1.4x slower)
             at = t * n_out + 8 * g
             store_f32x8(flat, at, _q6_one(_load_one(flat, at, first), packed, o, aq, t * n_in + b * QK_K, bs,
                                           (t * nbk + b) * 16, dq, t * nbk + b))
