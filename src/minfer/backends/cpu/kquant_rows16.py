@@ -39,6 +39,7 @@ from minfer.backends.cpu.kquant_rows8 import (
     NO_OUTPUT,
     NO_WEIGHT,
     PREFETCH_BYTES,
+    Q6_DECODE_PREFETCH,
     Q6_SB_BYTES,
     QK_K,
     QUAD,
@@ -388,7 +389,8 @@ def _q6_small_pass(packed, flat, n_out, g, two, og, og2, aq, dq, bs, n_tok, n_in
     n_quad = n_tok - n_tok % QUAD
     for b in range(nbk):
         o, o2 = og + b * Q6_SB_BYTES, og2 + b * Q6_SB_BYTES
-        _prefetch_block(packed, o, o2, two, Q6_SB_BYTES)
+        if Q6_DECODE_PREFETCH:
+            _prefetch_block(packed, o, o2, two, Q6_SB_BYTES)
         first = b == 0
         for t in range(0, n_quad, QUAD):
             at, ao, bo, do = t * n_out + 8 * g, t * n_in + b * QK_K, (t * nbk + b) * 16, t * nbk + b

@@ -86,6 +86,7 @@ from minfer.backends.cpu.simd import (
     zeros_f32x8,
     zeros_i32x8,
 )
+from minfer.backends.cpu.simd512 import target_cpu_name
 from minfer.formats.quants import GGMLType
 
 QK_K = 256
@@ -96,8 +97,12 @@ _SCALES, _MINS, _D, _NDMIN = 1024, 1088, 1152, 1168
 QUAD = 4  # tokens whose accumulators stay in registers through one pass over a group
 # Prefetch distance, 1.7B Q4_K_M decode at 2 threads on a Sapphire Rapids-class VM (weights from DRAM):
 # 256 bytes 17.4 t/s, 512 19.0, 1024 18.8, 2048 14.7 (the eight-row matmul alone: 22.7, 24.8, 20.9,
-# 16.9 GB/s); other CPUs may want another distance (not measured yet).
+# 16.9 GB/s).
 PREFETCH_BYTES = 512  # decode: how far ahead in the group's stream to fetch
+# Zen 4 streams a decode's Q6_K weights faster on its hardware prefetchers alone: 2048x8192 on kquant_rows16's
+# kernels, 1-2 tokens, 0.84-0.94x the time at 2 threads, 0.78-0.87x at 1 (Q4_K: 0.89-1.17x, no clear sign,
+# so it keeps them; Sapphire Rapids decoded faster with them: 1.7B Q4_K_M tg32 14.7 -> 19.0 t/s at 512 bytes)
+Q6_DECODE_PREFETCH = target_cpu_name() != "znver4"
 
 
 def supports(ggml_type: GGMLType, n_out: int, n_in: int) -> bool:
@@ -632,8 +637,9 @@ def _q6_small_pass(packed, flat, n_out, g, og, aq, dq, bs, n_tok, n_in, nbk):
     n_quad = n_tok - n_tok % QUAD
     for b in range(nbk):
         o = og + b * Q6_SB_BYTES
-        for k in range(0, Q6_SB_BYTES, 64):
-            prefetch(packed, o + Q6_PREFETCH_BYTES + k)
+        if Q6_DECODE_PREFETCH:
+            for k in range(0, Q6_SB_BYTES, 64):
+                prefetch(packed, o + Q6_PREFETCH_BYTES + k)
         first = b == 0
         for t in range(0, n_quad, QUAD):
             at = t * n_out + 8 * g
