@@ -73,7 +73,7 @@ def test_few_token_passes_take_the_eight_row_kernels_where_512_bits_are_split(mo
     """On a CPU that splits 512-bit operations (Zen 4) a decode of Q4_K/Q5_K streams its weights faster on the
     eight-row kernels: matmul and a plan's bound call run them for passes of up to FEW_TOKENS_ON_EIGHT_ROWS
     tokens, the pairs from there on (Q6_K: always the pairs)."""
-    assert r16.FEW_TOKENS_ON_EIGHT_ROWS == (3 if simd512.target_cpu_name() == "znver4" else 0)
+    assert r16.FEW_TOKENS_ON_EIGHT_ROWS == (3 if simd.target_cpu_name() == "znver4" else 0)
     ran = []
     eight, pairs, q6_pairs = r8._matmul, r16._matmul_pairs, r16._matmul_q6_pairs
     monkeypatch.setattr(r8, "_matmul", lambda *a: (ran.append("eight"), eight(*a)))
@@ -88,7 +88,7 @@ def test_few_token_passes_take_the_eight_row_kernels_where_512_bits_are_split(mo
         km.direct_call(x, p, out, None)()
         assert ran == ["eight" if n_tok <= few else "pairs"] * 2, n_tok
         ran.clear()
-    print(f"CPU {simd512.target_cpu_name()}: {t.name} passes of up to {few} tokens on the eight-row kernels")
+    print(f"CPU {simd.target_cpu_name()}: {t.name} passes of up to {few} tokens on the eight-row kernels")
 
 
 @pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)

@@ -233,7 +233,7 @@ def _matmul_q4_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.nda
     if out.shape[0] >= AMX_TOKENS and amx.usable():
         _matmul_tiles(packed, pb, pc, q, d, bsums, out, ob, oc, CONFIG)
     else:
-        r16.REPACKED[GGMLType.Q4_K][1](packed, q, d, bsums, out, pb, ob, pc, oc)
+        r16.matmul_q4_k(packed, q, d, bsums, out, pb, ob, pc, oc)
 
 
 # --- Q6_K ------------------------------------------------------------------------------------------

@@ -524,9 +524,14 @@ def _few_on_eight_rows(pairs: Callable[..., None], eight_rows: Callable[..., Non
 # the matmuls on these kernels alone, whatever the token count (tests compare them with the eight-row ones)
 PAIRS = {GGMLType.Q4_K: _matmul_q4_k, GGMLType.Q5_K: _matmul_q5_k, GGMLType.Q6_K: _matmul_q6_k}
 
+# Q4_K's and Q5_K's matmuls: these kernels, or the eight-row ones for a few tokens (kquant_amx's Q4_K outside
+# the tiles too)
+matmul_q4_k = _few_on_eight_rows(_matmul_q4_k, r8.REPACKED[GGMLType.Q4_K][1])
+matmul_q5_k = _few_on_eight_rows(_matmul_q5_k, r8.REPACKED[GGMLType.Q5_K][1])
+
 # kquant_rows8.REPACKED, with the matmuls on these kernels where the CPU has AVX-512 VNNI
 REPACKED = {
-    GGMLType.Q4_K: (r8.REPACKED[GGMLType.Q4_K][0], _few_on_eight_rows(_matmul_q4_k, r8.REPACKED[GGMLType.Q4_K][1])),
-    GGMLType.Q5_K: (r8.REPACKED[GGMLType.Q5_K][0], _few_on_eight_rows(_matmul_q5_k, r8.REPACKED[GGMLType.Q5_K][1])),
+    GGMLType.Q4_K: (r8.REPACKED[GGMLType.Q4_K][0], matmul_q4_k),
+    GGMLType.Q5_K: (r8.REPACKED[GGMLType.Q5_K][0], matmul_q5_k),
     GGMLType.Q6_K: (r8.REPACKED[GGMLType.Q6_K][0], _matmul_q6_k),
 } if WIDE else r8.REPACKED

@@ -83,10 +83,10 @@ from minfer.backends.cpu.simd import (
     splat_at,
     splat_constant,
     store_f32x8,
+    target_cpu_name,
     zeros_f32x8,
     zeros_i32x8,
 )
-from minfer.backends.cpu.simd512 import target_cpu_name
 from minfer.formats.quants import GGMLType
 
 QK_K = 256

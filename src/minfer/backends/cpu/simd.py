@@ -54,6 +54,13 @@ def target_has(feature: str) -> bool:
     return bool(llb.get_host_cpu_features().get(feature, False))
 
 
+def target_cpu_name() -> str:
+    """The CPU numba compiles for: ``NUMBA_CPU_NAME`` where set (a portable cache), else the host's (LLVM's
+    name: ``znver4``, ``sapphirerapids``, ...)."""
+    name = numba.config.CPU_NAME
+    return llb.get_host_cpu_name() if name in (None, "", "host") else name
+
+
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # x86 AVX2: pmaddubsw/pmaddwd/psignb directly (LLVM does not form them from the generic IR below).
 # MINFER_GENERIC_SIMD=1 forces the generic integer formulation, the one other CPUs run (tests compare

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 
-import llvmlite.binding as llb
-import numba
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -41,18 +39,12 @@ from minfer.backends.cpu.simd import (
     load_element,
     shuffle_mask,
     splat_constant,
+    target_cpu_name,
     target_has,
 )
 
 WIDE = VNNI and os.environ.get("MINFER_AVX512", "1") != "0" and all(
     target_has(f) for f in ("avx512f", "avx512bw", "avx512vnni"))
-
-
-def target_cpu_name() -> str:
-    """The CPU numba compiles for: ``NUMBA_CPU_NAME`` where set (a portable cache), else the host's (LLVM's
-    name: ``znver4``, ``sapphirerapids``, ...)."""
-    name = numba.config.CPU_NAME
-    return llb.get_host_cpu_name() if name in (None, "", "host") else name
 
 
 # CPUs that run a 512-bit operation as two 256-bit halves (AMD Zen 4), where the Q4_K/Q5_K pairs do not
