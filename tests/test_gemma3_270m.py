@@ -50,7 +50,7 @@ def test_architecture_and_layout(model):
     assert [il for il in range(18) if not hp.is_swa(il)] == [5, 11, 17]
     assert hp.layer_rope(0) == (10000.0, 1.0) and hp.layer_rope(5) == (1e6, 1.0)
     assert model.transformer.tied_output
-    types = {t.ggml_type.name for t in model.transformer.gguf if len(t.shape) == 2}
+    types = {t.ggml_type.name for t in model.transformer.source.file if len(t.shape) == 2}
     assert types == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
 
 

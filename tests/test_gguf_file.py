@@ -151,19 +151,19 @@ def test_unsupported_architecture(tmp_path):
     p = _write_gguf(tmp_path / "m.gguf", arch="mamba")
     with pytest.raises(ModelError,
                        match="unsupported architecture 'mamba'.*llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
-        TransformerModel.from_gguf(p)
+        TransformerModel.from_path(p)
 
 
 def test_missing_tensor(tmp_path):
     p = _write_gguf(tmp_path / "m.gguf", drop={"blk.1.ffn_up.weight"})
     with pytest.raises(FormatError, match="missing tensor 'blk.1.ffn_up.weight'"):
-        TransformerModel.from_gguf(p)
+        TransformerModel.from_path(p)
 
 
 def test_wrong_tensor_shape(tmp_path):
     p = _write_gguf(tmp_path / "m.gguf", reshape="blk.0.attn_k.weight")
     with pytest.raises(ModelError, match=r"'blk.0.attn_k.weight' has shape \(31, 64\), expected \(32, 64\)"):
-        TransformerModel.from_gguf(p)
+        TransformerModel.from_path(p)
 
 
 def test_missing_metadata_key(tmp_path):
@@ -176,4 +176,4 @@ def test_missing_metadata_key(tmp_path):
     data[i : i + len(key)] = b"llama.blocks_cnt"[: len(key)].ljust(len(key), b"_")
     p.write_bytes(bytes(data))
     with pytest.raises(FormatError, match="missing metadata key 'llama.block_count'"):
-        TransformerModel.from_gguf(p)
+        TransformerModel.from_path(p)

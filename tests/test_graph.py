@@ -20,7 +20,7 @@ from minfer.runtime.kv_cache import KVCache
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return TransformerModel.from_gguf(fixture_dir("qwen3") / "model-f32.gguf")
+    return TransformerModel.from_path(fixture_dir("qwen3") / "model-f32.gguf")
 
 
 def test_layer_recipe_order(qwen3):
@@ -120,7 +120,7 @@ def test_printing_formats(qwen3):
 
 
 def test_matmuls_reading_one_activation_share_its_quantization():
-    model = TransformerModel.from_gguf(fixture_dir("llama") / "model-q8_0.gguf")
+    model = TransformerModel.from_path(fixture_dir("llama") / "model-q8_0.gguf")
     g = fuse(model.build_graph(3, 3, 16), quantized_input=lambda w: True)
     quantize = [n for n in g.nodes if n.op is Op.QUANTIZE]
     assert len(quantize) == 2 * model.hparams.n_layer  # attn_norm -> q/k/v, ffn_norm -> gate/up
@@ -147,7 +147,7 @@ def test_plans_of_one_runner_share_their_buffers():
     the same logits as plans with buffers of their own."""
     from minfer.runtime.forward import ForwardRunner
 
-    model = TransformerModel.from_gguf(fixture_dir("llama") / "model-q8_0.gguf")
+    model = TransformerModel.from_path(fixture_dir("llama") / "model-q8_0.gguf")
     backend = CPUBackend(kernels="fast")
     runner = ForwardRunner(model, backend, KVCache(model.hparams, 64, n_seq=2))
     big = runner.plan(12, 12)
@@ -178,7 +178,7 @@ def test_a_prompt_that_grows_the_arena_keeps_the_small_plans():
     growth that would leave much memory with the old plans drops them."""
     from minfer.runtime.forward import ForwardRunner
 
-    model = TransformerModel.from_gguf(fixture_dir("llama") / "model-q8_0.gguf")
+    model = TransformerModel.from_path(fixture_dir("llama") / "model-q8_0.gguf")
     backend = CPUBackend(kernels="fast")
     runner = ForwardRunner(model, backend, KVCache(model.hparams, 256))
     decode = runner.plan(1, 1)

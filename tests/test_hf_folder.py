@@ -28,6 +28,7 @@ from conftest import (
 
 import minfer
 from minfer.graph.ir import RopeStyle
+from minfer.models.hf_checkpoint import HFCheckpoint
 
 TOL = 1e-4
 
@@ -46,7 +47,7 @@ def _max_diff(model, arch: str) -> float:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_hf_folder_logits_match_transformers(arch, threads, kernels):
     model = minfer.load(fixture_dir(arch) / "hf", n_ctx=64, threads=threads, kernels=kernels)
-    assert model.transformer.rope_style is RopeStyle.NEOX and model.transformer.hf is not None
+    assert model.transformer.rope_style is RopeStyle.NEOX and isinstance(model.transformer.source, HFCheckpoint)
     for k, seq in enumerate(fixture_sequences(arch)):
         got, want = model.logits(seq), fixture_logits(arch, k)
         assert got.shape == want.shape

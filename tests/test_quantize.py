@@ -141,7 +141,7 @@ def _dequantized_folder(model, dst: Path) -> Path:
     for f in model.path.iterdir():
         if not f.name.endswith(".safetensors"):
             shutil.copy(f, dst / f.name)
-    spec = model.transformer.hf.spec
+    spec = model.transformer.source.spec
     out = {}
     for name, t in model.transformer.tensors.items():
         w = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(int(t.ggml_type)))

@@ -196,9 +196,7 @@ class Model:
     @property
     def pooling(self) -> Pooling:
         """The pooling embeddings get by default: the GGUF's ``<arch>.pooling_type``, else ``mean``."""
-        if self.transformer.gguf is None:
-            return "mean"
-        return model_pooling(self.transformer.metadata, self.hparams.arch)
+        return model_pooling(self.transformer.source.pooling_type(), self.hparams.arch)
 
     def embed_inputs(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
         """The token ids of each input: a string, a list of strings, a list of token ids or a list of such
@@ -456,8 +454,7 @@ class Model:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
         if self.chat_template is None:
-            where = "tokenizer_config.json chat_template" if self.transformer.hf else "tokenizer.chat_template"
-            raise BadRequestError(f"{self.path} has no chat template ({where})")
+            raise BadRequestError(f"{self.path} has no chat template ({self.transformer.source.chat_template_field})")
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
     # -- evaluation -------------------------------------------------------------------------------

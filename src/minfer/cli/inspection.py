@@ -101,18 +101,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for k, v in vars(model.hparams).items():
         print(f"  {k} = {v.describe() if hasattr(v, 'describe') else v}")
     print(f"  kv cache (f32) = {format_bytes(model.hparams.kv_f32_bytes_per_position)} per position")
-    source = "metadata" if model.gguf is not None else "config.json"
-    print(f"\n{source}:")
-    shown = model.gguf.summary_metadata() if model.gguf is not None else model.metadata
-    for k, v in shown.items():
+    print(f"\n{model.source.metadata_title}:")
+    for k, v in model.source.shown_metadata().items():
         print(f"  {k} = {v}")
     if args.tensors:
         print("\ntensors:")
         for name, t in model.tensors.items():
-            shown_name = name
-            if model.hf is not None:
-                from minfer.models.hf_checkpoint import hf_tensor_name
-
-                shown_name = f"{name} ({hf_tensor_name(model.hf.spec, name)})"
+            stored = model.source.stored_name(name)
+            shown_name = name if stored == name else f"{name} ({stored})"
             print(f"  {shown_name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {format_bytes(t.nbytes):>12s}")
     return 0

@@ -18,16 +18,20 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minfer.errors import FormatError, ModelError
 from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture, HFArchitecture
-from minfer.models.hparams import HParams, check_layer_count, layer_indices
+from minfer.models.hparams import HParams, check_layer_count, hf_field_name, layer_indices
 from minfer.models.registry import architecture_of_model_type
 from minfer.models.rope_scaling import hf_rope_parameters, rope_scaling_from_hf
+
+if TYPE_CHECKING:
+    from minfer.formats.chat_template import ChatTemplate
+    from minfer.formats.tokenizer import Tokenizer
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")  # .match: the layer number first (check_layer_count)
 # buffers some older checkpoints saved, that the recipe recomputes
@@ -152,7 +156,8 @@ def _sliding_window(cfg: Mapping[str, Any], n_layer: int, spec: HFArchitecture, 
 
 @dataclass
 class HFCheckpoint:
-    """An HF folder opened for the engine: its files, hyperparameters and tensors under engine names."""
+    """An HF folder opened for the engine (a :class:`~minfer.models.tensor_source.TensorSource`): its files,
+    hyperparameters and tensors under engine names."""
 
     directory: Path
     config: dict[str, Any]
@@ -161,9 +166,15 @@ class HFCheckpoint:
     arch: Architecture
     folder: SafetensorsFolder
     hparams: HParams
-    tensors: dict[str, GGUFTensor]  # engine names
+    tensors: dict[str, GGUFTensor | ExpertTensors]  # engine names
     origin: dict[str, tuple[str, Path]]  # engine name -> (HF name, file)
-    quantized: str | None = None  # the --quantize type applied at load, if any
+
+    metadata_title = "config.json"
+    chat_template_field = "tokenizer_config.json chat_template"
+
+    @property
+    def path(self) -> Path:
+        return self.directory
 
     @property
     def spec(self) -> HFArchitecture:
@@ -174,9 +185,65 @@ class HFCheckpoint:
     def rope_style(self) -> RopeStyle:
         return RopeStyle.NEOX  # unpermuted HF weights: pairs (i, i + n_rot/2), for every architecture
 
+    @property
+    def format_name(self) -> str:
+        n = len(self.folder.files)
+        shards = f", {n} shards ({self.folder.index_path.name})" if self.folder.sharded else ""  # type: ignore[union-attr]
+        return f"HF safetensors folder{shards}"
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.config
+
+    def shown_metadata(self) -> Mapping[str, Any]:
+        return self.config
+
+    def field_name(self, field: str) -> str:
+        return hf_field_name(field)
+
     def describe_tensor(self, name: str) -> str:
         hf_name, file = self.origin.get(name, (name, self.directory))
         return f"{file}: tensor {hf_name!r}"
+
+    def stored_name(self, name: str) -> str:
+        return hf_tensor_name(self.spec, name)
+
+    def expert_count_field(self) -> str:
+        return f"{self.directory / 'config.json'}: {self.spec.expert_count_key}"
+
+    def load_tokenizer(self, n_vocab: int) -> Tokenizer:
+        from minfer.formats.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(self.directory, self.config, self.tokenizer_config, self.generation_config,
+                                 n_model_vocab=n_vocab)
+
+    def load_chat_template(self, tokenizer: Tokenizer) -> ChatTemplate | None:
+        from minfer.formats.hf_tokenizer import load_hf_chat_template
+
+        return load_hf_chat_template(self.directory, self.tokenizer_config)
+
+    def generation_defaults(self) -> dict[str, Any]:
+        from minfer.formats.hf_tokenizer import generation_defaults
+
+        return generation_defaults(self.generation_config)
+
+    def pooling_type(self) -> int | None:
+        return None  # a causal LM's folder declares no pooling (sentence-transformers' modules.json is not read)
+
+    def vocab_summary(self) -> dict[str, Any]:
+        import json
+
+        from minfer.formats.hf_tokenizer import load_hf_tokenizer
+
+        tok = load_hf_tokenizer(self.directory, self.config, self.tokenizer_config, self.generation_config)
+        spec = json.loads((self.directory / "tokenizer.json").read_text(encoding="utf-8"))
+        kind = (spec.get("model") or {}).get("type") or "?"
+        return {"type": f"HF tokenizer.json ({kind}, {tok.decoder_kind})", "size": tok.vocab_size,
+                "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos}
+
+    def source_summary(self) -> dict[str, Any]:
+        return {"format": self.format_name, "hf_model_type": self.spec.model_type,
+                "hf_architectures": self.config.get("architectures"), "files": [f.path.name for f in self.folder.files]}
 
 
 def _json_object(path: Path, required: bool) -> dict[str, Any] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from minfer.errors import FormatError, ModelError
@@ -225,13 +225,21 @@ def check_layer_count(n_layer: int, present: set[int], where: str, key: str) -> 
         raise FormatError(f"{where}: {key} says {n_layer} layers but the tensors are for {n_present}{holes}")
 
 
-def check_hparams(hp: HParams, where: str, hf: bool) -> None:
+def gguf_field_name(fld: str) -> str:
+    """The GGUF metadata key (after ``<arch>.``) a hyperparameter is read from."""
+    return FIELD_SOURCES.get(fld, (fld, fld))[0]
+
+
+def hf_field_name(fld: str) -> str:
+    """The config.json field a hyperparameter is read from."""
+    return FIELD_SOURCES.get(fld, (fld, fld))[1]
+
+
+def check_hparams(hp: HParams, where: str, name: Callable[[str], str]) -> None:
     """The one pass over every hyperparameter, whatever file it came from: counts positive and
     consistent, every float finite and in range. A value that would load and then give NaN logits
-    (``rope.freq_base`` NaN or <= 0, a negative epsilon, a zero rotary width) is a FormatError naming it."""
-
-    def name(fld: str) -> str:
-        return FIELD_SOURCES.get(fld, (fld, fld))[1 if hf else 0]
+    (``rope.freq_base`` NaN or <= 0, a negative epsilon, a zero rotary width) is a FormatError naming it
+    (``name``: the field's name in the checkpoint's format)."""
 
     for fld in POSITIVE_INTS:
         v = getattr(hp, fld)

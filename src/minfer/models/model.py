@@ -1,5 +1,6 @@
-"""A decoder-only transformer loaded from a GGUF file or a Hugging Face folder: hyperparameters,
-architecture, tensors (under the engine's GGUF-style names) and the RoPE pairing its weights need."""
+"""A decoder-only transformer loaded from a checkpoint (:mod:`minfer.models.tensor_source`: a GGUF file or a
+Hugging Face folder): hyperparameters, architecture, tensors (under the engine's GGUF-style names) and the RoPE
+pairing its weights need. Nothing here knows which format the checkpoint is."""
 
 from __future__ import annotations
 
@@ -9,89 +10,51 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minfer.errors import FormatError, ModelError
-from minfer.formats.gguf_file import ExpertTensors, GGUFFile, GGUFTensor
+from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.quants import SUPPORTED_TYPES, is_supported
 from minfer.graph.ir import Graph, RopeStyle
-from minfer.models.architecture import Architecture
 from minfer.models.decoder import build_decoder_graph
-from minfer.models.hparams import FIELD_SOURCES, GGUF_LAYER, HParams, check_hparams, check_layer_count, layer_indices
-from minfer.models.registry import get_architecture
+from minfer.models.hparams import GGUF_LAYER, check_hparams, check_layer_count, layer_indices
+from minfer.models.tensor_source import TensorSource, open_tensor_source
 
 if TYPE_CHECKING:
     from minfer.formats.chat_template import ChatTemplate
     from minfer.formats.tokenizer import Tokenizer
-    from minfer.models.hf_checkpoint import HFCheckpoint
 
 
 class TransformerModel:
-    """Weights stay in the file's memory map; nothing is copied at load time (unless quantized at load).
+    """Weights stay in the checkpoint's memory map; nothing is copied at load time (unless quantized at load).
 
-    ``gguf`` is the GGUF file the model came from, ``hf`` the HF folder (one of them is None).
-    ``tensors`` maps engine names to tensors either way.
+    ``source`` is the checkpoint (a :class:`~minfer.models.tensor_source.TensorSource`: a GGUF file or an
+    HF folder); ``tensors`` maps engine names to its tensors, whatever the format.
     """
 
-    def __init__(
-        self,
-        gguf: GGUFFile | None,
-        arch: Architecture,
-        hparams: HParams,
-        *,
-        hf: HFCheckpoint | None = None,
-        rope_style: RopeStyle | None = None,
-    ) -> None:
-        if (gguf is None) == (hf is None):
-            raise ValueError("TransformerModel needs exactly one of a GGUF file and an HF folder")
-        self.gguf = gguf
-        self.hf = hf
-        self.arch = arch
-        self.hparams = hparams
-        self.path: Path = gguf.path if gguf is not None else hf.directory  # type: ignore[union-attr]
-        self.tensors: dict[str, GGUFTensor | ExpertTensors] = dict(gguf.tensors if gguf is not None else hf.tensors)  # type: ignore[union-attr]
-        if arch.split_fused is not None:
-            self.tensors = arch.split_fused(self.tensors, hparams, self.describe_tensor)
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.arch = source.arch
+        self.hparams = hparams = source.hparams
+        self.path: Path = source.path
+        self.tensors: dict[str, GGUFTensor | ExpertTensors] = dict(source.tensors)
+        if self.arch.split_fused is not None:
+            self.tensors = self.arch.split_fused(self.tensors, hparams, self.describe_tensor)
         for name, t in self.tensors.items():  # GGUF's stacked expert tensors: one view per expert
             if isinstance(t, GGUFTensor) and len(t.shape) == 3 and name.endswith("_exps.weight"):
                 self.tensors[name] = ExpertTensors.from_stacked(t)
-        self._rope_style = rope_style
         self.quantized: str | None = None  # the load-time quantize type, if any
         self.output_tensor_name = "output.weight" if self.has_tensor("output.weight") else "token_embd.weight"
         check_layer_count(hparams.n_layer, layer_indices(self.tensors, GGUF_LAYER), str(self.path),
-                          FIELD_SOURCES["n_layer"][1 if hf is not None else 0])
-        check_hparams(hparams, str(self.path), hf=hf is not None)
+                          source.field_name("n_layer"))
+        check_hparams(hparams, str(self.path), source.field_name)
         self._validate()
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], quantize: str | None = None,
                   threads: int | None = None) -> TransformerModel:
         """A GGUF file or an HF model folder; ``quantize`` (``q8_0``/``q4_k``) quantizes float matrices at load."""
-        p = Path(path)
-        model = cls.from_hf(p) if p.is_dir() else cls.from_gguf(p)
+        model = cls(open_tensor_source(path))
         if quantize is not None:
             model.quantize(quantize, threads=threads)
         return model
-
-    @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str]) -> TransformerModel:
-        f = GGUFFile(path)
-        arch = get_architecture(f.architecture, str(f.path))
-        embd = f.tensor("token_embd.weight")
-        if len(embd.shape) != 2:
-            raise ModelError(f"{f.path}: tensor 'token_embd.weight' has shape {embd.shape}, expected 2-D")
-        n_vocab = embd.shape[0]
-        declared = f.get(f"{arch.name}.vocab_size")
-        if declared is not None and int(declared) != n_vocab:
-            raise ModelError(
-                f"{f.path}: {arch.name}.vocab_size is {declared} but token_embd.weight has {n_vocab} rows"
-            )
-        return cls(f, arch, arch.hparams_from_gguf(f, n_vocab))
-
-    @classmethod
-    def from_hf(cls, directory: str | os.PathLike[str]) -> TransformerModel:
-        """An HF folder (config.json + safetensors); see :mod:`minfer.models.hf_checkpoint`."""
-        from minfer.models.hf_checkpoint import open_hf_folder
-
-        ckpt = open_hf_folder(directory)
-        return cls(None, ckpt.arch, ckpt.hparams, hf=ckpt, rope_style=ckpt.rope_style)
 
     def quantize(self, qtype: str, threads: int | None = None) -> None:
         """Quantize every float matrix to ``qtype`` (``q8_0`` or ``q4_k``) in memory, as
@@ -114,7 +77,7 @@ class TransformerModel:
     def rope_style(self) -> RopeStyle:
         """How this checkpoint's weights pair RoPE dimensions: the architecture's GGUF layout, or NEOX for
         HF weights, whose q/k rows were never permuted."""
-        return self._rope_style or self.arch.rope_style
+        return self.source.rope_style or self.arch.rope_style
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
@@ -131,9 +94,7 @@ class TransformerModel:
 
     def describe_tensor(self, name: str) -> str:
         """Where a tensor comes from, for errors: the file and the name it has there."""
-        if self.hf is not None:
-            return self.hf.describe_tensor(name)
-        return f"{self.path}: tensor {name!r}"
+        return self.source.describe_tensor(name)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         hp = self.hparams
@@ -144,27 +105,18 @@ class TransformerModel:
             shapes.update(self.arch.layer_tensor_shapes(hp, il))
         return shapes
 
-    def _expert_count_field(self) -> str:
-        if self.hf is not None:
-            return f"{self.hf.directory / 'config.json'}: {self.arch.hf.expert_count_key}"
-        return f"{self.arch.name}.expert_count"
-
     def _validate(self) -> None:
         hp = self.hparams
         if hp.n_expert:
             for name, t in self.tensors.items():
                 if name.endswith(("_exps.weight", "ffn_gate_inp.weight")) and t.shape[0] != hp.n_expert:
                     raise ModelError(f"{self.describe_tensor(name)} holds {t.shape[0]} experts but "
-                                     f"{self._expert_count_field()} is {hp.n_expert}")
+                                     f"{self.source.expert_count_field()} is {hp.n_expert}")
         for name, shape in self.expected_shapes().items():
             t = self.tensors.get(name)
             if t is None:
-                if self.hf is not None:
-                    from minfer.models.hf_checkpoint import hf_tensor_name
-
-                    raise FormatError(f"{self.path}: missing tensor {hf_tensor_name(self.hf.spec, name)!r} "
-                                      f"({self.arch.name}, shape {shape})")
-                raise FormatError(f"{self.path}: missing tensor {name!r} ({self.arch.name}, shape {shape})")
+                raise FormatError(f"{self.path}: missing tensor {self.source.stored_name(name)!r} "
+                                  f"({self.arch.name}, shape {shape})")
             if t.shape != shape:
                 raise ModelError(f"{self.describe_tensor(name)} has shape {t.shape}, expected {shape}")
             if not is_supported(t.ggml_type):
@@ -181,51 +133,23 @@ class TransformerModel:
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    # -- what comes with the weights ----------------------------------------------------------------
+    # -- what comes with the weights: the source's ------------------------------------------------
 
     def load_tokenizer(self) -> Tokenizer:
-        if self.hf is not None:
-            from minfer.formats.hf_tokenizer import load_hf_tokenizer
-
-            h = self.hf
-            return load_hf_tokenizer(h.directory, h.config, h.tokenizer_config, h.generation_config,
-                                     n_model_vocab=self.hparams.n_vocab)
-        from minfer.formats.tokenizer import Tokenizer
-
-        assert self.gguf is not None
-        return Tokenizer.from_gguf_metadata(self.gguf.metadata, source=str(self.path))
+        return self.source.load_tokenizer(self.hparams.n_vocab)
 
     def load_chat_template(self, tokenizer: Tokenizer) -> ChatTemplate | None:
-        if self.hf is not None:
-            from minfer.formats.hf_tokenizer import load_hf_chat_template
-
-            return load_hf_chat_template(self.hf.directory, self.hf.tokenizer_config)
-        from minfer.formats.chat_template import ChatTemplate
-
-        assert self.gguf is not None
-        return ChatTemplate.from_gguf_metadata(self.gguf.metadata, tokenizer)
+        return self.source.load_chat_template(tokenizer)
 
     def generation_defaults(self) -> dict[str, Any]:
         """Sampling defaults the checkpoint ships (HF ``generation_config.json``); empty for GGUF files."""
-        if self.hf is None:
-            return {}
-        from minfer.formats.hf_tokenizer import generation_defaults
-
-        return generation_defaults(self.hf.generation_config)
+        return self.source.generation_defaults()
 
     @property
     def metadata(self) -> Mapping[str, Any]:
-        """The file's own description: GGUF metadata, or an HF folder's config.json."""
-        if self.gguf is not None:
-            return self.gguf.metadata
-        assert self.hf is not None
-        return self.hf.config
+        """The checkpoint's own description: GGUF metadata, or an HF folder's config.json."""
+        return self.source.metadata
 
     @property
     def format_name(self) -> str:
-        if self.gguf is not None:
-            return f"GGUF v{self.gguf.version}"
-        assert self.hf is not None
-        n = len(self.hf.folder.files)
-        shards = f", {n} shards ({self.hf.folder.index_path.name})" if self.hf.folder.sharded else ""  # type: ignore[union-attr]
-        return f"HF safetensors folder{shards}"
+        return self.source.format_name

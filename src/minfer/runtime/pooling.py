@@ -9,7 +9,6 @@ returned as they are, as llama-server does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -28,10 +27,9 @@ def check_pooling(value: Any) -> Pooling:
     return value  # type: ignore[no-any-return]
 
 
-def model_pooling(metadata: Mapping[str, Any], arch: str) -> Pooling:
-    """The pooling a GGUF file declares (``<arch>.pooling_type``), else ``mean``. A type this engine does
-    not have (``rank``: a reranker's classification head) is refused by name."""
-    raw = metadata.get(f"{arch}.pooling_type")
+def model_pooling(raw: int | None, arch: str) -> Pooling:
+    """The pooling a checkpoint declares (``raw``: a GGUF file's ``<arch>.pooling_type``), else ``mean``. A
+    type this engine does not have (``rank``: a reranker's classification head) is refused by name."""
     if raw is None or int(raw) == -1:  # -1: LLAMA_POOLING_TYPE_UNSPECIFIED
         return "mean"
     try:

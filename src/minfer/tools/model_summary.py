@@ -4,33 +4,11 @@ RoPE and the features its layer recipe turns on. :func:`summarize` gives it as p
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from typing import Any
 
 from minfer.models.architecture import QKNorm
 from minfer.models.model import TransformerModel
-
-
-def _vocab(model: TransformerModel) -> dict[str, Any]:
-    if model.hf is not None:
-        from minfer.formats.hf_tokenizer import load_hf_tokenizer
-
-        h = model.hf
-        tok = load_hf_tokenizer(h.directory, h.config, h.tokenizer_config, h.generation_config)
-        spec = json.loads((h.directory / "tokenizer.json").read_text(encoding="utf-8"))
-        kind = (spec.get("model") or {}).get("type") or "?"
-        return {"type": f"HF tokenizer.json ({kind}, {tok.decoder_kind})", "size": tok.vocab_size,
-                "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos}
-    md = model.metadata
-    kind = md.get("tokenizer.ggml.model")
-    names = {"gpt2": "gpt2 BPE (byte-level)", "llama": "SentencePiece (llama)"}
-    text = names.get(kind, str(kind)) if kind is not None else "none (no tokenizer.ggml.model)"
-    pre = md.get("tokenizer.ggml.pre")
-    tokens = md.get("tokenizer.ggml.tokens")
-    return {"type": text + (f", pre {pre!r}" if pre else ""), "size": len(tokens) if tokens else None,
-            "bos_id": md.get("tokenizer.ggml.bos_token_id"), "eos_id": md.get("tokenizer.ggml.eos_token_id"),
-            "add_bos": md.get("tokenizer.ggml.add_bos_token")}
 
 
 def summarize(model: TransformerModel) -> dict[str, Any]:
@@ -79,11 +57,7 @@ def summarize(model: TransformerModel) -> dict[str, Any]:
         if model.quantized == "q4_k" and ("Q5_0" in types or "F16" in types):
             note = "; rows that are not whole 256-value super-blocks fall back to Q5_0 (or F16), as in llama.cpp"
         features.append(f"quantized at load ({model.quantized}{note})")
-    source: dict[str, Any] = {"format": model.format_name}
-    if model.hf is not None:
-        source["hf_model_type"] = model.hf.spec.model_type
-        source["hf_architectures"] = model.hf.config.get("architectures")
-        source["files"] = [f.path.name for f in model.hf.folder.files]
+    source = model.source.source_summary()
     style = model.rope_style.value
     pairs = "(i, i + n_rot/2)" if style == "neox" else "(2i, 2i+1)"
     return {
@@ -93,7 +67,7 @@ def summarize(model: TransformerModel) -> dict[str, Any]:
         "n_tensors": len(model.tensors),
         "weight_bytes": model.weight_bytes,
         "tensor_types": dict(types.most_common()),
-        "vocab": _vocab(model),
+        "vocab": model.source.vocab_summary(),
         "context_length": hp.n_ctx_train,
         "geometry": {"n_layer": hp.n_layer, "n_embd": hp.n_embd, "n_ff": hp.n_ff, "n_head": hp.n_head,
                      "n_head_kv": hp.n_head_kv, "head_dim_k": hp.head_dim_k, "head_dim_v": hp.head_dim_v,
