@@ -171,7 +171,8 @@ StepParts = tuple[Node, Callable[..., None], Any, tuple[Any, ...]]
 
 
 class Backend(Protocol):
-    """Everything the plan, the runner and the engine ask of a backend (nothing is probed with getattr)."""
+    """Everything the plan, the runner, the engine and the trace explorer ask of a backend (nothing is probed
+    with getattr)."""
 
     compiler: KernelCompiler  # kernels compiled ahead of their first call, in announced batches
     expert_reads: ExpertReads
