@@ -12,7 +12,7 @@ from explorer_process import explorer_process
 
 import minfer
 from minfer.testing.server_process import ServerProcess
-from minfer.trace.explorer import DumpRun, compare
+from minfer.trace.compare import DumpRun, compare
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 

@@ -44,8 +44,9 @@ from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.runtime.speculative.draft_model import check_vocabulary
+from minfer.trace.capture import TraceCapture
 from minfer.trace.dump import Dumper
-from minfer.trace.explorer import ForwardTrace, TraceCapture
+from minfer.trace.explorer import ForwardTrace
 from minfer.trace.tracer import Tracer
 
 DEFAULT_N_CTX = 4096
@@ -187,7 +188,7 @@ class Model:
         arena = sum(a.nbytes for a in plan.pool) + kv.nbytes
         trace = ForwardTrace.run(plan.graph, self.hparams, ids, [self.tokenizer.decode([t]) for t in ids],
                                  kv.cache_type, self.path.name, execute, lambda t: self.tokenizer.decode([t]),
-                                 budget, arena)
+                                 self.backend, budget, arena)
         trace.description = description or f"{self.path.name}, {kv.cache_type} cache"
         return trace
 

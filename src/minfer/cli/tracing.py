@@ -102,7 +102,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def _serve_model(args: argparse.Namespace, model: object, prompt: str) -> int:
     from minfer.server.explorer_app import ExplorerOptions, serve_explorer
     from minfer.server.routes.trace import TraceService
-    from minfer.trace.explorer import DumpRun
+    from minfer.trace.compare import DumpRun
 
     ids = model.tokenize(prompt)  # type: ignore[attr-defined]
     name = model.path.name  # type: ignore[attr-defined]
@@ -121,12 +121,13 @@ def _serve_model(args: argparse.Namespace, model: object, prompt: str) -> int:
 def _serve_example(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from minfer.backends.cpu.backend import CPUBackend
     from minfer.server.explorer_app import ExplorerOptions, serve_explorer
     from minfer.server.routes.trace import TraceService
-    from minfer.trace.explorer import LEARNING_2X2, example_trace
+    from minfer.trace.example import LEARNING_2X2, example_trace
 
     e = LEARNING_2X2
-    trace = example_trace(np.array(e["q"]), np.array(e["k"]), np.array(e["v"]), list(e["labels"]))
+    trace = example_trace(np.array(e["q"]), np.array(e["k"]), np.array(e["v"]), list(e["labels"]), CPUBackend())
     service = TraceService.on_thread(None)
     serve_explorer(service, service.add(trace), ExplorerOptions(host=args.host, port=args.port))
     return 0

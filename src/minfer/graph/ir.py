@@ -171,7 +171,8 @@ StepParts = tuple[Node, Callable[..., None], Any, tuple[Any, ...]]
 
 
 class Backend(Protocol):
-    """Everything the plan, the runner and the engine ask of a backend (nothing is probed with getattr)."""
+    """Everything the plan, the runner, the engine and the trace explorer ask of a backend (nothing is probed
+    with getattr)."""
 
     compiler: KernelCompiler  # kernels compiled ahead of their first call, in announced batches
     expert_reads: ExpertReads
@@ -199,3 +200,21 @@ class Backend(Protocol):
 
     def rope(self, x: np.ndarray, positions: np.ndarray, meta: RopeMeta, out: np.ndarray) -> None:
         """RoPE outside a plan (a context shift re-rotates cached K rows)."""
+
+    # What the trace explorer recomputes outside a plan, with this backend's own functions, so that the
+    # trace layer never imports kernels (and a page's numbers are the engine's).
+
+    def dequantize(self, tensor: Any) -> np.ndarray:
+        """A weight tensor whole, as float32 in its numpy shape (small ones: a norm's gain)."""
+
+    def embedding_rows(self, table: Any, ids: np.ndarray, out: np.ndarray) -> None:
+        """``out[i]`` = row ``ids[i]`` of the weight ``table`` (an embedding), as float32."""
+
+    def float_matmul(self, x: np.ndarray, w: Any, out: np.ndarray) -> None:
+        """``out = x @ W^T`` in float32 with ``W`` dequantized exactly and ``x`` as given (never rounded to
+        quantized blocks): the logit lens's projection of a residual onto the vocabulary."""
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, meta: AttnMeta,
+                  out: np.ndarray) -> None:
+        """One sequence's attention outside a plan with this backend's attention kernel: ``q`` at
+        ``positions`` against the float32 K/V rows ``k``, ``v`` for positions 0.. (a hand-made example)."""

@@ -20,7 +20,7 @@ from minfer.server import listening_socket
 from minfer.server.errors import ApiError, api_error, error_response
 from minfer.server.routes.page import register_pages
 from minfer.server.routes.trace import TraceService, register_explorer
-from minfer.trace.explorer import DumpRun
+from minfer.trace.compare import DumpRun
 
 
 def create_explorer_app(service: TraceService) -> FastAPI:

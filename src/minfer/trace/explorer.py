@@ -13,36 +13,47 @@ A layer that is not held is captured again when asked for: the same plan runs th
 (results are bit-identical run to run), keeping that layer and letting the least recently used one go.
 So memory stays bounded whatever the prompt length, and every value shown is one the engine computed.
 
-Attention is the one op whose intermediates the fused kernel never materializes: :func:`attention_reference`
-recomputes one head from the engine's Q (after QK-norm and RoPE) and the K/V the kernel read, in float64,
-returning the scores, the causal window and the softmax weights; its output is compared with the fused
-kernel's output for that head (``check``), so what the page shows is what the engine did.
+Attention is the one op whose intermediates the fused kernel never materializes: one head is recomputed
+from the engine's Q and the K/V the kernel read (:mod:`minfer.trace.head_attention`), and its output is
+compared with the fused kernel's (``check``), so what the page shows is what the engine did.
+
+What the trace recomputes outside the plan (embedding rows, the final norm's gain, the logit lens's
+matmul) runs on the backend object it is given: this layer imports no kernels. Beside this module:
+:mod:`~minfer.trace.capture` (what a run keeps), :mod:`~minfer.trace.logit_lens`,
+:mod:`~minfer.trace.page_json` (how answers are written), :mod:`~minfer.trace.compare` (two runs side
+by side) and :mod:`~minfer.trace.example` (a hand-made head).
 """
 
 from __future__ import annotations
 
-import base64
 import math
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from minfer.errors import BadRequestError, FormatError
-from minfer.graph.ir import Graph, Node, Op
-from minfer.graph.plan import Step
+from minfer.errors import BadRequestError
+from minfer.graph.ir import Backend, Graph, Node, Op
+from minfer.trace import logit_lens
+from minfer.trace.capture import TraceCapture
+from minfer.trace.head_attention import attention_check, attention_reference
+from minfer.trace.page_json import (
+    HISTOGRAM_BINS,
+    MAX_CELLS,
+    b64,
+    node_axes,
+    node_json,
+    span_within,
+    weight_layer,
+)
 from minfer.trace.tracer import array_stats
 
 # bytes of held tensors (MINFER_TRACE_MEMORY overrides): a 512-token SmolLM2 pass, all 30 layers, takes 675 MiB
 DEFAULT_BUDGET = 768 << 20
-ATTENTION_CHECK_TOL = 1e-5  # reference vs fused kernel, relative to the largest |O| of the head (at least 1)
-MAX_CELLS = 256  # a tensor view is at most this many rows and columns (strided beyond)
-HISTOGRAM_BINS = 48
 
 
 def budget_from_env() -> int:
@@ -58,136 +69,6 @@ def budget_from_env() -> int:
     return value
 
 
-def b64(a: np.ndarray) -> dict[str, Any]:
-    """A float32 array as ``{"shape", "b64"}``: little-endian bytes, exact and compact (the page decodes it
-    into a Float32Array)."""
-    a = np.ascontiguousarray(a, dtype="<f4")
-    return {"shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode("ascii")}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# capture
-
-
-class TraceCapture:
-    """An observer of :meth:`Plan.run`: statistics of every node, full copies of the nodes of ``layers``,
-    the residual output of every layer, and the top tokens of the logits."""
-
-    def __init__(self, layers: set[int], layer_outputs: dict[int, int], top: int = 5, stats: bool = True) -> None:
-        self.layers = layers
-        self.layer_outputs = {node_id: layer for layer, node_id in layer_outputs.items()}
-        self.top = top
-        self.record_stats = stats
-        self.stats: dict[int, dict[str, Any]] = {}
-        self.tensors: dict[int, np.ndarray] = {}
-        self.kv_read: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (K, V) as attention read them
-        self.residuals: dict[int, np.ndarray] = {}
-        self.top_tokens: np.ndarray | None = None  # [tokens, top] ids
-        self.top_logits: np.ndarray | None = None
-        self.logits_rows: np.ndarray | None = None  # the last position's full logits (small: one row)
-
-    def step(self, s: Step, seconds: float) -> None:
-        node = s.node
-        if node.op in (Op.KV_LOAD, Op.QUANTIZE):
-            return
-        data = s.args[0] if node.op is Op.KV_STORE else s.out
-        if self.record_stats:
-            self.stats[node.id] = {"us": round(seconds * 1e6, 1), **array_stats(data)}
-        if node.layer in self.layers and node.name != "output":
-            self.tensors[node.id] = np.array(data, dtype=np.float32, copy=True)
-            if node.op is Op.ATTN:
-                kv = s.args[1]  # the layer's cache regions: read back as the kernel read them
-                n = int(np.asarray(s.args[2]).max()) + 1
-                k, v = kv.window(0, n)
-                self.kv_read[node.layer] = (np.array(k, dtype=np.float32), np.array(v, dtype=np.float32))
-        layer = self.layer_outputs.get(node.id)
-        if layer is not None:
-            self.residuals[layer] = np.array(data, dtype=np.float32, copy=True)
-
-    def logits(self, tokens: np.ndarray, positions: np.ndarray, logits: np.ndarray) -> None:
-        k = min(self.top, logits.shape[1])
-        best = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-        vals = np.take_along_axis(logits, best, axis=1)
-        order = np.lexsort((best, -vals), axis=1)
-        self.top_tokens = np.take_along_axis(best, order, axis=1)
-        self.top_logits = np.take_along_axis(vals, order, axis=1)
-        self.logits_rows = np.array(logits[-1], copy=True)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# attention, every intermediate
-
-
-def attention_reference(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, positions: np.ndarray, window: int = 0
-) -> dict[str, np.ndarray]:
-    """One head's attention in float64 from the engine's float32 inputs: q ``[t, d]`` at ``positions``,
-    k ``[s, d]`` and v ``[s, dv]`` for key positions 0..s-1. Query t sees keys 0..positions[t] (in a
-    sliding-window layer, ``window`` > 0, only the last ``window`` of them). Returns the scaled scores
-    ``[t, s]``, the visibility mask, the softmax weights (masked cells exactly 0) and the output ``[t, dv]``."""
-    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
-    scores = q64 @ k64.T * scale
-    keys = np.arange(k64.shape[0])[None, :]
-    pos = np.asarray(positions, np.int64)[:, None]
-    visible = keys <= pos
-    if window > 0:
-        visible &= pos - keys < window
-    masked = np.where(visible, scores, -np.inf)
-    e = np.exp(masked - masked.max(axis=1, keepdims=True))
-    weights = e / e.sum(axis=1, keepdims=True)
-    return {"scores": scores, "visible": visible, "weights": weights, "output": weights @ v64}
-
-
-def attention_check(reference: np.ndarray, engine: np.ndarray) -> dict[str, Any]:
-    """How far the fused kernel's output is from the reference: max abs, and whether it is within
-    :data:`ATTENTION_CHECK_TOL` of the head's largest value (at least 1)."""
-    diff = float(np.abs(np.asarray(reference, np.float64) - engine).max()) if engine.size else 0.0
-    scale = max(1.0, float(np.abs(reference).max()) if reference.size else 1.0)
-    return {"max_abs": diff, "tol": ATTENTION_CHECK_TOL * scale, "equal": diff <= ATTENTION_CHECK_TOL * scale}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# one forward pass
-
-
-def _axes(node: Node, hp: Any) -> dict[str, Any]:
-    """Names of a node's axes for people: rows are tokens; columns say what they hold."""
-    name = node.name
-    if node.op is Op.KV_STORE:
-        return {"rows": "token", "cols": "kv head x dim", "heads": hp.n_head_kv, "head_dim": hp.head_dim_k}
-    if node.op is Op.ATTN or any(name.endswith(s) for s in (".q", ".q_norm.gain", ".q_norm", ".q_rope", ".q.bias")):
-        return {"rows": "token", "cols": "query head x dim", "heads": hp.n_head, "head_dim": hp.head_dim_k}
-    if any(name.endswith(s) for s in (".k", ".k_norm.gain", ".k_norm", ".k_rope", ".k.bias")):
-        return {"rows": "token", "cols": "kv head x dim", "heads": hp.n_head_kv, "head_dim": hp.head_dim_k}
-    if name.endswith((".v", ".v.bias")):
-        return {"rows": "token", "cols": "kv head x dim", "heads": hp.n_head_kv, "head_dim": hp.head_dim_v}
-    if name == "output":
-        return {"rows": "token", "cols": "vocabulary"}
-    if ".ffn_" in name and not name.endswith(("ffn_norm", "ffn_norm.gain", "ffn_residual", "ffn_down")):
-        return {"rows": "token", "cols": "ffn feature"}
-    return {"rows": "token", "cols": "embedding feature"}
-
-
-def node_json(node: Node) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": node.id, "op": str(node.op), "name": node.name, "layer": node.layer,
-                           "shape": list(node.shape), "inputs": [i.id for i in node.inputs]}
-    if node.op is Op.WEIGHT and hasattr(node.source, "ggml_type"):
-        out["type"] = node.source.ggml_type.name
-    if node.op is Op.INPUT:
-        out["role"] = node.source
-    return out
-
-
-def weight_layer(node: Node) -> int | None:
-    """The layer a weight belongs to (weights carry no layer; their names say it: ``blk.3.attn_q.weight``)."""
-    if node.layer is not None:
-        return node.layer
-    parts = node.name.split(".")
-    if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
-        return int(parts[1])
-    return None
-
-
 @dataclass
 class ForwardTrace:
     """One prompt's forward pass, held for a page (see the module docstring)."""
@@ -200,6 +81,7 @@ class ForwardTrace:
     model_name: str
     recapture: Callable[[set[int]], TraceCapture]  # runs the same plan again keeping these layers
     decode: Callable[[int], str]
+    backend: Backend  # what the trace recomputes outside the plan (embedding rows, the logit lens) runs on it
     budget: int = DEFAULT_BUDGET
     arena_bytes: int = 0
     seconds: float = 0.0
@@ -217,7 +99,7 @@ class ForwardTrace:
     @classmethod
     def run(cls, graph: Graph, hparams: Any, tokens: Sequence[int], labels: list[str], cache_type: str,
             model_name: str, execute: Callable[[TraceCapture], None], decode: Callable[[int], str],
-            budget: int | None = None, arena_bytes: int = 0) -> ForwardTrace:
+            backend: Backend, budget: int | None = None, arena_bytes: int = 0) -> ForwardTrace:
         """Run the pass once (``execute(capture)`` runs the plan with the capture as its observer), keeping
         the first layers whose tensors fit in ``budget``."""
         budget = budget_from_env() if budget is None else budget
@@ -227,8 +109,8 @@ class ForwardTrace:
             execute(capture)
             return capture
 
-        trace = cls(graph, hparams, list(tokens), labels, cache_type, model_name, recapture, decode, budget,
-                    arena_bytes)
+        trace = cls(graph, hparams, list(tokens), labels, cache_type, model_name, recapture, decode, backend,
+                    budget, arena_bytes)
         trace.by_id = {n.id: n for n in graph.nodes}
         trace.by_name = {n.name: n for n in graph.nodes if n.name}
         keep: set[int] = set()
@@ -334,11 +216,8 @@ class ForwardTrace:
         # the nodes outside layers (embedding, final norm) are cheap: recompute from the residual they read
         src = node.inputs[0] if node.inputs else None
         if node.op is Op.GET_ROWS:
-            table = node.inputs[0].source
-            from minfer.backends.cpu.reference import get_rows
-
             out = np.empty(node.shape, np.float32)
-            get_rows(table, np.asarray(self.tokens, np.int64), out)
+            self.backend.embedding_rows(node.inputs[0].source, np.asarray(self.tokens, np.int64), out)
             return out
         if node.op in (Op.RMS_NORM_MUL, Op.RMS_NORM) and src is not None:
             residual = self.tensor(src)
@@ -387,7 +266,7 @@ class ForwardTrace:
             entry["outside"] = n.id in outside
             entry["stats"] = self.stats.get(n.id)
             if n.op not in (Op.INPUT, Op.WEIGHT):
-                entry["axes"] = _axes(n, self.hparams)
+                entry["axes"] = node_axes(n, self.hparams)
             nodes.append(entry)
         nodes.sort(key=lambda e: e["id"])
         return {"layer": layer, "nodes": nodes, "window": self.hparams.layer_window(layer)}
@@ -402,13 +281,13 @@ class ForwardTrace:
             raise BadRequestError(f"node {node_id} ({node.name or node.op}) has no tensor to show"
                                   + (" (the logits: see the top tokens)" if node.name == "output" else ""))
         a = data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1)
-        r0, r1 = _span(rows, a.shape[0], "rows")
-        c0, c1 = _span(cols, a.shape[1], "cols")
+        r0, r1 = span_within(rows, a.shape[0], "rows")
+        c0, c1 = span_within(cols, a.shape[1], "cols")
         rs, cs = max(1, math.ceil((r1 - r0) / max(1, max_rows))), max(1, math.ceil((c1 - c0) / max(1, max_cols)))
         window = a[r0:r1:rs, c0:c1:cs]
         finite = a[np.isfinite(a)]
         counts, edges = np.histogram(finite, bins=HISTOGRAM_BINS) if finite.size else (np.zeros(0), np.zeros(0))
-        return {"node": node_json(node), "shape": list(data.shape), "axes": _axes(node, self.hparams),
+        return {"node": node_json(node), "shape": list(data.shape), "axes": node_axes(node, self.hparams),
                 "rows": [r0, r1, rs], "cols": [c0, c1, cs], "values": b64(window), "stats": array_stats(a),
                 "histogram": {"counts": counts.astype(int).tolist(), "edges": edges.tolist()},
                 "labels": self.labels[r0:r1:rs] if a.shape[0] == len(self.tokens) else None}
@@ -438,7 +317,7 @@ class ForwardTrace:
         if attn is None or nodes["q_rope"] is None:
             raise BadRequestError(f"layer {layer} has no attention node")
         n = len(self.tokens)
-        r0, r1 = _span(rows, n, "rows")
+        r0, r1 = span_within(rows, n, "rows")
         group = hp.n_head // hp.n_head_kv
         kvh = head // group
         dk, dv = hp.head_dim_k, hp.head_dim_v
@@ -473,21 +352,11 @@ class ForwardTrace:
         node = node or self.by_name.get("output_norm.gain") or self.by_name.get("output_norm")
         if node is None:
             raise BadRequestError("this graph has no final norm (output_norm)")
-        x64 = np.asarray(x, np.float64)
-        eps = node.meta.eps if node.meta is not None else self.hparams.rms_eps
-        y = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)
-        if node.op is Op.RMS_NORM_MUL:
-            from minfer.backends.cpu.reference import dequantize_tensor
-
-            gain = node.inputs[1].source
-            y = y * (dequantize_tensor(gain) if hasattr(gain, "ggml_type") else np.asarray(gain))
-        return y.astype(np.float32)
+        return logit_lens.final_norm(x, node, self.hparams.rms_eps, self.backend)
 
     def lens(self, positions: Sequence[int], top: int = 5) -> dict[str, Any]:
         """Logit lens: each layer's residual at ``positions`` through the final norm and the output matrix;
         the top tokens per layer and position. The last layer's row is the model's own prediction."""
-        from minfer.backends.cpu.reference import matmul_chunk, matmul_row_chunks
-
         n = len(self.tokens)
         pos = [int(p) for p in positions]
         bad = [p for p in pos if not 0 <= p < n]
@@ -498,20 +367,8 @@ class ForwardTrace:
         out_node = self.by_name.get("output")
         if out_node is None:
             raise BadRequestError("this graph has no output matmul")
-        w = out_node.inputs[1].source
         x = np.concatenate([self.residuals[layer][pos] for layer in range(self.hparams.n_layer)])
-        x = self.final_norm(x)
-        logits = np.empty((x.shape[0], w.shape[0]), np.float32)
-        for r0, r1 in matmul_row_chunks(tuple(w.shape)):
-            matmul_chunk(x, w, logits, r0, r1)
-        k = min(top, logits.shape[1])
-        best = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-        vals = np.take_along_axis(logits, best, axis=1)
-        order = np.argsort(-vals, axis=1, kind="stable")
-        best, vals = np.take_along_axis(best, order, axis=1), np.take_along_axis(vals, order, axis=1)
-        z = logits - logits.max(axis=1, keepdims=True)
-        lse = np.log(np.exp(z).sum(axis=1))
-        probs = np.exp(vals - logits.max(axis=1, keepdims=True) - lse[:, None])
+        best, vals, probs = logit_lens.top_tokens(self.final_norm(x), out_node.inputs[1].source, self.backend, top)
         cells = []
         for layer in range(self.hparams.n_layer):
             row = []
@@ -522,154 +379,3 @@ class ForwardTrace:
             cells.append(row)
         final = [int(self.top_tokens[p][0]) for p in pos] if self.top_tokens is not None else None
         return {"positions": pos, "labels": [self.labels[p] for p in pos], "layers": cells, "model_top": final}
-
-
-def _span(span: tuple[int, int] | None, n: int, what: str) -> tuple[int, int]:
-    if span is None:
-        return 0, n
-    a, b = span
-    if not (0 <= a < b <= n):
-        raise BadRequestError(f"{what} {a}:{b} is outside 0:{n}")
-    return a, b
-
-
-# ---------------------------------------------------------------------------------------------------------
-# compare
-
-
-class DumpRun:
-    """A dump folder (``minfer run --dump-dir``) as the other side of a comparison: its first call's nodes
-    by name."""
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        from minfer.trace.dump import load_manifest
-
-        self.dir = Path(directory)
-        self.entries = {e["name"]: e for e in load_manifest(directory) if e["call"] == 0}
-        self.description = f"dump {self.dir}"
-
-    def tensor_by_name(self, name: str) -> np.ndarray | None:
-        e = self.entries.get(name)
-        if e is None:
-            return None
-        try:
-            return np.load(self.dir / e["file"])
-        except (OSError, ValueError) as err:
-            raise FormatError(f"{self.dir / e['file']}: cannot read ({err})") from None
-
-
-def _trace_tensor_by_name(trace: ForwardTrace, name: str) -> np.ndarray | None:
-    node = trace.by_name.get(name)
-    return None if node is None else trace.tensor(node)
-
-
-def compare(a: ForwardTrace, b: ForwardTrace | DumpRun, tol: float = 1e-4, all_nodes: bool = False) -> dict[str, Any]:
-    """Node by node in ``a``'s execution order (matched by name): max abs, max relative (to ``a``'s largest
-    value) and cosine; the first node past ``tol`` is where the runs part. Stops there unless ``all_nodes``."""
-    get_b = b.tensor_by_name if isinstance(b, DumpRun) else (lambda name: _trace_tensor_by_name(b, name))
-    rows: list[dict[str, Any]] = []
-    first: dict[str, Any] | None = None
-    for node in a.graph.nodes:
-        if node.op in (Op.INPUT, Op.WEIGHT, Op.KV_LOAD, Op.QUANTIZE) or not node.name or node.name == "output":
-            continue
-        x = a.tensor(node)
-        y = get_b(node.name)
-        if x is None or y is None:
-            continue
-        entry: dict[str, Any] = {"node": node.id, "name": node.name, "op": str(node.op), "layer": node.layer}
-        if x.size != y.size:
-            entry["shape_mismatch"] = [list(x.shape), list(y.shape)]
-        else:
-            x64, y64 = x.astype(np.float64).reshape(-1), y.astype(np.float64).reshape(-1)
-            diff = np.abs(x64 - y64)
-            scale = max(float(np.abs(x64).max()), 1e-30)
-            norm = float(np.linalg.norm(x64) * np.linalg.norm(y64))
-            entry.update(max_abs=float(diff.max()), max_rel=float(diff.max()) / scale,
-                         cosine=float(x64 @ y64) / norm if norm else 1.0)
-        entry["parts"] = "shape_mismatch" in entry or entry["max_rel"] > tol
-        rows.append(entry)
-        if entry["parts"] and first is None:
-            first = entry
-            if not all_nodes:
-                break
-    return {"rows": rows, "first": first, "tol": tol,
-            "a": a.description or f"{a.model_name} ({a.cache_type} cache)",
-            "b": b.description or (f"{b.model_name} ({b.cache_type} cache)" if isinstance(b, ForwardTrace) else "")}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# a hand-made example through the same explorer
-
-
-@dataclass(frozen=True)
-class ExampleHParams:
-    """The geometry of a one-layer, one-head example (what :class:`ForwardTrace` reads of a model's)."""
-
-    n_embd: int
-    head_dim_k: int
-    head_dim_v: int
-    n_layer: int = 1
-    n_head: int = 1
-    n_head_kv: int = 1
-    rms_eps: float = 1e-6
-
-    @property
-    def k_width(self) -> int:
-        return self.n_head_kv * self.head_dim_k
-
-    @property
-    def v_width(self) -> int:
-        return self.n_head_kv * self.head_dim_v
-
-    def layer_window(self, il: int) -> int:
-        return 0
-
-
-LEARNING_2X2 = {  # the learning page's worked example (one head, d = 2)
-    "q": [[1.0, 0.0], [0.0, 1.0]], "k": [[1.0, 0.0], [0.0, 1.0]], "v": [[10.0, 0.0], [0.0, 20.0]],
-    "labels": ["t0", "t1"],
-}
-
-
-def example_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray, labels: list[str],
-                  attend: Callable[..., None] | None = None) -> ForwardTrace:
-    """One head given by hand (the learning page's 2x2 one, say) as a trace: Q, K, V are the inputs, O is
-    what the engine's fused attention kernel computes from them (``attend``, the CPU backend's by default),
-    and the explorer's attention panel shows the reference's scores and weights beside it."""
-    from minfer.graph.ir import AttnMeta
-
-    q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))
-    t, d = q.shape
-    if k.shape != (t, d) or v.shape[0] != t:
-        raise BadRequestError(f"q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} do not fit one head")
-    dv = v.shape[1]
-    scale = 1.0 / math.sqrt(d)
-    meta = AttnMeta(layer=0, n_head=1, n_head_kv=1, head_dim_k=d, head_dim_v=dv, scale=scale)
-    positions = Node(0, Op.INPUT, (), (t,), "i32", name="positions", source="positions")
-    nq = Node(1, Op.INPUT, (), (t, d), name="blk.0.q_rope", layer=0, source="q")
-    nk = Node(2, Op.INPUT, (), (t, d), name="blk.0.k_rope", layer=0, source="k")
-    nv = Node(3, Op.INPUT, (), (t, dv), name="blk.0.v", layer=0, source="v")
-    attn = Node(4, Op.ATTN, (nq, nk, nv, positions), (t, dv), meta=meta, name="blk.0.attn", layer=0)
-    out = np.zeros((t, dv), np.float32)
-    if attend is None:
-        from minfer.backends.cpu.attention import attention
-
-        def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray, o: np.ndarray) -> None:
-            attention(q, k, v, pos, 1, 1, d, dv, scale, o, 0)
-
-    attend(q, k, v, np.arange(t, dtype=np.int32), out)
-    graph = Graph([positions, nq, nk, nv, attn], {"positions": positions}, attn)
-
-    def no_recapture(layers: set[int]) -> TraceCapture:
-        raise BadRequestError("a hand-made example holds all its tensors")
-
-    trace = ForwardTrace(graph, ExampleHParams(n_embd=dv, head_dim_k=d, head_dim_v=dv), list(range(t)), labels,
-                         "f32", "example", no_recapture, lambda i: labels[i] if i < len(labels) else str(i))
-    trace.description = "hand-made example: one head, Q K V given, O from the fused attention kernel"
-    trace.by_id = {n.id: n for n in graph.nodes}
-    trace.by_name = {n.name: n for n in graph.nodes}
-    trace.layers[0] = {nq.id: q, nk.id: k, nv.id: v, attn.id: out}
-    trace.kv_read[0] = (k, v)
-    trace.residuals[0] = out
-    trace.stats = {n.id: {"us": None, **array_stats(a)} for n, a in ((nq, q), (nk, k), (nv, v), (attn, out))}
-    return trace

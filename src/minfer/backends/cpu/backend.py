@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from minfer.backends.cpu import kernel_jobs
+from minfer.backends.cpu import explorer_kernels, kernel_jobs
 from minfer.backends.cpu import reference as ref
 from minfer.backends.cpu.thread_governor import ThreadGovernor
 from minfer.compiling import KernelCompiler
@@ -206,7 +206,7 @@ def _reads_same_activations(a: Node, b: Node) -> bool:
 MAX_GROUP = 3  # q, k and v
 
 
-class CPUBackend:
+class CPUBackend(explorer_kernels.ExplorerKernels):
     def __init__(self, threads: int = 1, kernels: str | None = None) -> None:
         kernels = kernels or os.environ.get("MINFER_KERNELS", "fast")
         if kernels not in KERNEL_SETS:

@@ -33,7 +33,8 @@ from fastapi import FastAPI, Request
 from minfer.api import Model
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
-from minfer.trace.explorer import DumpRun, ForwardTrace, compare
+from minfer.trace.compare import DumpRun, compare
+from minfer.trace.explorer import ForwardTrace
 
 MAX_RUNS = 4
 MAX_LENS_POSITIONS = 64
