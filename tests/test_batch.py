@@ -12,12 +12,12 @@ from conftest import fixture_dir, fixture_sequences
 
 import minfer
 from minfer.errors import ContextOverflowError
+from minfer.runtime.batching import batch_buckets
 from minfer.runtime.engine import EngineConfig, build_engine
 from minfer.runtime.engine_loop import EngineLoop, QueueFullError, ShuttingDownError
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import slots_kv_cache
 from minfer.runtime.requests import EngineHooks, Failed, Finished, GenerationRequest, Started, Token
-from minfer.runtime.scheduler import batch_buckets
 
 ARCH = "qwen2"
 

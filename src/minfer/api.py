@@ -3,6 +3,9 @@
     model = minfer.load("smollm2")                # a GGUF path or a known model name
     model.generate("The capital of France is", max_tokens=16, temperature=0)
     for piece in model.chat([{"role": "user", "content": "Hi!"}], stream=True): print(piece, end="")
+
+Around the Model: :mod:`minfer.api_setup` (its threads, draft model and speculative default, the frozen
+garbage collector) and :mod:`minfer.api_inputs` (embedding and infill inputs made token ids).
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from minfer.api_inputs import embedding_inputs, infill_layout
+from minfer.api_setup import default_threads, load_draft, speculative_settings
+from minfer.api_setup import keep_for_process as keep_for_process  # re-exported: the CLI and server import it here
 from minfer.backends.cpu.backend import CPUBackend
-from minfer.errors import BadRequestError, ContextOverflowError, MinferError
+from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.formats.chat_template import ChatTemplate
 from minfer.formats.fim import FimTokens, find_fim_tokens
 from minfer.formats.tokenizer import Tokenizer
@@ -43,7 +49,6 @@ from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative import resolve as resolve_speculative
-from minfer.runtime.speculative.draft_model import check_vocabulary
 from minfer.trace.capture import TraceCapture
 from minfer.trace.dump import Dumper
 from minfer.trace.explorer import ForwardTrace
@@ -61,14 +66,6 @@ class Completion:
     completion_tokens: int
     logprobs: list[TokenLogprob]
     stats: GenerationStats
-
-
-def default_threads() -> int:
-    """Cores this process may run on (the machine's physical cores where affinity is not restricted)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class Model:
@@ -202,27 +199,7 @@ class Model:
     def embed_inputs(self, texts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
         """The token ids of each input: a string, a list of strings, a list of token ids or a list of such
         lists (strings are tokenized with the model's special tokens, BOS included where it wants one)."""
-        if isinstance(texts, str):
-            texts = [texts]
-        items = list(texts)
-        if not items:
-            raise BadRequestError("the input is empty: give a string, token ids, or a list of them")
-        if all(_is_token(t) for t in items):
-            items = [items]  # one list of token ids
-        out: list[list[int]] = []
-        for i, item in enumerate(items):
-            if isinstance(item, str):
-                if not item:
-                    raise BadRequestError(f"input {i} is an empty string (nothing to embed)")
-                ids = self.tokenize(item, add_special=True)
-            elif isinstance(item, Sequence) and all(_is_token(t) for t in item):
-                ids = list(item)
-            else:
-                raise BadRequestError(f"input {i} is neither a string nor a list of token ids: {item!r:.60}")
-            if not ids:
-                raise BadRequestError(f"input {i} is empty (no tokens to embed)")
-            out.append(ids)
-        return out
+        return embedding_inputs(texts, lambda text: self.tokenize(text, add_special=True))
 
     def embed(
         self,
@@ -259,17 +236,9 @@ class Model:
         if fim is None:
             raise BadRequestError(f"{self.path} has no fill-in-the-middle tokens (prefix, suffix, middle), so it "
                                   "cannot infill")
-        enc = lambda text: self.tokenize(text, add_special=False)  # noqa: E731
-        ids: list[int] = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
-        if fim.rep is not None and fim.sep is not None:
-            ids += [fim.rep, *enc("myproject\n")]
-            for filename, text in extra:
-                ids += [fim.sep, *enc(filename + "\n"), *enc(text)]
-            ids += [fim.sep, *enc("filename\n")]
-        else:
-            for _, text in extra:
-                ids += enc(text)
-        return [*ids, fim.pre, *enc(prefix), fim.suf, *enc(suffix), fim.mid, *enc(prompt)]
+        bos = [self.tokenizer.bos_id] if self.tokenizer.add_bos and self.tokenizer.bos_id is not None else []
+        return infill_layout(fim, lambda text: self.tokenize(text, add_special=False), bos, prefix, suffix, prompt,
+                             extra)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -484,40 +453,6 @@ class Model:
                 bar.close()
 
 
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int | np.integer) and not isinstance(t, bool)
-
-
-def speculative_settings(
-    draft: object, lookup: bool, speculative: SpeculativeSettings | Mapping[str, Any] | None
-) -> SpeculativeSettings:
-    """The engine's default speculative decoding from ``load``'s arguments: a draft model drafts, else
-    ``lookup=True`` looks up; ``speculative`` adds the limits (or the mode itself)."""
-    if draft is not None and lookup:
-        raise BadRequestError("use either a draft model or prompt lookup as the default, not both")
-    mode = "draft" if draft is not None else "lookup" if lookup else None
-    if isinstance(speculative, SpeculativeSettings):
-        return speculative if mode is None else speculative.updated({"mode": mode})
-    fields = dict(speculative or {})
-    if mode is not None:
-        fields.setdefault("mode", mode)
-    return SpeculativeSettings().updated(fields)
-
-
-def load_draft(path: str | os.PathLike[str], target: Tokenizer, threads: int) -> TransformerModel:
-    """The draft model at ``path`` (a GGUF file, an HF folder or a known name), its vocabulary checked
-    against the target's ``tokenizer``; any failure is one line naming the draft."""
-    try:
-        model = TransformerModel.from_path(resolve_model(path), threads=threads)
-        check_vocabulary(target, model.load_tokenizer(), f"draft model {model.path}")
-    except MinferError as e:
-        text = str(e)
-        message = text if text.startswith("draft model") else \
-            f"draft model: {text}" if str(path) in text else f"draft model {path}: {text}"
-        raise type(e)(message) from None
-    return model
-
-
 def load(
     path: str | os.PathLike[str] | None = None,
     n_ctx: int | None = None,
@@ -556,17 +491,3 @@ def load(
     return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
                  trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize,
                  engine_config=engine_config, draft=draft, lookup=lookup, speculative=speculative)
-
-
-def keep_for_process(collect: bool = False) -> None:
-    """Freeze what is loaded so far (the model, the tokenizer's tables, the plans) out of the cyclic garbage
-    collector's walks, for a process that keeps its model until it exits (``minfer run``, ``chat``,
-    ``serve``). Unfrozen, SmolLM2's ~190,000 loaded objects make a full collection take ~45 ms, and one
-    lands inside the first passes of a generation, where allocations bind the plans' kernels: it cost a
-    verifying pass of 9 tokens 59 ms instead of 11. ``collect`` first frees what is already garbage (a
-    server's one-time cost at start; a run skips it for its start time)."""
-    import gc
-
-    if collect:
-        gc.collect()
-    gc.freeze()

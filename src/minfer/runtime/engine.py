@@ -31,6 +31,7 @@ import numpy as np
 from minfer.errors import BadRequestError
 from minfer.graph.ir import Backend
 from minfer.models.model import TransformerModel
+from minfer.runtime.batching import Batch, PassOutput
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
 from minfer.runtime.kv_cache import slots_kv_cache
 from minfer.runtime.requests import (
@@ -46,7 +47,7 @@ from minfer.runtime.requests import (
 )
 from minfer.runtime.sampling import compile_jobs as sampling_compile_jobs
 from minfer.runtime.sampling import sample_batch
-from minfer.runtime.scheduler import Batch, EndOfContext, PassOutput, Running, Scheduler
+from minfer.runtime.scheduler import EndOfContext, Running, Scheduler
 from minfer.runtime.sequence import TokenStep
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative.draft_model import DraftModel

@@ -7,13 +7,8 @@ sampler already drew, and advances each sequence: its token, the text it release
 stop, a context shift, or the end of its slot. Admission (:meth:`Scheduler.add`, a free slot with the
 longest cached prefix) and speculation's draft budgets are decided here too, so this is the one module
 that decides what a step runs; the engine only calls it around the forward pass and the sampler.
-
-Batch shapes of a padded engine (the server's): every new (tokens, outputs) shape costs a graph build
-and its own buffers, and a mixed step's token count would otherwise be new almost every time. So a pass
-evaluates a bucketed number of tokens (1..4, 8, then steps of about 1.5x up to the batch size): the spare
-rows are padding tokens at position 0 of the cache's scratch sequence, which nothing reads, and spare
-output rows repeat a real one. An unpadded engine (the API's) evaluates exactly what it has: a whole
-prompt in one pass, then one token per step.
+A pass's records (:class:`~minfer.runtime.batching.Batch`) and the arithmetic of a padded engine's pass
+shapes (buckets, the prompt budget's cut) are in :mod:`minfer.runtime.batching`.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from minfer.errors import BadRequestError, ContextOverflowError, MinferError
+from minfer.runtime.batching import Batch, PassOutput, batch_buckets, bucket_of, pad_to_buckets, prompt_budget
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.pooling import Pooler
 from minfer.runtime.requests import (
@@ -45,27 +41,10 @@ from minfer.runtime.slots import Slots
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
-from minfer.runtime.speculative.policy import PassCosts, expected_tokens
+from minfer.runtime.speculative.policy import DRAFT_TOKEN_PRIOR, PassCosts, expected_tokens
 from minfer.runtime.speculative.state import SequenceSpeculation, verify_size, verify_sizes
 
-# a draft model's token over a target's one-token pass until both are measured (SmolLM2-135M drafting for a
-# 1.7B shape: 0.11)
-DRAFT_TOKEN_PRIOR = 0.1
-
 EndOfContext = Literal["error", "length"]
-
-
-def batch_buckets(batch_size: int) -> list[int]:
-    """Token counts a padded pass is padded to: 1..4, then 8 and about 1.5x apart, and ``batch_size``.
-
-    5..7 tokens go to 8. A pass of 7 costs a little less than one of 8 (SmolLM2: 17.5 against 18.1 ms; 5
-    tokens 13.6 ms), but exact buckets there multiply the (tokens, outputs) shapes of mixed passes, each
-    a plan built while serving (17-40 ms), and a paired server run with them showed no gain."""
-    sizes = [1, 2, 3, 4, 8]
-    while sizes[-1] < batch_size:
-        nxt = sizes[-1] * 3 // 2 if len(sizes) % 2 else sizes[-1] * 4 // 3
-        sizes.append(nxt)
-    return sorted({x for x in sizes if x < batch_size} | {batch_size})
 
 
 @dataclass(eq=False)
@@ -84,39 +63,6 @@ class Running:
     last_token_at: float | None = None
     spec: SequenceSpeculation | None = None
     pool: Pooler | None = None
-
-
-@dataclass
-class Batch:
-    """One forward pass's inputs: token i of sequence ``seqs[i]`` at ``positions[i]`` (one int: every
-    token is that sequence's); the rows of ``outputs`` are sampled for ``sampled`` (in order), sequence j's
-    first row at ``rows[j]``; ``n_real`` tokens are not padding (a padded engine's first ones; an unpadded
-    one pads a draft's verifying rows after it). ``drafts``: for each sampled
-    sequence its draft, verified by 1 + its length rows (None: one row each). ``pooled``: the embedding
-    sequences' chunks, (sequence, first token index, length): the pass keeps every token's hidden state
-    for them."""
-
-    tokens: list[int]
-    positions: list[int]
-    seqs: list[int] | int
-    outputs: list[int]
-    sampled: list[Running]
-    rows: list[int]
-    n_real: int
-    drafts: list[Draft | None] | None = None  # None: no sequence has a draft this pass
-    pooled: list[tuple[Running, int, int]] = field(default_factory=list)
-    n_prompt: int = 0  # prompt tokens (the rest decode or verify)
-
-
-@dataclass
-class PassOutput:
-    """What a forward pass gave a batch: the output rows' logits, every token's hidden state (only when the
-    batch pools), and when the pass started and ended (``time.perf_counter``)."""
-
-    logits: np.ndarray
-    hidden: np.ndarray | None
-    started: float
-    ended: float
 
 
 class Scheduler:
@@ -242,11 +188,11 @@ class Scheduler:
 
     def bucket(self, n: int) -> int:
         """The token count a padded pass of ``n`` tokens evaluates."""
-        return next(b for b in self.buckets if b >= n)
+        return bucket_of(self.buckets, n)
 
     # -- what a step runs --------------------------------------------------------------------------
 
-    def schedule(self) -> Batch | None:
+    def schedule(self) -> Batch[Running] | None:
         """This step's batch (None: nothing to run). Sequences that were cancelled, or that may produce
         no token (``max_tokens`` 0), end first."""
         self.drop_cancelled()
@@ -254,7 +200,7 @@ class Scheduler:
             self._finish(run)
         return self._assemble(self._drafts())
 
-    def _assemble(self, drafts: dict[int, Draft] | None) -> Batch | None:
+    def _assemble(self, drafts: dict[int, Draft] | None) -> Batch[Running] | None:
         """Every running sequence's next token (and its draft, if any), then as much waiting prompt as the
         budget allows."""
         tokens: list[int] = []
@@ -284,7 +230,8 @@ class Scheduler:
                     positions.extend(range(run.pos + 1, run.pos + 1 + k))
                     seqs.extend([run.slot] * k)
                     n_padding += k - len(draft.tokens)
-        budget = self._prompt_budget(len(tokens))
+        waiting = sum(len(r.request.prompt_ids) - r.n_done for r in self.running if r.next_token is None)
+        budget = prompt_budget(waiting, len(tokens), self.batch_size, self.buckets)
         n_decode = len(tokens)
         for run in self.running:
             if run.next_token is not None or budget <= 0:
@@ -305,21 +252,14 @@ class Scheduler:
                 drafted.append(None)
         if not tokens:
             return None
-        n_real, n_out = len(tokens) - n_padding, len(outputs)
+        n_real = len(tokens) - n_padding
         spec = drafted if drafts else None
         if self.pad_seq is None:
             one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
             return Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, rows, n_real, spec, pooled,
                          n_real - n_decode)
-        pad = self.bucket(n_real) - n_real
-        tokens += [0] * pad
-        positions += [0] * pad
-        seqs += [self.pad_seq] * pad
-        if n_out or not pooled:
-            # a pass of prompt chunks only still gets one (unused) output row; one with embeddings needs none
-            spare = outputs[-1] if outputs else 0
-            outputs += [spare] * (self.bucket(max(n_out, 1)) - n_out)
-        return Batch(tokens, positions, seqs, outputs, sampled, rows, n_real, spec, pooled, n_real - n_decode)
+        return pad_to_buckets(Batch(tokens, positions, seqs, outputs, sampled, rows, n_real, spec, pooled,
+                                    n_real - n_decode), self.buckets, self.pad_seq)
 
     def _verify_padding(self, run: Running, k: int) -> int:
         """Padding rows after a draft of ``k`` tokens in an unpadded engine: its verifying pass is padded to
@@ -332,21 +272,6 @@ class Scheduler:
         assert run.spec is not None
         pad = verify_size(1 + k, run.spec.settings.draft_max) - 1 - k
         return pad if run.pos + 1 + k + pad <= self.slots.capacity else 0
-
-    def _prompt_budget(self, n_decode: int) -> int:
-        """Prompt tokens this pass takes beside its ``n_decode`` decodes: as many as wait (up to the batch
-        size), or fewer when that ends the pass exactly on a bucket instead of padding it to the next one.
-        The tokens left out go first in the next pass, so nothing is computed twice; a cut of more than a
-        quarter of the prompt tokens is not worth the delay (it would also starve a small pass)."""
-        waiting = sum(len(r.request.prompt_ids) - r.n_done for r in self.running if r.next_token is None)
-        if self.batch_size is None:
-            return waiting
-        take = min(waiting, self.batch_size - n_decode)
-        n = n_decode + take
-        if take == 0 or self.bucket(n) == n:
-            return take
-        fit = max(b for b in self.buckets if b <= n)
-        return fit - n_decode if 4 * (fit - n_decode) >= 3 * take else take
 
     def _drafts(self) -> dict[int, Draft] | None:
         """Speculation's policy: this step's drafts of the decoding sequences that speculate (by index in
@@ -425,7 +350,7 @@ class Scheduler:
 
     # -- what each sequence does with the pass's outputs -------------------------------------------
 
-    def update(self, batch: Batch, output: PassOutput, picks: list[int | Exception | None]) -> None:
+    def update(self, batch: Batch[Running], output: PassOutput, picks: list[int | Exception | None]) -> None:
         """Advance every sequence of ``batch`` by the pass's ``output``: pool the embeddings' hidden
         states, then give each sampled sequence its token (or verify its draft against its rows).
         ``picks``: the token sampling drew from each sampled sequence's row, or the error that fails it

@@ -36,6 +36,9 @@ TRUSTED_AFTER = 3
 # a size not run for this many seconds is measured afresh: an estimate from passes slower than it now runs
 # (the first few of a plan can be) prices it out of drafting, so it would never be run to correct it
 STALE_AFTER = 10.0
+# a draft model's token over a target's one-token pass until both are measured (SmolLM2-135M drafting for a
+# 1.7B shape: 0.11)
+DRAFT_TOKEN_PRIOR = 0.1
 
 
 class PassCosts:

@@ -50,7 +50,19 @@ def check(opts: ServeOptions, ray_opts: RayOptions) -> None:
         raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
 
 
-# over 80 lines on purpose: the start-up steps in order, inside the one finally that undoes them
+def replica_scaling(ray_opts: RayOptions, parallel: int) -> dict[str, object]:
+    """The deployment's replica count, or its autoscaling between ``--autoscale``'s bounds on the engines'
+    own load (``parallel`` sequences each is the target)."""
+    if ray_opts.autoscale is None:
+        return {"num_replicas": ray_opts.replicas}
+    low, high = ray_opts.autoscale
+    return {"autoscaling_config": {
+        "min_replicas": low, "max_replicas": high, "initial_replicas": low,
+        "upscale_delay_s": 10.0, "downscale_delay_s": 120.0,
+        "policy": {"policy_function": "minfer.server.cluster.autoscale:LoadPolicy",
+                   "policy_kwargs": {"target": float(parallel)}}}}
+
+
 def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
     """See the module docstring."""
     check(opts, ray_opts)
@@ -95,18 +107,10 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
     app_name = f"minfer-{run}"
     try:
         serve.start(proxy_location="Disabled")  # the front is the only HTTP entry: no Serve proxy
-        scaling: dict[str, object] = {"num_replicas": ray_opts.replicas}
-        if ray_opts.autoscale is not None:
-            low, high = ray_opts.autoscale
-            scaling = {"autoscaling_config": {
-                "min_replicas": low, "max_replicas": high, "initial_replicas": low,
-                "upscale_delay_s": 10.0, "downscale_delay_s": 120.0,
-                "policy": {"policy_function": "minfer.server.cluster.autoscale:LoadPolicy",
-                           "policy_kwargs": {"target": float(opts.parallel)}}}}
         deployment = serve.deployment(
             MinferReplica, name="engine", ray_actor_options={"num_cpus": threads},
             health_check_period_s=2.0, health_check_timeout_s=30.0,
-            graceful_shutdown_timeout_s=opts.shutdown_timeout + 10.0, **scaling)
+            graceful_shutdown_timeout_s=opts.shutdown_timeout + 10.0, **replica_scaling(ray_opts, opts.parallel))
         # a local cluster's engines listen on loopback only; a real cluster's on their node's address
         app = deployment.bind(run, options_to_json(replica_opts), "127.0.0.1" if started_cluster else None)
         deployed = threading.Thread(target=_deploy, args=(serve, app, app_name), name="minfer-deploy", daemon=True)
