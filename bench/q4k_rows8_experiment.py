@@ -55,9 +55,9 @@ from minfer.backends.cpu.simd import (
     ir_splat,
     splat_constant,
 )
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS, k4_scales_mins
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor
 
 T = 4  # tokens per register tile (8 spills: 8 x 3 accumulators do not fit 32 registers)
 SB_BYTES = 1024 + 64 + 128 + 32  # one super-block of 8 rows: quants, scales, min pairs, d and dmin (f16)
@@ -211,7 +211,7 @@ def main() -> None:
         exact = xq.dequantize().astype(np.float64) @ wd.T
         rel = np.max(np.abs(out - exact) / (np.abs(xq.dequantize()).astype(np.float64) @ np.abs(wd).T))
         engine = np.empty_like(out)
-        km.matmul(x, GGUFTensor("w", GGMLType.Q4_K, (n_out, n_in), w.data), engine, xq)
+        km.matmul(x, WeightTensor("w", GGMLType.Q4_K, (n_out, n_in), w.data), engine, xq)
         rel_engine = np.max(np.abs(engine - exact) / (np.abs(xq.dequantize()).astype(np.float64) @ np.abs(wd).T))
         prep = km.prepare(w)
         for th in args.threads:

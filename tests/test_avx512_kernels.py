@@ -25,7 +25,7 @@ from minfer.backends.cpu import kquant_rows16 as r16
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd, simd512
 from minfer.formats.block_types import GGMLType
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 
 TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 NO_WIDE = "no AVX-512 F+BW+VNNI on this CPU (or MINFER_AVX512=0 / MINFER_VNNI=0): the 512-bit prefill cannot run here"
@@ -97,7 +97,7 @@ def test_few_token_passes_take_the_eight_row_kernels_where_512_bits_are_split(mo
 def test_q8_0_prefill_gives_the_eight_row_kernels_bits(n_out, n_tok):
     rng = np.random.default_rng(n_out + n_tok)
     w = rng.standard_normal((n_out, 512)).astype(np.float32)
-    p = qm.prepare(GGUFTensor("w", GGMLType.Q8_0, (n_out, 512), gq.quantize(w, GGMLType.Q8_0).view(np.uint8)))
+    p = qm.prepare(WeightTensor("w", GGMLType.Q8_0, (n_out, 512), gq.quantize(w, GGMLType.Q8_0).view(np.uint8)))
     xq = qm.quantize_activations(acts(n_tok, 512))
     au = qm._shifted_activations(xq._q, n_tok)
     wide, narrow = (np.full((n_tok, n_out), np.nan, np.float32) for _ in range(2))
@@ -116,7 +116,7 @@ def test_a_plans_bound_q8_0_call_runs_the_kernel_matmul_runs(monkeypatch, n_tok)
     monkeypatch.setattr(qm, "_q8_0_pairs", lambda *a: (ran.append("pairs"), pairs(*a)))
     rng = np.random.default_rng(n_tok)
     w = rng.standard_normal((40, 512)).astype(np.float32)
-    p = qm.prepare(GGUFTensor("w", GGMLType.Q8_0, (40, 512), gq.quantize(w, GGMLType.Q8_0).view(np.uint8)))
+    p = qm.prepare(WeightTensor("w", GGMLType.Q8_0, (40, 512), gq.quantize(w, GGMLType.Q8_0).view(np.uint8)))
     x = acts(n_tok, 512)
     out = np.empty((n_tok, 40), np.float32)
     qm.matmul(x, p, out)

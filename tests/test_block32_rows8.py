@@ -27,9 +27,9 @@ from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd512
 from minfer.formats.block_types import GGMLType
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.iquants import IQ4_VALUES
 from minfer.formats.quants import dequantize_rows
+from minfer.formats.tensors import WeightTensor
 
 U = 2.0**-24
 Q5_0, Q5_1, Q4_0, Q4_1 = GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.Q4_1
@@ -51,23 +51,23 @@ def _ids(t: GGMLType) -> str:
     return t.name
 
 
-def _weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> GGUFTensor:
+def _weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> WeightTensor:
     if t in (Q5_0, Q5_1):  # gguf quantizes them: Gaussian weights, one block with a clear offset
         return weight(t, n_out, n_in, seed)
     if t in (Q4_0, Q4_1):
         w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32) * 0.1
-        return GGUFTensor("w", t, (n_out, n_in), gq.quantize(w, t).view(np.uint8))
-    return GGUFTensor("w", t, (n_out, n_in), _random_rows(t, n_out, n_in, seed))
+        return WeightTensor("w", t, (n_out, n_in), gq.quantize(w, t).view(np.uint8))
+    return WeightTensor("w", t, (n_out, n_in), _random_rows(t, n_out, n_in, seed))
 
 
-def _fast(x: np.ndarray, w: GGUFTensor | object, xq=None) -> np.ndarray:
+def _fast(x: np.ndarray, w: WeightTensor | object, xq=None) -> np.ndarray:
     t = (w.tensor if hasattr(w, "tensor") else w).ggml_type
     out = np.full((x.shape[0], (w.tensor if hasattr(w, "tensor") else w).shape[0]), np.nan, np.float32)
     MODULES[t].matmul(x, w, out, xq)
     return out
 
 
-def _prepare(w: GGUFTensor):
+def _prepare(w: WeightTensor):
     return MODULES[w.ggml_type].prepare(w)
 
 
@@ -240,5 +240,5 @@ def test_weights_of_other_row_counts_keep_a_correct_path():
     assert km.group_call(x, pair, outs, None, qm.quantize_activations(x[:4])) is None  # not these activations
     rows = [km.prepare(weight(Q5_0, 16, 512)), km.prepare(weight(Q5_0, 12, 512))]  # 12: not repacked
     assert km.group_call(x, rows, [np.empty((5, 16), np.float32), np.empty((5, 12), np.float32)], None, xq) is None
-    empty = GGUFTensor("w", Q5_0, (8, 0), np.zeros((8, 0), np.uint8))
+    empty = WeightTensor("w", Q5_0, (8, 0), np.zeros((8, 0), np.uint8))
     assert np.array_equal(_fast(np.zeros((2, 0), np.float32), empty), np.zeros((2, 8), np.float32))

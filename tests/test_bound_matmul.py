@@ -13,15 +13,15 @@ from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu.backend import _bound
 from minfer.errors import ModelError
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor
 
 N_OUT, N_IN = 40, 512
 Q8_TYPES = [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q5_1]
 K_TYPES = [GGMLType.Q4_K, GGMLType.Q6_K]
 
 
-def weight(t: GGMLType) -> GGUFTensor:
+def weight(t: GGMLType) -> WeightTensor:
     rng = np.random.default_rng(int(t))
     if t in K_TYPES:  # random blocks with sane f16 scales (gguf-py does not quantize K-quants)
         bsz = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}[t]
@@ -30,11 +30,11 @@ def weight(t: GGMLType) -> GGUFTensor:
             raw[:, :, off : off + 2] = (rng.uniform(0.5, 2, (N_OUT, N_IN // 256)) * 1e-3).astype(np.float16)[
                 ..., None
             ].view(np.uint8)
-        return GGUFTensor("w", t, (N_OUT, N_IN), raw.reshape(N_OUT, -1))
+        return WeightTensor("w", t, (N_OUT, N_IN), raw.reshape(N_OUT, -1))
     w = rng.standard_normal((N_OUT, N_IN)).astype(np.float32) * 0.1
     if t == GGMLType.F16:
-        return GGUFTensor("w", t, (N_OUT, N_IN), w.astype(np.float16).view(np.uint8))
-    return GGUFTensor("w", t, (N_OUT, N_IN), quants.quantize(w, t).view(np.uint8).reshape(N_OUT, -1))
+        return WeightTensor("w", t, (N_OUT, N_IN), w.astype(np.float16).view(np.uint8))
+    return WeightTensor("w", t, (N_OUT, N_IN), quants.quantize(w, t).view(np.uint8).reshape(N_OUT, -1))
 
 
 @pytest.mark.parametrize("n_tok", [1, 9])

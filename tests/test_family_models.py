@@ -247,7 +247,7 @@ def test_inspect_names_the_features():
 @pytest.mark.parametrize("source", ["model-f32.gguf", "hf"])
 def test_quantize_at_load_quantizes_each_expert(source):
     """``quantize="q8_0"`` reaches the experts (one Q8_0 matrix each); the logits stay close to fp32's."""
-    from minfer.formats.gguf_file import ExpertTensors
+    from minfer.formats.tensors import ExpertTensors
 
     model = minfer.load(fixture_dir("qwen3moe") / source, n_ctx=64, quantize="q8_0")
     stacks = [t for t in model.transformer.tensors.values() if isinstance(t, ExpertTensors)]

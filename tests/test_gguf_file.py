@@ -64,7 +64,7 @@ def _mapped_kib(path) -> int:
 def test_rows_read_from_the_file_equal_the_mapped_rows_and_map_no_page(tmp_path):
     """An embedding lookup's rows come through preadv, not the map: through the map, each scattered row
     makes the kernel's fault-around window (64 KiB) around it resident in the process."""
-    from minfer.formats.gguf_file import ExpertTensors, tensor_rows
+    from minfer.formats.tensors import ExpertTensors, tensor_rows
 
     rows, width = 4096, 1024  # 16 MiB of f32: 4 KiB per row
     table = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)

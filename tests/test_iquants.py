@@ -22,8 +22,9 @@ from minfer.backends.cpu import iquant_matmul as iq
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd
 from minfer.formats.block_types import row_nbytes, type_size
-from minfer.formats.gguf_file import GGUFFile, GGUFTensor
+from minfer.formats.gguf_file import GGUFFile
 from minfer.formats.quants import GGMLType, dequantize_rows
+from minfer.formats.tensors import WeightTensor
 
 TYPES = [GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4]
 U = 2.0**-24
@@ -82,7 +83,7 @@ def test_fast_matmul_parity(t, n_tok, n_out):
     by at most d/2. The same bits at 1 and 2 threads, and a decode row equals its prefill row."""
     n_in = 512  # 37 rows: not a multiple of 4 (decode pass) nor of 16 (prefill work item)
     raw = _random_rows(t, n_out, n_in, seed=n_tok)
-    w = GGUFTensor("w", t, (n_out, n_in), raw)
+    w = WeightTensor("w", t, (n_out, n_in), raw)
     x = np.random.default_rng(2).standard_normal((n_tok, n_in)).astype(np.float32)
     x[:, 32:64] *= 30.0  # blocks of very different scales
     x[0, 64:96] = 0.0  # an all-zero block: d = 0
@@ -113,12 +114,12 @@ def test_fast_matmul_parity(t, n_tok, n_out):
 _GENERIC_SCRIPT = """
 import numpy as np, sys
 from minfer.backends.cpu import iquant_matmul as iq, simd
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 from minfer.formats.quants import GGMLType
 data = np.load(sys.argv[1])
 res = {"avx2": np.array(simd.AVX2)}
 for name in sys.argv[3].split(","):
-    w = GGUFTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
+    w = WeightTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
     for n in (1, 13):
         res[f"{name}_{n}"] = np.empty((n, w.shape[0]), np.float32)
         iq.matmul(data["x"][:n], w, res[f"{name}_{n}"])
@@ -139,7 +140,7 @@ def test_generic_simd_path_gives_the_same_bits(tmp_path, request):
         raw = _random_rows(t, n_out, 512, seed=8)
         arrays[name], arrays[name + "_shape"] = raw, np.array([n_out, 512])
         for n in (1, 13):
-            ours[f"{name}_{n}"] = _threads_outputs(x[:n], GGUFTensor("w", t, (n_out, 512), raw), threads=(2,))[0]
+            ours[f"{name}_{n}"] = _threads_outputs(x[:n], WeightTensor("w", t, (n_out, 512), raw), threads=(2,))[0]
     np.savez(tmp_path / "in.npz", **arrays)
     env = dict(os.environ, MINFER_GENERIC_SIMD="1", NUMBA_CACHE_DIR=str(request.config.cache.mkdir("numba-generic-iq")))
     env["PYTHONPATH"] = str(Path(iq.__file__).parents[3]) + os.pathsep + env.get("PYTHONPATH", "")

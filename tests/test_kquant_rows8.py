@@ -21,7 +21,7 @@ from test_kquants import acts, deq, fast, rounded_acts, term_scale, weight
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import kquant_rows8 as r8
 from minfer.formats.block_types import GGMLType
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 
 U = 2.0**-24
 Q4_K, Q5_K, Q6_K = GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K
@@ -161,7 +161,7 @@ def test_file_pages_of_a_repacked_weight_are_given_back(t, tmp_path):
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
 
     held = resident_kib()
-    after = fast(x, GGUFTensor("w", t, w.shape, mapped))
+    after = fast(x, WeightTensor("w", t, w.shape, mapped))
     assert held - resident_kib() > 0.8 * w.data.nbytes / 1024
     assert after.view(np.uint32).tolist() == before.view(np.uint32).tolist()
     assert int(mapped[-1].sum()) == int(w.data[-1].sum())  # still readable: the file is still there

@@ -37,8 +37,8 @@ from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import simd
 from minfer.errors import ModelError
 from minfer.formats.block_types import GGMLType, block_size, row_nbytes, type_size
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS
+from minfer.formats.tensors import WeightTensor
 
 U = 2.0**-24
 K_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
@@ -91,7 +91,7 @@ def random_blocks(t: GGMLType, n_rows: int, n: int, rng: np.random.Generator, sc
     return raw.reshape(n_rows, -1)
 
 
-def weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> GGUFTensor:
+def weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> WeightTensor:
     rng = np.random.default_rng(seed)
     if t in Q5_TYPES:  # gguf quantizes these: Gaussian weights, one block with a clear offset
         w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.1
@@ -99,7 +99,7 @@ def weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> GGUFTensor:
         raw = gq.quantize(w, t)
     else:  # gguf-py cannot quantize K-quants
         raw = random_blocks(t, n_out, n_in, rng)
-    return GGUFTensor("w", t, (n_out, n_in), raw)
+    return WeightTensor("w", t, (n_out, n_in), raw)
 
 
 def acts(n_tok: int, n_in: int, seed: int = 1) -> np.ndarray:
@@ -272,7 +272,7 @@ def rounded_acts(x: np.ndarray, t: GGMLType) -> tuple[np.ndarray, np.ndarray]:
     return (xq.q.reshape(n_tok, -1, 32) * d[..., None]).reshape(n_tok, n), np.repeat(d, 32, axis=1)
 
 
-def term_scale(w: GGUFTensor) -> np.ndarray:
+def term_scale(w: WeightTensor) -> np.ndarray:
     """|W| as the kernel's terms split it: for types with an offset/min, |d sc q| + |dmin m| per weight."""
     t, (n_out, n_in) = w.ggml_type, w.shape
     d_at, m_at = F16_FIELDS[t]
@@ -286,7 +286,7 @@ def term_scale(w: GGUFTensor) -> np.ndarray:
     return parts[0] + parts[1]
 
 
-def fast(x: np.ndarray, w: GGUFTensor, xq=None) -> np.ndarray:
+def fast(x: np.ndarray, w: WeightTensor, xq=None) -> np.ndarray:
     out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
     km.matmul(x, w, out, xq)
     return out
@@ -360,7 +360,7 @@ def test_small_weights_shared_activations_and_layouts(t):
     km.matmul(x.astype(np.float64), w, out[:, ::2])  # non-contiguous output, float64 input
     assert np.array_equal(out[:, ::2], base)
     assert np.array_equal(fast(np.asfortranarray(x), w), base)
-    empty = GGUFTensor("w", t, (3, 0), np.zeros((3, 0), np.uint8))
+    empty = WeightTensor("w", t, (3, 0), np.zeros((3, 0), np.uint8))
     assert np.array_equal(fast(np.zeros((2, 0), np.float32), empty), np.zeros((2, 3), np.float32))
 
 
@@ -368,13 +368,13 @@ def test_errors_name_the_problem():
     x = np.zeros((2, 256), np.float32)
     out = np.zeros((2, 8), np.float32)
     with pytest.raises(ModelError, match="no K-quant matmul for ggml type Q4_1"):
-        km.matmul(x, GGUFTensor("w", GGMLType.Q4_1, (8, 256), np.zeros((8, 160), np.uint8)), out)
+        km.matmul(x, WeightTensor("w", GGMLType.Q4_1, (8, 256), np.zeros((8, 160), np.uint8)), out)
     with pytest.raises(ModelError, match="not whole Q4_K blocks of 256"):
-        bad = GGUFTensor("w", GGMLType.Q4_K, (8, 288), np.zeros((8, 1), np.uint8))
+        bad = WeightTensor("w", GGMLType.Q4_K, (8, 288), np.zeros((8, 1), np.uint8))
         km.matmul(np.zeros((2, 288), np.float32), bad, out)
     w = weight(GGMLType.Q4_K, 8, 256)
     with pytest.raises(ModelError, match="bytes of data"):
-        km.matmul(x, GGUFTensor("w", GGMLType.Q4_K, (8, 256), w.data[:, :100]), out)
+        km.matmul(x, WeightTensor("w", GGMLType.Q4_K, (8, 256), w.data[:, :100]), out)
     with pytest.raises(ModelError, match="do not match"):
         km.matmul(np.zeros((2, 512), np.float32), w, out)
     with pytest.raises(ModelError, match="output must be float32"):
@@ -390,13 +390,13 @@ import sys
 import numpy as np
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import simd
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 from minfer.formats.quants import GGMLType
 
 data = np.load(sys.argv[1])
 res = {"avx2": np.array(simd.AVX2)}
 for name in sys.argv[3].split(","):
-    w = GGUFTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
+    w = WeightTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
     for n in (1, 13):
         out = np.empty((n, w.shape[0]), np.float32)
         km.matmul(data["x"][:n], w, out)
@@ -405,7 +405,7 @@ np.savez(sys.argv[2], **res)
 """
 
 
-def _generic_inputs() -> tuple[np.ndarray, dict[str, GGUFTensor]]:
+def _generic_inputs() -> tuple[np.ndarray, dict[str, WeightTensor]]:
     weights = {t.name: weight(t, 23, 512, seed=10) for t in ALL_TYPES}
     for t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q5_0):  # whole groups of 8: repacked
         weights[f"{t.name}@24"] = weight(t, 24, 512, seed=11)

@@ -29,8 +29,8 @@ from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import reference as ref
 from minfer.backends.cpu import simd
 from minfer.errors import ModelError
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType, dequantize_rows
+from minfer.formats.tensors import WeightTensor
 
 U = 2.0**-24
 INT_TYPES = [GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q8_0]
@@ -44,12 +44,12 @@ def _compiled():
     qm.warmup()
 
 
-def make_weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> GGUFTensor:
+def make_weight(t: GGMLType, n_out: int, n_in: int, seed: int = 0) -> WeightTensor:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.1
     w[0, :32] += 0.5  # one block with a clear offset (Q4_1's m far from 0)
     raw = quants.quantize(w, t).view(np.uint8).reshape(n_out, -1)
-    return GGUFTensor("w", t, (n_out, n_in), raw)
+    return WeightTensor("w", t, (n_out, n_in), raw)
 
 
 def make_x(n_tok: int, n_in: int, seed: int = 1) -> np.ndarray:
@@ -73,7 +73,7 @@ def llama_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.int8).reshape(x.shape), d
 
 
-def term_scale(w: GGUFTensor) -> np.ndarray:
+def term_scale(w: WeightTensor) -> np.ndarray:
     """|W| as the kernel sums it: for Q4_1 the d*n and m parts are separate terms."""
     n_out, n_in = w.shape
     if w.ggml_type != GGMLType.Q4_1:
@@ -85,7 +85,7 @@ def term_scale(w: GGUFTensor) -> np.ndarray:
     return (np.abs(d * n) + np.abs(m)).reshape(n_out, n_in)
 
 
-def fast(x: np.ndarray, w: GGUFTensor, xq=None) -> np.ndarray:
+def fast(x: np.ndarray, w: WeightTensor, xq=None) -> np.ndarray:
     out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
     qm.matmul(x, w, out, xq)
     return out
@@ -155,7 +155,7 @@ def test_float_types_parity(t, n_tok):
     rng = np.random.default_rng(2)
     wf = rng.standard_normal((n_out, n_in)).astype(np.float32)
     raw = quants.quantize(wf, t) if t != GGMLType.F32 else wf
-    w = GGUFTensor("w", t, (n_out, n_in), np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1))
+    w = WeightTensor("w", t, (n_out, n_in), np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1))
     x = make_x(n_tok, n_in)
     out = fast(x, w)
     wd = dequantize_rows(w.data, t, n_in).astype(np.float64)
@@ -215,7 +215,7 @@ def test_q4_1_row_groups_and_tail_rows_do_the_same_arithmetic():
     w = make_weight(GGMLType.Q4_1, 29, 160, seed=11)
     x = make_x(11, 160, seed=12)
     full = fast(x, w)  # rows 24..28 take the tail path
-    shifted = GGUFTensor("w", GGMLType.Q4_1, (24, 160), w.data[5:])  # rows 5..28, all in groups
+    shifted = WeightTensor("w", GGMLType.Q4_1, (24, 160), w.data[5:])  # rows 5..28, all in groups
     assert full[:, 5:].view(np.uint32).tolist() == fast(x, shifted).view(np.uint32).tolist()
     packed = qm._repack_q4_1(w.data, 29, 160).reshape(3, 5, 160)  # [group, block, bytes]
     values = packed[..., :128].reshape(3, 5, 4, 8, 4)  # [group, block, chunk, row, i]
@@ -242,7 +242,7 @@ def test_q8_0_row_groups_and_tail_rows_do_the_same_arithmetic():
     xq = (q.reshape(11, -1, 32).astype(np.float64) * d[..., None]).reshape(11, 160)
     wd = dequantize_rows(w.data, GGMLType.Q8_0, 160).astype(np.float64)
     assert np.all(np.abs(full - xq @ wd.T) <= (3 * 5 + 8) * U * (np.abs(xq) @ np.abs(wd).T) + 1e-30)
-    shifted = GGUFTensor("w", GGMLType.Q8_0, (24, 160), w.data[5:])
+    shifted = WeightTensor("w", GGMLType.Q8_0, (24, 160), w.data[5:])
     assert full[:, 5:].view(np.uint32).tolist() == fast(x, shifted).view(np.uint32).tolist()
     packed = qm._repack_q8_0(w.data, 29, 160).reshape(3, 5, 272)  # [group, block, bytes]
     values = packed[..., :256].reshape(3, 5, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(24, 160)  # [row, value]
@@ -307,13 +307,13 @@ def test_file_pages_of_a_repacked_weight_are_given_back(tmp_path):
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
 
     held = resident_kib()
-    tensor = GGUFTensor("w", GGMLType.Q4_1, w.shape, mapped)
+    tensor = WeightTensor("w", GGMLType.Q4_1, w.shape, mapped)
     after = fast(x, tensor)
     assert held - resident_kib() > 0.8 * w.data.nbytes / 1024  # ~160 KiB of the file given back
     assert after.view(np.uint32).tolist() == before.view(np.uint32).tolist()
     assert int(mapped[-1].sum()) == int(w.data[-1].sum())  # still readable: the file is still there
     copy = w.data.copy()
-    qm.prepare(GGUFTensor("w", GGMLType.Q4_1, w.shape, copy))
+    qm.prepare(WeightTensor("w", GGMLType.Q4_1, w.shape, copy))
     np.testing.assert_array_equal(copy, w.data)
 
 def test_errors_name_the_problem():
@@ -325,7 +325,7 @@ def test_errors_name_the_problem():
         qm.matmul(x, w, np.zeros((2, 9), np.float32))
     with pytest.raises(ModelError, match="quantized activations"):
         qm.matmul(x, w, np.zeros((2, 8), np.float32), qm.quantize_activations(make_x(3, 64)))
-    bad = GGUFTensor("blk.0.attn_q.weight", GGMLType.Q5_0, (8, 64), np.zeros((8, 44), np.uint8))
+    bad = WeightTensor("blk.0.attn_q.weight", GGMLType.Q5_0, (8, 64), np.zeros((8, 44), np.uint8))
     with pytest.raises(ModelError, match="blk.0.attn_q.weight.*Q5_0"):
         qm.matmul(x, bad, np.zeros((2, 8), np.float32))
     with pytest.raises(ModelError, match="multiple of 32"):
@@ -340,7 +340,7 @@ def test_real_smollm2_weights(smollm2_path):
     f = GGUFFile(smollm2_path)
     head = f.tensors["token_embd.weight"]
     tensors = [f.tensors["blk.0.attn_q.weight"], f.tensors["blk.29.ffn_down.weight"]]
-    tensors.append(GGUFTensor("token_embd[:4096]", head.ggml_type, (4096, head.shape[1]), head.data[:4096]))
+    tensors.append(WeightTensor("token_embd[:4096]", head.ggml_type, (4096, head.shape[1]), head.data[:4096]))
     for w in tensors:
         n_out, n_in = w.shape
         wd = dequantize_rows(w.data, w.ggml_type, n_in).astype(np.float64)
@@ -358,7 +358,7 @@ import numpy as np, sys
 from numba import njit
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 from minfer.formats.quants import GGMLType
 
 @njit
@@ -373,7 +373,7 @@ raw[: 2 * 65536] = np.arange(65536, dtype=np.uint16).view(np.uint8)
 res["halves"] = np.empty(65536, np.float32)
 all_halves(raw, res["halves"])
 for name in sys.argv[3].split(","):
-    w = GGUFTensor("w", GGMLType[name], tuple(data[name + "_shape"]), data[name])
+    w = WeightTensor("w", GGMLType[name], tuple(data[name + "_shape"]), data[name])
     for n in (1, 13):
         out = np.empty((n, w.shape[0]), np.float32)
         qm.matmul(data["x"][:n], w, out)
@@ -403,10 +403,10 @@ def _run_elsewhere(tmp_path, cache: Path, env_extra: dict[str, str], types: list
     return np.load(tmp_path / "out.npz"), ours
 
 
-def _float_weight(t: GGMLType, n_out: int, n_in: int) -> GGUFTensor:
+def _float_weight(t: GGMLType, n_out: int, n_in: int) -> WeightTensor:
     wf = np.random.default_rng(2).standard_normal((n_out, n_in)).astype(np.float32)
     raw = quants.quantize(wf, t) if t != GGMLType.F32 else wf
-    return GGUFTensor("w", t, (n_out, n_in), np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1))
+    return WeightTensor("w", t, (n_out, n_in), np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1))
 
 
 @pytest.mark.slow

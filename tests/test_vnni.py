@@ -25,9 +25,9 @@ from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd
 from minfer.formats.block_types import GGMLType, block_size, type_size
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS
 from minfer.formats.quants import DEQUANTIZERS
+from minfer.formats.tensors import WeightTensor
 
 # byte offsets of each K-quant block's f16 fields (set to sane values in random blocks)
 F16_AT = {GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
@@ -41,7 +41,7 @@ TOKENS = (13, 70)
 N_OUT, N_IN = 27, 512  # rows: not a multiple of 8 (row groups) nor of 16 (work items)
 
 
-def weight(t: GGMLType, seed: int, n_out: int = N_OUT) -> GGUFTensor:
+def weight(t: GGMLType, seed: int, n_out: int = N_OUT) -> WeightTensor:
     """Random valid blocks (K-quants: random bytes, sane f16 scales of either sign; gguf quantizes the
     rest from Gaussian values with one block of a clear offset)."""
     rng = np.random.default_rng(seed)
@@ -56,7 +56,7 @@ def weight(t: GGMLType, seed: int, n_out: int = N_OUT) -> GGUFTensor:
         w = rng.standard_normal((n_out, N_IN)).astype(np.float32) * 0.1
         w[0, :32] += 0.5
         raw = gq.quantize(w, t).view(np.uint8).reshape(n_out, -1)
-    return GGUFTensor("w", t, (n_out, N_IN), raw)
+    return WeightTensor("w", t, (n_out, N_IN), raw)
 
 
 def acts(n_tok: int, seed: int) -> np.ndarray:
@@ -66,16 +66,16 @@ def acts(n_tok: int, seed: int) -> np.ndarray:
     return x
 
 
-def _weights() -> dict[str, GGUFTensor]:
+def _weights() -> dict[str, WeightTensor]:
     ws = {t.name: weight(t, seed=3 + i) for i, t in enumerate(K_TYPES + Q_TYPES)}
     for t in (GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.Q4_1):  # whole groups of eight: block32_rows8's
         ws[f"{t.name}@40"] = weight(t, seed=20, n_out=40)
     for t in (GGMLType.IQ4_NL, GGMLType.IQ4_XS):  # and its IQ4 layouts (random blocks: gguf cannot quantize IQ4)
-        ws[f"{t.name}@40"] = GGUFTensor("w", t, (40, N_IN), _random_rows(t, 40, N_IN, seed=21))
+        ws[f"{t.name}@40"] = WeightTensor("w", t, (40, N_IN), _random_rows(t, 40, N_IN, seed=21))
     return ws
 
 
-def _matmul(x: np.ndarray, w: GGUFTensor) -> np.ndarray:
+def _matmul(x: np.ndarray, w: WeightTensor) -> np.ndarray:
     out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
     (km if km.supports(w.ggml_type) else iq if iq.supports(w.ggml_type) else qm).matmul(x, w, out)
     return out
@@ -121,13 +121,13 @@ from minfer.backends.cpu import iquant_matmul as iq
 from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 from minfer.formats.quants import GGMLType
 
 data = np.load(sys.argv[1])
 res = {"vnni": np.array(simd.VNNI)}
 for name in sys.argv[3].split(","):
-    w = GGUFTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
+    w = WeightTensor("w", GGMLType[name.split("@")[0]], tuple(data[name + "_shape"]), data[name])
     mod = km if km.supports(w.ggml_type) else iq if iq.supports(w.ggml_type) else qm
     for n in (13, 70):
         out = np.empty((n, w.shape[0]), np.float32)

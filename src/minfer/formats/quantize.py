@@ -24,7 +24,6 @@ import numpy as np
 from numba import njit, prange
 
 from minfer.errors import BadRequestError
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import (
     GGMLType,
     _f16_bits_to_f32,
@@ -33,6 +32,7 @@ from minfer.formats.quants import (
     dequantize_rows,
     row_nbytes,
 )
+from minfer.formats.tensors import WeightTensor
 
 QUANTIZE_TYPES: dict[str, GGMLType] = {"q8_0": GGMLType.Q8_0, "q4_k": GGMLType.Q4_K}
 QK_K = 256
@@ -272,7 +272,7 @@ def quantize_rows(x: np.ndarray, qtype: GGMLType, out: np.ndarray | None = None)
     return out
 
 
-def quantize_tensor(t: GGUFTensor, target: GGMLType, threads: int | None = None) -> GGUFTensor:
+def quantize_tensor(t: WeightTensor, target: GGMLType, threads: int | None = None) -> WeightTensor:
     """A float (F32/F16/BF16) matrix quantized to ``target`` (or its fallback, see :func:`storage_type`),
     in new memory; any other tensor is returned as it is."""
     if len(t.shape) != 2 or t.ggml_type not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
@@ -283,7 +283,7 @@ def quantize_tensor(t: GGUFTensor, target: GGMLType, threads: int | None = None)
         if t.ggml_type == GGMLType.F16:
             return t
         data = dequantize_rows(t.data, t.ggml_type, n).astype(np.float16).view(np.uint8)
-        return GGUFTensor(t.name, GGMLType.F16, t.shape, data.reshape(n_rows, -1))
+        return WeightTensor(t.name, GGMLType.F16, t.shape, data.reshape(n_rows, -1))
     out = np.empty((n_rows, row_nbytes(qtype, n)), np.uint8)
     previous = numba.get_num_threads()
     if threads is not None:
@@ -296,4 +296,4 @@ def quantize_tensor(t: GGUFTensor, target: GGMLType, threads: int | None = None)
             quantize_rows(rows, qtype, out[r0:r1])
     finally:
         numba.set_num_threads(previous)
-    return GGUFTensor(t.name, qtype, t.shape, out)
+    return WeightTensor(t.name, qtype, t.shape, out)

@@ -7,7 +7,7 @@ with ``safetensors.safe_open`` first, and its names, dtypes and shapes are what 
 mapped ourselves, because the package's numpy API copies each tensor into private memory
 (``get_tensor`` reads it out) and has no numpy dtype for bf16, while its torch API needs torch. Our
 tensors are read-only ``uint8[rows, row_bytes]`` views of one ``mmap`` per file, the same
-:class:`~minfer.formats.gguf_file.GGUFTensor` records a GGUF file gives, so the kernels cannot tell the
+:class:`~minfer.formats.tensors.WeightTensor` records a GGUF file gives, so the kernels cannot tell the
 formats apart: F32, F16 and BF16 map onto the engine's own F32/F16/BF16 block types.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from minfer.errors import FormatError
 from minfer.formats.block_types import GGMLType
-from minfer.formats.gguf_file import FileRows, GGUFTensor, OpenFile
+from minfer.formats.tensors import FileRows, OpenFile, WeightTensor
 
 # safetensors dtype -> the engine's type; other dtypes are listed, and refused when a model needs them
 SAFETENSORS_TYPES: dict[str, GGMLType] = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
@@ -51,7 +51,7 @@ class SafetensorsFile:
         self.path = Path(path)
         self.metadata: dict[str, str] = {}
         self.infos: dict[str, TensorInfo] = {}
-        self.tensors: dict[str, GGUFTensor] = {}
+        self.tensors: dict[str, WeightTensor] = {}
         self._read()
 
     def _read(self) -> None:
@@ -95,7 +95,7 @@ class SafetensorsFile:
             rows = FileRows(opened, begin, row_bytes, n_rows) if opened is not None else None
             if begin % _ITEMSIZE[dtype]:
                 data = data.copy()  # a misaligned tensor (no writer we know makes one): aligned private copy
-            self.tensors[name] = GGUFTensor(name, SAFETENSORS_TYPES[dtype], shape, data.reshape(n_rows, row_bytes),
+            self.tensors[name] = WeightTensor(name, SAFETENSORS_TYPES[dtype], shape, data.reshape(n_rows, row_bytes),
                                             rows)
 
 
@@ -133,7 +133,7 @@ class SafetensorsFolder:
         self.index_path: Path | None = None
         self.files: list[SafetensorsFile] = []
         self.infos: dict[str, TensorInfo] = {}
-        self.tensors: dict[str, GGUFTensor] = {}
+        self.tensors: dict[str, WeightTensor] = {}
         index = self.directory / INDEX_NAME
         if index.is_file():
             self._read_index(index)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.ir import AttnMeta, Graph, KVMeta, MoeMeta, Node, RopeStyle
 from minfer.models.architecture import Architecture
@@ -50,7 +50,7 @@ class DecoderWeights(Protocol):
     @property
     def output_tensor_name(self) -> str: ...
 
-    def tensor(self, name: str) -> GGUFTensor: ...
+    def tensor(self, name: str) -> WeightTensor: ...
 
     def has_tensor(self, name: str) -> bool: ...
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minfer.errors import ModelError
-from minfer.formats.gguf_file import ExpertTensors, GGUFFile, GGUFTensor
+from minfer.formats.gguf_file import GGUFFile
+from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture
 from minfer.models.hparams import HParams, gguf_field_name
@@ -27,7 +28,7 @@ class GGUFSource:
     path: Path
     arch: Architecture
     hparams: HParams
-    tensors: Mapping[str, GGUFTensor | ExpertTensors]
+    tensors: Mapping[str, WeightTensor | ExpertTensors]
     metadata_title = "metadata"
     chat_template_field = "tokenizer.chat_template"
     rope_style: RopeStyle | None = None  # the converter stored q/k rows in the architecture's own layout

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minfer.errors import FormatError, ModelError
-from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
+from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture, HFArchitecture
 from minfer.models.hparams import HParams, check_layer_count, hf_field_name, layer_indices
@@ -166,7 +166,7 @@ class HFCheckpoint:
     arch: Architecture
     folder: SafetensorsFolder
     hparams: HParams
-    tensors: dict[str, GGUFTensor | ExpertTensors]  # engine names
+    tensors: dict[str, WeightTensor | ExpertTensors]  # engine names
     origin: dict[str, tuple[str, Path]]  # engine name -> (HF name, file)
 
     metadata_title = "config.json"
@@ -277,11 +277,11 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     n_layer = _Config(cfg, spec, cfg_path).int("num_hidden_layers")
     # before anything is sized by it: a corrupt count of 2**31 layers would be looped over
     check_layer_count(n_layer, layer_indices(folder.infos, _LAYER), str(cfg_path), "num_hidden_layers")
-    tensors: dict[str, GGUFTensor | ExpertTensors] = {}
+    tensors: dict[str, WeightTensor | ExpertTensors] = {}
     origin: dict[str, tuple[str, Path]] = {}
     expert_patterns = [(re.compile(re.escape(k).replace(re.escape("{e}"), r"(\d+)")), k, v)
                        for k, v in spec.expert_tensors.items()]
-    experts: dict[str, dict[int, GGUFTensor]] = {}  # engine name of a layer's stack -> expert -> its matrix
+    experts: dict[str, dict[int, WeightTensor]] = {}  # engine name of a layer's stack -> expert -> its matrix
     for hf_name, info in folder.infos.items():
         if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
             continue  # tied: transformers reads the output projection from the embeddings
@@ -301,7 +301,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
             raise ModelError(f"{info.file}: tensor {hf_name!r} has dtype {info.dtype}, not supported "
                              f"(supported: {', '.join(SAFETENSORS_TYPES)})")
         t = folder.tensors[hf_name]
-        tensors[name] = GGUFTensor(name, t.ggml_type, t.shape, t.data, t.file_rows)
+        tensors[name] = WeightTensor(name, t.ggml_type, t.shape, t.data, t.file_rows)
         origin[name] = (hf_name, info.file)
 
     for stack, by_expert in experts.items():
@@ -343,7 +343,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
 
 
 def _add_expert(hf_name: str, rest: str, il: int, patterns: list, folder: SafetensorsFolder,
-                experts: dict[str, dict[int, GGUFTensor]], origin: dict[str, tuple[str, Path]]) -> bool:
+                experts: dict[str, dict[int, WeightTensor]], origin: dict[str, tuple[str, Path]]) -> bool:
     """File a per-expert tensor (``mlp.experts.3.gate_proj.weight``) under its layer's stack; False if it is none."""
     info = folder.infos[hf_name]
     for pattern, hf_pattern, stacked in patterns:
@@ -355,21 +355,21 @@ def _add_expert(hf_name: str, rest: str, il: int, patterns: list, folder: Safete
                              f"(supported: {', '.join(SAFETENSORS_TYPES)})")
         stack = f"blk.{il}.{stacked}"
         t = folder.tensors[hf_name]
-        experts.setdefault(stack, {})[int(e.group(1))] = GGUFTensor(f"{stack}[{e.group(1)}]", t.ggml_type, t.shape,
+        experts.setdefault(stack, {})[int(e.group(1))] = WeightTensor(f"{stack}[{e.group(1)}]", t.ggml_type, t.shape,
                                                                       t.data)
         origin[stack] = (f"model.layers.{il}.{hf_pattern}", info.file)
         return True
     return False
 
 
-def _plus_one(t: GGUFTensor) -> GGUFTensor:
+def _plus_one(t: WeightTensor) -> WeightTensor:
     """An RMSNorm gain stored as w (HF Gemma) as the 1 + w the recipe multiplies by (in float32, as GGUF stores it)."""
     import numpy as np
 
     from minfer.formats.quants import GGMLType, dequantize_rows
 
     w = dequantize_rows(t.data, t.ggml_type, t.shape[-1]).reshape(-1) + np.float32(1.0)
-    return GGUFTensor(t.name, GGMLType.F32, t.shape, w.astype(np.float32).view(np.uint8).reshape(1, -1))
+    return WeightTensor(t.name, GGMLType.F32, t.shape, w.astype(np.float32).view(np.uint8).reshape(1, -1))
 
 
 def hf_tensor_name(spec: HFArchitecture, name: str) -> str:

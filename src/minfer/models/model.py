@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minfer.errors import FormatError, ModelError
-from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.quants import SUPPORTED_TYPES, is_supported
+from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import Graph, RopeStyle
 from minfer.models.decoder import build_decoder_graph
 from minfer.models.hparams import GGUF_LAYER, check_hparams, check_layer_count, layer_indices
@@ -34,11 +34,11 @@ class TransformerModel:
         self.arch = source.arch
         self.hparams = hparams = source.hparams
         self.path: Path = source.path
-        self.tensors: dict[str, GGUFTensor | ExpertTensors] = dict(source.tensors)
+        self.tensors: dict[str, WeightTensor | ExpertTensors] = dict(source.tensors)
         if self.arch.split_fused is not None:
             self.tensors = self.arch.split_fused(self.tensors, hparams, self.describe_tensor)
         for name, t in self.tensors.items():  # GGUF's stacked expert tensors: one view per expert
-            if isinstance(t, GGUFTensor) and len(t.shape) == 3 and name.endswith("_exps.weight"):
+            if isinstance(t, WeightTensor) and len(t.shape) == 3 and name.endswith("_exps.weight"):
                 self.tensors[name] = ExpertTensors.from_stacked(t)
         self.quantized: str | None = None  # the load-time quantize type, if any
         self.output_tensor_name = "output.weight" if self.has_tensor("output.weight") else "token_embd.weight"
@@ -82,7 +82,7 @@ class TransformerModel:
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
 
-    def tensor(self, name: str) -> GGUFTensor:
+    def tensor(self, name: str) -> WeightTensor:
         try:
             return self.tensors[name]
         except KeyError:

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import FormatError, ModelError
-from minfer.formats.gguf_file import GGUFFile, GGUFTensor, tensor_rows
+from minfer.formats.gguf_file import GGUFFile
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor, tensor_rows
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import HF_PRE_NORMS, Architecture, HFArchitecture
 from minfer.models.hparams import HParams
@@ -60,7 +61,7 @@ def phi3_split_fused(tensors: dict[str, Any], hp: HParams, describe: Callable[[s
 
 
 def _factors(f: GGUFFile, name: str, n_rot: int) -> tuple[float, ...] | None:
-    t: GGUFTensor | None = f.tensors.get(name)
+    t: WeightTensor | None = f.tensors.get(name)
     if t is None:
         return None
     if t.shape != (n_rot // 2,) or t.ggml_type != GGMLType.F32:

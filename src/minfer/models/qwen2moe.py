@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from minfer.errors import ModelError
-from minfer.formats.gguf_file import GGUFFile, GGUFTensor
+from minfer.formats.gguf_file import GGUFFile
+from minfer.formats.tensors import WeightTensor
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import HF_ATTENTION, HF_PRE_NORMS, HF_QKV_BIAS, Architecture, HFArchitecture
 from minfer.models.hparams import HParams
@@ -48,8 +49,8 @@ def shared_gate_as_row(tensors: dict[str, Any], hp: HParams, describe: Callable[
     for il in range(hp.n_layer):
         name = f"blk.{il}.ffn_gate_inp_shexp.weight"
         t = out.get(name)
-        if isinstance(t, GGUFTensor) and len(t.shape) == 1:
-            out[name] = GGUFTensor(name, t.ggml_type, (1, t.shape[0]), t.data.reshape(1, -1))
+        if isinstance(t, WeightTensor) and len(t.shape) == 1:
+            out[name] = WeightTensor(name, t.ggml_type, (1, t.shape[0]), t.data.reshape(1, -1))
     return out
 
 

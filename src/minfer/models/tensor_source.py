@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
+from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture
 from minfer.models.hparams import HParams
@@ -30,7 +30,7 @@ class TensorSource(Protocol):
     path: Path  # the file or folder, as the user named it
     arch: Architecture
     hparams: HParams
-    tensors: Mapping[str, GGUFTensor | ExpertTensors]  # engine names
+    tensors: Mapping[str, WeightTensor | ExpertTensors]  # engine names
 
     @property
     def rope_style(self) -> RopeStyle | None:

@@ -48,9 +48,9 @@ from minfer.backends.cpu import kquant_matmul as km
 from minfer.backends.cpu import quant_matmul as qm
 from minfer.backends.cpu import simd
 from minfer.formats.block_types import GGMLType, block_size, type_size
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.kquants import KQUANT_DEQUANTIZERS
 from minfer.formats.quants import DEQUANTIZERS
+from minfer.formats.tensors import WeightTensor
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (2048, 2048)]
 TYPES = ["Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -83,7 +83,7 @@ def best_time(fn: Callable[[], None], seconds: float) -> float:
     return best
 
 
-def make_weight(t: GGMLType, n_out: int, n_in: int, rng: np.random.Generator) -> GGUFTensor:
+def make_weight(t: GGMLType, n_out: int, n_in: int, rng: np.random.Generator) -> WeightTensor:
     if t in F16_AT:
         nb = n_in // block_size(t)
         raw = rng.integers(0, 256, (n_out, nb, type_size(t)), dtype=np.uint8)
@@ -97,7 +97,7 @@ def make_weight(t: GGMLType, n_out: int, n_in: int, rng: np.random.Generator) ->
         w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
         raw = gq.quantize(w, t).view(np.uint8).reshape(n_out, -1)
     raw.flags.writeable = False
-    return GGUFTensor("w", t, (n_out, n_in), raw)
+    return WeightTensor("w", t, (n_out, n_in), raw)
 
 
 def gflops(n_tok: int, n_out: int, n_in: int, s: float) -> float:
@@ -190,7 +190,7 @@ def bench_bandwidth(types: list[GGMLType], threads: list[int], seconds: float, c
             w = make_weight(t, n_out, n_in, rng)
             copies = max(2, BANDWIDTH_WORKING_SET // w.nbytes)
             mod = _module(t)
-            prepared = [mod.prepare(GGUFTensor("w", t, w.shape, np.array(w.data))) for _ in range(copies)]
+            prepared = [mod.prepare(WeightTensor("w", t, w.shape, np.array(w.data))) for _ in range(copies)]
             x = rng.standard_normal((1, n_in)).astype(np.float32)
             out = np.empty((1, n_out), np.float32)
             if t in F16_AT:

@@ -121,7 +121,7 @@ class BenchReport:
 def weight_bytes_per_token(model: Model) -> int:
     """Bytes of weights one decode step reads: every tensor, except that the embedding gives one row and a
     mixture of experts' stacks give the experts a token uses (n_expert_used of n_expert, on average)."""
-    from minfer.formats.gguf_file import ExpertTensors
+    from minfer.formats.tensors import ExpertTensors
 
     total = 0
     hp = model.hparams
@@ -137,7 +137,7 @@ def weight_bytes_per_token(model: Model) -> int:
 
 def matmul_params(model: Model) -> tuple[int, int]:
     """(parameters of the layers' matrices, of the output matrix): MoE stacks count the experts a token uses."""
-    from minfer.formats.gguf_file import ExpertTensors
+    from minfer.formats.tensors import ExpertTensors
 
     hp = model.hparams
     layers = output = 0

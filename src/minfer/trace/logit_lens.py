@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 from minfer.graph.ir import Backend, Node, Op
 
 
@@ -21,11 +21,11 @@ def final_norm(x: np.ndarray, node: Node, default_eps: float, backend: Backend) 
     y = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)
     if node.op is Op.RMS_NORM_MUL:
         gain = node.inputs[1].source
-        y = y * (backend.dequantize(gain) if isinstance(gain, GGUFTensor) else np.asarray(gain))
+        y = y * (backend.dequantize(gain) if isinstance(gain, WeightTensor) else np.asarray(gain))
     return y.astype(np.float32)
 
 
-def top_tokens(x: np.ndarray, w: GGUFTensor | np.ndarray, backend: Backend,
+def top_tokens(x: np.ndarray, w: WeightTensor | np.ndarray, backend: Backend,
                top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ``top`` tokens of each row of ``x @ W^T`` (normed residuals against the output matrix), best
     first: their ids, logits and softmax probabilities over the whole vocabulary."""

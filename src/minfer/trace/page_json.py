@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
+from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import Node, Op
 
 MAX_CELLS = 256  # a tensor view is at most this many rows and columns (strided beyond)
@@ -43,7 +43,7 @@ def node_axes(node: Node, hp: Any) -> dict[str, Any]:
 def node_json(node: Node) -> dict[str, Any]:
     out: dict[str, Any] = {"id": node.id, "op": str(node.op), "name": node.name, "layer": node.layer,
                            "shape": list(node.shape), "inputs": [i.id for i in node.inputs]}
-    if node.op is Op.WEIGHT and isinstance(node.source, GGUFTensor | ExpertTensors):
+    if node.op is Op.WEIGHT and isinstance(node.source, WeightTensor | ExpertTensors):
         out["type"] = node.source.ggml_type.name
     if node.op is Op.INPUT:
         out["role"] = node.source

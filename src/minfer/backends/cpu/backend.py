@@ -30,8 +30,8 @@ from minfer.backends.cpu import reference as ref
 from minfer.backends.cpu.thread_governor import ThreadGovernor
 from minfer.compiling import KernelCompiler
 from minfer.errors import BadRequestError
-from minfer.formats.gguf_file import ExpertTensors, GGUFTensor
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import ExpertReads, Node, Op, RopeMeta, RopeStyle, StepParts, Take
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
@@ -217,7 +217,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         self._blas = ThreadpoolController()
         self._pool: ThreadPoolExecutor | None = None
         self._rope_tables: dict[tuple, Any] = {}
-        self._prepared: dict[int, tuple[GGUFTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
+        self._prepared: dict[int, tuple[WeightTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
         self.expert_reads = ExpertReads()
         # kernels are compiled when a plan first needs them (prepare_kernels), only those it needs
         self.compiler = KernelCompiler()
@@ -280,7 +280,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
             stack.callback(numba.set_num_threads, previous)
         return stack
 
-    def prepare_weight(self, tensor: GGUFTensor | ExpertTensors) -> Any:
+    def prepare_weight(self, tensor: WeightTensor | ExpertTensors) -> Any:
         if isinstance(tensor, ExpertTensors):  # one prepared matrix per expert
             return tuple(self.prepare_weight(t) for t in tensor.experts)
         # 1-D tensors (norm gains, biases) and F32 tensors the reference reads are float32 arrays; a 1-D
@@ -302,7 +302,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
             return prepared
         return tensor
 
-    def quantized_input(self, tensor: GGUFTensor) -> bool:
+    def quantized_input(self, tensor: WeightTensor) -> bool:
         """Whether a matmul with this weight quantizes its activations (so sharing them pays)."""
         return self.kernels == "fast" and tensor.ggml_type in Q8_ACTIVATION_TYPES
 
@@ -331,7 +331,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
             return lambda node, out, x, w: self._reference_matmul(node, out, ref.round_activations_q8(x), w)
         return self._reference_matmul
 
-    def _matmul_fn(self, w: GGUFTensor) -> Callable[[Any, Any, Any], None]:
+    def _matmul_fn(self, w: WeightTensor) -> Callable[[Any, Any, Any], None]:
         """``fn(x, w, out)``: the matmul this kernel set runs for a weight of ``w``'s type (an expert's)."""
         if self.kernels == "fast":
             if self._qm.supports(w.ggml_type):

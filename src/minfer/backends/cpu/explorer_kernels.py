@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from minfer.backends.cpu import reference as ref
-from minfer.formats.gguf_file import GGUFTensor
+from minfer.formats.tensors import WeightTensor
 from minfer.graph.ir import AttnMeta
 
 
@@ -19,15 +19,15 @@ class ExplorerKernels:
 
     kernels: str
 
-    def dequantize(self, tensor: GGUFTensor) -> np.ndarray:
+    def dequantize(self, tensor: WeightTensor) -> np.ndarray:
         """The whole tensor as float32 in its numpy shape."""
         return ref.dequantize_tensor(tensor)
 
-    def embedding_rows(self, table: GGUFTensor | np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    def embedding_rows(self, table: WeightTensor | np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
         """``out[i]`` = row ``ids[i]`` of ``table``, dequantized."""
         ref.get_rows(table, ids, out)
 
-    def float_matmul(self, x: np.ndarray, w: GGUFTensor | np.ndarray, out: np.ndarray) -> None:
+    def float_matmul(self, x: np.ndarray, w: WeightTensor | np.ndarray, out: np.ndarray) -> None:
         """``out = x @ W^T``, W dequantized chunk by chunk (never whole), ``x`` as given."""
         ref.matmul(x, w, out)
 

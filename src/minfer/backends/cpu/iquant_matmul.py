@@ -97,9 +97,9 @@ from minfer.backends.cpu.simd import (
 )
 from minfer.errors import ModelError
 from minfer.formats.block_types import block_size, type_size
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.iquants import IQ4_VALUES, MXFP4_VALUES
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor
 
 SUPPORTED_TYPES = (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4)
 
@@ -392,7 +392,7 @@ class _Prepared:
 
     __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kernels", "table", "rows8", "block32_kind")
 
-    def __init__(self, w: GGUFTensor) -> None:
+    def __init__(self, w: WeightTensor) -> None:
         t = w.ggml_type
         self.n_out, self.n_in = weight_shape(w, "IQ4/MXFP4", SUPPORTED_TYPES, block_size(t))
         self.rb = self.n_in // block_size(t) * type_size(t)
@@ -407,11 +407,11 @@ class _Prepared:
             release_file_pages(w.data)
 
 
-def prepare(w: GGUFTensor) -> _Prepared:
+def prepare(w: WeightTensor) -> _Prepared:
     return _Prepared(w)
 
 
-def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
+def matmul(x: np.ndarray, w: WeightTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
     """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` read as raw IQ4_NL / IQ4_XS / MXFP4 blocks.
 
     ``xq`` is ``quantize_activations(x)`` when the caller shares it between matmuls; else it is made here.
@@ -441,4 +441,4 @@ def warmup() -> None:
             out = np.empty((n_tok, n_out), np.float32)
             for t in SUPPORTED_TYPES:
                 raw = np.zeros((n_out, 256 // block_size(t) * type_size(t)), np.uint8)
-                matmul(x, GGUFTensor("warmup", t, (n_out, 256), raw), out)
+                matmul(x, WeightTensor("warmup", t, (n_out, 256), raw), out)

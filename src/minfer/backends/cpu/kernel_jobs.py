@@ -20,8 +20,8 @@ import numpy as np
 from minfer.backends.cpu import amx
 from minfer.backends.cpu.simd512 import WIDE
 from minfer.compiling import CompileJob
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor
 from minfer.graph.ir import Node, Op
 
 _CPU = "minfer.backends.cpu"
@@ -62,7 +62,7 @@ def compile_matmul(type_name: str) -> None:
         for wt, n_out in shapes:
             out = np.empty((n_tok, n_out), F32)
             raw = _read_only(np.zeros((n_out, n_in // block_size(wt) * type_size(wt)), np.uint8))
-            w = module.prepare(GGUFTensor("warmup", wt, (n_out, n_in), raw))
+            w = module.prepare(WeightTensor("warmup", wt, (n_out, n_in), raw))
             if module is iquant_matmul or (module is quant_matmul and wt not in float_matmul.WIDENING):
                 xq = quant_matmul.quantize_activations(x)  # a shared QUANTIZE node's output, as plans pass it
                 module.matmul(x, w, out, xq)
@@ -79,7 +79,7 @@ def compile_matmul_amx(type_name: str) -> None:
     x = np.random.default_rng(0).standard_normal((AMX_TOKENS, n_in)).astype(F32)
     for wt in (GGMLType.Q4_K, GGMLType.Q6_K):
         raw = _read_only(np.zeros((n_out, n_in // block_size(wt) * type_size(wt)), np.uint8))
-        w = kquant_matmul.prepare(GGUFTensor("warmup", wt, (n_out, n_in), raw))
+        w = kquant_matmul.prepare(WeightTensor("warmup", wt, (n_out, n_in), raw))
         kquant_matmul.matmul(x, w, np.empty((AMX_TOKENS, n_out), F32))
 
 

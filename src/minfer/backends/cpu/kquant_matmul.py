@@ -126,8 +126,8 @@ from minfer.backends.cpu.simd import (
     splat_constant,
 )
 from minfer.errors import ModelError
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType, type_size
+from minfer.formats.tensors import WeightTensor
 
 if TYPE_CHECKING:  # annotations only
     from numba.core.extending import _Intrinsic as Intrinsic
@@ -860,7 +860,7 @@ class _Prepared:
     __slots__ = ("tensor", "flat", "rb", "n_out", "n_in", "kind", "is_k", "padded", "rows8", "rows8_kernel",
                  "block32_kind")
 
-    def __init__(self, w: GGUFTensor) -> None:
+    def __init__(self, w: WeightTensor) -> None:
         t = w.ggml_type
         self.is_k = t in _K_KIND
         bs = QK_K if self.is_k else QK
@@ -893,14 +893,14 @@ class _Prepared:
             release_file_pages(w.data)
 
 
-def prepare(w: GGUFTensor) -> _Prepared:
+def prepare(w: WeightTensor) -> _Prepared:
     """What :func:`matmul` needs from a weight, computed once: pass the result instead of the tensor to
     skip that work on every call (the backend prepares each weight when it binds a plan)."""
     return _Prepared(w)
 
 
 def matmul(
-    x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None = None
+    x: np.ndarray, w: WeightTensor | _Prepared, out: np.ndarray, xq: Q8KActivations | QuantizedActivations | None = None
 ) -> None:
     """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
 
@@ -1039,5 +1039,5 @@ def warmup() -> None:
             out = np.empty((n_tok, n_out), np.float32)
             for t in SUPPORTED_TYPES:
                 raw = np.zeros((n_out, n_in // (QK_K if t in _K_KIND else QK) * type_size(t)), np.uint8)
-                matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
+                matmul(x, WeightTensor("warmup", t, (n_out, n_in), raw), out)
     quantize_activations_q8_k(rng.standard_normal((PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32))

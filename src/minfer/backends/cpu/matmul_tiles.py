@@ -10,8 +10,8 @@ from numba import njit
 
 from minfer.backends.cpu.simd import hsum_folded
 from minfer.errors import ModelError
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor
 
 GEMM_TOKENS = 8  # prefill tile: tokens sharing one unpacked weight block
 GEMM_ROWS = 16  # prefill work item: weight rows owned by one worker per item
@@ -28,7 +28,7 @@ def as_f32_2d(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def check_operands(x: np.ndarray, w: GGUFTensor, out: np.ndarray, n_in: int, n_out: int) -> int:
+def check_operands(x: np.ndarray, w: WeightTensor, out: np.ndarray, n_in: int, n_out: int) -> int:
     """The number of tokens, after checking ``x [n_tok, n_in]`` and ``out`` float32 ``[n_tok, n_out]``
     against weight ``w``."""
     if x.ndim != 2 or x.shape[1] != n_in:
@@ -39,7 +39,7 @@ def check_operands(x: np.ndarray, w: GGUFTensor, out: np.ndarray, n_in: int, n_o
     return n_tok
 
 
-def weight_shape(w: GGUFTensor, kernels: str, supported: Sequence[GGMLType], block: int = 1) -> tuple[int, int]:
+def weight_shape(w: WeightTensor, kernels: str, supported: Sequence[GGMLType], block: int = 1) -> tuple[int, int]:
     """``(n_out, n_in)`` of a matmul weight, after checking that it is 2-D, that ``supported`` (the types
     of the ``kernels`` named in the error) holds its type and that its rows are whole ``block``s."""
     t = w.ggml_type
@@ -54,7 +54,7 @@ def weight_shape(w: GGUFTensor, kernels: str, supported: Sequence[GGMLType], blo
     return n_out, n_in
 
 
-def weight_bytes(w: GGUFTensor, row_bytes: int) -> np.ndarray:
+def weight_bytes(w: WeightTensor, row_bytes: int) -> np.ndarray:
     """The weight's raw bytes as one flat C-contiguous uint8 array, after checking there are ``row_bytes``
     per row."""
     data = w.data

@@ -148,8 +148,8 @@ from minfer.backends.cpu.simd512 import (
     zeros_i32x16,
 )
 from minfer.errors import ModelError
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType
+from minfer.formats.tensors import WeightTensor
 
 QK = 32  # values per block of every integer-path type (and of the activation quantization)
 
@@ -938,7 +938,7 @@ class _Prepared:
 
     __slots__ = ("tensor", "flat", "rb", "float_kind", "n_out", "n_in", "rows8", "rows8_kernel", "block32_kind")
 
-    def __init__(self, w: GGUFTensor) -> None:
+    def __init__(self, w: WeightTensor) -> None:
         t = w.ggml_type
         self.float_kind = float_matmul.WIDENING.get(t)  # None for blocks
         n_out, n_in = weight_shape(w, "fast", SUPPORTED_TYPES, 1 if self.float_kind is not None else QK)
@@ -983,13 +983,13 @@ def release_file_pages(data: np.ndarray) -> None:
         base.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
-def prepare(w: GGUFTensor) -> _Prepared:
+def prepare(w: WeightTensor) -> _Prepared:
     """What :func:`matmul` needs from a weight, computed once: pass the result instead of the tensor to
     skip that work on every call (the backend prepares each weight when it binds a plan)."""
     return _Prepared(w)
 
 
-def matmul(x: np.ndarray, w: GGUFTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
+def matmul(x: np.ndarray, w: WeightTensor | _Prepared, out: np.ndarray, xq: QuantizedActivations | None = None) -> None:
     """``out[n_tok, n_out] = x[n_tok, n_in] @ W^T`` with ``W`` (shape ``(n_out, n_in)``) read as raw blocks.
 
     ``xq`` is ``quantize_activations(x)`` computed once by the caller when several quantized matmuls
@@ -1100,9 +1100,9 @@ def warmup() -> None:
         xq = quantize_activations(x)
         for t in _BLOCK_BYTES:
             raw = np.zeros((n_out, n_in // QK * _BLOCK_BYTES[t]), np.uint8)
-            matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out, xq)
+            matmul(x, WeightTensor("warmup", t, (n_out, n_in), raw), out, xq)
         for t in float_matmul.WIDENING:
             raw = np.zeros((n_out, n_in), np.float32 if t == GGMLType.F32 else np.uint16).view(np.uint8)
-            matmul(x, GGUFTensor("warmup", t, (n_out, n_in), raw), out)
+            matmul(x, WeightTensor("warmup", t, (n_out, n_in), raw), out)
     big = rng.standard_normal((PARALLEL_QUANTIZE_TOKENS, n_in)).astype(np.float32)
     quantize_activations(big)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from minfer.errors import ContextOverflowError
-from minfer.formats.gguf_file import GGUFTensor
 from minfer.formats.quants import GGMLType, dequantize_rows
+from minfer.formats.tensors import WeightTensor
 from minfer.graph.ir import AttnMeta, RopeMeta, RopeStyle
 
 # values of W handled per matmul chunk: bounds the dequantized f32 scratch to 8 MB
@@ -157,8 +157,8 @@ def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: n
     mul(out, gain, out)
 
 
-def get_rows(table: np.ndarray | GGUFTensor, ids: np.ndarray, out: np.ndarray) -> None:
-    if isinstance(table, GGUFTensor):
+def get_rows(table: np.ndarray | WeightTensor, ids: np.ndarray, out: np.ndarray) -> None:
+    if isinstance(table, WeightTensor):
         out[:] = dequantize_rows(table.rows(ids), table.ggml_type, table.shape[-1])
     else:
         np.take(table, ids, axis=0, out=out)
@@ -187,7 +187,7 @@ def matmul_row_chunks(w_shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return [(r0, min(n_out, r0 + rows)) for r0 in range(0, n_out, rows)]
 
 
-def matmul_chunk(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray, r0: int, r1: int) -> None:
+def matmul_chunk(x: np.ndarray, w: np.ndarray | WeightTensor, out: np.ndarray, r0: int, r1: int) -> None:
     """``out[:, r0:r1] = x @ W[r0:r1]^T``; a quantized W is dequantized for these rows only."""
     if isinstance(w, np.ndarray):
         np.matmul(x, w[r0:r1].T, out=out[:, r0:r1])
@@ -196,7 +196,7 @@ def matmul_chunk(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray, r0:
         np.matmul(x, wf.T, out=out[:, r0:r1])
 
 
-def matmul(x: np.ndarray, w: np.ndarray | GGUFTensor, out: np.ndarray) -> None:
+def matmul(x: np.ndarray, w: np.ndarray | WeightTensor, out: np.ndarray) -> None:
     """``out = x @ W^T``, W ``[out, in]``; never dequantizes the whole of a quantized W."""
     for r0, r1 in matmul_row_chunks(w.shape):
         matmul_chunk(x, w, out, r0, r1)
@@ -309,7 +309,7 @@ def attention(
     out.reshape(nt, meta.n_head_kv, group, meta.head_dim_v)[:] = o.transpose(2, 0, 1, 3)
 
 
-def dequantize_tensor(t: GGUFTensor) -> np.ndarray:
+def dequantize_tensor(t: WeightTensor) -> np.ndarray:
     """The whole tensor as float32 in its numpy shape (for small tensors: norms, biases)."""
     if t.ggml_type == GGMLType.F32:
         return t.data.view(np.float32).reshape(t.shape)
