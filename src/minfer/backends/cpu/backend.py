@@ -408,28 +408,28 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
             table = self._rope_tables[key] = self._rope.RopeTable.from_meta(meta)
         return table
 
+    def _fast_matmul(self, node: Node) -> Callable[..., None]:
+        """A matmul's kernel by its weight's block-type family, with the plan's direct call where there is one."""
+        w, qm, kq = node.inputs[1].source, self._qm, self._kq
+        if qm.supports(w.ggml_type):
+            mm = qm.matmul
+            direct = lambda out, x, w, xq=None: qm.direct_call(x, w, out, xq)  # noqa: E731
+        elif kq.supports(w.ggml_type):  # Q5_0/Q5_1 and the K-quants (compiled on first use)
+            mm, scratch = kq.matmul, self._q8k_scratch
+            direct = lambda out, x, w, xq=None: kq.direct_call(x, w, out, xq, scratch)  # noqa: E731
+        elif self._iq.supports(w.ggml_type):  # IQ4_NL, IQ4_XS, MXFP4 (compiled on first use)
+            mm, direct = self._iq.matmul, None
+        else:
+            return self._reference_matmul
+        if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
+            return _bound(lambda out, x, w, xq: mm(x, w, out, xq), direct)
+        return _bound(lambda out, x, w: mm(x, w, out), direct)
+
     def _fast_kernel(self, node: Node) -> Callable[..., None]:
         norms, ew, attention, qm = self._norms, self._ew, self._attn, self._qm
         op, meta = node.op, node.meta
         if op is Op.MATMUL:
-            w = node.inputs[1].source
-            if qm.supports(w.ggml_type):
-                mm = qm.matmul
-            elif self._kq.supports(w.ggml_type):
-                mm = self._kq.matmul  # Q5_0/Q5_1 and the K-quants (compiled on first use)
-            elif self._iq.supports(w.ggml_type):
-                mm = self._iq.matmul  # IQ4_NL, IQ4_XS, MXFP4 (compiled on first use)
-            else:
-                return self._reference_matmul
-            direct = None
-            if mm is qm.matmul:
-                direct = lambda out, x, w, xq=None: qm.direct_call(x, w, out, xq)  # noqa: E731
-            elif mm is self._kq.matmul:
-                kq, scratch = self._kq, self._q8k_scratch
-                direct = lambda out, x, w, xq=None: kq.direct_call(x, w, out, xq, scratch)  # noqa: E731
-            if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
-                return _bound(lambda out, x, w, xq: mm(x, w, out, xq), direct)
-            return _bound(lambda out, x, w: mm(x, w, out), direct)
+            return self._fast_matmul(node)
         if op is Op.QUANTIZE:
             return _bound(lambda out, x: qm.quantize_activations(x, out), lambda out, x: qm.direct_quantize(x, out))
         if op is Op.RMS_NORM_MUL:
