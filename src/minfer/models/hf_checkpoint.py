@@ -12,6 +12,7 @@ permutes them for GGUF, so every HF checkpoint rotates pairs (i, i + n_rot/2) (N
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -231,8 +232,6 @@ class HFCheckpoint:
         return None  # a causal LM's folder declares no pooling (sentence-transformers' modules.json is not read)
 
     def vocab_summary(self) -> dict[str, Any]:
-        import json
-
         from minfer.formats.hf_tokenizer import load_hf_tokenizer
 
         tok = load_hf_tokenizer(self.directory, self.config, self.tokenizer_config, self.generation_config)
