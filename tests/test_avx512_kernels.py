@@ -70,17 +70,20 @@ def test_the_same_bits_as_the_eight_row_kernel(t, n_tok):
 @pytest.mark.skipif(not simd512.WIDE, reason=NO_WIDE)
 @pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_few_token_passes_take_the_eight_row_kernels_where_512_bits_are_split(monkeypatch, t):
-    """On a CPU that splits 512-bit operations (Zen 4) a decode of Q4_K/Q5_K streams its weights faster on the
-    eight-row kernels: matmul and a plan's bound call run them for passes of up to FEW_TOKENS_ON_EIGHT_ROWS
-    tokens, the pairs from there on (Q6_K: always the pairs)."""
-    assert r16.FEW_TOKENS_ON_EIGHT_ROWS == (3 if simd.target_cpu_name() == "znver4" else 0)
+    """On a CPU that splits 512-bit operations (Zen 4) a decode streams its weights faster on the eight-row
+    kernels: matmul and a plan's bound call run them for passes of up to FEW_TOKENS_ON_EIGHT_ROWS tokens of
+    Q4_K/Q5_K and FEW_Q6_TOKENS_ON_EIGHT_ROWS of Q6_K, the pairs from there on."""
+    znver4 = simd.target_cpu_name() == "znver4"
+    assert r16.FEW_TOKENS_ON_EIGHT_ROWS == (3 if znver4 else 0)
+    assert r16.FEW_Q6_TOKENS_ON_EIGHT_ROWS == (2 if znver4 else 0)
     ran = []
-    eight, pairs, q6_pairs = r8._matmul, r16._matmul_pairs, r16._matmul_q6_pairs
+    eight, eight_q6, pairs, q6_pairs = r8._matmul, r8._matmul_q6_group, r16._matmul_pairs, r16._matmul_q6_pairs
     monkeypatch.setattr(r8, "_matmul", lambda *a: (ran.append("eight"), eight(*a)))
+    monkeypatch.setattr(r8, "_matmul_q6_group", lambda *a: (ran.append("eight"), eight_q6(*a)))
     monkeypatch.setattr(r16, "_matmul_pairs", lambda *a: (ran.append("pairs"), pairs(*a)))
     monkeypatch.setattr(r16, "_matmul_q6_pairs", lambda *a: (ran.append("pairs"), q6_pairs(*a)))
     p = km.prepare(weight(t, 32, 512, seed=5))
-    few = r16.FEW_TOKENS_ON_EIGHT_ROWS if t != GGMLType.Q6_K else 0
+    few = r16.FEW_TOKENS_ON_EIGHT_ROWS if t != GGMLType.Q6_K else r16.FEW_Q6_TOKENS_ON_EIGHT_ROWS
     for n_tok in range(1, 6):
         x = acts(n_tok, 512)
         out = np.empty((n_tok, 32), np.float32)

@@ -363,7 +363,7 @@ def _matmul_q6_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.nda
     if out.shape[0] >= AMX_TOKENS and amx.usable():
         _matmul_q6_tiles(packed, pb, pc, q, d, bsums, out, ob, oc, Q6_CONFIG)
     else:
-        r16._matmul_q6_pairs(packed, pb, pc, q, d, bsums, out, ob, oc)
+        r16.matmul_q6_k(packed, q, d, bsums, out, pb, ob, pc, oc)
 
 
 # kquant_rows16.REPACKED, with Q4_K's and Q6_K's prefill on the tiles where they run (decided per call: the

@@ -11,8 +11,8 @@ The integers are the eight-row kernels' (each row's Σ_j scale_j · dot_j is exa
 see kquant_rows8's bounds), and each group's float accumulation is the very same ``_finish`` on its
 eight lanes, so every output is the same bits as the eight-row kernel's, and a token's row is the same
 alone or in a prompt. A weight with an odd number of groups runs its last group on the eight-row code.
-Where the CPU splits 512-bit operations (Zen 4), Q4_K/Q5_K passes of up to three tokens run on the
-eight-row kernels instead (``FEW_TOKENS_ON_EIGHT_ROWS``).
+Where the CPU splits 512-bit operations (Zen 4), Q4_K/Q5_K passes of up to three tokens and Q6_K passes of up
+to two run on the eight-row kernels instead (``FEW_TOKENS_ON_EIGHT_ROWS``, ``FEW_Q6_TOKENS_ON_EIGHT_ROWS``).
 
 Measured (1.7B-shaped Q4_K_M, 2 threads, Sapphire Rapids-class VM, against the eight-row kernels):
 512-token matmuls Q4_K 1.41-1.56x, Q6_K 1.29-1.34x; pp512 92.7 -> 128.8 t/s; tg32 19.0 -> 20.9 t/s.
@@ -502,20 +502,23 @@ def _matmul_q6_k(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.nda
 
 
 # Passes of up to this many tokens of Q4_K/Q5_K run on the eight-row kernels (the same bits), where the CPU
-# splits 512-bit operations (simd512.SPLIT_512); Q6_K's pairs are as fast as its eight rows there in decode
-# and faster from two tokens on.
+# splits 512-bit operations (simd512.SPLIT_512).
 FEW_TOKENS_ON_EIGHT_ROWS = 3 if SPLIT_512 else 0
+# Q6_K's passes of one and two tokens too. Zen 4, 2 threads, weights from memory, eight rows against pairs:
+# 1-2 tokens 2048x8192 0.79-0.87x the time, 8192x2048 and the 49152x2048 output matrix 0.56-0.64x; at three
+# tokens 8192x2048 still 0.67x but 2048x8192 1.12-1.22x, so three tokens stay on the pairs.
+FEW_Q6_TOKENS_ON_EIGHT_ROWS = 2 if SPLIT_512 else 0
 
 
-def _few_on_eight_rows(pairs: Callable[..., None], eight_rows: Callable[..., None]) -> Callable[..., None]:
-    """``pairs``, with passes of up to ``FEW_TOKENS_ON_EIGHT_ROWS`` tokens on ``eight_rows`` instead."""
-    if not FEW_TOKENS_ON_EIGHT_ROWS:
+def _few_on_eight_rows(pairs: Callable[..., None], eight_rows: Callable[..., None], few: int) -> Callable[..., None]:
+    """``pairs``, with passes of up to ``few`` tokens on ``eight_rows`` instead."""
+    if not few:
         return pairs
 
     def matmul(packed: np.ndarray, q: np.ndarray, d: np.ndarray, bsums: np.ndarray, out: np.ndarray,
                pb: np.ndarray = NO_WEIGHT, ob: np.ndarray = NO_OUTPUT, pc: np.ndarray = NO_WEIGHT,
                oc: np.ndarray = NO_OUTPUT) -> None:
-        kernel = eight_rows if out.shape[0] <= FEW_TOKENS_ON_EIGHT_ROWS else pairs
+        kernel = eight_rows if out.shape[0] <= few else pairs
         kernel(packed, q, d, bsums, out, pb, ob, pc, oc)
 
     return matmul
@@ -524,14 +527,14 @@ def _few_on_eight_rows(pairs: Callable[..., None], eight_rows: Callable[..., Non
 # the matmuls on these kernels alone, whatever the token count (tests compare them with the eight-row ones)
 PAIRS = {GGMLType.Q4_K: _matmul_q4_k, GGMLType.Q5_K: _matmul_q5_k, GGMLType.Q6_K: _matmul_q6_k}
 
-# Q4_K's and Q5_K's matmuls: these kernels, or the eight-row ones for a few tokens (kquant_amx's Q4_K outside
-# the tiles too)
-matmul_q4_k = _few_on_eight_rows(_matmul_q4_k, r8.REPACKED[GGMLType.Q4_K][1])
-matmul_q5_k = _few_on_eight_rows(_matmul_q5_k, r8.REPACKED[GGMLType.Q5_K][1])
+# the matmuls: these kernels, or the eight-row ones for a few tokens (kquant_amx's Q4_K outside the tiles too)
+matmul_q4_k = _few_on_eight_rows(_matmul_q4_k, r8.REPACKED[GGMLType.Q4_K][1], FEW_TOKENS_ON_EIGHT_ROWS)
+matmul_q5_k = _few_on_eight_rows(_matmul_q5_k, r8.REPACKED[GGMLType.Q5_K][1], FEW_TOKENS_ON_EIGHT_ROWS)
+matmul_q6_k = _few_on_eight_rows(_matmul_q6_k, r8.REPACKED[GGMLType.Q6_K][1], FEW_Q6_TOKENS_ON_EIGHT_ROWS)
 
 # kquant_rows8.REPACKED, with the matmuls on these kernels where the CPU has AVX-512 VNNI
 REPACKED = {
     GGMLType.Q4_K: (r8.REPACKED[GGMLType.Q4_K][0], matmul_q4_k),
     GGMLType.Q5_K: (r8.REPACKED[GGMLType.Q5_K][0], matmul_q5_k),
-    GGMLType.Q6_K: (r8.REPACKED[GGMLType.Q6_K][0], _matmul_q6_k),
+    GGMLType.Q6_K: (r8.REPACKED[GGMLType.Q6_K][0], matmul_q6_k),
 } if WIDE else r8.REPACKED
