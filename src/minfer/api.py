@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from minfer.api_inputs import embedding_inputs, infill_layout
-from minfer.api_setup import default_threads, load_draft, speculative_settings
+from minfer.api_setup import LoraSpec, default_threads, load_draft, lora_scales, lora_specs, speculative_settings
 from minfer.api_setup import keep_for_process as keep_for_process  # re-exported: the CLI and server import it here
 from minfer.backends.cpu.backend import CPUBackend
 from minfer.errors import BadRequestError, ContextOverflowError
@@ -86,6 +86,9 @@ class Model:
         draft: str | os.PathLike[str] | None = None,
         lookup: bool = False,
         speculative: SpeculativeSettings | Mapping[str, Any] | None = None,
+        lora: LoraSpec | Sequence[LoraSpec] | None = None,
+        lora_merge: bool = False,
+        lora_init_without_apply: bool = False,
     ) -> None:
         if n_ctx is not None and (not isinstance(n_ctx, int) or n_ctx < 1):
             raise BadRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
@@ -93,7 +96,11 @@ class Model:
             threads = default_threads()
         if not isinstance(threads, int) or threads < 1:
             raise BadRequestError(f"threads must be a positive integer, got {threads!r}")
-        self.transformer = TransformerModel.from_path(path, quantize=quantize, threads=threads)
+        adapters = lora_specs(lora)
+        self.transformer = TransformerModel.from_path(path, quantize=quantize, threads=threads,
+                                                      merge_loras=adapters if lora_merge else ())
+        for adapter, _ in adapters if not lora_merge else ():
+            self.transformer.add_lora(adapter)
         self.path = self.transformer.path
         hp = self.transformer.hparams
         if n_ctx is None:
@@ -116,6 +123,8 @@ class Model:
         self.engine = build_engine(self.transformer, self.backend, self.tokenizer, n_ctx, cache_type,
                                    engine_config or EngineConfig(), observers, settings, self.draft)
         self.runner = self.engine.runner
+        if self.transformer.loras:
+            self.runner.set_lora([0.0 if lora_init_without_apply else s for _, s in adapters])
         # a cold cache compiles here, announced, not inside the first answer; the plans of the passes after
         # a prompt are built now, not between its tokens
         self.engine.warm_up()
@@ -125,6 +134,22 @@ class Model:
     @property
     def hparams(self) -> HParams:
         return self.transformer.hparams
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    @property
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded (unmerged) adapters as llama-server lists them: ``{"id", "path", "scale", "task_name",
+        "prompt_prefix"}``, the scale being what a request that names none runs with."""
+        scales = self.runner.lora_scales
+        return [{"id": k, "path": str(a.path), "scale": float(scales[k]), "task_name": a.task_name,
+                 "prompt_prefix": a.prompt_prefix} for k, a in enumerate(self.transformer.loras)]
+
+    def set_lora(self, scales: Mapping[int, float] | Sequence[Mapping[str, Any]]) -> None:
+        """The default adapter scales, as llama-server's ``POST /lora-adapters``: ``[{"id": 0, "scale": 0.5}]``
+        or ``{0: 0.5}``; an adapter not named gets 0 (off). Cached prefixes computed under other scales are
+        not reused."""
+        self.runner.set_lora(lora_scales(scales, len(self.transformer.loras)))
 
     @property
     def cache_type(self) -> str:
@@ -173,6 +198,7 @@ class Model:
             raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx}")
         kv = KVCache(self.hparams, len(ids), cache_type or self.cache_type)
         runner = ForwardRunner(self.transformer, self.backend, kv, max_plans=1)
+        runner.lora_scales = self.runner.lora_scales
         plan = runner.plan(len(ids), len(ids))
 
         def execute(capture: TraceCapture) -> None:
@@ -264,6 +290,7 @@ class Model:
         context_shift: bool = False,
         n_keep: int = 0,
         speculative: str | Mapping[str, Any] | SpeculativeSettings | None = None,
+        lora: Mapping[int, float] | Sequence[Mapping[str, Any]] | None = None,
         **sampling: Any,
     ) -> Iterator[TokenStep]:
         """Generate step by step: each :class:`TokenStep` has the token, the text it releases and, with
@@ -274,15 +301,18 @@ class Model:
         the context fills up, drop the oldest half after the first ``n_keep`` tokens instead of failing.
         ``speculative``: this call's speculative decoding, ``"off"``, ``"lookup"``, ``"draft"`` (a model
         loaded with ``draft=``) or a mapping of :class:`SpeculativeSettings` fields; default: the model's.
-        Stats (``last_stats``) count the drafted and accepted tokens.
+        Stats (``last_stats``) count the drafted and accepted tokens. ``lora``: this call's adapter scales
+        (``[{"id": 0, "scale": 0.5}]``, adapters not named are off); default: the model's (:meth:`set_lora`).
         """
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
+        adapters = lora_scales(lora, len(self.transformer.loras)) if lora is not None else None
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, logprobs=logprobs,
                                     constraint=self.constraint(grammar, json_schema), context_shift=context_shift,
                                     n_keep=n_keep, speculative=resolve_speculative(
-                                        speculative, self.engine.speculative) if speculative is not None else None)
+                                        speculative, self.engine.speculative) if speculative is not None else None,
+                                    lora=adapters)
         self.last_stats = request.stats
         # one caller at a time: a stream left unfinished ends here. The prompt is placed now (a bad one
         # fails where the call is made), reusing the prefix the cache already holds.
@@ -379,7 +409,10 @@ class Model:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         constraint = plan.constraint(self.tokenizer) if plan.grammar is not None else self.constraint(grammar,
                                                                                                       json_schema)
-        request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, constraint=constraint)
+        lora = sampling.pop("lora", None)
+        adapters = lora_scales(lora, len(self.transformer.loras)) if lora is not None else None
+        request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, constraint=constraint,
+                                    lora=adapters)
         self.last_stats = request.stats
         self.engine.cancel_all()
         steps = self.engine.run(request)
@@ -467,6 +500,9 @@ def load(
     draft: str | os.PathLike[str] | None = None,
     lookup: bool = False,
     speculative: SpeculativeSettings | Mapping[str, Any] | None = None,
+    lora: LoraSpec | Sequence[LoraSpec] | None = None,
+    lora_merge: bool = False,
+    lora_init_without_apply: bool = False,
 ) -> Model:
     """Load a model: a GGUF file, a Hugging Face model folder (config.json, safetensors, tokenizer.json), or
     a known model name such as ``"smollm2"`` (pulled on first use).
@@ -487,7 +523,14 @@ def load(
     ``draft=PATH`` with a draft model (a smaller model with the same vocabulary); ``speculative``: the
     limits (``{"draft_max": 8, "draft_min": 0, "draft_p_min": 0.5, "ngram_max": 3, "ngram_min": 1}``).
     Greedy output is the text of plain decoding; sampled output has the same distribution.
+
+    LoRA adapters (llama.cpp GGUF adapter files or PEFT folders, see :mod:`minfer.models.lora`): ``lora``,
+    a path, a (path, scale) pair or a list of them. Each runs as graph nodes beside the matmuls it adapts,
+    with its scale as data (:meth:`Model.set_lora`; per request: ``lora=`` of :meth:`Model.generate`);
+    ``lora_merge=True`` adds them into the (float) weights at load instead, at no cost per token;
+    ``lora_init_without_apply=True`` loads them with scale 0.
     """
     return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
                  trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize,
-                 engine_config=engine_config, draft=draft, lookup=lookup, speculative=speculative)
+                 engine_config=engine_config, draft=draft, lookup=lookup, speculative=speculative, lora=lora,
+                 lora_merge=lora_merge, lora_init_without_apply=lora_init_without_apply)

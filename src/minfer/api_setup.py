@@ -9,8 +9,9 @@ through ``minfer.api`` where they have always found them).
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from minfer.errors import BadRequestError, MinferError
@@ -57,6 +58,49 @@ def load_draft(path: str | os.PathLike[str], target: Tokenizer, threads: int) ->
             f"draft model: {text}" if str(path) in text else f"draft model {path}: {text}"
         raise type(e)(message) from None
     return model
+
+
+LoraSpec = str | os.PathLike[str] | tuple[str | os.PathLike[str], float]
+
+
+def lora_specs(lora: LoraSpec | Sequence[LoraSpec] | None) -> list[tuple[str | os.PathLike[str], float]]:
+    """``load``'s ``lora`` argument as (adapter path, scale) pairs: a path (scale 1), a (path, scale) pair, or a
+    list of them."""
+    if lora is None:
+        return []
+    items = [lora] if isinstance(lora, str | os.PathLike | tuple) else list(lora)
+    out = []
+    for item in items:
+        path, scale = item if isinstance(item, tuple) else (item, 1.0)
+        if not isinstance(path, str | os.PathLike):
+            raise BadRequestError(f"lora: expected an adapter path or (path, scale), got {item!r}")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise BadRequestError(f"lora: the scale of {os.fspath(path)} must be a finite number, got {scale!r}")
+        out.append((path, float(scale)))
+    return out
+
+
+def lora_scales(scales: Mapping[int, float] | Sequence[Mapping[str, Any]], n_adapters: int) -> list[float]:
+    """Scales of ``n_adapters`` adapters from llama-server's ``[{"id": 0, "scale": 0.5}, ...]`` (or ``{0: 0.5}``);
+    an adapter not named gets 0. A bad id or scale is a one-line error naming it."""
+    pairs = list(scales.items()) if isinstance(scales, Mapping) else None
+    if pairs is None:
+        if isinstance(scales, str | bytes) or not isinstance(scales, Sequence):
+            raise BadRequestError('lora: expected a list of {"id": ..., "scale": ...}')
+        pairs = []
+        for i, item in enumerate(scales):
+            if not isinstance(item, Mapping) or "id" not in item or "scale" not in item:
+                raise BadRequestError(f'lora[{i}]: expected {{"id": ..., "scale": ...}}, got {item!r}')
+            pairs.append((item["id"], item["scale"]))
+    out = [0.0] * n_adapters
+    for k, scale in pairs:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n_adapters:
+            have = f"0..{n_adapters - 1}" if n_adapters else "none: no adapter is loaded"
+            raise BadRequestError(f"lora: adapter id {k!r} is not loaded (ids: {have})")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise BadRequestError(f"lora: the scale of adapter {k} must be a finite number, got {scale!r}")
+        out[k] = float(scale)
+    return out
 
 
 def keep_for_process(collect: bool = False) -> None:

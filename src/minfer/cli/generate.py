@@ -14,6 +14,7 @@ from minfer.cli.options import (
     add_sampling_flags,
     add_speculative_flags,
     constraint_kwargs,
+    lora_kwargs,
     model_and_prompt,
     sampling_kwargs,
     speculative_kwargs,
@@ -72,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     model_ref, prompt = model_and_prompt(args)
     model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
                         trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter, quantize=args.quantize,
-                        **speculative_kwargs(args))
+                        **speculative_kwargs(args), **lora_kwargs(args))
     keep_for_process()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -138,7 +139,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.logprobs is not None:
         raise MinferError("--logprobs is printed by `minfer run`, not in the chat")
     model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
-                        quantize=args.quantize, **speculative_kwargs(args))
+                        quantize=args.quantize, **speculative_kwargs(args), **lora_kwargs(args))
     keep_for_process()
     sampling = sampling_kwargs(args)
     conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)

@@ -24,6 +24,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     insp.add_argument("--layer", type=int, action="append", default=None,
                       help="only show this layer's nodes (repeatable; text and dot)")
     insp.add_argument("--no-fuse", action="store_true", help="show the graph before the fusion pass")
+    insp.add_argument("--lora", action="append", default=None, metavar="FILE",
+                      help="with --graph: a LoRA adapter whose nodes the graph shows (repeatable)")
     insp.add_argument("--kv", action="store_true", help="KV cache bytes per position and per context, per cell type")
     insp.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
                       help="context size for --kv (default: the model's, at most 4096)")
@@ -55,6 +57,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         model = TransformerModel.from_path(path, quantize=args.quantize)
         if args.tokens < 1:
             raise MinferError(f"--tokens must be >= 1, got {args.tokens}")
+        for adapter in args.lora or ():
+            model.add_lora(adapter)
         graph = model.build_graph(args.tokens, args.tokens, min(model.hparams.n_ctx_train, 4096))
         if not args.no_fuse:
             graph = fuse(graph)

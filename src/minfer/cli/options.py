@@ -48,6 +48,60 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-shift", action="store_true",
                    help="when the context is full, drop the oldest half (after --keep tokens) instead of failing")
     p.add_argument("--keep", type=int, default=0, help="tokens kept at the start by --context-shift (default: 0)")
+    add_lora_flags(p)
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters, with llama.cpp's flag names."""
+    g = p.add_argument_group("LoRA adapters (llama.cpp GGUF adapter files or PEFT folders)")
+    g.add_argument("--lora", dest="lora", action="append", default=None, metavar="FILE[:SCALE]",
+                   help="apply this adapter, at SCALE (default 1); repeatable")
+    g.add_argument("--lora-scaled", dest="lora_scaled", action="append", nargs=2, default=None,
+                   metavar=("FILE", "SCALE"), help="apply this adapter at SCALE (llama.cpp's form); repeatable")
+    g.add_argument("--lora-merge", action="store_true",
+                   help="add the adapters into the float weights at load (no cost per token; scales fixed)")
+    g.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load the adapters with scale 0 (a request or POST /lora-adapters turns them on)")
+
+
+def lora_kwargs(args: argparse.Namespace) -> dict:
+    """``minfer.load``'s LoRA arguments from the flags of :func:`add_lora_flags`."""
+    adapters: list[tuple[str, float]] = []
+    for spec in args.lora or ():
+        path, colon, tail = spec.rpartition(":")  # a path may hold ':' itself: only a number after it is a scale
+        if colon and _is_number(tail):
+            adapters.append((path, _scale(tail, f"--lora {spec}")))
+        else:
+            adapters.append((spec, 1.0))
+    for path, scale in args.lora_scaled or ():
+        adapters.append((path, _scale(scale, f"--lora-scaled {path} {scale}")))
+    if not adapters:
+        if args.lora_merge or args.lora_init_without_apply:
+            flag = "--lora-merge" if args.lora_merge else "--lora-init-without-apply"
+            raise MinferError(f"{flag} needs an adapter (--lora FILE)")
+        return {}
+    if args.lora_merge and args.lora_init_without_apply:
+        raise MinferError("--lora-merge adds the adapters into the weights: it cannot load them unapplied "
+                          "(--lora-init-without-apply)")
+    return {"lora": adapters, "lora_merge": args.lora_merge, "lora_init_without_apply": args.lora_init_without_apply}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _scale(text: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise MinferError(f"{where}: the scale {text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise MinferError(f"{where}: the scale must be finite")
+    return value
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -7,10 +7,12 @@ from collections.abc import Callable
 
 from minfer.cli.options import (
     add_cache_type_flag,
+    add_lora_flags,
     add_model_argument,
     add_quantize_flag,
     add_speculative_flags,
     add_threads_flag,
+    lora_kwargs,
     speculative_kwargs,
 )
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
@@ -56,6 +58,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     add_cache_type_flag(srv)
     add_quantize_flag(srv)
     add_speculative_flags(srv)
+    add_lora_flags(srv)
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -98,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,
                        cors_origins=parse_origins(args.cors_origins), slots=args.slots,
-                       reasoning_format=args.reasoning_format, **speculative_kwargs(args))
+                       reasoning_format=args.reasoning_format, **speculative_kwargs(args), **lora_kwargs(args))
     if args.ray:
         from minfer.server.cluster.launch import RayOptions, parse_autoscale, serve_ray
 

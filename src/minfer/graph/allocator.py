@@ -20,7 +20,8 @@ UNPOOLED = (Op.WEIGHT, Op.KV_STORE, Op.KV_LOAD, Op.QUANTIZE)  # QUANTIZE: the ba
 # ops whose kernels may write their output over their first operand (elementwise, or row-local with the
 # row read before it is written)
 IN_PLACE = frozenset(
-    {Op.ADD, Op.MUL, Op.RMS_NORM, Op.RMS_NORM_MUL, Op.ROPE, Op.SILU, Op.SWIGLU, Op.SCALE, Op.GELU, Op.GEGLU}
+    {Op.ADD, Op.MUL, Op.RMS_NORM, Op.RMS_NORM_MUL, Op.ROPE, Op.SILU, Op.SWIGLU, Op.SCALE, Op.GELU, Op.GEGLU,
+     Op.LORA}
 )
 
 

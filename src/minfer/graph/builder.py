@@ -36,8 +36,9 @@ class GraphBuilder:
 
     # -- leaves --------------------------------------------------------------------------------
 
-    def input(self, role: str, length: int) -> Node:
-        node = self._emit(Op.INPUT, (), (length,), name=role, dtype="i32", source=role)
+    def input(self, role: str, length: int, dtype: str = "i32") -> Node:
+        """A per-call input of ``length`` values: ``i32`` (token ids, positions, rows) or ``f32`` (scales)."""
+        node = self._emit(Op.INPUT, (), (length,), name=role, dtype=dtype, source=role)
         self.inputs[role] = node
         return node
 
@@ -75,6 +76,20 @@ class GraphBuilder:
                 f"to multiply activations of width {x.shape[-1]}"
             )
         return self._emit(Op.MATMUL, (x, w), (x.shape[0], w.shape[0]), name=name, layer=layer)
+
+    def lora(self, y: Node, x: Node, a: Node, b: Node, scales: Node, factor: float, name: str = "",
+             layer=None) -> Node:
+        """``y + factor * scales[row] * B·(A·x)``: a LoRA adapter's update of the matmul ``y = W·x`` (``a`` is
+        ``[rank, n_in]``, ``b`` ``[n_out, rank]``, ``scales`` one float per row: the user's scale, 0 for rows
+        without the adapter; ``factor`` the adapter format's own scale, alpha / rank)."""
+        rank = a.shape[0]
+        if len(a.shape) != 2 or a.shape[1] != x.shape[-1] or tuple(b.shape) != (y.shape[-1], rank):
+            raise ModelError(f"{name}: adapter A {a.shape} and B {b.shape} do not map width {x.shape[-1]} to "
+                             f"{y.shape[-1]} through one rank")
+        if scales.shape != (x.shape[0],) or scales.dtype != "f32":
+            raise ModelError(f"{name}: the adapter scales {scales.label()} are not one float per row")
+        return self._emit(Op.LORA, (y, x, a, b, scales), y.shape, meta=ScaleMeta(float(factor)), name=name,
+                          layer=layer)
 
     def rope(self, x: Node, positions: Node, meta: RopeMeta, name: str = "", layer=None) -> Node:
         if x.shape[-1] != meta.n_head * meta.head_dim:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Op(StrEnum):
-    INPUT = "input"  # tokens, positions, output row ids: filled per call
+    INPUT = "input"  # tokens, positions, output row ids, adapter scales per row: filled per call
     WEIGHT = "weight"  # a model tensor, read in place from the memory map
     GET_ROWS = "get_rows"  # rows of a table: embedding lookup, selecting the rows to output
     RMS_NORM = "rms_norm"  # x / sqrt(mean(x^2) + eps) over groups of `width` values
@@ -47,6 +47,9 @@ class Op(StrEnum):
     # FFNs on the token's row and sums them by weight (its weights are stacks of one matrix per expert)
     MOE_ROUTE = "moe_route"
     MOE_EXPERTS = "moe_experts"
+    # a LoRA adapter's update beside a matmul: y + s[row] * (x @ A^T) @ B^T, where s is each row's scale (an
+    # input: rows of one batch may use different adapters, or none, with scale 0)
+    LORA = "lora"
 
 
 class RopeStyle(StrEnum):

@@ -94,7 +94,8 @@ class Plan:
         views: dict[int, Any] = {}
         for node in graph.nodes:
             if node.op is Op.INPUT:
-                views[node.id] = self.inputs[node.source] = np.zeros(node.shape, dtype=np.int32)
+                dtype = np.float32 if node.dtype == "f32" else np.int32
+                views[node.id] = self.inputs[node.source] = np.zeros(node.shape, dtype=dtype)
             elif node.op is Op.WEIGHT:
                 views[node.id] = backend.prepare_weight(node.source)
             elif node.op in (Op.KV_STORE, Op.KV_LOAD):

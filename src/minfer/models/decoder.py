@@ -25,6 +25,7 @@ the pass also wants every row's final-normed hidden state for embeddings).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from minfer.formats.tensors import WeightTensor
@@ -32,6 +33,7 @@ from minfer.graph.builder import GraphBuilder
 from minfer.graph.ir import AttnMeta, Graph, KVMeta, MoeMeta, Node, RopeStyle
 from minfer.models.architecture import Architecture
 from minfer.models.hparams import HParams
+from minfer.models.lora import LoraAdapter
 from minfer.models.rope_scaling import layer_rope_meta
 
 
@@ -53,6 +55,11 @@ class DecoderWeights(Protocol):
     def tensor(self, name: str) -> WeightTensor: ...
 
     def has_tensor(self, name: str) -> bool: ...
+
+    @property
+    def loras(self) -> Sequence[LoraAdapter]: ...
+
+    def lora_weights(self, k: int, target: str) -> tuple[WeightTensor, WeightTensor] | None: ...
 
 
 # over 80 lines on purpose: the layer recipe in one place, in the order the graph runs it, each family
@@ -76,6 +83,12 @@ def build_decoder_graph(
     positions = b.input("positions", n_tokens)
     rows = b.input("rows", n_tokens)  # each token's KV cache row (its sequence's base + its position)
     out_rows = b.input("output_rows", n_outputs) if 0 < n_outputs != n_tokens else None
+    # each loaded LoRA adapter's scale for each row (0: the row's sequence does not use it)
+    lora_scales = [b.input(f"lora_scale.{k}", n_tokens, "f32") for k in range(len(model.loras))]
+
+    def output_lora_scales() -> list[Node]:
+        """The adapter scales of the output rows alone, for the matmuls after the rows are selected."""
+        return [b.input(f"lora_scale.{k}.output_rows", n_outputs, "f32") for k in range(len(model.loras))]
     eps = hp.rms_eps
 
     def norm(x: Node, gain: str, name: str, layer: int | None, width: int | None = None) -> Node:
@@ -87,6 +100,15 @@ def build_decoder_graph(
             y = b.add(y, w(bias), name=f"{p}{which}.bias", layer=il)
         return y
 
+    def adapted(y: Node, x: Node, weight: str, layer: int | None) -> Node:
+        """The matmul ``y = W·x`` plus the update of every loaded adapter of ``W`` (after its bias, as PEFT)."""
+        for k, adapter in enumerate(model.loras):
+            ab = model.lora_weights(k, weight)
+            if ab is not None:
+                y = b.lora(y, x, b.weight(ab[0]), b.weight(ab[1]), lora_scales[k], adapter.pairs[weight].scale,
+                           name=f"{y.name}.lora[{k}]", layer=layer)
+        return y
+
     x = b.get_rows(w("token_embd.weight"), tokens, name="embd")
     if hp.embd_scale != 1.0:
         x = b.scale(x, hp.embd_scale, name="embd.scale")
@@ -96,7 +118,8 @@ def build_decoder_graph(
         # the three matmuls before any bias: consecutive steps reading one input, which the CPU backend runs
         # as one parallel loop (Qwen2's biases between them kept them three)
         q, k, v = (b.matmul(h, w(f"{p}attn_{c}.weight"), name=f"{p}{c}", layer=il) for c in "qkv")
-        q, k, v = (biased(y, p, c, il) for y, c in zip((q, k, v), "qkv", strict=True))
+        q, k, v = (adapted(biased(y, p, c, il), h, f"{p}attn_{c}.weight", il) for y, c in zip((q, k, v), "qkv",
+                                                                                               strict=True))
         if arch.qk_norm is not None:
             q = norm(q, p + "attn_q_norm.weight", p + "q_norm", il, width=arch.qk_norm_width(hp))
             k = norm(k, p + "attn_k_norm.weight", p + "k_norm", il, width=arch.qk_norm_width(hp))
@@ -111,11 +134,13 @@ def build_decoder_graph(
             hp.attn_softcap,
         )
         a = b.attn(q, kv, positions, rows, attn_meta, name=p + "attn")
-        o = b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il)
+        o = adapted(b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il), a,
+                    p + "attn_output.weight", il)
         if out_rows is not None and not hidden and il == hp.n_layer - 1:
             # from here on only the rows whose logits are wanted matter
             o = b.get_rows(o, out_rows, name=p + "attn_out.rows")
             x = b.get_rows(x, out_rows, name=p + "residual.rows")
+            lora_scales[:] = output_lora_scales()
         if arch.post_norms:
             o = norm(o, p + "post_attention_norm.weight", p + "post_attn_norm", il)
         if hp.residual_scale != 1.0:
@@ -127,12 +152,14 @@ def build_decoder_graph(
         else:
             gate = b.matmul(h, w(p + "ffn_gate.weight"), name=p + "ffn_gate", layer=il)
             up = b.matmul(h, w(p + "ffn_up.weight"), name=p + "ffn_up", layer=il)
+            gate, up = adapted(gate, h, p + "ffn_gate.weight", il), adapted(up, h, p + "ffn_up.weight", il)
             if arch.ffn_act == "gelu":
                 gated = b.gelu(gate, name=p + "ffn_gelu", layer=il)
             else:
                 gated = b.silu(gate, name=p + "ffn_silu", layer=il)
             act = b.mul(gated, up, name=p + "ffn_act", layer=il)
-            down = b.matmul(act, w(p + "ffn_down.weight"), name=p + "ffn_down", layer=il)
+            down = adapted(b.matmul(act, w(p + "ffn_down.weight"), name=p + "ffn_down", layer=il), act,
+                           p + "ffn_down.weight", il)
         if arch.post_norms:
             down = norm(down, p + "post_ffw_norm.weight", p + "post_ffw_norm", il)
         if hp.residual_scale != 1.0:
@@ -140,16 +167,19 @@ def build_decoder_graph(
         x = b.add(x, down, name=p + "ffn_residual", layer=il)
     x = norm(x, "output_norm.weight", "output_norm", None)
     if not hidden:
-        return b.build(_logits(b, w, x, model, hp))
+        return b.build(_logits(b, w, x, model, hp, adapted))
     if n_outputs == 0:
         return b.build(x, {"hidden": x})
-    rows = b.get_rows(x, out_rows, name="output_norm.rows") if out_rows is not None else x
-    return b.build(_logits(b, w, rows, model, hp), {"hidden": x})
+    rows = x
+    if out_rows is not None:
+        rows = b.get_rows(x, out_rows, name="output_norm.rows")
+        lora_scales[:] = output_lora_scales()
+    return b.build(_logits(b, w, rows, model, hp, adapted), {"hidden": x})
 
 
-def _logits(b: GraphBuilder, w, x: Node, model: DecoderWeights, hp: HParams) -> Node:
+def _logits(b: GraphBuilder, w, x: Node, model: DecoderWeights, hp: HParams, adapted) -> Node:
     """The output matmul, then Granite's logit scale and Gemma 2's soft-capping where the model has them."""
-    logits = b.matmul(x, w(model.output_tensor_name), name="output")
+    logits = adapted(b.matmul(x, w(model.output_tensor_name), name="output"), x, model.output_tensor_name, None)
     if hp.logit_scale != 1.0:
         logits = b.scale(logits, 1.0 / hp.logit_scale, name="output.logit_scale")
     if hp.final_softcap > 0:

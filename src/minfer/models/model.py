@@ -5,16 +5,20 @@ pairing its weights need. Nothing here knows which format the checkpoint is."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from minfer.errors import FormatError, ModelError
+from minfer.formats.block_types import GGMLType
 from minfer.formats.quants import SUPPORTED_TYPES, is_supported
 from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import Graph, RopeStyle
 from minfer.models.decoder import build_decoder_graph
 from minfer.models.hparams import GGUF_LAYER, check_hparams, check_layer_count, layer_indices
+from minfer.models.lora import LoraAdapter, load_lora, merged_weight
 from minfer.models.tensor_source import TensorSource, open_tensor_source
 
 if TYPE_CHECKING:
@@ -41,6 +45,11 @@ class TransformerModel:
             if isinstance(t, WeightTensor) and len(t.shape) == 3 and name.endswith("_exps.weight"):
                 self.tensors[name] = ExpertTensors.from_stacked(t)
         self.quantized: str | None = None  # the load-time quantize type, if any
+        # LoRA adapters the graph computes beside the matmuls, in id order (each row's scale is data), and
+        # their A/B matrices as graph weights; merged adapters are in the weights themselves
+        self.loras: list[LoraAdapter] = []
+        self._lora_weights: dict[tuple[int, str], tuple[WeightTensor, WeightTensor]] = {}
+        self.merged_loras: list[tuple[LoraAdapter, float]] = []
         self.output_tensor_name = "output.weight" if self.has_tensor("output.weight") else "token_embd.weight"
         check_layer_count(hparams.n_layer, layer_indices(self.tensors, GGUF_LAYER), str(self.path),
                           source.field_name("n_layer"))
@@ -49,9 +58,13 @@ class TransformerModel:
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str], quantize: str | None = None,
-                  threads: int | None = None) -> TransformerModel:
-        """A GGUF file or an HF model folder; ``quantize`` (``q8_0``/``q4_k``) quantizes float matrices at load."""
+                  threads: int | None = None,
+                  merge_loras: Sequence[tuple[str | os.PathLike[str], float]] = ()) -> TransformerModel:
+        """A GGUF file or an HF model folder; ``quantize`` (``q8_0``/``q4_k``) quantizes float matrices at load,
+        after ``merge_loras`` (adapter, scale) were added into the float weights."""
         model = cls(open_tensor_source(path))
+        for adapter, scale in merge_loras:
+            model.merge_lora(adapter, scale)
         if quantize is not None:
             model.quantize(quantize, threads=threads)
         return model
@@ -70,6 +83,33 @@ class TransformerModel:
             elif len(t.shape) == 2:
                 self.tensors[name] = quantize_tensor(t, target, threads=threads)
         self.quantized = qtype.lower()
+
+    def add_lora(self, path: str | os.PathLike[str]) -> int:
+        """Load a LoRA adapter (a GGUF adapter file or a PEFT folder) for the graph to apply; its id."""
+        adapter = load_lora(path, self)
+        k = len(self.loras)
+        self.loras.append(adapter)
+        for target, p in adapter.pairs.items():
+            self._lora_weights[(k, target)] = (
+                WeightTensor(f"{target}.lora_a[{k}]", GGMLType.F32, p.a.shape, p.a.view(np.uint8)),
+                WeightTensor(f"{target}.lora_b[{k}]", GGMLType.F32, p.b.shape, p.b.view(np.uint8)),
+            )
+        return k
+
+    def merge_lora(self, path: str | os.PathLike[str], scale: float = 1.0) -> LoraAdapter:
+        """Add ``scale`` times a LoRA adapter's update into the (float) weights themselves: no cost per token,
+        and no way to take it out again but reloading (``--lora-merge``)."""
+        adapter = load_lora(path, self)
+        for target, p in adapter.pairs.items():
+            w = self.tensors[target]
+            assert isinstance(w, WeightTensor)  # load_lora checked it is a matrix
+            self.tensors[target] = merged_weight(w, [(p, scale)])
+        self.merged_loras.append((adapter, scale))
+        return adapter
+
+    def lora_weights(self, k: int, target: str) -> tuple[WeightTensor, WeightTensor] | None:
+        """Adapter ``k``'s A and B for the matrix ``target`` as graph weights, if it adapts that matrix."""
+        return self._lora_weights.get((k, target))
 
     # -- what the graph builder and the runtime read -------------------------------------------------
 

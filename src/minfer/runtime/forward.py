@@ -57,6 +57,25 @@ class ForwardRunner:
         self.arena = BufferArena()
         self.plans_built = 0  # graph builds so far (reserve's included): what a warm-up should leave flat
         self._retired_since_drop = 0
+        # the scale of each of the model's LoRA adapters (model.loras), for the sequences that were given none
+        # of their own; 0 leaves an adapter out
+        self.lora_scales = np.zeros(len(model.loras), np.float32)
+        self._sequence_lora: dict[int, np.ndarray] = {}
+
+    def set_lora(self, scales: Sequence[float] | np.ndarray, seq: int | None = None) -> None:
+        """Each adapter's scale (in the order of ``model.loras``), for sequence ``seq`` or (None) for every
+        sequence that has none of its own. Scales are data: no plan changes."""
+        values = np.asarray(scales, np.float32).reshape(-1)
+        if values.shape[0] != len(self.model.loras) or not np.isfinite(values).all():
+            raise BadRequestError(f"expected {len(self.model.loras)} finite adapter scales, got {list(scales)}")
+        if seq is None:
+            self.lora_scales = values
+        else:
+            self._sequence_lora[seq] = values
+
+    def lora_of(self, seq: int) -> np.ndarray:
+        """The adapter scales sequence ``seq`` runs with."""
+        return self._sequence_lora.get(seq, self.lora_scales)
 
     def plan(self, n_tokens: int, n_outputs: int, hidden: bool = False) -> Plan:
         key: tuple[int, int] | tuple[int, int, str] = (
@@ -159,6 +178,8 @@ class ForwardRunner:
         plan.inputs["rows"][:] = rows
         if "output_rows" in plan.inputs:
             plan.inputs["output_rows"][:] = out_rows
+        if self.model.loras:
+            self._fill_lora_scales(plan, seq_ids, n, out_rows)
         with self.backend.running((n, n_out, hidden)):
             if not self.observers:
                 out = plan.run()
@@ -180,6 +201,20 @@ class ForwardRunner:
             logits = logits[out_rows]
         self._record(tokens, positions, seq_ids)
         return logits, states
+
+    def _fill_lora_scales(self, plan: Plan, seq_ids: Sequence[int] | np.ndarray | int, n: int,
+                          out_rows: np.ndarray) -> None:
+        if np.ndim(seq_ids) == 0:
+            scales = np.broadcast_to(self.lora_of(int(seq_ids)), (n, len(self.model.loras)))
+        else:
+            seqs = np.asarray(seq_ids).reshape(-1)
+            scales = np.stack([self.lora_of(int(s)) for s in seqs]) if self._sequence_lora else \
+                np.broadcast_to(self.lora_scales, (n, len(self.model.loras)))
+        for k in range(scales.shape[1]):
+            plan.inputs[f"lora_scale.{k}"][:] = scales[:, k]
+            rows = plan.inputs.get(f"lora_scale.{k}.output_rows")
+            if rows is not None:  # the graph's last matmuls run on the output rows alone
+                rows[:] = scales[out_rows, k]
 
     def shift_context(self, seq: int, n_keep: int, n_discard: int) -> None:
         """Drop ``n_discard`` positions of ``seq`` after the first ``n_keep``; later K rows are re-rotated."""

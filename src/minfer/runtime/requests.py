@@ -78,6 +78,8 @@ class GenerationRequest:
     n_keep: int = 0
     speculative: SpeculativeSettings | None = None  # None: the engine's
     reuse_prefix: bool = True  # False: evaluate the whole prompt (llama-server's cache_prompt: false)
+    # each loaded LoRA adapter's scale for this sequence (the model's order); None: the engine's defaults
+    lora: Seq[float] | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)

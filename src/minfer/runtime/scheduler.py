@@ -149,7 +149,7 @@ class Scheduler:
             max_tokens = room
         out = Continuation(self.tokenizer, request.sampler, max_tokens, request.stats, request.stop_ids,
                            request.stop, request.logprobs, request.constraint)
-        slot, cached = self.slots.take(prompt, reuse=request.reuse_prefix)
+        slot, cached = self.slots.take(prompt, reuse=request.reuse_prefix, lora=request.lora)
         out.start(prompt)
         settings = request.speculative or self.speculative
         spec = SequenceSpeculation(settings, prompt, request.sampler) if settings.on else None

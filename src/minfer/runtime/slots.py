@@ -3,7 +3,8 @@
 Each running request holds a *slot*, one sequence of the cache (``capacity`` positions of its own). A
 finished request leaves its tokens in its slot, so a new request takes the free slot whose cached tokens
 share the longest prefix with its prompt, or copies the longest shared prefix from any slot, and
-evaluates only the rest of its prompt (positions are data: the reused rows stay where they are).
+evaluates only the rest of its prompt (positions are data: the reused rows stay where they are). A slot's
+tokens are reused only under the LoRA adapter scales they were computed with.
 
 An engine that pads its batches to a few shapes keeps one more sequence than it has slots: the scratch
 sequence its padding tokens write to, which nothing reads (see :func:`~minfer.runtime.kv_cache.slots_kv_cache`).
@@ -13,6 +14,8 @@ Only :mod:`minfer.runtime.scheduler` holds the slots (an import-linter contract)
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.runtime.forward import ForwardRunner
@@ -30,6 +33,8 @@ class Slots:
         self.n_slots = n_slots
         self._busy: set[int] = set()
         self._free_since = dict.fromkeys(range(n_slots), 0)  # slot -> engine step it was freed at
+        # slot -> the adapter scales its cached K/V were computed with
+        self._lora: dict[int, np.ndarray] = {s: runner.lora_scales for s in range(n_slots)}
 
     @property
     def capacity(self) -> int:
@@ -40,17 +45,23 @@ class Slots:
     def n_free(self) -> int:
         return self.n_slots - len(self._busy)
 
-    def take(self, prompt: Sequence[int], reuse: bool = True) -> tuple[int, int]:
+    def take(self, prompt: Sequence[int], reuse: bool = True,
+             lora: Sequence[float] | None = None) -> tuple[int, int]:
         """A free slot for ``prompt`` and how many of its first tokens that slot now holds (reused from this
         slot or copied from another). The last prompt token is always left to evaluate: its logits are
         needed. The prompt fits in a slot (the engine checked it). ``reuse=False`` (an embedding, which
-        needs every position evaluated): the free slot holding the fewest tokens, emptied."""
+        needs every position evaluated): the free slot holding the fewest tokens, emptied. ``lora``: the
+        sequence's adapter scales (None: the runner's defaults); only tokens computed under the same ones
+        are reused."""
         free = [s for s in range(self.n_slots) if s not in self._busy]
         if not free:
             raise BadRequestError(f"all {self.n_slots} slots are taken")
+        scales = self.runner.lora_scales if lora is None else np.asarray(lora, np.float32)
         limit = len(prompt) - 1
         best_src, best_n = -1, 0
         for s in range(self.n_slots) if reuse else ():
+            if not np.array_equal(self._lora[s], scales):
+                continue
             n = common_prefix(self.kv.tokens(s), prompt, limit)
             if n > best_n or (n == best_n and n > 0 and s in free and best_src not in free):
                 best_src, best_n = s, n
@@ -65,6 +76,9 @@ class Slots:
             self.kv.copy_prefix(best_src, slot, best_n)
         self.kv.truncate(slot, best_n)
         self._busy.add(slot)
+        self._lora[slot] = scales
+        if scales.size:  # the sequence keeps these scales while it runs, whatever the defaults become
+            self.runner.set_lora(scales, seq=slot)
         return slot, best_n
 
     def release(self, slot: int, step: int) -> None:

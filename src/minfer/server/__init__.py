@@ -44,6 +44,9 @@ class ServeOptions:
     slots: bool = False  # GET /slots
     max_body_size: int = 8 * 1024 * 1024  # bytes; a larger request body is answered 413
     log_format: str = "text"  # the access log: text, json or off
+    lora: list | None = None  # LoRA adapters: (path, scale) pairs
+    lora_merge: bool = False  # added into the weights at load
+    lora_init_without_apply: bool = False  # loaded with scale 0
 
 # uvicorn waits this much longer than --shutdown-timeout: the app cancels what is still open at the
 # timeout, and the cancelled answers need a moment to reach their clients (an error event, [DONE])
@@ -119,7 +122,8 @@ def serve(opts: ServeOptions) -> None:
                                  max_plans=MAX_PLANS)
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
                  cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config,
-                 draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative)
+                 draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative, lora=opts.lora,
+                 lora_merge=opts.lora_merge, lora_init_without_apply=opts.lora_init_without_apply)
     engine_loop = EngineLoop(model.engine, max_queue=opts.queue_size)  # load warmed the engine up
     # Everything loaded so far lives as long as the server. Measured at 8 clients: collections took 95 ms of
     # a 10 s run, 1.7 ms each, landing inside decode steps; frozen, 16 ms.

@@ -36,6 +36,7 @@ from minfer.server.routes import (
     completions,
     embeddings,
     llama_native,
+    lora_adapters,
     messages,
     page,
     responses,
@@ -46,8 +47,8 @@ from minfer.server.routes import (
 
 __all__ = ["MinferApp", "ServerConfig", "create_app"]
 
-ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, responses, messages, page,
-                trace)
+ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, lora_adapters, responses,
+                messages, page, trace)
 
 
 class MinferApp:

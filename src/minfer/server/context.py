@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from minfer.api import Model
+from minfer.api_setup import lora_scales
 from minfer.errors import BadRequestError, MinferError
 from minfer.runtime.engine_loop import EngineLoop, QueueFullError
 from minfer.runtime.pooling import Pooling
@@ -147,6 +148,12 @@ class ServerContext:
                 except BadRequestError as e:
                     message = str(e) if str(e).startswith("'speculative'") else f"'speculative': {e}"
                     raise ApiError(message, param="speculative") from None
+            lora = None
+            if params.lora is not None:
+                try:
+                    lora = lora_scales(params.lora, len(model.transformer.loras))
+                except BadRequestError as e:
+                    raise ApiError(str(e), param="lora") from None
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
                     index = len(job.choices)
@@ -159,7 +166,8 @@ class ServerContext:
                                                           stop=params.stop, logprobs=params.logprobs,
                                                           constraint=c,
                                                           stop_ids=frozenset() if ignore_eos else None,
-                                                          reuse_prefix=reuse_prefix, speculative=speculative))
+                                                          reuse_prefix=reuse_prefix, speculative=speculative,
+                                                          lora=lora))
             self.engine_loop.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",

@@ -107,6 +107,14 @@ def attend_by_sequence(
             out[idx] = o
 
 
+def _lora_kernel(node: Node) -> Callable[..., None]:
+    """A LoRA node's kernel over its A and B as float32 arrays (views of the adapter's own), whatever the
+    kernel set made of them as weights."""
+    a, b = (ref.dequantize_tensor(i.source) for i in node.inputs[2:4])
+    factor = node.meta.factor
+    return lambda node, out, y, x, _a, _b, scales: ref.lora(y, x, a, b, scales, factor, out)
+
+
 def _one_sequence(positions: np.ndarray, rows: np.ndarray) -> bool:
     """Whether every token of a batch belongs to one sequence (the same first row)."""
     starts = rows - positions
@@ -323,6 +331,8 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
     def kernel(self, node: Node) -> Callable[..., None]:
         if node.op is Op.MOE_EXPERTS:
             return self._moe_experts_kernel(node)
+        if node.op is Op.LORA:  # a low-rank product on numpy's float32 matmuls, in every kernel set
+            return _lora_kernel(node)
         if self.kernels == "fast":
             return self._fast_kernel(node)
         if node.op is not Op.MATMUL:

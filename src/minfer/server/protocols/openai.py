@@ -52,6 +52,7 @@ class GenerationParams:
     json_schema: Any  # None, True (any JSON object) or a schema dict
     timings: bool = False  # llama-server's timings_per_token: answer with its "timings" object too
     speculative: Any = None  # None: the server's; a mode name or an object of SpeculativeSettings fields
+    lora: list[dict[str, Any]] | None = None  # llama-server's [{"id", "scale"}]; None: the server's default scales
 
 
 @dataclass
@@ -177,7 +178,25 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
         except BadRequestError as e:
             raise ApiError(str(e), param="speculative") from None
     return GenerationParams(model, max_tokens, n, stream, include_usage, stop, seed, sampling, logprobs, grammar,
-                            json_schema, timings=r.boolean("timings_per_token"), speculative=speculative)
+                            json_schema, timings=r.boolean("timings_per_token"), speculative=speculative,
+                            lora=_lora(r.get("lora")))
+
+
+def _lora(value: Any) -> list[dict[str, Any]] | None:
+    """llama-server's per-request adapters, ``[{"id": 0, "scale": 0.5}]``, checked for shape here (the ids against
+    the loaded adapters when the request is submitted)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ApiError(f"'lora' must be a list of {{\"id\": ..., \"scale\": ...}}, got {value!r:.60}", param="lora")
+    for i, item in enumerate(value):
+        ok = isinstance(item, Mapping) and set(item) <= {"id", "scale"} and "id" in item and "scale" in item
+        if not ok or isinstance(item["id"], bool) or not isinstance(item["id"], int) or \
+                isinstance(item["scale"], bool) or not isinstance(item["scale"], int | float) or \
+                not math.isfinite(item["scale"]):
+            raise ApiError(f"'lora[{i}]' must be {{\"id\": <adapter id>, \"scale\": <finite number>}}, got "
+                           f"{item!r:.60}", param="lora")
+    return value
 
 
 def _sampling_fields(r: _Reader) -> dict[str, Any]:
