@@ -109,6 +109,35 @@ def test_two_adapters_add_their_updates():
                                atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("n_rows", [1, 3, 8, 33])
+def test_the_compiled_lora_kernel_equals_the_numpy_reference(n_rows):
+    """The kernel's contract (lora_kernels): the reference's values within float32 rounding, rows with scale 0 are
+    y's bits, in place equals out of place, and a row's bits do not depend on the batch around it."""
+    from minfer.backends.cpu import lora_kernels
+    from minfer.backends.cpu import reference as ref
+
+    rng = np.random.default_rng(n_rows)
+    n_in, rank, n_out = 96, 16, 160
+    x = rng.standard_normal((n_rows, n_in), dtype=np.float32)
+    y = rng.standard_normal((n_rows, n_out), dtype=np.float32)
+    a = rng.standard_normal((rank, n_in), dtype=np.float32) * 0.1
+    b = rng.standard_normal((n_out, rank), dtype=np.float32) * 0.1
+    scales = rng.standard_normal(n_rows).astype(np.float32)
+    scales[::3] = 0
+    at, bt = lora_kernels.transposed(a), lora_kernels.transposed(b)
+    want, got = np.empty_like(y), np.empty_like(y)
+    ref.lora(y, x, a, b, scales, 0.5, want)
+    lora_kernels.lora(y, x, at, bt, scales, 0.5, got)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert np.array_equal(got[scales == 0], y[scales == 0])
+    in_place = y.copy()
+    lora_kernels.lora(in_place, x, at, bt, scales, 0.5, in_place)
+    assert np.array_equal(in_place, got)
+    last = np.empty_like(y[-1:])
+    lora_kernels.lora(y[-1:], x[-1:], at, bt, scales[-1:], 0.5, last)
+    assert np.array_equal(last, got[-1:])
+
+
 def test_the_graph_has_an_adapter_node_beside_each_adapted_matmul():
     model = TransformerModel.from_path(fixture_dir("llama") / "hf")
     model.add_lora(lora_dir("llama", "r4-attn") / "peft")

@@ -206,10 +206,11 @@ class ForwardRunner:
                           out_rows: np.ndarray) -> None:
         if np.ndim(seq_ids) == 0:
             scales = np.broadcast_to(self.lora_of(int(seq_ids)), (n, len(self.model.loras)))
-        else:
-            seqs = np.asarray(seq_ids).reshape(-1)
-            scales = np.stack([self.lora_of(int(s)) for s in seqs]) if self._sequence_lora else \
-                np.broadcast_to(self.lora_scales, (n, len(self.model.loras)))
+        elif not self._sequence_lora:
+            scales = np.broadcast_to(self.lora_scales, (n, len(self.model.loras)))
+        else:  # each row its sequence's scales: one lookup per sequence, not per row
+            seqs, row_seq = np.unique(np.asarray(seq_ids).reshape(-1), return_inverse=True)
+            scales = np.stack([self.lora_of(int(s)) for s in seqs])[row_seq]
         for k in range(scales.shape[1]):
             plan.inputs[f"lora_scale.{k}"][:] = scales[:, k]
             rows = plan.inputs.get(f"lora_scale.{k}.output_rows")

@@ -107,14 +107,6 @@ def attend_by_sequence(
             out[idx] = o
 
 
-def _lora_kernel(node: Node) -> Callable[..., None]:
-    """A LoRA node's kernel over its A and B as float32 arrays (views of the adapter's own), whatever the
-    kernel set made of them as weights."""
-    a, b = (ref.dequantize_tensor(i.source) for i in node.inputs[2:4])
-    factor = node.meta.factor
-    return lambda node, out, y, x, _a, _b, scales: ref.lora(y, x, a, b, scales, factor, out)
-
-
 def _one_sequence(positions: np.ndarray, rows: np.ndarray) -> bool:
     """Whether every token of a batch belongs to one sequence (the same first row)."""
     starts = rows - positions
@@ -226,6 +218,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         self._pool: ThreadPoolExecutor | None = None
         self._rope_tables: dict[tuple, Any] = {}
         self._prepared: dict[int, tuple[WeightTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
+        self._lora_transposed: dict[int, tuple[WeightTensor, np.ndarray]] = {}  # id -> (A or B, its transpose)
         self.expert_reads = ExpertReads()
         # kernels are compiled when a plan first needs them (prepare_kernels), only those it needs
         self.compiler = KernelCompiler()
@@ -331,8 +324,8 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
     def kernel(self, node: Node) -> Callable[..., None]:
         if node.op is Op.MOE_EXPERTS:
             return self._moe_experts_kernel(node)
-        if node.op is Op.LORA:  # a low-rank product on numpy's float32 matmuls, in every kernel set
-            return _lora_kernel(node)
+        if node.op is Op.LORA:
+            return self._lora_kernel(node)
         if self.kernels == "fast":
             return self._fast_kernel(node)
         if node.op is not Op.MATMUL:
@@ -352,6 +345,29 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
                 return self._iq.matmul
         q8 = self.kernels == "reference-q8" and w.ggml_type in Q8_ACTIVATION_TYPES
         return lambda x, w, out: self._reference_matmul(None, out, ref.round_activations_q8(x) if q8 else x, w)
+
+    def _lora_kernel(self, node: Node) -> Callable[..., None]:
+        """A LoRA node's kernel over its A and B as float32 arrays, whatever the kernel set made of them as
+        weights: numpy's products (reference), or the compiled row kernel on transposed copies, made once per
+        adapter matrix and shared by every plan (fast)."""
+        a, b = (ref.dequantize_tensor(i.source) for i in node.inputs[2:4])
+        factor = node.meta.factor
+        if self.kernels != "fast":
+            return lambda node, out, y, x, _a, _b, scales: ref.lora(y, x, a, b, scales, factor, out)
+        from minfer.backends.cpu import lora_kernels
+
+        at, bt = (self._transposed(i.source, m) for i, m in zip(node.inputs[2:4], (a, b), strict=True))
+        return lambda node, out, y, x, _a, _b, scales: lora_kernels.lora(y, x, at, bt, scales, factor, out)
+
+    def _transposed(self, tensor: WeightTensor, values: np.ndarray) -> np.ndarray:
+        held = self._lora_transposed.get(id(tensor))
+        if held is not None and held[0] is tensor:
+            return held[1]
+        from minfer.backends.cpu import lora_kernels
+
+        at = lora_kernels.transposed(values)
+        self._lora_transposed[id(tensor)] = (tensor, at)
+        return at
 
     def _moe_experts_kernel(self, node: Node) -> Callable[..., None]:
         """The batch's tokens grouped by expert; each chosen expert's three matrices multiplied once for the

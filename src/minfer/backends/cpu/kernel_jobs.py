@@ -262,6 +262,11 @@ def rope_job() -> CompileJob:
     return CompileJob("rope", f"{_HERE}:compile_rope", "rope", (f"{_CPU}.rope:_rope_kernel",), 2.0)
 
 
+def lora_job() -> CompileJob:
+    return CompileJob("lora", f"{_CPU}.lora_kernels:warmup", "LoRA adapters",
+                      (f"{_CPU}.lora_kernels:_lora_serial", f"{_CPU}.lora_kernels:_lora_parallel"), 3.0)
+
+
 def _weight_kind(node: Node) -> str:
     """How a 1-D weight operand reaches a kernel: read-only (float32 in the file: a view of the read-only
     mapping) or writable (dequantized at load)."""
@@ -310,6 +315,8 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
             ew.add(_ELEMENTWISE_OP[op])
         elif op is Op.ROPE:
             jobs.append(rope_job())
+        elif op is Op.LORA:
+            jobs.append(lora_job())
     jobs.append(elementwise_job(ew))
     jobs.extend(matmul_jobs(types))
     return list({j.name: j for j in jobs if j is not None}.values())
@@ -318,7 +325,7 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
 def all_jobs(cache_types: Iterable[str] = ("f32", "f16", "q8_0")) -> list[CompileJob]:
     """Every fast kernel: each weight type's matmul, every vector op, the caches of ``cache_types``."""
     jobs: list[CompileJob | None] = list(matmul_jobs(_MATMUL_KERNELS))
-    jobs += [norms_job("ro"), norms_job("rw"), rope_job()]
+    jobs += [norms_job("ro"), norms_job("rw"), rope_job(), lora_job()]
     ops = [o for o in _ELEMENTWISE_OP.values() if o not in ("add", "mul")]
     jobs.append(elementwise_job([*ops, *(f"{o}{w}" for o in ("add", "mul") for w in ("", "+ro", "+rw"))]))
     for c in cache_types:
