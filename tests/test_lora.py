@@ -167,6 +167,21 @@ def test_the_trace_explorer_traces_the_adapter_nodes():
     assert "blk.0.attn_q.weight.lora_a[0]" in nodes and "blk.0.attn_out.lora[0]" in nodes
 
 
+def test_a_saved_conversation_loads_only_under_the_adapters_it_was_computed_with(tmp_path):
+    d = lora_dir("llama", "r4-attn") / "peft"
+    path = fixture_dir("llama") / "hf"
+    model = minfer.load(path, n_ctx=64, threads=1, lora=d)
+    conv = model.conversation()
+    conv.messages.append({"role": "user", "content": "hi"})  # the fixture has no chat template: no reply needed
+    session = tmp_path / "s.session"
+    conv.save(session)
+    type(conv).load(minfer.load(path, n_ctx=64, threads=1, lora=d), session)  # same adapter and scale: loads
+    for other in (minfer.load(path, n_ctx=64, threads=1), minfer.load(path, n_ctx=64, threads=1, lora=[(d, 0.5)]),
+                  minfer.load(path, n_ctx=64, threads=1, lora=d, lora_merge=True)):
+        with pytest.raises(MinferError, match="was saved with model fingerprint"):
+            type(conv).load(other, session)
+
+
 # -- several adapters in one batch --------------------------------------------------------------------------
 
 

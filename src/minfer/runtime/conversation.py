@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,6 +35,9 @@ class ChatModel(Protocol):
     @property
     def cache_type(self) -> str: ...
 
+    @property
+    def lora_adapters(self) -> list[dict[str, Any]]: ...
+
     def sampler(self, **sampling: Any) -> Sampler: ...
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str: ...
@@ -50,6 +54,12 @@ def model_fingerprint(model: ChatModel) -> str:
     h.update(json.dumps(vars(t.hparams), sort_keys=True, default=str).encode())
     for name, tensor in t.tensors.items():
         h.update(f"{name}:{tensor.ggml_type.name}:{tensor.shape}:{tensor.nbytes};".encode())
+    # LoRA adapters change every cached K/V: merged ones (in the weights' values, which the shapes above miss)
+    # and applied ones with the scales the conversation runs at (none: the fingerprint of the model alone)
+    for adapter, scale in t.merged_loras:
+        h.update(f"merged:{adapter.path.name}:{scale!r};".encode())
+    for a in model.lora_adapters:
+        h.update(f"lora:{Path(a['path']).name}:{a['scale']!r};".encode())
     return f"{t.arch.name}:{t.path.name}:{h.hexdigest()[:24]}"
 
 
