@@ -138,6 +138,33 @@ def test_the_compiled_lora_kernel_equals_the_numpy_reference(n_rows):
     assert np.array_equal(last, got[-1:])
 
 
+def test_an_adapter_of_the_output_projection_of_tied_embeddings(tmp_path):
+    """qwen2's fixture ties its output projection to the embeddings: PEFT's lm_head adapter adapts the projection
+    alone (known answer: the base's logits plus (alpha / r) · B·A·h, h the final norm's output); merging it would
+    change the embeddings too, so it is refused."""
+    base_path = fixture_dir("qwen2") / "model-f32.gguf"
+    base = minfer.load(base_path, n_ctx=64, threads=1)
+    assert base.transformer.tied_output
+    n_vocab, n_embd = base.hparams.n_vocab, base.hparams.n_embd
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((4, n_embd)) * 0.3).astype(np.float32)
+    b = (rng.standard_normal((n_vocab, 4)) * 0.3).astype(np.float32)
+    d = tmp_path / "lm-head"
+    d.mkdir()
+    save_file({"base_model.model.lm_head.lora_A.weight": a, "base_model.model.lm_head.lora_B.weight": b},
+              d / "adapter_model.safetensors")
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                       "target_modules": ["lm_head"]}))
+    tokens = fixture_sequences("qwen2")[2]
+    logits, hidden = base.runner.forward_hidden(tokens, range(len(tokens)), np.arange(len(tokens)))
+    adapted = minfer.load(base_path, n_ctx=64, threads=1, lora=d).logits(tokens)
+    want = logits + 2.0 * (hidden.astype(np.float64) @ a.T @ b.T)
+    np.testing.assert_allclose(adapted, want, atol=1e-4, rtol=0)
+    assert np.abs(adapted - logits).max() > 0.5
+    with pytest.raises(MinferError, match="shares with its token embeddings"):
+        minfer.load(base_path, n_ctx=64, threads=1, lora=d, lora_merge=True)
+
+
 def test_the_graph_has_an_adapter_node_beside_each_adapted_matmul():
     model = TransformerModel.from_path(fixture_dir("llama") / "hf")
     model.add_lora(lora_dir("llama", "r4-attn") / "peft")

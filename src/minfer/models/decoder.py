@@ -179,7 +179,8 @@ def build_decoder_graph(
 
 def _logits(b: GraphBuilder, w, x: Node, model: DecoderWeights, hp: HParams, adapted) -> Node:
     """The output matmul, then Granite's logit scale and Gemma 2's soft-capping where the model has them."""
-    logits = adapted(b.matmul(x, w(model.output_tensor_name), name="output"), x, model.output_tensor_name, None)
+    # an adapter of the output projection is filed under output.weight, tied to the embeddings or not
+    logits = adapted(b.matmul(x, w(model.output_tensor_name), name="output"), x, "output.weight", None)
     if hp.logit_scale != 1.0:
         logits = b.scale(logits, 1.0 / hp.logit_scale, name="output.logit_scale")
     if hp.final_softcap > 0:

@@ -246,6 +246,8 @@ def _check(path: Path, fmt: str, pairs: Iterable[LoraPair], base: LoraBase, perm
     out: dict[str, LoraPair] = {}
     for p in pairs:
         w = base.tensors.get(p.target)
+        if w is None and p.target == "output.weight":  # tied embeddings: the output projection is token_embd's
+            w = base.tensors.get("token_embd.weight")
         if w is None or isinstance(w, ExpertTensors) or len(w.shape) != 2:
             raise ModelError(f"{path}: adapts {p.target!r}, which the model has no matrix of")
         if p.target == "token_embd.weight":

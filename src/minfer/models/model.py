@@ -100,6 +100,9 @@ class TransformerModel:
         """Add ``scale`` times a LoRA adapter's update into the (float) weights themselves: no cost per token,
         and no way to take it out again but reloading (``--lora-merge``)."""
         adapter = load_lora(path, self)
+        if "output.weight" in adapter.pairs and self.tied_output:
+            raise ModelError(f"--lora-merge: {path} adapts the output projection, which this model shares with its "
+                             "token embeddings (tied): merged, it would change the embeddings too; leave it unmerged")
         for target, p in adapter.pairs.items():
             w = self.tensors[target]
             assert isinstance(w, WeightTensor)  # load_lora checked it is a matrix
