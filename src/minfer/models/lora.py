@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -48,10 +48,6 @@ class LoraPair:
     b: np.ndarray  # float32 [n_out, rank]
     scale: float  # the format's own scale (alpha / rank, or alpha / sqrt(rank) with rsLoRA)
 
-    @property
-    def rank(self) -> int:
-        return int(self.a.shape[0])
-
 
 @dataclass(frozen=True)
 class LoraAdapter:
@@ -62,16 +58,8 @@ class LoraAdapter:
     task_name: str = ""
     prompt_prefix: str = ""
 
-    @property
-    def name(self) -> str:
-        return self.path.stem if self.path.is_file() else self.path.name
 
-    @property
-    def ranks(self) -> list[int]:
-        return sorted({p.rank for p in self.pairs.values()})
-
-
-class LoraBase:
+class LoraBase(Protocol):
     """What an adapter is checked against: the base model's architecture, hyperparameters, matrices and the
     order of its W_q/W_k rows (a :class:`minfer.models.model.TransformerModel` has all of them)."""
 
