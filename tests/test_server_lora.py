@@ -82,3 +82,13 @@ def test_bad_lora_fields_get_400_naming_them(server, path, body, fragment):
     r = httpx.post(server.url + path, json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+def test_ray_replicas_get_the_adapters_of_the_front():
+    """``minfer serve --ray`` hands each replica's engine process its options as JSON: the (path, scale) pairs
+    come back as pairs."""
+    from minfer.server import ServeOptions
+    from minfer.server.cluster.engine_process import options_from_json, options_to_json
+
+    opts = ServeOptions(model="m.gguf", lora=[(str(LORA / "peft"), 0.5)], lora_init_without_apply=True)
+    assert options_from_json(options_to_json(opts)) == opts

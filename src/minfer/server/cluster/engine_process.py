@@ -31,6 +31,8 @@ def options_to_json(opts: ServeOptions) -> str:
 def options_from_json(text: str) -> ServeOptions:
     fields: dict[str, Any] = json.loads(text)
     fields["cors_origins"] = tuple(fields.get("cors_origins") or ())
+    if fields.get("lora") is not None:  # (path, scale) pairs came back as JSON lists
+        fields["lora"] = [(path, scale) for path, scale in fields["lora"]]
     return ServeOptions(**fields)
 
 
