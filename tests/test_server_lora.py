@@ -71,6 +71,13 @@ def test_post_lora_adapters_sets_the_default_and_every_route_takes_a_per_request
         httpx.post(server.url + "/lora-adapters", json=[{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.5}])
 
 
+def test_generation_settings_show_the_adapter_scales(server):
+    props = httpx.get(server.url + "/props").json()
+    assert props["default_generation_settings"]["params"]["lora"] == [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.5}]
+    r = httpx.post(server.url + "/completion", json={"prompt": "hi", "n_predict": 2, "lora": [{"id": 1, "scale": 2}]})
+    assert r.json()["generation_settings"]["lora"] == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 2.0}]
+
+
 @pytest.mark.parametrize("path,body,fragment", [
     ("/v1/completions", {"prompt": "x", "lora": [{"id": 7, "scale": 1.0}]}, "adapter id 7 is not loaded"),
     ("/v1/completions", {"prompt": "x", "lora": {"id": 0}}, "'lora' must be a list"),

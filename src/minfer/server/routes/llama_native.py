@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import minfer
+from minfer.api_setup import lora_scales
 from minfer.runtime.requests import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
 from minfer.server.context import ServerContext
@@ -95,9 +96,18 @@ def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
         "ignore_eos": False if req is None else req.ignore_eos, "n_keep": 0,
         "grammar": "" if p is None or p.grammar is None else p.grammar,
         "timings_per_token": False if req is None else req.timings_per_token, "n_ctx": ctx.engine_loop.slot_context,
-        "model": ctx.config.model_id,
+        "model": ctx.config.model_id, "lora": _lora_settings(ctx, p),
     })
     return params
+
+
+def _lora_settings(ctx: ServerContext, p: Any) -> list[dict[str, Any]]:
+    """Each loaded adapter's scale for this request (its ``lora``, else the server's defaults), as llama-server
+    lists them."""
+    adapters = ctx.model.lora_adapters
+    if p is None or p.lora is None:
+        return [{"id": a["id"], "scale": a["scale"]} for a in adapters]
+    return [{"id": k, "scale": v} for k, v in enumerate(lora_scales(p.lora, len(adapters)))]
 
 
 def probs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
