@@ -145,6 +145,11 @@ class Model:
         return [{"id": k, "path": str(a.path), "scale": float(scales[k]), "task_name": a.task_name,
                  "prompt_prefix": a.prompt_prefix} for k, a in enumerate(self.transformer.loras)]
 
+    def request_lora(self, lora: Mapping[int, float] | Sequence[Mapping[str, Any]] | None) -> list[float] | None:
+        """A request's ``lora`` (``[{"id": 0, "scale": 0.5}]``; adapters not named are off) as each adapter's scale;
+        None (no ``lora``): the defaults. A bad id or scale is a one-line error."""
+        return None if lora is None else lora_scales(lora, len(self.transformer.loras))
+
     def set_lora(self, scales: Mapping[int, float] | Sequence[Mapping[str, Any]]) -> None:
         """The default adapter scales, as llama-server's ``POST /lora-adapters``: ``[{"id": 0, "scale": 0.5}]``
         or ``{0: 0.5}``; an adapter not named gets 0 (off). Cached prefixes computed under other scales are
@@ -305,14 +310,13 @@ class Model:
         (``[{"id": 0, "scale": 0.5}]``, adapters not named are off); default: the model's (:meth:`set_lora`).
         """
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
-        adapters = lora_scales(lora, len(self.transformer.loras)) if lora is not None else None
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, logprobs=logprobs,
                                     constraint=self.constraint(grammar, json_schema), context_shift=context_shift,
                                     n_keep=n_keep, speculative=resolve_speculative(
                                         speculative, self.engine.speculative) if speculative is not None else None,
-                                    lora=adapters)
+                                    lora=self.request_lora(lora))
         self.last_stats = request.stats
         # one caller at a time: a stream left unfinished ends here. The prompt is placed now (a bad one
         # fails where the call is made), reusing the prefix the cache already holds.
@@ -409,10 +413,9 @@ class Model:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         constraint = plan.constraint(self.tokenizer) if plan.grammar is not None else self.constraint(grammar,
                                                                                                       json_schema)
-        lora = sampling.pop("lora", None)
-        adapters = lora_scales(lora, len(self.transformer.loras)) if lora is not None else None
+        lora = self.request_lora(sampling.pop("lora", None))
         request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, constraint=constraint,
-                                    lora=adapters)
+                                    lora=lora)
         self.last_stats = request.stats
         self.engine.cancel_all()
         steps = self.engine.run(request)

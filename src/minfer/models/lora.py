@@ -265,8 +265,8 @@ def _unpermuted_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def merged_weight(w: WeightTensor, updates: Iterable[tuple[LoraPair, float]]) -> WeightTensor:
-    """``W + Σ scale·user_scale·B·A`` as a float32 matrix (``--lora-merge``): only float bases, whose values the
+def merged_weight(w: WeightTensor, pair: LoraPair, user_scale: float) -> WeightTensor:
+    """``W + scale·user_scale·B·A`` as a float32 matrix (``--lora-merge``): only float bases, whose values the
     merge keeps exact; a quantized matrix would be rounded again, so it is refused by name."""
     from minfer.formats.block_types import GGMLType
 
@@ -275,6 +275,5 @@ def merged_weight(w: WeightTensor, updates: Iterable[tuple[LoraPair, float]]) ->
                          "BF16). Leave the adapter unmerged on a quantized model")
     # in float64, rounded once: the merged matrix is W + s·B·A to float32's precision
     merged = dequantize_rows(w.data, w.ggml_type, w.shape[-1]).reshape(w.shape).astype(np.float64)
-    for p, user_scale in updates:
-        merged += (p.scale * user_scale) * (p.b.astype(np.float64) @ p.a.astype(np.float64))
+    merged += (pair.scale * user_scale) * (pair.b.astype(np.float64) @ pair.a.astype(np.float64))
     return WeightTensor(w.name, GGMLType.F32, w.shape, np.ascontiguousarray(merged, np.float32).view(np.uint8))

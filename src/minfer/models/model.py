@@ -106,7 +106,7 @@ class TransformerModel:
         for target, p in adapter.pairs.items():
             w = self.tensors[target]
             assert isinstance(w, WeightTensor)  # load_lora checked it is a matrix
-            self.tensors[target] = merged_weight(w, [(p, scale)])
+            self.tensors[target] = merged_weight(w, p, scale)
         self.merged_loras.append((adapter, scale))
         return adapter
 

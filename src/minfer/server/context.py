@@ -16,7 +16,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from minfer.api import Model
-from minfer.api_setup import lora_scales
 from minfer.errors import BadRequestError, MinferError
 from minfer.runtime.engine_loop import EngineLoop, QueueFullError
 from minfer.runtime.pooling import Pooling
@@ -148,12 +147,10 @@ class ServerContext:
                 except BadRequestError as e:
                     message = str(e) if str(e).startswith("'speculative'") else f"'speculative': {e}"
                     raise ApiError(message, param="speculative") from None
-            lora = None
-            if params.lora is not None:
-                try:
-                    lora = lora_scales(params.lora, len(model.transformer.loras))
-                except BadRequestError as e:
-                    raise ApiError(str(e), param="lora") from None
+            try:
+                lora = model.request_lora(params.lora)
+            except BadRequestError as e:
+                raise ApiError(str(e), param="lora") from None
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
                     index = len(job.choices)

@@ -152,8 +152,8 @@ def shared_expert(x: np.ndarray, gate, up, down, gate_inp, out: np.ndarray, matm
     return sum(int(getattr(getattr(m, "tensor", m), "nbytes", 0)) for m in (gate, up, down, gate_inp))
 
 
-def lora(y: np.ndarray, x: np.ndarray, a: np.ndarray | WeightTensor, b: np.ndarray | WeightTensor,
-         scales: np.ndarray, factor: float, out: np.ndarray) -> None:
+def lora(y: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scales: np.ndarray, factor: float,
+         out: np.ndarray) -> None:
     """``out = y + factor * scales[row] * (x @ A^T) @ B^T`` (A ``[rank, n_in]``, B ``[n_out, rank]``), in PEFT's
     order: the low-rank product, scaled, then added. Rows with scale 0 (no adapter) keep ``y``'s values exactly."""
     if not np.shares_memory(out, y):  # in place (the allocator's choice) or into a buffer of its own
@@ -161,8 +161,6 @@ def lora(y: np.ndarray, x: np.ndarray, a: np.ndarray | WeightTensor, b: np.ndarr
     rows = np.flatnonzero(scales)
     if rows.size == 0:
         return
-    a = dequantize_tensor(a) if isinstance(a, WeightTensor) else a
-    b = dequantize_tensor(b) if isinstance(b, WeightTensor) else b
     every = rows.size == scales.shape[0]
     xs = x if every else x[rows]
     update = (xs @ a.T) @ b.T

@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import minfer
-from minfer.api_setup import lora_scales
 from minfer.runtime.requests import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
 from minfer.server.context import ServerContext
@@ -107,7 +106,7 @@ def _lora_settings(ctx: ServerContext, p: Any) -> list[dict[str, Any]]:
     adapters = ctx.model.lora_adapters
     if p is None or p.lora is None:
         return [{"id": a["id"], "scale": a["scale"]} for a in adapters]
-    return [{"id": k, "scale": v} for k, v in enumerate(lora_scales(p.lora, len(adapters)))]
+    return [{"id": k, "scale": v} for k, v in enumerate(ctx.model.request_lora(p.lora) or [])]
 
 
 def probs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
