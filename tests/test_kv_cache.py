@@ -128,6 +128,66 @@ def test_copy_prefix_remove_and_clear():
 
 
 
+
+def test_a_shared_prefix_is_held_once_and_copied_on_write():
+    """Prefix reuse references the blocks that hold the prefix: no rows are copied and the blocks are
+    counted once; the first write into a shared block gives the writer a copy of that block alone, the
+    other sequence's cells stay as they were, and each sequence's logits are its solo run's, bit for bit.
+    Blocks go back to the pool when no sequence holds them."""
+    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.kv_cache import KV_BLOCK, KVCache
+
+    model = minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=256, threads=1)
+    seq = (fixture_sequences("llama")[2] * 8)[:100]
+    solo = model.logits(seq)
+    kv = KVCache(model.hparams, 384, n_seq=3)
+    runner = ForwardRunner(model.transformer, model.backend, kv)
+    runner.forward(seq[:70], range(70), seq_ids=0)
+    assert (kv.blocks_in_use, kv.blocks_shared) == (3, 0)  # 70 positions: blocks of 32, 32 and 6
+    before = kv.read(0, 70)
+    kv.copy_prefix(0, 1, 70)
+    assert kv.blocks(1) == kv.blocks(0) and (kv.blocks_in_use, kv.blocks_shared) == (3, 3)
+    kv.copy_prefix(0, 2, 40)  # inside block 1: sequence 2 shares blocks 0 and 1
+    assert kv.blocks(2) == kv.blocks(0)[:2] and (kv.blocks_in_use, kv.blocks_shared) == (3, 3)
+    tail = runner.forward(seq[70:100], range(70, 100), seq_ids=1)  # writes into block 2: copied, then block 3
+    assert kv.blocks(1)[:2] == kv.blocks(0)[:2] and kv.blocks(1)[2] != kv.blocks(0)[2]
+    assert (kv.blocks_in_use, kv.blocks_shared) == (5, 2)
+    assert tail.view(np.uint32).tolist() == solo[70:100].view(np.uint32).tolist()
+    mid = runner.forward(seq[40:50], range(40, 50), seq_ids=2)  # writes into block 1: sequence 2's own copy
+    assert mid.view(np.uint32).tolist() == solo[40:50].view(np.uint32).tolist()
+    assert kv.blocks(2)[0] == kv.blocks(0)[0] and kv.blocks(2)[1] not in kv.blocks(0)
+    for (k0, v0), (k1, v1) in zip(before, kv.read(0, 70), strict=True):  # sequence 0's cells untouched
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+    again = runner.forward(seq[70:72], range(70, 72), seq_ids=0)  # and it still continues as its solo run
+    assert again.view(np.uint32).tolist() == solo[70:72].view(np.uint32).tolist()
+    kv.remove(0)
+    assert kv.tokens(1) == seq and kv.blocks_shared == 1  # block 0: sequences 1 and 2
+    kv.clear()
+    assert (kv.blocks_in_use, kv.blocks_shared) == (0, 0)
+    assert not kv.row_map.any()  # every position maps to the null block again
+    assert KV_BLOCK == 32
+
+
+def test_a_context_shift_of_a_sharing_sequence_leaves_the_other_alone():
+    from minfer.runtime.forward import ForwardRunner
+    from minfer.runtime.kv_cache import KVCache
+
+    model = minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=64, threads=1)
+    seq = fixture_sequences("llama")[2][:30]
+    kv = KVCache(model.hparams, 128, n_seq=2)
+    runner = ForwardRunner(model.transformer, model.backend, kv)
+    runner.forward(seq, range(30), seq_ids=0)
+    before = kv.read(0, 30)
+    kv.copy_prefix(0, 1, 30)
+    runner.shift_context(1, n_keep=5, n_discard=12)
+    assert kv.tokens(1) == seq[:5] + seq[17:30] and kv.tokens(0) == seq
+    for (k0, v0), (k1, v1) in zip(before, kv.read(0, 30), strict=True):
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+    assert kv.blocks_shared == 0 and kv.blocks_in_use == 2
+
+
 def test_commit_takes_the_memory_at_creation():
     """A lazy cache (the default) costs resident memory only as positions are written; ``commit=True``
     (the batch server's cache) takes all of it at creation, so serving does not grow it. Measured in a
@@ -221,10 +281,11 @@ def test_shift_re_rotates_k_rows_to_their_new_positions(arch):
     model.runner.shift_context(0, n_keep=5, n_discard=12)
     kept = model.kv.tokens(0)
     assert kept == seq[:5] + seq[17:30]
-    k_shifted, v_shifted = model.kv.layers[0].k[:18].copy(), model.kv.layers[0].v[:18].copy()
+    k_shifted, v_shifted = model.kv.read(0, 18)[0]
     model.logits(kept)
-    np.testing.assert_allclose(k_shifted, model.kv.layers[0].k[:18], atol=1e-5)
-    np.testing.assert_array_equal(v_shifted, model.kv.layers[0].v[:18])
+    k_fresh, v_fresh = model.kv.read(0, 18)[0]
+    np.testing.assert_allclose(k_shifted, k_fresh, atol=1e-5)
+    np.testing.assert_array_equal(v_shifted, v_fresh)
 
 
 def test_gemma3_shift_rotates_each_layer_with_its_own_rope():
@@ -243,13 +304,13 @@ def test_gemma3_shift_rotates_each_layer_with_its_own_rope():
         rope(k, np.asarray(positions), meta, k)
         return k
 
-    for il, layer in enumerate(model.kv.layers):
-        layer.k[:30] = rotated(il, slice(0, 30), range(30))
+    zeros = np.zeros((30, hp.v_width), np.float32)
+    model.kv.write(0, [(rotated(il, slice(0, 30), range(30)), zeros) for il in range(hp.n_layer)])
     model.kv.record(0, np.arange(30), np.arange(30))
     model.runner.shift_context(0, n_keep=5, n_discard=12)
-    for il, layer in enumerate(model.kv.layers):
+    for il, (k, _) in enumerate(model.kv.read(0, 18)):
         want = np.concatenate([rotated(il, slice(0, 5), range(5)), rotated(il, slice(17, 30), range(5, 18))])
-        np.testing.assert_allclose(layer.k[:18], want, atol=1e-5, err_msg=f"layer {il}")
+        np.testing.assert_allclose(k, want, atol=1e-5, err_msg=f"layer {il}")
     # the two kinds of layer really rotate differently
     assert float(np.abs(rotated(0, slice(17, 30), range(5, 18)) - rotated(5, slice(17, 30), range(5, 18))).max()) > 0.1
 

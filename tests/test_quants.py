@@ -184,14 +184,14 @@ def test_q8_0_dequantize_bit_equal_to_gguf():
     )
     raw = _gguf_q8_0(x)
     out = np.full((len(raw) + 3, 64), np.nan, np.float32)
-    dequantize_q8_0_rows_into(raw, 0, len(raw), out)
+    dequantize_q8_0_rows_into(raw, np.arange(len(raw), dtype=np.int32), out)
     theirs = _gguf_dequantize(raw)
     np.testing.assert_array_equal(out[: len(raw)].view(np.uint32), theirs.view(np.uint32))
     assert np.isnan(out[len(raw) :]).all()  # rows past stop - start are not written
     # arbitrary bytes: every f16 scale pattern (NaN scales: NaN results, payloads not carried)
     raw = rng.integers(0, 256, (500, 68), dtype=np.uint8)
     out = np.empty((500, 64), np.float32)
-    dequantize_q8_0_rows_into(raw, 0, 500, out)
+    dequantize_q8_0_rows_into(raw, np.arange(500, dtype=np.int32), out)
     theirs = _gguf_dequantize(raw)
     nan = np.isnan(theirs)
     np.testing.assert_array_equal(np.isnan(out), nan)
@@ -248,9 +248,12 @@ def test_q8_0_into_variants_equal_plain():
     np.testing.assert_array_equal(region[5], plain[0])
     # the window read of a slice equals gguf's dequantization of the same rows
     out = np.empty((20, 192), np.float32)
-    dequantize_q8_0_rows_into(region, 3, 9, out)
+    dequantize_q8_0_rows_into(region, np.arange(3, 9, dtype=np.int32), out)
     np.testing.assert_array_equal(out[:6], gq.dequantize(region[3:9], GGMLType.Q8_0))
-    dequantize_q8_0_rows_into(region, 4, 4, out)  # an empty window is fine
+    # rows in any order (a window read through the KV cache's row map)
+    dequantize_q8_0_rows_into(region, rows, out)
+    np.testing.assert_array_equal(out[: len(rows)], gq.dequantize(region[rows], GGMLType.Q8_0))
+    dequantize_q8_0_rows_into(region, np.zeros(0, np.int32), out)  # an empty window is fine
 
 
 def test_q8_0_errors_name_the_problem_and_write_nothing():
@@ -274,9 +277,11 @@ def test_q8_0_errors_name_the_problem_and_write_nothing():
     with pytest.raises(ValueError, match="uint8"):
         quantize_q8_0_rows(x, np.zeros((2, 68), np.int8))
     out = np.zeros((4, 64), np.float32)
-    with pytest.raises(ValueError, match="rows 2:5 are not within"):
-        dequantize_q8_0_rows_into(region, 2, 5, out)
-    with pytest.raises(ValueError, match="rows 0:4"):
-        dequantize_q8_0_rows_into(region, 0, 4, out[:3])
+    with pytest.raises(ValueError, match=r"rows \[2, 3, 4\]\.\.\. are not all within"):
+        dequantize_q8_0_rows_into(region, np.arange(2, 5, dtype=np.int32), out)
+    with pytest.raises(ValueError, match=r"rows \[0, 1, 2, 3\]"):
+        dequantize_q8_0_rows_into(region, np.arange(4, dtype=np.int32), out[:3])
     with pytest.raises(ValueError, match="do not fit"):
-        dequantize_q8_0_rows_into(region, 0, 1, np.zeros((4, 32), np.float32))
+        dequantize_q8_0_rows_into(region, np.zeros(1, np.int32), np.zeros((4, 32), np.float32))
+    with pytest.raises(ValueError, match="1-D int32"):
+        dequantize_q8_0_rows_into(region, np.zeros(1, np.int64), out)

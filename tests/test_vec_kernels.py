@@ -461,6 +461,7 @@ def test_attention_decode_equals_prefill_row_and_threads_do_not_matter(rng, n_he
                 q[t : t + 1],
                 k_reg,
                 v_reg,
+                np.arange(len(k_reg), dtype=np.int32),
                 pos[t : t + 1],
                 *geometry,
                 n_threads,
@@ -505,7 +506,8 @@ def test_long_decode_split_by_keys_equals_prefill_row(rng):
         for n_threads in (1, 2, 3, 16):
             split = np.full_like(one, np.nan)
             code = attention._attention_split_by_keys(
-                q[t : t + 1], k_reg, v_reg, pos[t : t + 1], *geometry, n_threads, split
+                q[t : t + 1], k_reg, v_reg, np.arange(len(k_reg), dtype=np.int32), pos[t : t + 1], *geometry,
+                n_threads, split
             )
             assert code == -1
             np.testing.assert_array_equal(split[0], prefill[t])
@@ -579,8 +581,85 @@ def test_attention_rows_mixing_sequences_equals_each_sequence_alone(rng, window)
         np.testing.assert_allclose(got[:1], expect, rtol=0, atol=1e-5)
     # told of 64 threads, the kernel splits each kv group's heads over units: still the same bits
     split = np.full_like(got, np.nan)
-    assert attention._attn_rows_kernel(q, k_reg, v_reg, pos, rows, *geometry, 64, window, split) == -1
+    identity = np.arange(len(k_reg), dtype=np.int32)
+    assert attention._attn_rows_kernel(q, k_reg, v_reg, identity, pos, rows, *geometry, 64, window, split) == -1
     np.testing.assert_array_equal(split, got)
+
+
+def _scatter_blocks(rng, regions, n_seq, cap, block=32):
+    """The rows of ``regions`` (each ``[n_seq * cap, width]``, sequence s at rows s * cap ..) moved into
+    blocks of ``block`` rows taken in a shuffled order from a pool with spare blocks of NaN, as the paged KV
+    cache places them: (the pooled regions, the row map: virtual row -> pooled row)."""
+    per_seq = -(-cap // block)
+    order = rng.permutation(n_seq * per_seq + 3) + 1  # block 0 and the spare ones never hold a row
+    row_map = np.empty(n_seq * cap, np.int32)
+    for s in range(n_seq):
+        for b in range(per_seq):
+            n = min(block, cap - b * block)
+            start = int(order[s * per_seq + b]) * block
+            row_map[s * cap + b * block : s * cap + b * block + n] = np.arange(start, start + n)
+    pooled = []
+    for region in regions:
+        p = np.full(((len(order) + 1) * block, region.shape[1]), np.nan, region.dtype)
+        p[row_map] = region
+        pooled.append(p)
+    return pooled, row_map
+
+
+@pytest.mark.parametrize("cells", [np.float32, np.float16])
+@pytest.mark.parametrize("window", [0, 40])
+def test_attention_through_a_row_map_equals_consecutive_rows(rng, cells, window):
+    """The KV cache's blocks: a sequence's rows scattered over a pool in blocks of 32 (in any order, NaN
+    between them) and read through the row map give the bits of the same rows stored consecutively: a
+    prefill, each decode step (split by keys, inside the first key chunk and past it, at several thread
+    counts) and a batch mixing sequences."""
+    n_head, n_head_kv, hd = 6, 2, 64
+    cap = 2 * attention.ATTN_KEY_CHUNK + 45
+    n = cap - 3
+    q, k_reg, v_reg, pos = _attn_case(rng, n_head, n_head_kv, hd, hd, list(range(n)), n_ctx=cap)
+    with np.errstate(over="ignore"):  # the garbage beyond the window (1e30) turns into inf: never read
+        k_reg, v_reg = k_reg.astype(cells), v_reg.astype(cells)
+    (k_pool, v_pool), row_map = _scatter_blocks(rng, [k_reg, v_reg], 1, cap)
+    geometry = (n_head, n_head_kv, hd, hd, 0.125)
+
+    def paged(q, pos, n_threads=MAX_THREADS):
+        out = np.full((len(pos), n_head * hd), np.nan, F32)
+        at_threads(n_threads, lambda: attention.attention(q, k_pool, v_pool, pos, *geometry, out, window, row_map))
+        return out
+
+    prefill = _vk_attention(q, k_reg, v_reg, pos, *geometry, window)
+    np.testing.assert_array_equal(paged(q, pos), prefill)
+    for t in (0, 31, 32, 300, n - 1):
+        for n_threads in (1, MAX_THREADS):
+            np.testing.assert_array_equal(paged(q[t : t + 1], pos[t : t + 1], n_threads)[0], prefill[t])
+    # several sequences in one call, through one row map
+    n_seq = 3
+    big_k = np.concatenate([k_reg] * n_seq)
+    big_v = np.concatenate([v_reg[::-1]] * n_seq)  # another sequence's V differs: a wrong row would show
+    (k_pool, v_pool), row_map = _scatter_blocks(rng, [big_k, big_v], n_seq, cap)
+    batch = [(0, [n - 1]), (1, list(range(100, 140))), (2, [3])]
+    seq = np.concatenate([[s] * len(p) for s, p in batch])
+    bpos = np.concatenate([p for _, p in batch]).astype(np.int32)
+    rows = (seq * cap + bpos).astype(np.int32)
+    bq = rng.standard_normal((len(bpos), n_head * hd)).astype(F32)
+    got = np.full((len(bpos), n_head * hd), np.nan, F32)
+    attention.attention_rows(bq, k_pool, v_pool, bpos, rows, *geometry, got, window, row_map)
+    for t in range(len(bpos)):
+        s = int(seq[t])
+        alone = _vk_attention(bq[t : t + 1], big_k[s * cap : (s + 1) * cap], big_v[s * cap : (s + 1) * cap],
+                              bpos[t : t + 1], *geometry, window)
+        np.testing.assert_array_equal(got[t], alone[0], err_msg=f"token {t}")
+
+
+def test_a_row_map_outside_the_regions_is_refused(rng):
+    q, k_reg, v_reg, pos = _attn_case(rng, 2, 1, 8, 8, [5], n_ctx=8)
+    bad = np.arange(8, dtype=np.int32)
+    bad[3] = 8
+    out = np.empty((1, 16), F32)
+    with pytest.raises(ValueError, match="row map points outside the KV regions of 8 rows"):
+        attention.attention(q, k_reg, v_reg, pos, 2, 1, 8, 8, 0.5, out, 0, bad)
+    with pytest.raises(ValueError, match="row map must be a contiguous 1-D int32"):
+        attention.attention(q, k_reg, v_reg, pos, 2, 1, 8, 8, 0.5, out, 0, bad.astype(np.int64))
 
 
 @pytest.mark.parametrize(

@@ -258,15 +258,18 @@ def _store_kernel(x, region, rows, qk):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _load_kernel(region, start, stop, out, qk):
-    """Returns -1 when done, -2 when the shapes do not fit, -3 when ``start:stop`` is not within the
-    region or longer than ``out`` (nothing written then)."""
+def _load_kernel(region, rows, out, qk):
+    """Returns -1 when done, -2 when the shapes do not fit, -3 when a row is not within the region or
+    there are more rows than ``out`` has (nothing written then)."""
     if not _q8_0_shapes_fit(out.shape[1], region.shape[1], qk):
         return -2
-    if start < 0 or stop < start or stop > region.shape[0] or stop - start > out.shape[0]:
+    if rows.shape[0] > out.shape[0]:
         return -3
-    for r in range(start, stop):
-        _dequantize_row(region[r], out[r - start], qk)
+    for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= region.shape[0]:
+            return -3
+    for i in range(rows.shape[0]):
+        _dequantize_row(region[rows[i]], out[i], qk)
     return -1
 
 
@@ -328,15 +331,18 @@ def quantize_q8_0_into(x: np.ndarray, region: np.ndarray, rows: np.ndarray) -> N
     )
 
 
-def dequantize_q8_0_rows_into(region: np.ndarray, start: int, stop: int, out_f32: np.ndarray) -> None:
-    """Dequantize Q8_0 rows ``region[start:stop]`` into ``out_f32[:stop - start]`` (the window read).
+def dequantize_q8_0_rows_into(region: np.ndarray, rows: np.ndarray, out_f32: np.ndarray) -> None:
+    """Dequantize Q8_0 rows ``region[rows[i]]`` into ``out_f32[i]`` (the window read, through the KV
+    cache's row map).
 
-    ``region`` is uint8 ``[n_rows, n // 32 * 34]``, ``out_f32`` float32 ``[>= stop - start, n]``. Row for
-    row bit-identical to ``gguf.quants.dequantize``.
+    ``region`` is uint8 ``[n_rows, n // 32 * 34]``, ``rows`` a 1-D int32 array, ``out_f32`` float32
+    ``[>= len(rows), n]``. Row for row bit-identical to ``gguf.quants.dequantize``.
     """
     _check_array(region, np.uint8, "dequantize_q8_0_rows_into: region")
     _check_array(out_f32, np.float32, "dequantize_q8_0_rows_into: out_f32")
-    code = _load_kernel(region, start, stop, out_f32, QK8_0)
+    if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype != np.int32:
+        raise ValueError(f"dequantize_q8_0_rows_into: rows must be a 1-D int32 array, got {rows!r}")
+    code = _load_kernel(region, rows, out_f32, QK8_0)
     if code == -1:
         return
     if code == -2:
@@ -344,6 +350,6 @@ def dequantize_q8_0_rows_into(region: np.ndarray, start: int, stop: int, out_f32
             "dequantize_q8_0_rows_into", out_f32.shape[1], f"region {region.shape}", f"out {out_f32.shape}"
         )
     raise ValueError(
-        f"dequantize_q8_0_rows_into: rows {start}:{stop} are not within the region's {region.shape[0]} rows "
-        f"or do not fit in out_f32's {out_f32.shape[0]}"
+        f"dequantize_q8_0_rows_into: rows {rows.tolist()[:8]}... are not all within the region's "
+        f"{region.shape[0]} rows or do not fit in out_f32's {out_f32.shape[0]}"
     )

@@ -181,9 +181,9 @@ class Conversation:
         kv = self.model.kv
         tokens = kv.tokens(0)
         arrays = {}
-        for il, layer in enumerate(kv.layers):
-            arrays[f"k{il}"] = layer.k[: len(tokens)]
-            arrays[f"v{il}"] = layer.v[: len(tokens)]
+        for il, (k, v) in enumerate(kv.read(0, len(tokens))):
+            arrays[f"k{il}"] = k
+            arrays[f"v{il}"] = v
         save_session(path, SessionData(
             model_fingerprint=model_fingerprint(self.model),
             cache_type=kv.cache_type,
@@ -215,10 +215,7 @@ class Conversation:
                     raise BadRequestError(f"session {path}: array {name} does not fit this model's KV cache")
                 if arr.dtype.kind == "f" and not np.isfinite(arr).all():
                     raise FormatError(f"session {path}: array {name} holds non-finite values (NaN or infinity)")
-        kv.truncate(0, 0)
-        for il, layer in enumerate(kv.layers):
-            layer.k[:n] = data.arrays[f"k{il}"]
-            layer.v[:n] = data.arrays[f"v{il}"]
+        kv.write(0, [(data.arrays[f"k{il}"], data.arrays[f"v{il}"]) for il in range(len(kv.layers))])
         if n:
             kv.record(0, np.arange(n), np.asarray(data.tokens))
         conv = cls(model, system, **sampling)

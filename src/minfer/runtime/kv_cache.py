@@ -1,9 +1,22 @@
-"""The KV cache: two persistent regions per layer whose rows are addressed by data.
+"""The KV cache: a pool of blocks of cells per layer, and a row map that says where each position lives.
 
-Sequences: the cache holds ``n_seq`` independent sequences; sequence ``s`` owns the rows
-``[s * capacity, (s + 1) * capacity)`` (``capacity = n_ctx // n_seq``) and its token at position ``p``
-lives in row ``s * capacity + p``. The forward pass gets those rows as an input: the KV store writes at
-them and each token's attention reads its own sequence's rows ``0..pos`` (the window is still the mask).
+Blocks: each layer's K and V regions are cut into blocks of :data:`KV_BLOCK` rows (positions), all
+sequences drawing from one pool. A sequence holds a list of blocks; block ``b`` of it holds its positions
+``b * KV_BLOCK ..``. Where a position lives is data: ``row_map`` gives, for the *virtual row*
+``seq * capacity + pos`` of every sequence and position, the region row that holds it (the block table,
+expanded to rows). The forward pass gets the virtual rows as an input; the KV store writes at
+``row_map[rows]`` and attention reads a sequence's positions ``0..pos`` through its slice of the map, so
+no plan changes when blocks move. Block 0 is the null block: positions that hold nothing map to it, so
+the map never points outside the regions.
+
+Sharing: a block may belong to several sequences (a reference count per block). A sequence that takes
+another's prefix (:meth:`KVCache.copy_prefix`) references its blocks instead of copying rows; the first
+write into a shared block copies that block first (copy on write), so the sequences diverge there and
+nowhere else. Blocks whose count drops to 0 go back to the pool.
+
+Sequences: the cache holds ``n_seq`` sequences of up to ``capacity = n_ctx // n_seq`` positions each; the
+pool has a block for every position of every sequence (plus the null block), so a write never waits for
+a block.
 
 Cell types (``cache_type``): ``f32`` (default), ``f16`` (half the bytes; the fast kernels store and read
 the halves themselves, the reference ones read a float32 copy of the window), ``q8_0`` (packed Q8_0
@@ -32,6 +45,8 @@ from minfer.formats.quants import Q8_0_BLOCK_BYTES, QK8_0, dequantize_q8_0_rows_
 from minfer.models.hparams import HParams
 
 CACHE_TYPES = ("f32", "f16", "q8_0")
+KV_BLOCK = 32  # positions per block: one Q8_0 block's worth; small enough that sharing wastes little
+NULL_BLOCK = 0  # the block unwritten positions map to; never written, never freed
 
 
 def check_cache_type(cache_type: str | None) -> str:
@@ -61,56 +76,85 @@ def cell_bytes(cache_type: str, width: int) -> int:
     return -(-width // QK8_0) * Q8_0_BLOCK_BYTES
 
 
+def _contiguous(rows: np.ndarray) -> bool:
+    """Whether region rows ``rows`` are consecutive (a window the regions can give as a view)."""
+    n = rows.shape[0]
+    return n == 0 or (int(rows[-1]) - int(rows[0]) == n - 1 and bool((np.diff(rows) == 1).all()))
+
+
 @dataclass
 class KVLayer:
-    """One layer's K and V regions in their stored type, with float32 scratch for the window read."""
+    """One layer's K and V regions in their stored type, the cache's row map (virtual row -> region row),
+    and float32 scratch for the window read."""
 
     cache_type: str
     k: np.ndarray
     v: np.ndarray
+    row_map: np.ndarray  # shared by every layer of the cache; updated in place as blocks move
     k_scratch: np.ndarray | None = None  # f16 / q8_0 only: the dequantized window (shared by all layers)
     v_scratch: np.ndarray | None = None
+    identity: np.ndarray | None = None  # q8_0: the row map of a dequantized window (0, 1, 2, ...)
+
+    def physical(self, rows: np.ndarray) -> np.ndarray:
+        """The region rows of virtual rows ``rows``."""
+        return self.row_map[rows]
 
     def store(self, k: np.ndarray, v: np.ndarray, rows: np.ndarray) -> None:
-        """Write K/V rows ``k[i]``, ``v[i]`` at cache rows ``rows[i]`` (already bounds-checked)."""
+        """Write K/V rows ``k[i]``, ``v[i]`` at virtual rows ``rows[i]`` (already bounds-checked, their blocks
+        writable)."""
+        phys = self.row_map[rows]
         if self.cache_type == "q8_0":
-            quantize_q8_0_into(k, self.k, rows)
-            quantize_q8_0_into(v, self.v, rows)
+            quantize_q8_0_into(k, self.k, phys)
+            quantize_q8_0_into(v, self.v, phys)
         else:
-            self.k[rows] = k
-            self.v[rows] = v
+            self.k[phys] = k
+            self.v[phys] = v
 
-    def move(self, src: int, dst: int, n: int, rotate_k: Callable[[np.ndarray], None]) -> None:
-        """Move rows ``src..src+n-1`` to ``dst..`` (dst < src), K rows re-rotated by ``rotate_k`` (in place,
+    def move(self, src: np.ndarray, dst: np.ndarray, rotate_k: Callable[[np.ndarray], None]) -> None:
+        """Copy region rows ``src`` to region rows ``dst``, K rows re-rotated by ``rotate_k`` (in place,
         float32 rows): RoPE by a position delta, for a context shift."""
-        k, _ = self.window(src, src + n)
-        k = np.array(k, dtype=np.float32)  # a copy: the window may be a view of rows about to be overwritten
+        k = self._read(self.k, src)  # a copy: the rows read may be among those about to be overwritten
         rotate_k(k)
-        self.v[dst : dst + n] = self.v[src : src + n]  # numpy copies overlapping slices safely
+        self.v[dst] = self.v[src]  # fancy indexing reads every source row before it writes
         if self.cache_type == "q8_0":
-            quantize_q8_0_into(k, self.k, np.arange(dst, dst + n))
+            quantize_q8_0_into(k, self.k, dst)
         else:
-            self.k[dst : dst + n] = k
+            self.k[dst] = k
 
-    def cells(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``start..stop-1`` of K and V as the fast attention reads them: views of f32 and f16 cells
-        (its kernels widen float16 as they load), q8_0 ones dequantized."""
+    def _read(self, region: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Region rows ``rows`` as a fresh float32 array."""
         if self.cache_type == "q8_0":
-            return self.window(start, stop)
-        return self.k[start:stop], self.v[start:stop]
+            out = np.empty((rows.shape[0], region.shape[1] // Q8_0_BLOCK_BYTES * QK8_0), np.float32)
+            dequantize_q8_0_rows_into(region, rows, out)
+            return out
+        return region[rows].astype(np.float32)
+
+    def cells(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Virtual rows ``start..stop-1`` of K and V as the fast attention reads them: (K, V, row map of the
+        window). f32 and f16 cells are the regions themselves (its kernels widen float16 as they load),
+        read through the map; q8_0 ones are dequantized into consecutive scratch rows."""
+        if self.cache_type == "q8_0":
+            k, v = self.window(start, stop)
+            return k, v, self.identity[: stop - start]
+        return self.k, self.v, self.row_map[start:stop]
 
     def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``start..stop-1`` of K and V as float32 (views for f32 cells, dequantized otherwise)."""
-        if self.cache_type == "f32":
-            return self.k[start:stop], self.v[start:stop]
+        """Virtual rows ``start..stop-1`` of K and V as float32 arrays: views where the rows are consecutive
+        f32 cells, else gathered (and dequantized) into the scratch."""
+        rows = self.row_map[start:stop]
         n = stop - start
+        if self.cache_type == "f32":
+            if _contiguous(rows):
+                r0 = int(rows[0]) if n else 0
+                return self.k[r0 : r0 + n], self.v[r0 : r0 + n]
+            return self.k[rows], self.v[rows]
         ks, vs = self.k_scratch[:n], self.v_scratch[:n]
         if self.cache_type == "f16":
-            np.copyto(ks, self.k[start:stop])
-            np.copyto(vs, self.v[start:stop])
+            np.copyto(ks, self.k[rows])
+            np.copyto(vs, self.v[rows])
         else:
-            dequantize_q8_0_rows_into(self.k, start, stop, ks)
-            dequantize_q8_0_rows_into(self.v, start, stop, vs)
+            dequantize_q8_0_rows_into(self.k, rows, ks)
+            dequantize_q8_0_rows_into(self.v, rows, vs)
         return ks, vs
 
 
@@ -155,14 +199,25 @@ class KVCache:
         self.n_seq = n_seq
         self.capacity = n_ctx // n_seq  # positions per sequence
         self.n_layer = hparams.n_layer
-        rows = self.capacity * n_seq
+        self.block_size = KV_BLOCK
+        # every position of every sequence has a block, and the null block: a write never waits for one
+        self.n_blocks = n_seq * -(-self.capacity // KV_BLOCK) + 1
+        rows = self.n_blocks * KV_BLOCK
+        # virtual row seq * capacity + pos -> region row; int32, as the plans' rows
+        self.row_map = np.zeros(n_seq * self.capacity, np.int32)
+        self._blocks: list[list[int]] = [[] for _ in range(n_seq)]
+        self._refs = np.zeros(self.n_blocks, np.int32)
+        self._refs[NULL_BLOCK] = 1
+        self._free = list(range(self.n_blocks - 1, NULL_BLOCK, -1))  # popped from the end: 1, 2, 3, ...
         scratch: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
         if self.cache_type != "f32":
             scratch = (np.zeros((self.capacity, hparams.k_width), np.float32),
                        np.zeros((self.capacity, hparams.v_width), np.float32))
+        identity = np.arange(self.capacity, dtype=np.int32) if self.cache_type == "q8_0" else None
         specs = [self._region_spec(rows, w) for _ in range(hparams.n_layer) for w in (hparams.k_width, hparams.v_width)]
         regions = _committed_regions(specs) if commit else (np.zeros(shape, dtype) for shape, dtype in specs)
-        self.layers = [KVLayer(self.cache_type, next(regions), next(regions), *scratch) for _ in range(hparams.n_layer)]
+        self.layers = [KVLayer(self.cache_type, next(regions), next(regions), self.row_map, *scratch, identity)
+                       for _ in range(hparams.n_layer)]
         self._tokens: list[list[int]] = [[] for _ in range(n_seq)]
 
     def _region_spec(self, rows: int, width: int) -> tuple[tuple[int, int], np.dtype]:
@@ -184,10 +239,26 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
 
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks that hold some sequence's positions (each counted once, however many sequences share it)."""
+        return self.n_blocks - 1 - len(self._free)
+
+    @property
+    def blocks_shared(self) -> int:
+        """Blocks held by more than one sequence."""
+        return int((self._refs[1:] > 1).sum())
+
+    def blocks(self, seq: int) -> list[int]:
+        """The blocks sequence ``seq`` holds, in position order (a copy)."""
+        return list(self._blocks[seq])
+
     # -- addressing --------------------------------------------------------------------------------
 
     def rows(self, positions: np.ndarray, seq_ids: np.ndarray | int = 0) -> np.ndarray:
-        """Cache rows of tokens at ``positions`` of sequences ``seq_ids``; refuses a position that does not fit."""
+        """Virtual rows of tokens at ``positions`` of sequences ``seq_ids``, about to be written: refuses a
+        position that does not fit, then gives every block they fall in to its sequence alone (a new block,
+        or a private copy of a shared one)."""
         positions = np.asarray(positions, dtype=np.int64)
         seq = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), positions.shape)
         bad = np.flatnonzero((seq < 0) | (seq >= self.n_seq))
@@ -200,7 +271,60 @@ class KVCache:
                 f"position {int(positions[i])} (token {i}) does not fit in the context of {self.capacity} tokens"
                 + (f" per sequence ({self.n_ctx} shared by {self.n_seq})" if self.n_seq > 1 else "")
             )
-        return seq * self.capacity + positions
+        virtual = seq * self.capacity + positions
+        blocks = self.row_map[virtual] // KV_BLOCK
+        need = np.flatnonzero((blocks == NULL_BLOCK) | (self._refs[blocks] > 1))
+        if need.size:  # a block to take or to copy: once per (sequence, block)
+            per_seq = -(-self.capacity // KV_BLOCK)
+            for key in np.unique(seq[need] * per_seq + positions[need] // KV_BLOCK).tolist():
+                self._own(key // per_seq, key % per_seq)
+        return virtual
+
+    def _own(self, seq: int, b: int) -> None:
+        """Give sequence ``seq`` a block of its own for its block ``b`` (and blocks for those before it)."""
+        held = self._blocks[seq]
+        while len(held) <= b:  # a gap's positions map to blocks of their own too
+            self._place(seq, len(held), self._take_block())
+        block = held[b]
+        if self._refs[block] > 1:  # shared: this sequence writes into a copy of its own
+            copy = self._take_block()
+            src, dst = slice(block * KV_BLOCK, (block + 1) * KV_BLOCK), slice(copy * KV_BLOCK, (copy + 1) * KV_BLOCK)
+            for layer in self.layers:
+                layer.k[dst] = layer.k[src]
+                layer.v[dst] = layer.v[src]
+            self._refs[block] -= 1
+            self._place(seq, b, copy)
+
+    def _take_block(self) -> int:
+        if not self._free:  # cannot happen while every sequence stays within its capacity
+            raise ContextOverflowError(f"the KV cache is full: all {self.n_blocks - 1} blocks are in use")
+        block = self._free.pop()
+        self._refs[block] = 1
+        return block
+
+    def _place(self, seq: int, b: int, block: int) -> None:
+        """Block ``b`` of sequence ``seq`` is ``block`` (its count already taken)."""
+        held = self._blocks[seq]
+        if b == len(held):
+            held.append(block)
+        else:
+            held[b] = block
+        lo = seq * self.capacity + b * KV_BLOCK
+        n = min(KV_BLOCK, self.capacity - b * KV_BLOCK)
+        self.row_map[lo : lo + n] = np.arange(block * KV_BLOCK, block * KV_BLOCK + n, dtype=np.int32)
+
+    def _drop_blocks(self, seq: int, n_positions: int) -> None:
+        """Sequence ``seq`` keeps the blocks of its first ``n_positions`` positions; the rest go back to the
+        pool once no sequence holds them."""
+        held = self._blocks[seq]
+        keep = -(-n_positions // KV_BLOCK)
+        for block in held[keep:]:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+        del held[keep:]
+        lo = seq * self.capacity
+        self.row_map[lo + keep * KV_BLOCK : lo + self.capacity] = NULL_BLOCK * KV_BLOCK
 
     # -- sequences ---------------------------------------------------------------------------------
 
@@ -218,8 +342,9 @@ class KVCache:
         held.extend(int(t) for t in tokens)
 
     def truncate(self, seq: int, n: int) -> None:
-        """Forget sequence ``seq``'s positions from ``n`` on (their rows get overwritten later)."""
+        """Forget sequence ``seq``'s positions from ``n`` on; the blocks past them go back to the pool."""
         del self._tokens[seq][n:]
+        self._drop_blocks(seq, n)
 
     def remove(self, seq: int) -> None:
         self.truncate(seq, 0)
@@ -227,6 +352,22 @@ class KVCache:
     def clear(self) -> None:
         for seq in range(self.n_seq):
             self.remove(seq)
+
+    def read(self, seq: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's cells (K, V in their stored type) of sequence ``seq``'s positions ``0..n-1``, copies."""
+        rows = self.row_map[seq * self.capacity : seq * self.capacity + n]
+        return [(layer.k[rows], layer.v[rows]) for layer in self.layers]
+
+    def write(self, seq: int, cells: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Sequence ``seq`` holds ``cells`` (as :meth:`read` gives them) at positions ``0..n-1``; its tokens
+        are recorded by the caller."""
+        n = cells[0][0].shape[0] if cells else 0
+        self.truncate(seq, 0)
+        if n:
+            rows = self.row_map[self.rows(np.arange(n), seq)]
+            for layer, (k, v) in zip(self.layers, cells, strict=True):
+                layer.k[rows] = k
+                layer.v[rows] = v
 
     def shift(
         self, seq: int, n_keep: int, n_discard: int, rotate_k: Callable[[np.ndarray, int, int], None]
@@ -237,24 +378,30 @@ class KVCache:
         n = len(self._tokens[seq])
         if not (0 <= n_keep and 0 < n_discard and n_keep + n_discard <= n):
             raise BadRequestError(f"cannot drop {n_discard} positions after {n_keep} of a sequence of {n}")
-        base = seq * self.capacity
         moved = n - n_keep - n_discard
         if moved:
+            dst_virtual = self.rows(np.arange(n_keep, n_keep + moved), seq)  # blocks of its own to write
+            base = seq * self.capacity
+            src = self.row_map[base + n_keep + n_discard : base + n]
+            dst = self.row_map[dst_virtual]
             for il, layer in enumerate(self.layers):
-                layer.move(
-                    base + n_keep + n_discard, base + n_keep, moved, lambda k, il=il: rotate_k(k, -n_discard, il)
-                )
+                layer.move(src, dst, lambda k, il=il: rotate_k(k, -n_discard, il))
         held = self._tokens[seq]
         del held[n_keep : n_keep + n_discard]
+        self._drop_blocks(seq, len(held))
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Give sequence ``dst`` the first ``n`` positions of ``src`` (prefix reuse): the rows are copied."""
+        """Give sequence ``dst`` the first ``n`` positions of ``src`` (prefix reuse): ``dst`` references the
+        blocks that hold them (no rows are copied; a shared block is copied when either writes into it)."""
         if n > len(self._tokens[src]):
             raise BadRequestError(f"sequence {src} holds {len(self._tokens[src])} positions, not {n}")
-        s0, d0 = src * self.capacity, dst * self.capacity
-        for layer in self.layers:
-            layer.k[d0 : d0 + n] = layer.k[s0 : s0 + n]
-            layer.v[d0 : d0 + n] = layer.v[s0 : s0 + n]
+        if src == dst:
+            self.truncate(dst, n)
+            return
+        self.truncate(dst, 0)
+        for b, block in enumerate(self._blocks[src][: -(-n // KV_BLOCK)]):
+            self._refs[block] += 1
+            self._place(dst, b, block)
         self._tokens[dst] = self._tokens[src][:n]
 
 

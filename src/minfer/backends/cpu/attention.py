@@ -387,16 +387,38 @@ def _window_start(p, window):
 
 
 @njit(cache=True, error_model="numpy")
-def _pack_block(src, col0, k0, k1, width, dst):
-    """``dst[0:k1-k0, 0:width] = src[k0:k1, col0:col0+width]`` as float32 (f16 cells widened, exactly)."""
+def _pack_block(src, rmap, col0, k0, k1, width, dst):
+    """``dst[r, 0:width] = src[rmap[k0 + r], col0:col0+width]`` for r < k1 - k0, as float32 (f16 cells
+    widened, exactly): keys k0..k1-1 of a sequence, wherever its row map puts them."""
     for r in range(k1 - k0):
+        row = rmap[k0 + r]
         c = 0
         while c + 8 <= width:
-            store_row_f32x8(dst, r, c, load_row_f32x8(src, k0 + r, col0 + c))
+            store_row_f32x8(dst, r, c, load_row_f32x8(src, row, col0 + c))
             c += 8
         while c < width:
-            dst[r, c] = row_value_f32(src, k0 + r, col0 + c)
+            dst[r, c] = row_value_f32(src, row, col0 + c)
             c += 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _run_end(rmap, j, k1):
+    """The end of the run of keys j.. (before k1) that lie in consecutive cache rows: one block of the
+    cache, or several that happen to be adjacent."""
+    e = j + 1
+    r = rmap[j]
+    while e < k1 and rmap[e] == r + (e - j):
+        e += 1
+    return e
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _rows_within(rmap, j0, j1, n_rows):
+    """Whether ``rmap[j0:j1]`` are all rows of a region of ``n_rows``."""
+    for j in range(j0, j1):
+        if rmap[j] < 0 or rmap[j] >= n_rows:
+            return False
+    return True
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -421,7 +443,7 @@ def _pair_keys(pos, window, k0, k1, t0, nh, i, nr):
 
 
 @njit(cache=True, error_model="numpy")
-def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
+def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
     """Query heads h0..h1-1 (all reading kv head g) for tokens t0..t1-1: what one worker owns.
 
     Keys are taken in blocks of ``ATTN_KEY_BLOCK`` rows. Each block of K (then of V) is first copied
@@ -450,7 +472,7 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, wi
     blk = np.empty((ATTN_KEY_BLOCK, max(hdk, hdv)), F32)
     for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
-        _pack_block(kr, ko, k0, k1, hdk, blk)
+        _pack_block(kr, rmap, ko, k0, k1, hdk, blk)
         for i in range(0, nr, 2):
             ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, window, k0, k1, t0, nh, i, nr)
             ta, qa = t0 + i // nh, (h0 + i % nh) * hdk
@@ -470,7 +492,7 @@ def _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, wi
     part = np.empty((nr, hdv), F32)  # this chunk's sum of w_j v_j, per (token, head)
     for k0 in range(kbeg, kend, ATTN_KEY_BLOCK):
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
-        _pack_block(vr, vo, k0, k1, hdv, blk)
+        _pack_block(vr, rmap, vo, k0, k1, hdv, blk)
         for i in range(0, nr, 2):
             ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, window, k0, k1, t0, nh, i, nr)
             for r in range(i, min(nr, i + 2)):
@@ -530,8 +552,8 @@ def _unit_span(v, n_blocks, n_sub, per_sub, group):
 
 @njit(cache=True, error_model="numpy")
 def _attn_task(
-    phase, u, n_blocks, n_sub, per_sub, n_chunks, n_split, group, n_head_kv, q, kr, vr, pos, hdk, hdv, scale32,
-    max_len, window, sc, part, out
+    phase, u, n_blocks, n_sub, per_sub, n_chunks, n_split, group, n_head_kv, q, kr, vr, rmap, pos, hdk, hdv,
+    scale32, max_len, window, sc, part, out
 ):
     """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
     Phases 1-3 split one token's keys (see ``attention``): 1 scores of (kv heads, key chunk) units, 2
@@ -547,7 +569,7 @@ def _attn_task(
         g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
         t0 = b * _unit_tokens(group)
         t1 = min(q.shape[0], t0 + _unit_tokens(group))
-        _attn_unit(q, kr, vr, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
+        _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
     elif phase == 2:
         _attn_softmax(sc, I64(u), I64(0), max_len)  # the signature _attn_unit's call compiles
     else:
@@ -561,9 +583,14 @@ def _attn_task(
         if phase != 3:  # 1, or 4: the three steps of a window of one chunk in one unit
             for k0 in range(c0, c1, rows):
                 k1 = min(c1, k0 + rows)
-                for g in range(g0, g1):
-                    for h in range(g * group, (g + 1) * group):
-                        _attn_scores(q, I64(0), h * hdk, kr, g * hdk, 0, k0, k1, hdk, scale32, sc, h)
+                j = k0
+                while j < k1:  # each run of consecutive cache rows (key j at row j - kb)
+                    e = _run_end(rmap, j, k1)
+                    kb = j - rmap[j]
+                    for g in range(g0, g1):
+                        for h in range(g * group, (g + 1) * group):
+                            _attn_scores(q, I64(0), h * hdk, kr, g * hdk, kb, j, e, hdk, scale32, sc, h)
+                    j = e
         if phase == 1:
             return
         for h in range(g0 * group, g1 * group):
@@ -573,9 +600,14 @@ def _attn_task(
                 part[h * n_chunks + c, d] = F32(0.0)
         for k0 in range(c0, c1, rows):
             k1 = min(c1, k0 + rows)
-            for g in range(g0, g1):
-                for h in range(g * group, (g + 1) * group):
-                    _attn_pv(sc, h, vr, g * hdv, 0, k0, k1, hdv, part, h * n_chunks + c, 0)
+            j = k0
+            while j < k1:  # each value still adds its keys' products in key order, run after run
+                e = _run_end(rmap, j, k1)
+                kb = j - rmap[j]
+                for g in range(g0, g1):
+                    for h in range(g * group, (g + 1) * group):
+                        _attn_pv(sc, h, vr, g * hdv, kb, j, e, hdv, part, h * n_chunks + c, 0)
+                j = e
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -607,10 +639,12 @@ def _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv
 
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attn_kernel(
-    q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, window, out
+    q, k_region, v_region, rmap, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, window,
+    out
 ):
     """Returns -1 when done, -2 on a geometry mismatch, -3 when rows are not contiguous, -4 when out is q,
-    else the first token whose position is outside the regions (nothing is written then).
+    -6 when the row map points outside the regions, else the first token whose position is outside the row
+    map (nothing is written then). Key j is region row ``rmap[j]``.
 
     ``phase`` 0 computes everything; 1, 2, 3 are the steps of a decode split by keys, which the caller
     runs in order (4 all three, for a window of one key chunk) with the scratch ``sc [n_head, window]``
@@ -618,7 +652,7 @@ def _attn_kernel(
     (phase 0 ignores them; they read every row 0..pos, so a caller splits only a token whose sliding
     ``window`` covers them all)."""
     nt = q.shape[0]
-    n_ctx = k_region.shape[0]
+    n_ctx = rmap.shape[0]
     code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
     if code != -1:
         return code
@@ -630,6 +664,8 @@ def _attn_kernel(
         if p < 0 or p >= n_ctx:
             return t
         max_len = max(max_len, p + 1)
+    if not _rows_within(rmap, 0, max_len, k_region.shape[0]):
+        return -6
     group = n_head // n_head_kv
     n_blocks = (nt + _unit_tokens(group) - 1) // _unit_tokens(group)
     n_chunks = (max_len + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
@@ -667,6 +703,7 @@ def _attn_kernel(
             q,
             k_region,
             v_region,
+            rmap,
             positions,
             hdk,
             hdv,
@@ -689,10 +726,11 @@ def _attn_kernel(
 
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attn_rows_kernel(
-    q, k_region, v_region, positions, rows, n_head, n_head_kv, hdk, hdv, scale, n_threads, window, out
+    q, k_region, v_region, rmap, positions, rows, n_head, n_head_kv, hdk, hdv, scale, n_threads, window, out
 ):
     """Attention for tokens of several sequences sharing regions, in one parallel loop: token t reads the
-    rows ``rows[t] - positions[t]`` (its sequence's position 0) up to ``rows[t]``.
+    virtual rows ``rows[t] - positions[t]`` (its sequence's position 0) up to ``rows[t]``, each at region
+    row ``rmap[row]``.
 
     Tokens are taken in runs that share their first row (a sequence's tokens, consecutive in the batch);
     each run is split into the same (kv head, head subset, token block) units as ``_attn_kernel``'s
@@ -700,7 +738,7 @@ def _attn_rows_kernel(
     bit-identical to attending that sequence alone. Returns as ``_attn_kernel`` does (-1 when done), the
     first bad token when a row is outside the regions or before its position."""
     nt = q.shape[0]
-    n_ctx = k_region.shape[0]
+    n_ctx = rmap.shape[0]
     code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
     if code != -1:
         return code
@@ -719,6 +757,13 @@ def _attn_rows_kernel(
             run_start[n_runs] = t
             n_runs += 1
     run_start[n_runs] = nt
+    for i in range(n_runs):  # every row a run reads maps into the regions
+        t = run_start[i]
+        last = rows[t]
+        for u in range(t, run_start[i + 1]):
+            last = max(last, rows[u])
+        if not _rows_within(rmap, rows[t] - positions[t], last + 1, k_region.shape[0]):
+            return -6
     group = n_head // n_head_kv
     tokens = _unit_tokens(group)
     n_blocks_all = I64(0)
@@ -743,7 +788,7 @@ def _attn_rows_kernel(
         t1 = min(run_start[i + 1], t0 + tokens)
         base = rows[t_first] - positions[t_first]
         _attn_unit(
-            q, k_region[base:], v_region[base:], positions, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out
+            q, k_region, v_region, rmap[base:], positions, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out
         )
     return -1
 
@@ -752,13 +797,13 @@ _NO_SCRATCH = np.zeros((1, 1), F32)
 
 
 def _attention_split_by_keys(
-    q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+    q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
 ) -> int:
     """One token's attention as three kernel calls split by keys (one when its window fits a key chunk);
     -5 when its position is not valid (the single-step path then reports it), else the kernel's code."""
     n = int(positions[0]) + 1
     n_chunks = (n + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
-    if n > k_region.shape[0]:
+    if n > rmap.shape[0]:
         return -5
     sc = np.empty((n_head, n), F32)
     part = np.empty((n_head * n_chunks, head_dim_v), F32)
@@ -769,6 +814,7 @@ def _attention_split_by_keys(
             q,
             k_region,
             v_region,
+            rmap,
             positions,
             n_head,
             n_head_kv,
@@ -799,9 +845,11 @@ def attention(
     scale: float,
     out: np.ndarray,
     window: int = 0,
+    row_map: np.ndarray | None = None,
 ) -> None:
     """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group.
     With ``window`` > 0 (a sliding-window layer) only the rows ``pos[t] - window + 1 .. pos[t]``.
+    ``row_map`` (int32): key j is region row ``row_map[j]`` (the KV cache's blocks); None: row j.
 
     ``out`` ``[tokens, n_head * head_dim_v]`` must not overlap ``q``. Runs on numba's threads (``numba.
     set_num_threads``); the result does not depend on their number.
@@ -813,17 +861,19 @@ def attention(
     single-step path's.
     """
     k_region, v_region = _kv_cells(k_region, v_region)
+    rmap = _row_map(row_map, k_region)
     n_threads = get_num_threads()
     code = -5
     if q.shape[0] == 1 and (window == 0 or int(positions[0]) < window):
         code = _attention_split_by_keys(
-            q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+            q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
         )
     if code == -5:
         code = _attn_kernel(
             q,
             k_region,
             v_region,
+            rmap,
             positions,
             n_head,
             n_head_kv,
@@ -838,7 +888,8 @@ def attention(
             out,
         )
     if code != -1:
-        _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
+        _raise_attention_error(code, q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v,
+                               out)
 
 
 def attention_rows(
@@ -854,24 +905,38 @@ def attention_rows(
     scale: float,
     out: np.ndarray,
     window: int = 0,
+    row_map: np.ndarray | None = None,
 ) -> None:
-    """:func:`attention` for a batch mixing sequences of one cache: token t sits at region row
-    ``rows[t]`` and position ``positions[t]`` of a sequence whose position 0 is row
-    ``rows[t] - positions[t]``, and reads that sequence's rows only. One parallel call serves every
-    sequence; each token's result is bit-identical to :func:`attention` on its sequence's rows alone."""
+    """:func:`attention` for a batch mixing sequences of one cache: token t sits at virtual row
+    ``rows[t]`` and position ``positions[t]`` of a sequence whose position 0 is virtual row
+    ``rows[t] - positions[t]``, and reads that sequence's rows only; virtual row r is region row
+    ``row_map[r]`` (None: row r). One parallel call serves every sequence; each token's result is
+    bit-identical to :func:`attention` on its sequence's rows alone."""
     if rows.shape != positions.shape:
         raise ValueError(f"attention: {rows.shape[0]} rows for {positions.shape[0]} positions")
     k_region, v_region = _kv_cells(k_region, v_region)
+    rmap = _row_map(row_map, k_region)
     code = _attn_rows_kernel(
-        q, k_region, v_region, positions, rows, n_head, n_head_kv, head_dim_k, head_dim_v, scale, get_num_threads(),
-        window, out,
+        q, k_region, v_region, rmap, positions, rows, n_head, n_head_kv, head_dim_k, head_dim_v, scale,
+        get_num_threads(), window, out,
     )
     if code == -1:
         return
-    if code >= 0 and 0 <= int(rows[code]) < k_region.shape[0]:
+    if code >= 0 and 0 <= int(rows[code]) < rmap.shape[0]:
         raise ValueError(f"attention: token {code} at row {int(rows[code])} has position {int(positions[code])} "
                          "before its sequence's first row")
-    _raise_attention_error(code, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out)
+    _raise_attention_error(code, q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v,
+                               out)
+
+
+def _row_map(row_map: np.ndarray | None, k_region: np.ndarray) -> np.ndarray:
+    """The row map the kernels take: ``row_map`` as it is (1-D int32, checked), or the identity."""
+    if row_map is None:
+        return np.arange(k_region.shape[0], dtype=np.int32)
+    if not isinstance(row_map, np.ndarray) or row_map.dtype != np.int32 or row_map.ndim != 1 or \
+            row_map.strides[0] != 4:
+        raise ValueError(f"attention: the row map must be a contiguous 1-D int32 array, got {row_map!r}")
+    return row_map
 
 
 def _kv_cells(k_region: np.ndarray, v_region: np.ndarray, what: str = "attention") -> tuple[np.ndarray, np.ndarray]:
@@ -887,12 +952,14 @@ def _kv_cells(k_region: np.ndarray, v_region: np.ndarray, what: str = "attention
 
 
 def _raise_attention_error(
-    code: int, q, k_region, v_region, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out
+    code: int, q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out
 ) -> None:
     if code == -3:
         raise ValueError("attention: q, the K/V regions and out must have contiguous rows")
     if code == -4:
         raise ValueError("attention: out must not be q (it is written while q is read)")
+    if code == -6:
+        raise ValueError(f"attention: the row map points outside the KV regions of {k_region.shape[0]} rows")
     if code == -2:
         raise ValueError(
             f"attention: q {q.shape}, regions {k_region.shape} / {v_region.shape}, positions {positions.shape}, "
@@ -900,7 +967,7 @@ def _raise_attention_error(
         )
     raise ContextOverflowError(
         f"attention: position {int(positions[code])} (token {code}) is outside the KV regions of "
-        f"{k_region.shape[0]} positions"
+        f"{rmap.shape[0]} positions"
     )
 
 

@@ -75,35 +75,34 @@ def _first_window_row(min_pos: int, window: int) -> int:
 def attend_by_sequence(
     q, kv, positions, rows, out, attend: Callable[..., None], window: int = 0, cells: bool = False
 ) -> None:
-    """Run ``attend(q, K, V, positions, out)`` once per sequence in the batch, with K/V the float32 window
-    of that sequence's rows 0..max(pos) (a view for f32 cells, dequantized for f16 / q8_0 ones; with
-    ``cells``, f16 cells are handed over as they are). In a sliding-window layer (``window`` > 0) rows
-    before the oldest one still visible are left out (up to ``WINDOW_ROW_ALIGN``), and the positions
-    handed to ``attend`` count from the first row read."""
+    """Run ``attend(q, window, positions, out)`` once per sequence in the batch, with ``window`` that
+    sequence's rows 0..max(pos): (K, V) as float32 arrays (``kv.window``), or with ``cells`` (K, V, row map)
+    as the fast kernels read them (``kv.cells``: f32 and f16 regions and the window's slice of the row map,
+    q8_0 ones dequantized). ``rows`` are virtual rows (sequence base + position). In a sliding-window
+    layer (``window`` > 0) rows before the oldest one still visible are left out (up to
+    ``WINDOW_ROW_ALIGN``), and the positions handed to ``attend`` count from the first row read."""
     read = kv.cells if cells else kv.window
     n = positions.shape[0]
     start = int(rows[0]) - int(positions[0])
     if n == 1:  # decode: one token, one window
         lo = _first_window_row(int(positions[0]), window)
-        k, v = read(start + lo, start + int(positions[0]) + 1)
-        attend(q, k, v, positions - lo if lo else positions, out)
+        attend(q, read(start + lo, start + int(positions[0]) + 1), positions - lo if lo else positions, out)
         return
     starts = rows - positions
     if (starts == start).all():
         lo = _first_window_row(int(positions.min()), window)
-        k, v = read(start + lo, start + int(positions.max()) + 1)
-        attend(q, k, v, positions - lo if lo else positions, out)
+        attend(q, read(start + lo, start + int(positions.max()) + 1), positions - lo if lo else positions, out)
         return
     for s in dict.fromkeys(starts.tolist()):  # each sequence once, in batch order
         idx = np.flatnonzero(starts == s)
         lo = _first_window_row(int(positions[idx].min()), window)
-        k, v = read(s + lo, s + int(positions[idx].max()) + 1)
+        cells = read(s + lo, s + int(positions[idx].max()) + 1)
         if idx[-1] - idx[0] + 1 == len(idx):  # contiguous tokens: views, no copies
             sl = slice(int(idx[0]), int(idx[-1]) + 1)
-            attend(q[sl], k, v, positions[sl] - lo if lo else positions[sl], out[sl])
+            attend(q[sl], cells, positions[sl] - lo if lo else positions[sl], out[sl])
         else:
             o = np.empty((len(idx), out.shape[1]), np.float32)
-            attend(np.ascontiguousarray(q[idx]), k, v, np.ascontiguousarray(positions[idx] - lo), o)
+            attend(np.ascontiguousarray(q[idx]), cells, np.ascontiguousarray(positions[idx] - lo), o)
             out[idx] = o
 
 
@@ -115,7 +114,7 @@ def _one_sequence(positions: np.ndarray, rows: np.ndarray) -> bool:
 
 def _reference_kv_store(node: Node, kv, k, v, rows) -> None:
     if kv.cache_type == "f32":
-        ref.kv_store(k, v, rows, kv.k, kv.v, node.meta.layer)
+        ref.kv_store(k, v, kv.physical(rows), kv.k, kv.v, node.meta.layer)
     else:
         kv.store(k, v, rows)
 
@@ -130,7 +129,7 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     Op.KV_STORE: _reference_kv_store,
     Op.KV_LOAD: _kv_load,
     Op.ATTN: lambda node, out, q, kv, positions, rows: attend_by_sequence(
-        q, kv, positions, rows, out, lambda q, k, v, pos, o: ref.attention(q, k, v, pos, node.meta, o),
+        q, kv, positions, rows, out, lambda q, kv_window, pos, o: ref.attention(q, *kv_window, pos, node.meta, o),
         node.meta.window,
     ),
     Op.SILU: lambda node, out, x: ref.silu(x, out),
@@ -488,7 +487,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
 
             def kv_store(node: Node, kv, k, v, rows) -> None:
                 if kv.cache_type != "q8_0":
-                    attention.kv_store(k, v, rows, kv.k, kv.v, layer)
+                    attention.kv_store(k, v, kv.physical(rows), kv.k, kv.v, layer)
                 else:
                     kv.store(k, v, rows)
 
@@ -499,9 +498,11 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         if op is Op.ATTN:
             m = meta
 
-            def attend(q, k, v, positions, out) -> None:
+            def attend(q, cells, positions, out) -> None:
+                k, v, row_map = cells
                 attention.attention(
-                    q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out, m.window
+                    q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out, m.window,
+                    row_map,
                 )
 
             window = m.window
@@ -513,7 +514,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
                     # step takes (the same bits), so that a single-sequence engine compiles one kernel
                     attention.attention_rows(
                         q, kv.k, kv.v, positions, rows, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v,
-                        m.scale, out, window,
+                        m.scale, out, window, kv.row_map,
                     )
                 else:  # a decode step may split its keys over threads; q8_0 cells are dequantized
                     attend_by_sequence(q, kv, positions, rows, out, attend, window, cells=True)

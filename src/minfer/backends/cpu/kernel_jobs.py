@@ -152,7 +152,7 @@ def compile_kv_store_q8_0() -> None:
     region = np.zeros((4, Q8_0_BLOCK_BYTES), np.uint8)
     quantize_q8_0_into(x, region, np.zeros(2, np.int32))  # a plan's rows are int32 (a context shift's int64
     # rows compile on that first shift)
-    dequantize_q8_0_rows_into(region, 0, 2, np.empty((2, QK8_0), F32))
+    dequantize_q8_0_rows_into(region, np.arange(2, dtype=np.int32), np.empty((2, QK8_0), F32))
 
 
 def compile_attention(cells: str) -> None:
