@@ -658,6 +658,9 @@ def test_a_row_map_outside_the_regions_is_refused(rng):
     out = np.empty((1, 16), F32)
     with pytest.raises(ValueError, match="row map points outside the KV regions of 8 rows"):
         attention.attention(q, k_reg, v_reg, pos, 2, 1, 8, 8, 0.5, out, 0, bad)
+    swapped = np.array([0, 1, 3, 2, 4, 5, 6, 7], np.int32)  # in bounds, but not consecutive inside a block
+    with pytest.raises(ValueError, match=f"not consecutive within blocks of {attention.ROW_MAP_BLOCK} keys"):
+        attention.attention(q, k_reg, v_reg, pos, 2, 1, 8, 8, 0.5, out, 0, swapped)
     with pytest.raises(ValueError, match="row map must be a contiguous 1-D int32"):
         attention.attention(q, k_reg, v_reg, pos, 2, 1, 8, 8, 0.5, out, 0, bad.astype(np.int64))
 

@@ -71,6 +71,9 @@ I64 = np.int64
 # tokens, as many as make about ATTN_UNIT_ROWS (token, head) rows: a unit copies each K/V block out of the
 # cache once for all its rows (see _attn_unit), which 16 rows of one head (MHA) paid for ~10% of 1.7B's
 # prefill attention
+# a row map (key -> cache row) is consecutive within each aligned block of this many keys: the KV cache's
+# blocks are a multiple of it
+ROW_MAP_BLOCK = 32
 ATTN_TOKEN_BLOCK = 16
 ATTN_UNIT_ROWS = 64
 # attention key block: K/V rows used by every (token, head) pair of a unit while they sit in L1
@@ -403,20 +406,23 @@ def _pack_block(src, rmap, col0, k0, k1, width, dst):
 
 @njit(cache=True, error_model="numpy", inline="always")
 def _run_end(rmap, j, k1):
-    """The end of the run of keys j.. (before k1) that lie in consecutive cache rows: one block of the
-    cache, or several that happen to be adjacent."""
-    e = j + 1
+    """The end of the run of keys j.. (before k1) that lie in consecutive cache rows: the rest of j's block
+    of ``ROW_MAP_BLOCK`` keys, and the blocks after it that happen to follow it in the cache (a map is
+    consecutive within each block: :func:`_map_fits`)."""
     r = rmap[j]
+    e = j - j % ROW_MAP_BLOCK + ROW_MAP_BLOCK
     while e < k1 and rmap[e] == r + (e - j):
-        e += 1
-    return e
+        e += ROW_MAP_BLOCK
+    return min(e, k1)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _rows_within(rmap, j0, j1, n_rows):
-    """Whether ``rmap[j0:j1]`` are all rows of a region of ``n_rows``."""
+def _map_fits(rmap, j0, j1, n_rows):
+    """Whether ``rmap[j0:j1]`` are all rows of a region of ``n_rows``, consecutive within each aligned block
+    of ``ROW_MAP_BLOCK`` keys (what lets a decode step take a block's keys as one run)."""
     for j in range(j0, j1):
-        if rmap[j] < 0 or rmap[j] >= n_rows:
+        r = rmap[j]
+        if r < 0 or r >= n_rows or (j % ROW_MAP_BLOCK != 0 and j > j0 and r != rmap[j - 1] + 1):
             return False
     return True
 
@@ -664,8 +670,8 @@ def _attn_kernel(
         if p < 0 or p >= n_ctx:
             return t
         max_len = max(max_len, p + 1)
-    if not _rows_within(rmap, 0, max_len, k_region.shape[0]):
-        return -6
+    if (phase < 2 or phase == 4) and not _map_fits(rmap, 0, max_len, k_region.shape[0]):
+        return -6  # (checked by a decode's first step: phases 2 and 3 follow phase 1 on the same map)
     group = n_head // n_head_kv
     n_blocks = (nt + _unit_tokens(group) - 1) // _unit_tokens(group)
     n_chunks = (max_len + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
@@ -757,12 +763,13 @@ def _attn_rows_kernel(
             run_start[n_runs] = t
             n_runs += 1
     run_start[n_runs] = nt
-    for i in range(n_runs):  # every row a run reads maps into the regions
+    for i in range(n_runs):  # every row a run reads maps into the regions (its keys count from its base)
         t = run_start[i]
+        base = rows[t] - positions[t]
         last = rows[t]
         for u in range(t, run_start[i + 1]):
             last = max(last, rows[u])
-        if not _rows_within(rmap, rows[t] - positions[t], last + 1, k_region.shape[0]):
+        if not _map_fits(rmap[base:], 0, last + 1 - base, k_region.shape[0]):
             return -6
     group = n_head // n_head_kv
     tokens = _unit_tokens(group)
@@ -959,7 +966,8 @@ def _raise_attention_error(
     if code == -4:
         raise ValueError("attention: out must not be q (it is written while q is read)")
     if code == -6:
-        raise ValueError(f"attention: the row map points outside the KV regions of {k_region.shape[0]} rows")
+        raise ValueError(f"attention: the row map points outside the KV regions of {k_region.shape[0]} rows, or "
+                         f"is not consecutive within blocks of {ROW_MAP_BLOCK} keys")
     if code == -2:
         raise ValueError(
             f"attention: q {q.shape}, regions {k_region.shape} / {v_region.shape}, positions {positions.shape}, "
