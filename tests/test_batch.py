@@ -204,25 +204,30 @@ def test_queue_limit_refuses_with_queue_full(model):
     assert all(isinstance(c.final(i), Finished) for i in range(2))
 
 
-def test_prompt_longer_than_a_slot_is_refused(model):
-    sched = make_scheduler(model, n_seq=4, n_ctx=64)  # 16 positions per sequence
+def test_a_prompt_may_use_the_whole_context_and_no_more(model):
+    """4 slots sharing 64 positions: a prompt of 40 (more than a quarter) runs and gives its solo tokens; one
+    longer than the whole context is refused."""
+    sched = make_scheduler(model, n_seq=4, n_ctx=64)
+    prompt = (fixture_sequences(ARCH)[2] * 2)[:40]
     try:
-        with pytest.raises(ContextOverflowError, match="17 tokens, more than the context of 16"):
-            sched.submit([GenerationRequest(list(range(3, 20)), model.sampler(), 4, lambda ev: None)])
+        with pytest.raises(ContextOverflowError, match="65 tokens, more than the context of 64$"):
+            sched.submit([GenerationRequest(list(range(3, 68)), model.sampler(), 4, lambda ev: None)])
+        c = run_all(sched, model, [prompt], max_tokens=12)
     finally:
         sched.stop()
+    assert c.tokens(0) == alone(model, prompt)
 
 
-def test_generation_ends_with_length_when_the_slot_is_full(model):
+def test_generation_ends_with_length_when_the_context_is_full(model):
     sched = make_scheduler(model, n_seq=4, n_ctx=64)
     prompt = fixture_sequences(ARCH)[2][:10]
     try:
         c = run_all(sched, model, [prompt], max_tokens=None)
     finally:
         sched.stop()
-    # 16 positions: 10 prompt tokens, then 7 tokens (the last one never needs a cache row)
-    assert len(c.tokens(0)) + sum(1 for e in c.events[0] if isinstance(e, Token) and e.step.token is None) <= 7
-    assert c.final(0).stats.generated_tokens == 7
+    # 64 positions: 10 prompt tokens, then 55 tokens (the last one never needs a cache row)
+    assert len(c.tokens(0)) + sum(1 for e in c.events[0] if isinstance(e, Token) and e.step.token is None) <= 55
+    assert c.final(0).stats.generated_tokens == 55
     assert c.final(0).stats.finish_reason == "length"
 
 

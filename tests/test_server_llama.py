@@ -106,7 +106,7 @@ def test_native_embedding_shape(tiny):
         ({"input": [1.5]}, "input", "must be a string or a list of token ids"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
         ({"input": "x", "dimensions": 16}, "dimensions", "must be 64"),
-        ({"input": [0] * 200}, "input", "more than the context"),
+        ({"input": [0] * 400}, "input", "more than the context"),
     ],
 )
 def test_bad_embeddings_get_400_naming_the_field(tiny, body, param, fragment):
@@ -301,10 +301,12 @@ def test_props_and_slots(tiny, tiny_path):
     props = httpx.get(tiny.url + "/props", headers=AUTH).json()
     assert props["total_slots"] == 3 and props["model_path"] == str(tiny_path) and props["model_alias"] == "tiny"
     settings = props["default_generation_settings"]
-    assert settings["n_ctx"] == 128 and settings["params"]["temperature"] == 0.8 and settings["params"]["top_k"] == 40
+    # 3 slots sharing 384 positions (a unified cache, as llama-server's --kv-unified): each may use them all
+    assert settings["n_ctx"] == 384 and settings["params"]["temperature"] == 0.8 and settings["params"]["top_k"] == 40
     assert props["build_info"].startswith("minfer") and "chat_template" in props
     slots = httpx.get(tiny.url + "/slots", headers=AUTH).json()
-    assert [s["id"] for s in slots] == [0, 1, 2] and all(s["n_ctx"] == 128 for s in slots)
+    assert [s["id"] for s in slots] == [0, 1, 2] and all(s["n_ctx"] == 384 for s in slots)
+    assert all(s["preempted"] == 0 and s["kv_blocks"] >= 0 for s in slots)
     assert not any(s["is_processing"] for s in slots)
 
 

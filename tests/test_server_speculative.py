@@ -65,7 +65,7 @@ def test_eight_concurrent_lookup_requests_get_their_plain_text(server, local):
 @pytest.mark.parametrize("value, fragment", [
     ("draft", "needs a draft model"),
     ({"draft_max": 0}, "draft_max must be an integer >= 1"),
-    ({"draft_max": 5000}, "does not fit in the context"),
+    ({"draft_max": 9000}, "does not fit in the context"),
     ({"mode": "sometimes"}, "mode must be one of"),
     ({"n": 3}, "unknown field 'n'"),
     (7, "must be a mode"),

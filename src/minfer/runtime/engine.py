@@ -301,7 +301,11 @@ def build_engine(
     backend.compiler.need(sampling_compile_jobs(batched))  # compiled with the first plan's kernels, in one batch
     if batched:
         backend.will_batch_sequences()
-    kv = slots_kv_cache(model.hparams, n_ctx, config.n_slots, cache_type, scratch=config.batch_size is not None)
+    # one pool of n_ctx positions that any sequence may fill (a draft model's cache mirrors the slots: it keeps
+    # them split, each of n_ctx / n_slots positions)
+    unified = config.n_slots > 1 and draft_model is None
+    kv = slots_kv_cache(model.hparams, n_ctx, config.n_slots, cache_type, scratch=config.batch_size is not None,
+                        unified=unified)
     # a verifying pass has 1 + draft length tokens: an unpadded engine sees up to draft_max more shapes
     spare = 0 if speculative is None or not speculative.on or config.batch_size is not None else speculative.draft_max
     runner = ForwardRunner(model, backend, kv, observers, max_plans=config.max_plans + spare)

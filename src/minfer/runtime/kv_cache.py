@@ -14,9 +14,12 @@ another's prefix (:meth:`KVCache.copy_prefix`) references its blocks instead of 
 write into a shared block copies that block first (copy on write), so the sequences diverge there and
 nowhere else. Blocks whose count drops to 0 go back to the pool.
 
-Sequences: the cache holds ``n_seq`` sequences of up to ``capacity = n_ctx // n_seq`` positions each; the
-pool has a block for every position of every sequence (plus the null block), so a write never waits for
-a block.
+Sequences: the cache holds ``n_seq`` sequences. Split (the default), each may hold up to ``capacity =
+n_ctx // n_seq`` positions and the pool has a block for every position of every sequence, so a write never
+waits for a block. Unified (``unified=True``, llama-server's ``--kv-unified``), every sequence may hold up
+to ``n_ctx`` positions and the pool has blocks for ``n_ctx`` positions in all (plus ``spare_blocks``):
+whoever writes more than the free blocks hold is refused, so its user (the scheduler) counts the blocks a
+pass needs first (:meth:`KVCache.blocks_needed`) and frees some when they run short.
 
 Cell types (``cache_type``): ``f32`` (default), ``f16`` (half the bytes; the fast kernels store and read
 the halves themselves, the reference ones read a float32 copy of the window), ``q8_0`` (packed Q8_0
@@ -185,7 +188,8 @@ def _committed_regions(specs: list[tuple[tuple[int, int], np.dtype]]) -> Iterato
 
 class KVCache:
     def __init__(
-        self, hparams: HParams, n_ctx: int, cache_type: str | None = None, n_seq: int = 1, commit: bool = False
+        self, hparams: HParams, n_ctx: int, cache_type: str | None = None, n_seq: int = 1, commit: bool = False,
+        unified: bool = False, spare_blocks: int = 0,
     ) -> None:
         self.cache_type = check_cache_type(cache_type)
         if n_seq < 1 or n_ctx < n_seq:
@@ -197,11 +201,14 @@ class KVCache:
             )
         self.n_ctx = n_ctx
         self.n_seq = n_seq
-        self.capacity = n_ctx // n_seq  # positions per sequence
+        self.unified = unified
+        self.capacity = n_ctx if unified else n_ctx // n_seq  # positions per sequence
         self.n_layer = hparams.n_layer
         self.block_size = KV_BLOCK
-        # every position of every sequence has a block, and the null block: a write never waits for one
-        self.n_blocks = n_seq * -(-self.capacity // KV_BLOCK) + 1
+        # split: every position of every sequence has a block, so a write never waits for one; unified:
+        # n_ctx positions in all. And the null block.
+        per_seq = -(-self.capacity // KV_BLOCK)
+        self.n_blocks = (per_seq if unified else n_seq * per_seq) + spare_blocks + 1
         rows = self.n_blocks * KV_BLOCK
         # virtual row seq * capacity + pos -> region row; int32, as the plans' rows
         self.row_map = np.zeros(n_seq * self.capacity, np.int32)
@@ -245,6 +252,11 @@ class KVCache:
         return self.n_blocks - 1 - len(self._free)
 
     @property
+    def blocks_free(self) -> int:
+        """Blocks in the pool that no sequence holds."""
+        return len(self._free)
+
+    @property
     def blocks_shared(self) -> int:
         """Blocks held by more than one sequence."""
         return int((self._refs[1:] > 1).sum())
@@ -252,6 +264,35 @@ class KVCache:
     def blocks(self, seq: int) -> list[int]:
         """The blocks sequence ``seq`` holds, in position order (a copy)."""
         return list(self._blocks[seq])
+
+    def n_blocks_held(self, seq: int) -> int:
+        return len(self._blocks[seq])
+
+    def blocks_needed(self, seq: int, first: int, last: int) -> int:
+        """Blocks from the pool that writing positions ``first..last`` of ``seq`` takes: one for each block
+        it does not hold yet (gaps included), one for each shared block it would copy."""
+        held = self._blocks[seq]
+        b0, b1 = first // KV_BLOCK, last // KV_BLOCK
+        new = max(0, b1 + 1 - max(len(held), b0)) + max(0, b0 - len(held))
+        refs = self._refs
+        return new + sum(1 for b in range(b0, min(b1 + 1, len(held))) if refs[held[b]] > 1)
+
+    def writable_end(self, seq: int, start: int, n_blocks: int) -> int:
+        """How far from ``start`` sequence ``seq`` can write with ``n_blocks`` blocks from the pool: the end
+        (exclusive) of the positions, at most ``capacity``."""
+        held = self._blocks[seq]
+        if start > len(held) * KV_BLOCK:  # a gap: its blocks come first
+            n_blocks -= start // KV_BLOCK - len(held)
+            if n_blocks <= 0:
+                return start
+        b = start // KV_BLOCK
+        while b * KV_BLOCK < self.capacity:
+            cost = 1 if b >= len(held) or self._refs[held[b]] > 1 else 0
+            if cost > n_blocks:
+                break
+            n_blocks -= cost
+            b += 1
+        return max(start, min(self.capacity, b * KV_BLOCK))
 
     # -- addressing --------------------------------------------------------------------------------
 
@@ -296,8 +337,9 @@ class KVCache:
             self._place(seq, b, copy)
 
     def _take_block(self) -> int:
-        if not self._free:  # cannot happen while every sequence stays within its capacity
-            raise ContextOverflowError(f"the KV cache is full: all {self.n_blocks - 1} blocks are in use")
+        if not self._free:  # split: cannot happen; unified: the scheduler counts blocks before each pass
+            raise ContextOverflowError(f"the KV cache is full: all {self.n_blocks - 1} blocks of {KV_BLOCK} "
+                                       "positions are in use")
         block = self._free.pop()
         self._refs[block] = 1
         return block
@@ -406,14 +448,19 @@ class KVCache:
 
 
 def slots_kv_cache(
-    hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None, scratch: bool = False
+    hparams: HParams, n_ctx: int, n_slots: int, cache_type: str | None = None, scratch: bool = False,
+    unified: bool = False,
 ) -> KVCache:
-    """A cache for ``n_slots`` sequences of ``n_ctx // n_slots`` positions each, plus the scratch sequence
-    of a padded engine. A padded (server) cache commits its memory at creation: resident memory does not
-    grow as slots fill, and no pass waits on page faults (measured with 8 slots: copying a 40-token prefix
-    into fresh pages took 183-221 ms on this sandbox, into committed ones 0.2-0.3 ms)."""
+    """A cache for ``n_slots`` sequences, plus the scratch sequence of a padded engine (its padding tokens
+    all sit at position 0: one block). Split: ``n_ctx // n_slots`` positions each; ``unified``: each up to
+    ``n_ctx``, ``n_ctx`` positions in all. A padded (server) cache commits its memory at creation: resident
+    memory does not grow as slots fill, and no pass waits on page faults (measured with 8 slots: copying a
+    40-token prefix into fresh pages took 183-221 ms on this sandbox, into committed ones 0.2-0.3 ms)."""
     if n_slots < 1 or n_ctx < n_slots:
         raise BadRequestError(f"a context of {n_ctx} cannot hold {n_slots} sequences")
+    if unified:
+        return KVCache(hparams, n_ctx, cache_type, n_seq=n_slots + scratch, commit=scratch, unified=True,
+                       spare_blocks=int(scratch))
     if not scratch:
         return KVCache(hparams, n_ctx, cache_type, n_seq=n_slots)
     capacity = n_ctx // n_slots

@@ -120,6 +120,7 @@ class EngineHooks:
     on_finished: Callable[[GenerationStats, int], None] | None = None  # stats, cached prompt tokens
     on_step: Callable[[int, int, float], None] | None = None  # tokens evaluated, sequences sampled, seconds
     on_verified: Callable[[int, int], None] | None = None  # speculative decoding: tokens drafted, accepted
+    on_preempted: Callable[[], None] | None = None  # a sequence's blocks freed for others (unified cache)
     # end of each engine-loop iteration, once its events were emitted: a consumer that buffers events (the
     # server's event pump) hands them over then, one wake-up for the whole step
     after_events: Callable[[], None] | None = None

@@ -9,13 +9,19 @@ longest cached prefix) and speculation's draft budgets are decided here too, so 
 that decides what a step runs; the engine only calls it around the forward pass and the sampler.
 A pass's records (:class:`~minfer.runtime.batching.Batch`) and the arithmetic of a padded engine's pass
 shapes (buckets, the prompt budget's cut) are in :mod:`minfer.runtime.batching`.
+
+On a unified cache (every sequence may grow to the whole context, all drawing blocks from one pool) a
+step first makes room for its decode tokens: the cached tokens of idle slots are dropped, least recently
+used first, then drafts, then the most recently admitted sequence is preempted (its blocks freed, its
+tokens kept); prompt chunks take only the blocks left. A preempted sequence evaluates its tokens again
+as a prompt when blocks are free (a *replay*, with no token sampled at its end) and goes on where it was.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,6 +69,13 @@ class Running:
     last_token_at: float | None = None
     spec: SequenceSpeculation | None = None
     pool: Pooler | None = None
+    replay: list[int] | None = None  # preempted: the tokens it held, evaluated again before it goes on
+    resume_token: int | None = None  # preempted while decoding: its next token, evaluated after the replay
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        """What the sequence evaluates as its prompt: the request's, or after a preemption its replay."""
+        return self.request.prompt_ids if self.replay is None else self.replay
 
 
 class Scheduler:
@@ -106,6 +119,9 @@ class Scheduler:
         # replaced, never mutated: another thread may read a consistent list at any time (metrics)
         self.running: list[Running] = []
         self.n_steps = 0
+        self.n_preempted = 0
+        if self.pad_seq is not None and kv.unified:  # the padding's block (position 0), taken for good
+            kv.rows(np.zeros(1, np.int64), self.pad_seq)
 
     # -- admission ---------------------------------------------------------------------------------
 
@@ -119,7 +135,7 @@ class Scheduler:
             if not 0 <= t < self.n_vocab:
                 raise BadRequestError(f"token id {t} at index {i} is outside the vocabulary (0..{self.n_vocab - 1})")
         if len(prompt) > self.slots.capacity:
-            per_sequence = " tokens per sequence" if self.slots.n_slots > 1 else ""
+            per_sequence = " tokens per sequence" if self.slots.n_slots > 1 and not self.kv.unified else ""
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}"
             )
@@ -198,7 +214,80 @@ class Scheduler:
         self.drop_cancelled()
         for run in [r for r in self.running if r.out is not None and r.out.done]:
             self._finish(run)
-        return self._assemble(self._drafts())
+        drafts = self._drafts()
+        if not self.kv.unified:
+            return self._assemble(drafts)
+        while True:
+            drafts = self._make_room(drafts)
+            batch = self._assemble(drafts)
+            if batch is not None or not self.running:
+                return batch
+            # nothing could run: every sequence waits for blocks that others' prompts hold
+            victim = self._youngest_holding_blocks()
+            if victim is None:
+                return None
+            self._preempt(victim)
+
+    # -- the blocks of a unified cache -------------------------------------------------------------
+
+    def _decode_blocks(self, drafts: dict[int, Draft] | None) -> int:
+        """Blocks this step's decode tokens (with their drafts) take from the pool."""
+        n = 0
+        for i, run in enumerate(self.running):
+            if run.next_token is None:
+                continue
+            draft = drafts.get(i) if drafts else None
+            k = len(draft.tokens) + self._verify_padding(run, len(draft.tokens)) if draft is not None else 0
+            n += self.kv.blocks_needed(run.slot, run.pos, run.pos + k)
+        return n
+
+    def _make_room(self, drafts: dict[int, Draft] | None) -> dict[int, Draft] | None:
+        """Free blocks for this step's decode tokens: idle slots' cached tokens, then the drafts, then
+        running sequences, the most recently admitted first. The drafts that are kept."""
+        need = self._decode_blocks(drafts)
+        self.slots.reclaim(need)
+        if drafts and need > self.kv.blocks_free:
+            drafts, need = None, self._decode_blocks(None)
+        while need > self.kv.blocks_free:
+            victim = self._youngest_holding_blocks()
+            if victim is None:  # cannot happen: one sequence never outgrows the pool
+                break
+            self._preempt(victim)
+            need = self._decode_blocks(None)
+        return drafts
+
+    def _youngest_holding_blocks(self) -> Running | None:
+        for run in reversed(self.running):
+            if self.kv.n_blocks_held(run.slot):
+                return run
+        return None
+
+    def _preempt(self, run: Running) -> None:
+        """Free ``run``'s blocks; it keeps its slot and its tokens, evaluated again once blocks are free."""
+        if run.next_token is not None:
+            run.replay = self.kv.tokens(run.slot)[: run.pos]
+            run.resume_token, run.next_token = run.next_token, None
+        run.n_done = 0
+        if run.pool is not None:  # an embedding pools its hidden states again from the first position
+            run.pool = Pooler(run.request.pooling, run.request.normalize)  # type: ignore[union-attr]
+        self.kv.truncate(run.slot, 0)
+        run.request.stats.preempted += 1
+        self.n_preempted += 1
+        if self.hooks.on_preempted:
+            self.hooks.on_preempted()
+
+    def _prompt_chunk(self, run: Running, chunk: int, blocks_left: int) -> tuple[int, int]:
+        """(tokens, blocks) of the prompt chunk of at most ``chunk`` tokens that ``run`` can write with
+        ``blocks_left`` blocks from the pool (idle slots' cached tokens dropped for it if need be)."""
+        want = self.kv.blocks_needed(run.slot, run.n_done, run.n_done + chunk - 1)
+        if want > blocks_left:
+            before = self.kv.blocks_free
+            self.slots.reclaim(self.kv.blocks_free + want - blocks_left)
+            blocks_left += self.kv.blocks_free - before
+            chunk = min(chunk, self.kv.writable_end(run.slot, run.n_done, blocks_left) - run.n_done)
+        if chunk <= 0:
+            return 0, 0
+        return chunk, self.kv.blocks_needed(run.slot, run.n_done, run.n_done + chunk - 1)
 
     def _assemble(self, drafts: dict[int, Draft] | None) -> Batch[Running] | None:
         """Every running sequence's next token (and its draft, if any), then as much waiting prompt as the
@@ -230,14 +319,20 @@ class Scheduler:
                     positions.extend(range(run.pos + 1, run.pos + 1 + k))
                     seqs.extend([run.slot] * k)
                     n_padding += k - len(draft.tokens)
-        waiting = sum(len(r.request.prompt_ids) - r.n_done for r in self.running if r.next_token is None)
+        waiting = sum(len(r.prompt) - r.n_done for r in self.running if r.next_token is None)
         budget = prompt_budget(waiting, len(tokens), self.batch_size, self.buckets)
         n_decode = len(tokens)
+        blocks_left = self.kv.blocks_free - self._decode_blocks(drafts) if self.kv.unified else 0
         for run in self.running:
             if run.next_token is not None or budget <= 0:
                 continue
-            prompt = run.request.prompt_ids
+            prompt = run.prompt
             chunk = min(len(prompt) - run.n_done, budget)
+            if self.kv.unified:
+                chunk, taken = self._prompt_chunk(run, chunk, blocks_left)
+                if not chunk:
+                    continue
+                blocks_left -= taken
             tokens.extend(prompt[run.n_done : run.n_done + chunk])
             positions.extend(range(run.n_done, run.n_done + chunk))
             seqs.extend([run.slot] * chunk)
@@ -245,6 +340,11 @@ class Scheduler:
             budget -= chunk
             if run.pool is not None:  # an embedding: its hidden states, no logits
                 pooled.append((run, len(tokens) - chunk, chunk))
+            elif run.n_done == len(prompt) and run.replay is not None:
+                # a preempted sequence holds its tokens again: its next token is decoded from the next step
+                # on (one preempted during its prompt evaluates the prompt again and samples as any prompt)
+                run.next_token, run.pos = run.resume_token, len(prompt)
+                run.replay = run.resume_token = None
             elif run.n_done == len(prompt):
                 rows.append(len(outputs))
                 outputs.append(len(tokens) - 1)
@@ -254,6 +354,8 @@ class Scheduler:
             return None
         n_real = len(tokens) - n_padding
         spec = drafted if drafts else None
+        if not outputs and not pooled:  # a preempted sequence's replay alone: one unused row, as padding has
+            outputs.append(len(tokens) - 1)
         if self.pad_seq is None:
             one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
             return Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, rows, n_real, spec, pooled,

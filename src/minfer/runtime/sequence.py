@@ -46,6 +46,7 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     target_passes: int = 0
+    preempted: int = 0  # times its blocks were freed for others (a unified cache), its tokens evaluated again
 
     @property
     def prefill_tokens_per_s(self) -> float:

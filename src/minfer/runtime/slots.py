@@ -87,6 +87,15 @@ class Slots:
         self._busy.discard(slot)
         self._free_since[slot] = step
 
+    def reclaim(self, n_blocks: int) -> None:
+        """Drop the cached tokens of free slots, least recently used first, until the cache has ``n_blocks``
+        free blocks or no free slot holds any (a unified cache draws every sequence's blocks from one
+        pool: a finished request's cached prefix gives way to running ones)."""
+        for slot in sorted((s for s in range(self.n_slots) if s not in self._busy), key=self._free_since.__getitem__):
+            if self.kv.blocks_free >= n_blocks:
+                return
+            self.kv.truncate(slot, 0)
+
     def shift(self, slot: int, n_keep: int, pos: int) -> int:
         """Context shift of a full slot: drop the oldest half after the first ``n_keep`` positions (a system
         prompt); the position the next token goes to."""

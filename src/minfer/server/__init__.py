@@ -165,8 +165,10 @@ def serve(opts: ServeOptions) -> None:
     http = threading.Thread(target=serve_http, name="minfer-http", daemon=True)
     try:
         http.start()
-        print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences of "
-              f"{engine_loop.slot_context} tokens, {model.threads} threads){' with an API key' if api_key else ''}",
+        layout = (f"sharing {engine_loop.kv.n_ctx} tokens" if engine_loop.kv.unified
+                  else f"of {engine_loop.slot_context} tokens")
+        print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences "
+              f"{layout}, {model.threads} threads){' with an API key' if api_key else ''}",
               file=sys.stderr, flush=True)
         engine_loop.run()  # returns once the app's lifespan has stopped the engine loop
         http.join()

@@ -70,8 +70,10 @@ class ServerContext:
     def create(cls, model: Model, engine_loop: EngineLoop, config: ServerConfig, created: int) -> ServerContext:
         loop = engine_loop
         runner = model.engine.runner
-        metrics = ServerMetrics(loop.load, loop.cells_in_use, loop.n_slots * loop.slot_context,
-                                lambda: runner.plans_built)
+        kv = loop.kv
+        cells_total = kv.n_ctx if kv.unified else loop.n_slots * loop.slot_context
+        metrics = ServerMetrics(loop.load, loop.cells_in_use, cells_total, lambda: runner.plans_built,
+                                lambda: (kv.blocks_in_use, kv.blocks_shared), kv.n_blocks - 1)
         names = {config.model_id, str(model.path), Path(model.path).name, Path(model.path).stem}
         tok = model.tokenizer
         longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=1)

@@ -21,6 +21,8 @@ class ServerMetrics:
         cells_in_use: Callable[[], int],
         cells_total: int,
         plans_built: Callable[[], int],
+        kv_blocks: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        kv_blocks_total: int = 0,
     ) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
@@ -39,6 +41,16 @@ class ServerMetrics:
         used.set_function(cells_in_use)
         total = Gauge("minfer_kv_cells_total", "KV cache positions (all slots)", registry=reg)
         total.set(cells_total)
+        blocks_used = Gauge("minfer_kv_blocks_used", "KV cache blocks holding some sequence's positions (running "
+                            "or cached for reuse; a shared block counted once)", registry=reg)
+        blocks_used.set_function(lambda: kv_blocks()[0])
+        blocks_shared = Gauge("minfer_kv_blocks_shared", "KV cache blocks held by more than one sequence (a "
+                              "shared prefix)", registry=reg)
+        blocks_shared.set_function(lambda: kv_blocks()[1])
+        blocks_total = Gauge("minfer_kv_blocks_total", "KV cache blocks in the pool", registry=reg)
+        blocks_total.set(kv_blocks_total)
+        self.preempted = Counter("minfer_sequences_preempted", "times a running sequence's KV blocks were freed "
+                                 "for others (its tokens evaluated again when blocks were free)", registry=reg)
         plans = Gauge("minfer_plans_built", "forward-pass plans built since the start (each costs 10-50 ms; "
                       "the batch shapes' plans are built at start)", registry=reg)
         plans.set_function(plans_built)
@@ -63,6 +75,7 @@ class ServerMetrics:
             on_finished=self._finished,
             on_step=self._step,
             on_verified=self._verified,
+            on_preempted=self.preempted.inc,
         )
 
     def _verified(self, drafted: int, accepted: int) -> None:

@@ -219,6 +219,8 @@ def slots_answer(ctx: ServerContext) -> Response:
         out.append({
             "id": s, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": run is not None,
             "params": settings(ctx, None), "n_cached": len(engine_loop.kv.tokens(s)),
+            "kv_blocks": engine_loop.kv.n_blocks_held(s),
+            "preempted": stats.preempted if stats is not None else 0,
             "next_token": {"has_next_token": run is not None, "has_new_line": False, "n_remain": -1,
                            "n_decoded": stats.generated_tokens if stats is not None else 0},
         })

@@ -16,7 +16,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         running, waiting = ctx.engine_loop.load()
-        return {"status": "ok", "slots_running": running, "slots_waiting": waiting}
+        kv = ctx.engine_loop.kv
+        return {"status": "ok", "slots_running": running, "slots_waiting": waiting,
+                "kv_blocks_used": kv.blocks_in_use, "kv_blocks_shared": kv.blocks_shared,
+                "kv_blocks_total": kv.n_blocks - 1, "preempted": ctx.engine_loop.engine.scheduler.n_preempted}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

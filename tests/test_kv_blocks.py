@@ -1,0 +1,150 @@
+"""The unified block KV cache under an engine, on the tiny fixtures: one pool of ``n_ctx`` positions for
+every slot, a long request beside short ones, a shared prefix held once, and preemption when the pool is
+too small for the load (every request still ends with its solo tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import fixture_dir, fixture_sequences
+
+import minfer
+from minfer.runtime.engine import EngineConfig, build_engine
+from minfer.runtime.kv_cache import KV_BLOCK
+from minfer.runtime.requests import EngineHooks, Finished, GenerationRequest, Token
+
+ARCH = "llama"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return minfer.load(fixture_dir(ARCH) / "model-f32.gguf", n_ctx=256, threads=2)
+
+
+def engine_of(model, n_slots: int, n_ctx: int, batch_size: int | None = 16):
+    config = EngineConfig(n_slots=n_slots, batch_size=batch_size, end_of_context="length")
+    return build_engine(model.transformer, model.backend, model.tokenizer, n_ctx, model.cache_type, config)
+
+
+def drive(engine, requests, each_step=None) -> list[list]:
+    """Add every request, then step until all have ended; each request's events."""
+    events: list[list] = [[] for _ in requests]
+    for i, r in enumerate(requests):
+        r.emit = events[i].append
+        engine.add(r)
+    while engine.running:
+        engine.step()
+        if each_step is not None:
+            each_step(engine)
+    return events
+
+
+def tokens_of(events) -> list[int]:
+    return [e.step.token for e in events if isinstance(e, Token) and e.step.token is not None]
+
+
+def solo(model, prompt, max_tokens) -> list[int]:
+    model.kv.clear()
+    return model.complete(prompt, max_tokens=max_tokens, temperature=0).tokens
+
+
+def prompt_of(n: int, shift: int = 0) -> list[int]:
+    base = fixture_sequences(ARCH)[2]
+    return [base[(i + shift) % len(base)] for i in range(n)]
+
+
+def greedy(model, prompt, max_tokens):
+    return GenerationRequest(prompt, model.sampler(temperature=0), max_tokens, stop_ids=frozenset())
+
+
+def test_a_long_request_runs_beside_short_ones(model):
+    """4 slots sharing 256 positions: a 180-token prompt (beyond a quarter of the context, once refused)
+    runs while three short ones stream; each gets its solo tokens."""
+    engine = engine_of(model, n_slots=4, n_ctx=256)
+    prompts = [prompt_of(180), prompt_of(9, 3), prompt_of(12, 7), prompt_of(5, 11)]
+    events = drive(engine, [greedy(model, p, 12) for p in prompts])
+    for p, got in zip(prompts, events, strict=True):
+        assert isinstance(got[-1], Finished)
+        assert tokens_of(got) == solo(model, p, 12)
+    assert engine.scheduler.n_preempted == 0
+
+
+def test_a_shared_prefix_is_held_once(model):
+    """Three requests sharing a 64-token prefix with a finished one: they reference its two full blocks
+    (no copies) and each writes its own from position 64 on. The blocks in use are the arithmetic's, the KV
+    bytes in use the blocks' bytes, and the tokens are each one's solo ones."""
+    engine = engine_of(model, n_slots=4, n_ctx=256)
+    prefix = prompt_of(64)
+    first = prefix + prompt_of(6, 40)
+    drive(engine, [greedy(model, first, 4)])
+    kv = engine.kv
+    held_by_first = kv.blocks_in_use - 1  # the padding's block aside
+    assert held_by_first == -(-(len(first) + 3) // KV_BLOCK)  # its 70 prompt and 3 evaluated tokens: 3 blocks
+    prompts = [prefix + prompt_of(5, 20 + 7 * i) for i in range(3)]
+    seen = []
+
+    def look(engine) -> None:
+        seen.append((engine.kv.blocks_in_use, engine.kv.blocks_shared))
+
+    events = drive(engine, [greedy(model, p, 6) for p in prompts], look)
+    # after the first step: the prefix's 2 blocks shared by 4 sequences, each new one's own block 2, the
+    # first one's blocks, the padding's
+    shared = len(prefix) // KV_BLOCK
+    assert seen[0] == (held_by_first + 3 + 1, shared)
+    bytes_in_use = seen[0][0] * KV_BLOCK * kv.bytes_per_position
+    unshared = (held_by_first + 3 * (shared + 1) + 1) * KV_BLOCK * kv.bytes_per_position
+    assert bytes_in_use == unshared - 3 * shared * KV_BLOCK * kv.bytes_per_position
+    for p, got in zip(prompts, events, strict=True):
+        assert tokens_of(got) == solo(model, p, 6)
+
+
+@pytest.mark.parametrize("batch_size", [16, None])
+def test_a_pool_too_small_for_the_load_preempts_and_every_request_ends_as_alone(model, batch_size):
+    """4 slots sharing 96 positions (3 blocks), 4 requests of ~50 positions each: sequences are preempted
+    (their blocks freed, the youngest first) and evaluated again when blocks are free; every request ends
+    with its solo greedy tokens, and the preemptions are counted (engine, request stats, hooks)."""
+    engine = engine_of(model, n_slots=4, n_ctx=96, batch_size=batch_size)
+    counted = []
+    engine.hooks = EngineHooks(on_preempted=lambda: counted.append(1))
+    prompts = [prompt_of(20 + 3 * i, 5 * i) for i in range(4)]
+    max_tokens = 30
+    events = drive(engine, [greedy(model, p, max_tokens) for p in prompts])
+    preempted = [got[-1].stats.preempted for got in events]
+    assert engine.scheduler.n_preempted == len(counted) == sum(preempted) > 0
+    for p, got in zip(prompts, events, strict=True):
+        assert isinstance(got[-1], Finished) and got[-1].stats.finish_reason == "length"
+        assert tokens_of(got) == solo(model, p, max_tokens)
+    assert engine.kv.blocks_in_use <= engine.kv.n_blocks - 1
+
+
+@pytest.mark.slow
+def test_a_server_under_too_much_load_preempts_counts_it_and_answers_as_alone():
+    """A real server whose 4 slots share 96 positions, sent 4 concurrent requests of ~50 positions each:
+    every answer equals the one the same request gets alone, and /metrics and /health count the
+    preemptions."""
+    import concurrent.futures
+
+    import httpx
+
+    from minfer.testing.server_process import ServerProcess
+
+    prompts = [prompt_of(20 + 3 * i, 5 * i) for i in range(4)]
+
+    def complete(url: str, prompt: list[int]) -> list[int]:
+        body = {"prompt": prompt, "n_predict": 30, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+        r = httpx.post(url + "/completion", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    path = fixture_dir(ARCH) / "model-f32.gguf"
+    with ServerProcess(path, ["--parallel", "4", "--ctx-size", "96", "--batch-size", "16"]) as s:
+        alone = [complete(s.url, p) for p in prompts]
+        assert "minfer_sequences_preempted_total 0.0" in httpx.get(s.url + "/metrics").text
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: complete(s.url, p), prompts))
+        metrics = httpx.get(s.url + "/metrics").text
+        health = httpx.get(s.url + "/health").json()
+    assert together == alone and all(len(t) == 30 for t in alone)
+    preempted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("minfer_sequences_preempted_total"))
+    assert preempted > 0 and health["preempted"] == preempted
+    assert health["kv_blocks_total"] == 96 // KV_BLOCK + 1  # and the padding's block
