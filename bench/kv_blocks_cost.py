@@ -15,6 +15,7 @@ The script uses only what both the block cache and the slot cache before it have
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 
@@ -37,7 +38,9 @@ def main() -> None:
     a = ap.parse_args()
     per_seq = a.depth + a.steps + 8
     model = minfer.load(a.model, n_ctx=per_seq, threads=a.threads)
-    kv = slots_kv_cache(model.hparams, per_seq * a.streams, a.streams, a.cache_type)
+    # several streams: the engine's layout (a unified cache) where the tree has one; the commit before had none
+    unified = {"unified": True} if a.streams > 1 and "unified" in inspect.signature(slots_kv_cache).parameters else {}
+    kv = slots_kv_cache(model.hparams, per_seq * a.streams, a.streams, a.cache_type, **unified)
     runner = ForwardRunner(model.transformer, model.backend, kv)
     rng = np.random.default_rng(0)
     n_vocab = model.hparams.n_vocab
