@@ -10,7 +10,7 @@ from conftest import fixture_dir, fixture_sequences
 import minfer
 from minfer.runtime.engine import EngineConfig, build_engine
 from minfer.runtime.kv_cache import KV_BLOCK
-from minfer.runtime.requests import EngineHooks, Finished, GenerationRequest, Token
+from minfer.runtime.requests import EngineHooks, Finished, GenerationRequest, Started, Token
 
 ARCH = "llama"
 
@@ -148,3 +148,51 @@ def test_a_server_under_too_much_load_preempts_counts_it_and_answers_as_alone():
                      if line.startswith("minfer_sequences_preempted_total"))
     assert preempted > 0 and health["preempted"] == preempted
     assert health["kv_blocks_total"] == 96 // KV_BLOCK + 1  # and the padding's block
+
+
+def test_block_names_chain_the_prefix():
+    from minfer.runtime.prompt_cache import block_names
+
+    tokens = prompt_of(100)
+    names = block_names(tokens, 3, b"")
+    assert len(set(names)) == 3 and names == block_names(tokens + [1, 2], 3, b"")
+    changed = list(tokens)
+    changed[40] += 1  # in block 1: block 0 keeps its name, every later one changes
+    other = block_names(changed, 3, b"")
+    assert other[0] == names[0] and other[1] != names[1] and other[2] != names[2]
+    assert block_names(tokens, 3, b"lora")[0] != names[0]  # another root (adapter scales): other names
+
+
+def test_the_prompt_cache_keeps_the_least_recently_used_within_its_bytes():
+    import numpy as np
+
+    from minfer.runtime.prompt_cache import PromptCache
+
+    cells = [(np.zeros((KV_BLOCK, 4), np.float32), np.zeros((KV_BLOCK, 4), np.float32))]  # 1 KiB a block
+    cache = PromptCache(3 * 1024)
+    for name in (b"a", b"b", b"c"):
+        cache.put(name, cells)
+    assert cache.get(b"a") is cells  # now the most recently used
+    cache.put(b"d", cells)
+    assert b"b" not in cache and {b"a", b"c", b"d"} == {n for n in (b"a", b"b", b"c", b"d") if n in cache}
+    assert cache.nbytes == 3 * 1024 and len(cache) == 3
+    PromptCache(512).put(b"x", cells)  # larger than the whole cache: not kept, no error
+
+
+@pytest.mark.parametrize("cache_ram", [0, 64 << 20])
+def test_a_prompt_whose_slot_was_overwritten_comes_back_from_the_prompt_cache(model, cache_ram):
+    """2 slots: a 70-token prompt finishes, two other prompts overwrite both slots, then the first prompt
+    comes again. With --cache-ram its two full blocks come back from host memory (64 tokens cached, not
+    evaluated); without, none. Its tokens are the solo ones either way."""
+    config = EngineConfig(n_slots=2, batch_size=16, end_of_context="length", cache_ram=cache_ram)
+    engine = build_engine(model.transformer, model.backend, model.tokenizer, 256, model.cache_type, config)
+    first = prompt_of(70)
+    drive(engine, [greedy(model, first, 4)])
+    drive(engine, [greedy(model, prompt_of(60, 13), 4), greedy(model, prompt_of(60, 17), 4)])
+    assert all(first[:64] != engine.kv.tokens(s)[:64] for s in range(2))  # no slot holds it any more
+    events = drive(engine, [greedy(model, first, 6)])
+    cached = next(e.cached_tokens for e in events[0] if isinstance(e, Started))
+    assert cached == (64 if cache_ram else 0)
+    assert tokens_of(events[0]) == solo(model, first, 6)
+    cache = engine.scheduler.slots.prompt_cache
+    assert (cache.restored if cache else 0) == (2 if cache_ram else 0)

@@ -32,8 +32,11 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("-np", "--parallel", type=int, default=4,
                      help="sequences generated at once, sharing the context (default: 4)")
     srv.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
-                     help="KV cache positions shared by all sequences; each gets ctx-size / parallel "
-                     "(default: the model's, at most 4096)")
+                     help="KV cache positions shared by all sequences, any one of which may use them all (with "
+                     "--draft: each gets ctx-size / parallel) (default: the model's, at most 4096)")
+    srv.add_argument("--cache-ram", type=int, default=0, metavar="MiB",
+                     help="host memory for KV blocks that leave the cache (a slot's cached prompt overwritten or "
+                     "dropped under load), found again by a prompt that starts with them (default: 0, off)")
     srv.add_argument("-b", "--batch-size", type=int, default=512,
                      help="most tokens one forward pass evaluates (default: 512)")
     srv.add_argument("--queue-size", type=int, default=64,
@@ -97,6 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = ServeOptions(max_body_size=parse_size(args.max_body_size), log_format=args.log_format,
                        model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
+                       cache_ram=args.cache_ram,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,

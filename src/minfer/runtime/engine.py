@@ -34,6 +34,7 @@ from minfer.models.model import TransformerModel
 from minfer.runtime.batching import Batch, PassOutput
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
 from minfer.runtime.kv_cache import slots_kv_cache
+from minfer.runtime.prompt_cache import PromptCache
 from minfer.runtime.requests import (
     Embedded,
     EmbeddingRequest,
@@ -74,6 +75,7 @@ class Engine:
         hooks: EngineHooks | None = None,
         speculative: SpeculativeSettings | None = None,
         draft: DraftModel | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
@@ -81,7 +83,8 @@ class Engine:
         self.kv = runner.kv
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.scheduler = Scheduler(runner, tokenizer, batch_size, end_of_context, hooks, speculative, draft)
+        self.scheduler = Scheduler(runner, tokenizer, batch_size, end_of_context, hooks, speculative, draft,
+                                   prompt_cache)
         self.slots = self.scheduler.slots
 
     # -- what the scheduler holds, as callers read it ----------------------------------------------
@@ -281,6 +284,7 @@ class EngineConfig:
     batch_size: int | None = None
     end_of_context: EndOfContext = "error"
     max_plans: int = MAX_PLANS  # batch shapes whose prepared plans the runner keeps
+    cache_ram: int = 0  # bytes of host memory for KV blocks that left the cache (0: none; --cache-ram)
 
 
 def build_engine(
@@ -312,4 +316,6 @@ def build_engine(
     draft = None
     if draft_model is not None:
         draft = DraftModel(draft_model, backend, kv.capacity, config.n_slots, cache_type)
-    return Engine(runner, tokenizer, config.batch_size, config.end_of_context, speculative=speculative, draft=draft)
+    prompt_cache = PromptCache(config.cache_ram) if config.cache_ram > 0 else None
+    return Engine(runner, tokenizer, config.batch_size, config.end_of_context, speculative=speculative, draft=draft,
+                  prompt_cache=prompt_cache)

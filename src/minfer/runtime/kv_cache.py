@@ -395,18 +395,20 @@ class KVCache:
         for seq in range(self.n_seq):
             self.remove(seq)
 
-    def read(self, seq: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each layer's cells (K, V in their stored type) of sequence ``seq``'s positions ``0..n-1``, copies."""
-        rows = self.row_map[seq * self.capacity : seq * self.capacity + n]
+    def read(self, seq: int, stop: int, start: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's cells (K, V in their stored type) of sequence ``seq``'s positions ``start..stop-1``,
+        copies."""
+        base = seq * self.capacity
+        rows = self.row_map[base + start : base + stop]
         return [(layer.k[rows], layer.v[rows]) for layer in self.layers]
 
-    def write(self, seq: int, cells: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Sequence ``seq`` holds ``cells`` (as :meth:`read` gives them) at positions ``0..n-1``; its tokens
-        are recorded by the caller."""
+    def write(self, seq: int, cells: Sequence[tuple[np.ndarray, np.ndarray]], start: int = 0) -> None:
+        """Sequence ``seq`` holds ``cells`` (as :meth:`read` gives them) at positions ``start..``, and nothing
+        after them; its tokens are recorded by the caller. On a unified cache the blocks must be free."""
         n = cells[0][0].shape[0] if cells else 0
-        self.truncate(seq, 0)
+        self.truncate(seq, start)
         if n:
-            rows = self.row_map[self.rows(np.arange(n), seq)]
+            rows = self.row_map[self.rows(np.arange(start, start + n), seq)]
             for layer, (k, v) in zip(self.layers, cells, strict=True):
                 layer.k[rows] = k
                 layer.v[rows] = v

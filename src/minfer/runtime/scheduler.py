@@ -31,6 +31,7 @@ from minfer.errors import BadRequestError, ContextOverflowError, MinferError
 from minfer.runtime.batching import Batch, PassOutput, batch_buckets, bucket_of, pad_to_buckets, prompt_budget
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.pooling import Pooler
+from minfer.runtime.prompt_cache import PromptCache
 from minfer.runtime.requests import (
     Embedded,
     EmbeddingRequest,
@@ -94,6 +95,7 @@ class Scheduler:
         hooks: EngineHooks | None = None,
         speculative: SpeculativeSettings | None = None,
         draft: DraftModel | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         kv = runner.kv
         self.pad_seq: int | None = None  # the cache's scratch sequence that padding tokens go to
@@ -101,7 +103,7 @@ class Scheduler:
             if kv.n_seq < 2:
                 raise BadRequestError("a padded engine needs a cache with a scratch sequence (slots_kv_cache)")
             self.pad_seq = kv.n_seq - 1
-        self.slots = Slots(runner, kv.n_seq if self.pad_seq is None else self.pad_seq)
+        self.slots = Slots(runner, kv.n_seq if self.pad_seq is None else self.pad_seq, prompt_cache)
         self.kv = kv
         self.tokenizer = tokenizer
         self.n_vocab = runner.model.hparams.n_vocab

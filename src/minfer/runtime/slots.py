@@ -4,7 +4,10 @@ Each running request holds a *slot*, one sequence of the cache (``capacity`` pos
 finished request leaves its tokens in its slot, so a new request takes the free slot whose cached tokens
 share the longest prefix with its prompt, or copies the longest shared prefix from any slot, and
 evaluates only the rest of its prompt (positions are data: the reused rows stay where they are). A slot's
-tokens are reused only under the LoRA adapter scales they were computed with.
+tokens are reused only under the LoRA adapter scales they were computed with. With a
+:class:`~minfer.runtime.prompt_cache.PromptCache` (``--cache-ram``), the full blocks a slot's new request
+is about to overwrite, or that give way to running sequences, are copied there first, and a prompt that
+starts with blocks held there gets their cells back instead of evaluating them.
 
 An engine that pads its batches to a few shapes keeps one more sequence than it has slots: the scratch
 sequence its padding tokens write to, which nothing reads (see :func:`~minfer.runtime.kv_cache.slots_kv_cache`).
@@ -19,13 +22,14 @@ import numpy as np
 
 from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.runtime.forward import ForwardRunner
-from minfer.runtime.kv_cache import KVCache, common_prefix
+from minfer.runtime.kv_cache import KV_BLOCK, KVCache, common_prefix
+from minfer.runtime.prompt_cache import PromptCache, block_names
 
 
 class Slots:
     """Which of the first ``n_slots`` sequences of ``runner.kv`` are taken, and by what they were left."""
 
-    def __init__(self, runner: ForwardRunner, n_slots: int) -> None:
+    def __init__(self, runner: ForwardRunner, n_slots: int, prompt_cache: PromptCache | None = None) -> None:
         if not 1 <= n_slots <= runner.kv.n_seq:
             raise BadRequestError(f"{n_slots} slots do not fit in a cache of {runner.kv.n_seq} sequences")
         self.runner = runner
@@ -35,6 +39,7 @@ class Slots:
         self._free_since = dict.fromkeys(range(n_slots), 0)  # slot -> engine step it was freed at
         # slot -> the adapter scales its cached K/V were computed with
         self._lora: dict[int, np.ndarray] = {s: runner.lora_scales for s in range(n_slots)}
+        self.prompt_cache = prompt_cache
 
     @property
     def capacity(self) -> int:
@@ -72,9 +77,12 @@ class Slots:
             return (held - best_n if s == best_src else held, s != best_src, self._free_since[s])
 
         slot = min(free, key=lost)
+        self._save(slot, best_n if slot == best_src else 0)
         if best_n and slot != best_src:
             self.kv.copy_prefix(best_src, slot, best_n)
         self.kv.truncate(slot, best_n)
+        if reuse:
+            best_n = self._restore(slot, prompt, best_n, scales)
         self._busy.add(slot)
         self._lora[slot] = scales
         if scales.size:  # the sequence keeps these scales while it runs, whatever the defaults become
@@ -90,11 +98,57 @@ class Slots:
     def reclaim(self, n_blocks: int) -> None:
         """Drop the cached tokens of free slots, least recently used first, until the cache has ``n_blocks``
         free blocks or no free slot holds any (a unified cache draws every sequence's blocks from one
-        pool: a finished request's cached prefix gives way to running ones)."""
+        pool: a finished request's cached prefix gives way to running ones; with a prompt cache, its
+        blocks are kept there)."""
         for slot in sorted((s for s in range(self.n_slots) if s not in self._busy), key=self._free_since.__getitem__):
             if self.kv.blocks_free >= n_blocks:
                 return
+            self._save(slot, 0)
             self.kv.truncate(slot, 0)
+
+    # -- the prompt cache ----------------------------------------------------------------------------
+
+    def _root(self, scales: np.ndarray) -> bytes:
+        return np.asarray(scales, np.float32).tobytes()
+
+    def _save(self, slot: int, keep: int) -> None:
+        """Copy the full blocks of ``slot`` from the one holding position ``keep`` on (what it is about to
+        lose) into the prompt cache."""
+        cache = self.prompt_cache
+        tokens = self.kv.tokens(slot)
+        n_full = len(tokens) // KV_BLOCK
+        first = keep // KV_BLOCK
+        if cache is None or first >= n_full or -1 in tokens:  # (-1: positions never written)
+            return
+        names = block_names(tokens, n_full, self._root(self._lora[slot]))
+        for b in range(first, n_full):
+            if names[b] not in cache:
+                cache.put(names[b], self.kv.read(slot, (b + 1) * KV_BLOCK, b * KV_BLOCK))
+
+    def _restore(self, slot: int, prompt: Sequence[int], held: int, scales: np.ndarray) -> int:
+        """Give ``slot`` (holding the first ``held`` tokens of ``prompt``) the cells of the blocks that follow
+        from the prompt cache, as far as they go (never the prompt's last token: its logits are needed,
+        and never more blocks than the pool has free); how many tokens it holds then."""
+        cache = self.prompt_cache
+        n_full = (len(prompt) - 1) // KV_BLOCK
+        first = held // KV_BLOCK
+        if cache is None or first >= n_full:
+            return held
+        names = block_names(prompt, n_full, self._root(scales))
+        found = []
+        for b in range(first, n_full):
+            cells = cache.get(names[b])
+            if cells is None or len(found) + 1 > self.kv.blocks_free:
+                break
+            found.append(cells)
+        if not found or (first + len(found)) * KV_BLOCK <= held:
+            return held
+        start, stop = first * KV_BLOCK, (first + len(found)) * KV_BLOCK
+        self.kv.write(slot, [(np.concatenate([c[il][0] for c in found]), np.concatenate([c[il][1] for c in found]))
+                             for il in range(len(found[0]))], start)
+        self.kv.record(slot, np.arange(start, stop), np.asarray(prompt[start:stop]))
+        cache.restored += len(found)
+        return stop
 
     def shift(self, slot: int, n_keep: int, pos: int) -> int:
         """Context shift of a full slot: drop the oldest half after the first ``n_keep`` positions (a system

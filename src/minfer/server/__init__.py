@@ -22,7 +22,8 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8080
     parallel: int = DEFAULT_PARALLEL
-    ctx_size: int | None = None  # shared by all sequences (each gets ctx_size // parallel); default min(train, 4096)
+    ctx_size: int | None = None  # shared by all sequences (any one may use it all); default min(train, 4096)
+    cache_ram: int = 0  # MiB of host memory for KV blocks that left the cache (--cache-ram; 0: off)
     batch_size: int = 512
     queue_size: int = 64
     api_key: str | None = None
@@ -111,6 +112,8 @@ def serve(opts: ServeOptions) -> None:
         raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
     if opts.batch_size < 1:
         raise BadRequestError(f"--batch-size must be >= 1, got {opts.batch_size}")
+    if opts.cache_ram < 0:
+        raise BadRequestError(f"--cache-ram must be >= 0 MiB, got {opts.cache_ram}")
     if opts.max_body_size < 1:
         raise BadRequestError(f"--max-body-size must be >= 1 byte, got {opts.max_body_size}")
     if opts.log_format not in access_log.LOG_FORMATS:
@@ -119,7 +122,7 @@ def serve(opts: ServeOptions) -> None:
     if not opts.shutdown_timeout >= 0:
         raise BadRequestError(f"--shutdown-timeout must be >= 0 seconds, got {opts.shutdown_timeout}")
     engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",
-                                 max_plans=MAX_PLANS)
+                                 max_plans=MAX_PLANS, cache_ram=opts.cache_ram * 2**20)
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
                  cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config,
                  draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative, lora=opts.lora,
