@@ -1,42 +1,38 @@
 """Prefix-affine routing: which replica a request goes to.
 
-A request's key is a chain of block hashes over its rendered prompt's leading tokens (block ``i``'s
-hash covers blocks 0..i), so two prompts that share their first ``k`` blocks share their first ``k``
-hashes. The router remembers, for each hash, the replica that most recently served a prompt with it,
-and sends a request to the replica holding its longest known prefix: that replica's KV cache (the
-engine reuses the longest common prefix of any slot) most likely still holds it. When that replica is
-saturated (more than ``queue_threshold`` requests waiting beyond its slots, or a whole replica's slots
-busier than the least-loaded one) the request goes to the least-loaded replica instead, and so does a
-request with no known prefix or one shorter than ``MIN_MATCH_BLOCKS`` (a chat template's header and
-default system prompt are shared by every request: they must not pull every request to one replica).
+A request's key is a chain of block hashes over its rendered prompt's leading tokens (block ``i``'s hash
+covers blocks 0..i), so two prompts that share their first ``k`` blocks share their first ``k`` hashes: the
+names a replica's KV cache gives its blocks of ``KV_BLOCK`` tokens without adapters
+(:func:`~minfer.runtime.prompt_cache.block_names`). The router remembers, for each hash, the replica that
+most recently served a prompt with it, and sends a request to the replica holding its longest known prefix:
+that replica's KV cache (the engine reuses the longest common prefix of any slot) most likely still holds
+it. When that replica is saturated (more than ``queue_threshold`` requests waiting beyond its slots, or a
+whole replica's slots busier than the least-loaded one) the request goes to the least-loaded replica
+instead, and so does a request with no known prefix or one shorter than ``MIN_MATCH_BLOCKS`` (a chat
+template's header and default system prompt are shared by every request: they must not pull every request to
+one replica).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from minfer.runtime.kv_cache import KV_BLOCK
+from minfer.runtime.prompt_cache import block_names
 
-BLOCK_TOKENS = 16  # tokens per hashed block
-MAX_BLOCKS = 128  # blocks hashed per prompt: the first 2048 tokens decide the route
-MIN_MATCH_BLOCKS = 4  # a shorter shared prefix (64 tokens) is cheaper to evaluate again than to queue for
+BLOCK_TOKENS = KV_BLOCK  # tokens per hashed block: the KV cache's
+MAX_BLOCKS = 64  # blocks hashed per prompt: the first 2048 tokens decide the route
+MIN_MATCH_BLOCKS = 4  # a shorter shared prefix (128 tokens) is cheaper to evaluate again than to queue for
 MAX_ENTRIES = 200_000  # remembered hashes (least recently used ones are forgotten first)
 POLICIES = ("prefix", "least-loaded", "random")
 
 
-def block_hashes(tokens: Sequence[int], block: int = BLOCK_TOKENS, limit: int = MAX_BLOCKS) -> list[bytes]:
+def block_hashes(tokens: Sequence[int], limit: int = MAX_BLOCKS) -> list[bytes]:
     """The chained hashes of ``tokens``' full blocks (at most ``limit``); a partial last block is not hashed."""
-    ids = np.asarray(tokens[: block * limit], dtype=np.int64)
-    out: list[bytes] = []
-    previous = b""
-    for i in range(len(ids) // block):
-        previous = hashlib.blake2b(previous + ids[i * block:(i + 1) * block].tobytes(), digest_size=12).digest()
-        out.append(previous)
-    return out
+    return block_names(tokens, min(limit, len(tokens) // BLOCK_TOKENS), b"")
 
 
 @dataclass(frozen=True)
