@@ -68,33 +68,31 @@ def test_a_long_request_runs_beside_short_ones(model):
     assert engine.scheduler.n_preempted == 0
 
 
-def test_a_shared_prefix_is_held_once(model):
-    """Three requests sharing a 64-token prefix with a finished one: they reference its two full blocks
-    (no copies) and each writes its own from position 64 on. The blocks in use are the arithmetic's, the KV
-    bytes in use the blocks' bytes, and the tokens are each one's solo ones."""
-    engine = engine_of(model, n_slots=4, n_ctx=256)
-    prefix = prompt_of(64)
-    first = prefix + prompt_of(6, 40)
-    drive(engine, [greedy(model, first, 4)])
+def test_eight_requests_sharing_a_1000_token_system_prompt_hold_it_once():
+    """8 requests starting with the 1,000-token prompt a finished request left in its slot: each references
+    that slot's blocks (31 full blocks, no rows copied) and writes its own from the block holding position
+    1,000 on (a copy of that shared partial block, then its own). The blocks in use, and the KV bytes,
+    are the arithmetic's; the tokens are each one's solo ones."""
+    big = minfer.load(fixture_dir(ARCH) / "model-f32.gguf", n_ctx=1280, threads=2)
+    engine = engine_of(big, n_slots=9, n_ctx=9 * 1100, batch_size=128)  # the 8 prompts in one pass
+    system = prompt_of(1000)
+    first = system + prompt_of(8, 40)
+    drive(engine, [greedy(big, first, 4)])
     kv = engine.kv
     held_by_first = kv.blocks_in_use - 1  # the padding's block aside
-    assert held_by_first == -(-(len(first) + 3) // KV_BLOCK)  # its 70 prompt and 3 evaluated tokens: 3 blocks
-    prompts = [prefix + prompt_of(5, 20 + 7 * i) for i in range(3)]
+    assert held_by_first == -(-(len(first) + 3) // KV_BLOCK)  # its prompt and the 3 tokens evaluated after it
+    prompts = [system + prompt_of(8, 20 + 7 * i) for i in range(8)]
     seen = []
-
-    def look(engine) -> None:
-        seen.append((engine.kv.blocks_in_use, engine.kv.blocks_shared))
-
-    events = drive(engine, [greedy(model, p, 6) for p in prompts], look)
-    # after the first step: the prefix's 2 blocks shared by 4 sequences, each new one's own block 2, the
-    # first one's blocks, the padding's
-    shared = len(prefix) // KV_BLOCK
-    assert seen[0] == (held_by_first + 3 + 1, shared)
-    bytes_in_use = seen[0][0] * KV_BLOCK * kv.bytes_per_position
-    unshared = (held_by_first + 3 * (shared + 1) + 1) * KV_BLOCK * kv.bytes_per_position
-    assert bytes_in_use == unshared - 3 * shared * KV_BLOCK * kv.bytes_per_position
+    events = drive(engine, [greedy(big, p, 6) for p in prompts],
+                   lambda engine: seen.append((engine.kv.blocks_in_use, engine.kv.blocks_shared)))
+    shared = len(system) // KV_BLOCK  # 31 full blocks held once by 9 sequences
+    own = -(-(len(prompts[0])) // KV_BLOCK) - shared  # each new one's blocks from position 992 on: 1
+    assert seen[0] == (held_by_first + 8 * own + 1, shared)
+    per_block = KV_BLOCK * kv.bytes_per_position
+    assert seen[0][0] * per_block == (held_by_first + 8 * (shared + own) + 1) * per_block - 8 * shared * per_block
     for p, got in zip(prompts, events, strict=True):
-        assert tokens_of(got) == solo(model, p, 6)
+        big.kv.clear()
+        assert tokens_of(got) == big.complete(p, max_tokens=6, temperature=0).tokens
 
 
 @pytest.mark.parametrize("batch_size", [16, None])
