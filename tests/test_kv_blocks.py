@@ -193,4 +193,32 @@ def test_a_prompt_whose_slot_was_overwritten_comes_back_from_the_prompt_cache(mo
     assert cached == (64 if cache_ram else 0)
     assert tokens_of(events[0]) == solo(model, first, 6)
     cache = engine.scheduler.slots.prompt_cache
-    assert (cache.restored if cache else 0) == (2 if cache_ram else 0)
+    assert (cache.restored if cache is not None else 0) == (2 if cache_ram else 0)
+
+
+@pytest.mark.slow
+def test_a_server_with_cache_ram_gives_an_evicted_prompt_its_blocks_back():
+    """A prompt whose slot two concurrent requests overwrote gets its two full blocks back from --cache-ram
+    (64 tokens cached) and the same tokens as its cold run."""
+    import concurrent.futures
+
+    import httpx
+
+    from minfer.testing.server_process import ServerProcess
+
+    def complete(url: str, prompt: list[int]) -> dict:
+        body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+        r = httpx.post(url + "/completion", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = prompt_of(70)
+    path = fixture_dir(ARCH) / "model-f32.gguf"
+    with ServerProcess(path, ["--parallel", "2", "--ctx-size", "256", "--cache-ram", "64"]) as s:
+        cold = complete(s.url, first)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two other prompts at once take both slots
+            list(pool.map(lambda shift: complete(s.url, prompt_of(60, shift)), (13, 17)))
+        again = complete(s.url, first)
+        metrics = httpx.get(s.url + "/metrics").text
+    assert (cold["tokens_cached"], again["tokens_cached"]) == (0, 64) and again["tokens"] == cold["tokens"]
+    assert "minfer_prompt_cache_blocks_restored 2.0" in metrics

@@ -72,8 +72,10 @@ class ServerContext:
         runner = model.engine.runner
         kv = loop.kv
         cells_total = kv.n_ctx if kv.unified else loop.n_slots * loop.slot_context
+        cache = loop.engine.scheduler.slots.prompt_cache
+        cached = (lambda: (cache.nbytes, len(cache), cache.restored)) if cache is not None else lambda: (0, 0, 0)
         metrics = ServerMetrics(loop.load, loop.cells_in_use, cells_total, lambda: runner.plans_built,
-                                lambda: (kv.blocks_in_use, kv.blocks_shared), kv.n_blocks - 1)
+                                lambda: (kv.blocks_in_use, kv.blocks_shared), kv.n_blocks - 1, cached)
         names = {config.model_id, str(model.path), Path(model.path).name, Path(model.path).stem}
         tok = model.tokenizer
         longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=1)

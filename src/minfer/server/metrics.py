@@ -23,6 +23,7 @@ class ServerMetrics:
         plans_built: Callable[[], int],
         kv_blocks: Callable[[], tuple[int, int]] = lambda: (0, 0),
         kv_blocks_total: int = 0,
+        prompt_cache: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
     ) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
@@ -49,6 +50,14 @@ class ServerMetrics:
         blocks_shared.set_function(lambda: kv_blocks()[1])
         blocks_total = Gauge("minfer_kv_blocks_total", "KV cache blocks in the pool", registry=reg)
         blocks_total.set(kv_blocks_total)
+        cache_bytes = Gauge("minfer_prompt_cache_bytes", "host memory held by KV blocks that left the cache "
+                            "(--cache-ram)", registry=reg)
+        cache_bytes.set_function(lambda: prompt_cache()[0])
+        cache_blocks = Gauge("minfer_prompt_cache_blocks", "KV blocks held in host memory (--cache-ram)", registry=reg)
+        cache_blocks.set_function(lambda: prompt_cache()[1])
+        restored = Gauge("minfer_prompt_cache_blocks_restored", "KV blocks given back to a prompt from host memory "
+                         "since the start (--cache-ram)", registry=reg)
+        restored.set_function(lambda: prompt_cache()[2])
         self.preempted = Counter("minfer_sequences_preempted", "times a running sequence's KV blocks were freed "
                                  "for others (its tokens evaluated again when blocks were free)", registry=reg)
         plans = Gauge("minfer_plans_built", "forward-pass plans built since the start (each costs 10-50 ms; "
