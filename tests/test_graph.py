@@ -60,7 +60,8 @@ def test_fusion_rewrites_pairs_and_keeps_results(qwen3):
         kv = KVCache(qwen3.hparams, 16)
         plan = Plan(graph, CPUBackend(), kv.layers)
         plan.inputs["tokens"][:] = [0, 5, 9, 3]
-        plan.inputs["positions"][:] = plan.inputs["rows"][:] = [0, 1, 2, 3]
+        plan.inputs["positions"][:] = [0, 1, 2, 3]
+        plan.inputs["rows"][:] = kv.rows(np.arange(4))  # (their blocks taken, as the runner does)
         results.append(plan.run().copy())
     np.testing.assert_allclose(results[0], results[1], atol=1e-6)
 
@@ -135,7 +136,8 @@ def test_matmuls_reading_one_activation_share_its_quantization():
         kv = KVCache(model.hparams, 16)
         plan = Plan(graph, backend, kv.layers)
         plan.inputs["tokens"][:] = [0, 7, 9]
-        plan.inputs["positions"][:] = plan.inputs["rows"][:] = [0, 1, 2]
+        plan.inputs["positions"][:] = [0, 1, 2]
+        plan.inputs["rows"][:] = kv.rows(np.arange(3))  # (their blocks taken, as the runner does)
         with backend.running():
             outs.append(plan.run().copy())
     assert np.array_equal(outs[0], outs[1])
