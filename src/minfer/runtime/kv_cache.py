@@ -204,7 +204,6 @@ class KVCache:
         self.unified = unified
         self.capacity = n_ctx if unified else n_ctx // n_seq  # positions per sequence
         self.n_layer = hparams.n_layer
-        self.block_size = KV_BLOCK
         # split: every position of every sequence has a block, so a write never waits for one; unified:
         # n_ctx positions in all. And the null block.
         per_seq = -(-self.capacity // KV_BLOCK)
