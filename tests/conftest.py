@@ -163,3 +163,24 @@ def derive_gguf(src: Path, dst: Path, kv: dict | None = None, tensors: dict[str,
 
 def variant_dir(arch: str, name: str) -> Path:
     return fixture_dir(arch) / "variants" / name
+
+
+def drive(engine, requests, each_step=None) -> list[list]:
+    """Add every request to ``engine``, then step until all have ended (``each_step(engine)`` after each
+    step); each request's events."""
+    events: list[list] = [[] for _ in requests]
+    for i, r in enumerate(requests):
+        r.emit = events[i].append
+        engine.add(r)
+    while engine.running:
+        engine.step()
+        if each_step is not None:
+            each_step(engine)
+    return events
+
+
+def tokens_of(events) -> list[int]:
+    """The generated token ids among a request's events."""
+    from minfer.runtime.requests import Token
+
+    return [e.step.token for e in events if isinstance(e, Token) and e.step.token is not None]

@@ -4,7 +4,7 @@ give are the same tokens, with constraints, logprobs, stop strings and context s
 from __future__ import annotations
 
 import pytest
-from conftest import fixture_dir, fixture_sequences
+from conftest import drive, fixture_dir, fixture_sequences, tokens_of
 
 import minfer
 from minfer.errors import BadRequestError, ContextOverflowError
@@ -22,21 +22,6 @@ def model():
 def engine_of(model, n_slots: int, batch_size: int | None = 16, n_ctx: int = 64):
     config = EngineConfig(n_slots=n_slots, batch_size=batch_size)
     return build_engine(model.transformer, model.backend, model.tokenizer, n_ctx * n_slots, model.cache_type, config)
-
-
-def drive(engine, requests) -> list[list]:
-    """Add every request, then step until all have ended; each request's events."""
-    events: list[list] = [[] for _ in requests]
-    for i, r in enumerate(requests):
-        r.emit = events[i].append
-        engine.add(r)
-    while engine.running:
-        engine.step()
-    return events
-
-
-def tokens_of(events) -> list[int]:
-    return [e.step.token for e in events if isinstance(e, Token) and e.step.token is not None]
 
 
 def test_one_step_serves_every_sequence_with_the_api_tokens(model):
