@@ -78,12 +78,14 @@ def test_eight_requests_sharing_a_1000_token_system_prompt_hold_it_once():
         assert tokens_of(got) == big.complete(p, max_tokens=6, temperature=0).tokens
 
 
-@pytest.mark.parametrize("batch_size", [16, None])
-def test_a_pool_too_small_for_the_load_preempts_and_every_request_ends_as_alone(model, batch_size):
+@pytest.mark.parametrize(("batch_size", "cache_ram"), [(16, 0), (None, 0), (16, 64 << 20)])
+def test_a_pool_too_small_for_the_load_preempts_and_every_request_ends_as_alone(model, batch_size, cache_ram):
     """4 slots sharing 96 positions (3 blocks), 4 requests of ~50 positions each: sequences are preempted
     (their blocks freed, the youngest first) and evaluated again when blocks are free; every request ends
-    with its solo greedy tokens, and the preemptions are counted (engine, request stats, hooks)."""
-    engine = engine_of(model, n_slots=4, n_ctx=96, batch_size=batch_size)
+    with its solo greedy tokens, and the preemptions are counted (engine, request stats, hooks). With
+    --cache-ram a preempted sequence's full blocks wait there and come back when it resumes."""
+    config = EngineConfig(n_slots=4, batch_size=batch_size, end_of_context="length", cache_ram=cache_ram)
+    engine = build_engine(model.transformer, model.backend, model.tokenizer, 96, model.cache_type, config)
     counted = []
     engine.hooks = EngineHooks(on_preempted=lambda: counted.append(1))
     prompts = [prompt_of(20 + 3 * i, 5 * i) for i in range(4)]
@@ -95,6 +97,8 @@ def test_a_pool_too_small_for_the_load_preempts_and_every_request_ends_as_alone(
         assert isinstance(got[-1], Finished) and got[-1].stats.finish_reason == "length"
         assert tokens_of(got) == solo(model, p, max_tokens)
     assert engine.kv.blocks_in_use <= engine.kv.n_blocks - 1
+    cache = engine.scheduler.slots.prompt_cache
+    assert cache is None or cache.restored > 0
 
 
 @pytest.mark.slow

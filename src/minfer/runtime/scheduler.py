@@ -272,6 +272,7 @@ class Scheduler:
         run.n_done = 0
         if run.pool is not None:  # an embedding pools its hidden states again from the first position
             run.pool = Pooler(run.request.pooling, run.request.normalize)  # type: ignore[union-attr]
+        self.slots.save(run.slot)  # its blocks into the prompt cache, if there is one, for its resumption
         self.kv.truncate(run.slot, 0)
         run.request.stats.preempted += 1
         self.n_preempted += 1
@@ -329,6 +330,10 @@ class Scheduler:
             if run.next_token is not None or budget <= 0:
                 continue
             prompt = run.prompt
+            if run.replay is not None and run.n_done == 0:  # resumed: what other slots and the prompt cache hold
+                before = self.kv.blocks_free
+                run.n_done = self.slots.resume(run.slot, prompt, max(0, blocks_left))
+                blocks_left -= before - self.kv.blocks_free
             chunk = min(len(prompt) - run.n_done, budget)
             if self.kv.unified:
                 chunk, taken = self._prompt_chunk(run, chunk, blocks_left)

@@ -62,14 +62,7 @@ class Slots:
         if not free:
             raise BadRequestError(f"all {self.n_slots} slots are taken")
         scales = self.runner.lora_scales if lora is None else np.asarray(lora, np.float32)
-        limit = len(prompt) - 1
-        best_src, best_n = -1, 0
-        for s in range(self.n_slots) if reuse else ():
-            if not np.array_equal(self._lora[s], scales):
-                continue
-            n = common_prefix(self.kv.tokens(s), prompt, limit)
-            if n > best_n or (n == best_n and n > 0 and s in free and best_src not in free):
-                best_src, best_n = s, n
+        best_src, best_n = self._best_prefix(prompt, scales, free) if reuse else (-1, 0)
 
         def lost(s: int) -> tuple[int, int, int]:
             """Cached tokens that taking slot ``s`` throws away (then: prefer no copy, the longest unused)."""
@@ -89,6 +82,30 @@ class Slots:
             self.runner.set_lora(scales, seq=slot)
         return slot, best_n
 
+    def _best_prefix(self, prompt: Sequence[int], scales: np.ndarray, free: Sequence[int]) -> tuple[int, int]:
+        """(slot, n): the slot holding the longest prefix of ``prompt`` computed under ``scales`` (never the
+        last prompt token; of equal ones a free slot), and its length ((-1, 0): none)."""
+        limit = len(prompt) - 1
+        best_src, best_n = -1, 0
+        for s in range(self.n_slots):
+            if not np.array_equal(self._lora[s], scales):
+                continue
+            n = common_prefix(self.kv.tokens(s), prompt, limit)
+            if n > best_n or (n == best_n and n > 0 and s in free and best_src not in free):
+                best_src, best_n = s, n
+        return best_src, best_n
+
+    def resume(self, slot: int, tokens: Sequence[int], max_blocks: int) -> int:
+        """``slot``'s sequence was preempted (it holds nothing) and is about to evaluate ``tokens`` again: it
+        references the longest prefix of them another slot holds, then gets the blocks after it that the
+        prompt cache holds (taking at most ``max_blocks`` from the pool); how many it holds now (never the
+        last one)."""
+        scales = self._lora[slot]
+        src, n = self._best_prefix(tokens, scales, ())
+        if n:
+            self.kv.copy_prefix(src, slot, n)
+        return self._restore(slot, tokens, n, scales, max_blocks)
+
     def release(self, slot: int, step: int) -> None:
         """The slot is free again (since engine step ``step``); its tokens stay for a later prompt that
         shares them."""
@@ -105,6 +122,10 @@ class Slots:
                 return
             self._save(slot, 0)
             self.kv.truncate(slot, 0)
+
+    def save(self, slot: int) -> None:
+        """Copy ``slot``'s full blocks into the prompt cache (if there is one): it is about to lose them."""
+        self._save(slot, 0)
 
     # -- the prompt cache ----------------------------------------------------------------------------
 
@@ -125,10 +146,12 @@ class Slots:
             if names[b] not in cache:
                 cache.put(names[b], self.kv.read(slot, (b + 1) * KV_BLOCK, b * KV_BLOCK))
 
-    def _restore(self, slot: int, prompt: Sequence[int], held: int, scales: np.ndarray) -> int:
+    def _restore(self, slot: int, prompt: Sequence[int], held: int, scales: np.ndarray,
+                 max_blocks: int | None = None) -> int:
         """Give ``slot`` (holding the first ``held`` tokens of ``prompt``) the cells of the blocks that follow
         from the prompt cache, as far as they go (never the prompt's last token: its logits are needed,
-        and never more blocks than the pool has free); how many tokens it holds then."""
+        and never more blocks than the pool has free, nor than ``max_blocks``); how many tokens it holds
+        then."""
         cache = self.prompt_cache
         n_full = (len(prompt) - 1) // KV_BLOCK
         first = held // KV_BLOCK
@@ -136,9 +159,10 @@ class Slots:
             return held
         names = block_names(prompt, n_full, self._root(scales))
         found = []
+        room = self.kv.blocks_free if max_blocks is None else min(max_blocks, self.kv.blocks_free)
         for b in range(first, n_full):
             cells = cache.get(names[b])
-            if cells is None or len(found) + 1 > self.kv.blocks_free:
+            if cells is None or len(found) + 1 > room:
                 break
             found.append(cells)
         if not found or (first + len(found)) * KV_BLOCK <= held:
