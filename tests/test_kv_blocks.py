@@ -206,3 +206,58 @@ def test_a_server_with_cache_ram_gives_an_evicted_prompt_its_blocks_back():
         metrics = httpx.get(s.url + "/metrics").text
     assert (cold["tokens_cached"], again["tokens_cached"]) == (0, 64) and again["tokens"] == cold["tokens"]
     assert "minfer_prompt_cache_blocks_restored 2.0" in metrics
+
+
+def test_disk_blocks_come_back_only_when_they_check_out(tmp_path):
+    """--cache-disk's files: a block comes back as it was written (in its stored type), from a later
+    process too; the oldest files go when the folder is full; a damaged file, or one written for other
+    weights, is never used (deleted, counted)."""
+    import numpy as np
+
+    from minfer.runtime.prompt_cache import DiskBlocks
+
+    rng = np.random.default_rng(0)
+    cells = [(rng.standard_normal((KV_BLOCK, 8)).astype(np.float32), rng.integers(0, 255, (KV_BLOCK, 34), np.uint8))
+             for _ in range(2)]
+    disk = DiskBlocks(tmp_path, 10 << 20, "model-a")
+    disk.put(b"n1", cells)
+    again = DiskBlocks(tmp_path, 10 << 20, "model-a").get(b"n1")
+    assert again is not None and all(np.array_equal(a, b) for pa, pb in zip(again, cells, strict=True)
+                                     for a, b in zip(pa, pb, strict=True))
+    assert again[0][1].dtype == np.uint8 and DiskBlocks(tmp_path, 10 << 20, "model-b").get(b"n1") is None
+    size = disk.nbytes
+    small = DiskBlocks(tmp_path / "small", 2 * size, "model-a")
+    for name in (b"n2", b"n3", b"n4"):
+        small.put(name, cells)
+    assert b"n2" not in small and b"n3" in small and b"n4" in small and small.nbytes == 2 * size
+    path = next((tmp_path / "small").glob("*" + b"n3".hex() + ".kvb"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # one flipped bit
+    path.write_bytes(bytes(data))
+    assert small.get(b"n3") is None and small.rejected == 1 and not path.exists()
+    # a file of other weights renamed to this model's name for the block: its header says otherwise
+    DiskBlocks(tmp_path / "other", 10 << 20, "model-b").put(b"n4", cells)
+    src = next((tmp_path / "other").glob("*.kvb"))
+    target = next((tmp_path / "small").glob("*" + b"n4".hex() + ".kvb"))
+    src.replace(target)
+    assert small.get(b"n4") is None and small.rejected == 2
+
+
+def test_a_prompt_comes_back_from_cache_disk_after_a_restart(model, tmp_path):
+    """--cache-disk alone: a prompt's full blocks, lost when another prompt takes its only slot, come back
+    from the folder; a new engine (a restarted server) on the same folder finds them too. The tokens are
+    the solo ones."""
+    def engine():
+        config = EngineConfig(n_slots=1, batch_size=16, end_of_context="length", cache_disk=str(tmp_path))
+        return build_engine(model.transformer, model.backend, model.tokenizer, 256, model.cache_type, config)
+
+    first = prompt_of(70)
+    one = engine()
+    drive(one, [greedy(model, first, 4)])
+    drive(one, [greedy(model, prompt_of(60, 13), 4)])
+    events = drive(one, [greedy(model, first, 6)])
+    assert next(e.cached_tokens for e in events[0] if isinstance(e, Started)) == 64
+    assert tokens_of(events[0]) == solo(model, first, 6)
+    events = drive(engine(), [greedy(model, first, 6)])
+    assert next(e.cached_tokens for e in events[0] if isinstance(e, Started)) == 64
+    assert tokens_of(events[0]) == solo(model, first, 6)

@@ -37,6 +37,11 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--cache-ram", type=int, default=0, metavar="MiB",
                      help="host memory for KV blocks that leave the cache (a slot's cached prompt overwritten or "
                      "dropped under load), found again by a prompt that starts with them (default: 0, off)")
+    srv.add_argument("--cache-disk", default=None, metavar="DIR",
+                     help="a folder for the KV blocks that leave --cache-ram (or all of them, without it): "
+                     "written atomically, read back only when their checksum and model match")
+    srv.add_argument("--cache-disk-size", type=int, default=4096, metavar="MiB",
+                     help="most bytes of blocks --cache-disk holds for this model (default: 4096)")
     srv.add_argument("-b", "--batch-size", type=int, default=512,
                      help="most tokens one forward pass evaluates (default: 512)")
     srv.add_argument("--queue-size", type=int, default=64,
@@ -100,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = ServeOptions(max_body_size=parse_size(args.max_body_size), log_format=args.log_format,
                        model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
-                       cache_ram=args.cache_ram,
+                       cache_ram=args.cache_ram, cache_disk=args.cache_disk, cache_disk_size=args.cache_disk_size,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,

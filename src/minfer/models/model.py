@@ -4,6 +4,7 @@ pairing its weights need. Nothing here knows which format the checkpoint is."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -115,6 +116,16 @@ class TransformerModel:
         return self._lora_weights.get((k, target))
 
     # -- what the graph builder and the runtime read -------------------------------------------------
+
+    def digest_weights(self, h: Any) -> None:
+        """Feed ``h`` (a hashlib object) the identity of what cached K/V cells are computed with: the
+        hyperparameters, every tensor's name, type and shape, and the LoRA adapters merged into the
+        weights (their values, which the shapes miss). Applied adapters are the caller's to add."""
+        h.update(json.dumps(vars(self.hparams), sort_keys=True, default=str).encode())
+        for name, tensor in self.tensors.items():
+            h.update(f"{name}:{tensor.ggml_type.name}:{tensor.shape}:{tensor.nbytes};".encode())
+        for adapter, scale in self.merged_loras:
+            h.update(f"merged:{adapter.path.name}:{scale!r};".encode())
 
     @property
     def rope_style(self) -> RopeStyle:

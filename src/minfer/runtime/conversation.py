@@ -10,7 +10,6 @@ made for another model or cell type is refused.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -51,13 +50,9 @@ def model_fingerprint(model: ChatModel) -> str:
     """Identity of the weights a cache was computed with: architecture, shapes and types of every tensor."""
     t = model.transformer
     h = hashlib.sha256()
-    h.update(json.dumps(vars(t.hparams), sort_keys=True, default=str).encode())
-    for name, tensor in t.tensors.items():
-        h.update(f"{name}:{tensor.ggml_type.name}:{tensor.shape}:{tensor.nbytes};".encode())
-    # LoRA adapters change every cached K/V: merged ones (in the weights' values, which the shapes above miss)
-    # and applied ones with the scales the conversation runs at (none: the fingerprint of the model alone)
-    for adapter, scale in t.merged_loras:
-        h.update(f"merged:{adapter.path.name}:{scale!r};".encode())
+    t.digest_weights(h)
+    # applied LoRA adapters change every cached K/V by the scales the conversation runs at (none: the
+    # fingerprint of the model alone)
     for a in model.lora_adapters:
         h.update(f"lora:{Path(a['path']).name}:{a['scale']!r};".encode())
     return f"{t.arch.name}:{t.path.name}:{h.hexdigest()[:24]}"

@@ -34,7 +34,7 @@ from minfer.models.model import TransformerModel
 from minfer.runtime.batching import Batch, PassOutput
 from minfer.runtime.forward import MAX_PLANS, ForwardRunner
 from minfer.runtime.kv_cache import slots_kv_cache
-from minfer.runtime.prompt_cache import PromptCache
+from minfer.runtime.prompt_cache import DiskBlocks, PromptCache, cells_fingerprint
 from minfer.runtime.requests import (
     Embedded,
     EmbeddingRequest,
@@ -285,6 +285,8 @@ class EngineConfig:
     end_of_context: EndOfContext = "error"
     max_plans: int = MAX_PLANS  # batch shapes whose prepared plans the runner keeps
     cache_ram: int = 0  # bytes of host memory for KV blocks that left the cache (0: none; --cache-ram)
+    cache_disk: str | None = None  # a folder for the blocks that leave host memory (--cache-disk)
+    cache_disk_bytes: int = 4 << 30  # at most this many bytes of them there
 
 
 def build_engine(
@@ -316,6 +318,11 @@ def build_engine(
     draft = None
     if draft_model is not None:
         draft = DraftModel(draft_model, backend, kv.capacity, config.n_slots, cache_type)
-    prompt_cache = PromptCache(config.cache_ram) if config.cache_ram > 0 else None
+    prompt_cache = None
+    if config.cache_ram > 0 or config.cache_disk:
+        disk = None
+        if config.cache_disk:
+            disk = DiskBlocks(config.cache_disk, config.cache_disk_bytes, cells_fingerprint(model, kv.cache_type))
+        prompt_cache = PromptCache(config.cache_ram, disk)
     return Engine(runner, tokenizer, config.batch_size, config.end_of_context, speculative=speculative, draft=draft,
                   prompt_cache=prompt_cache)

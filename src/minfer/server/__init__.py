@@ -24,6 +24,8 @@ class ServeOptions:
     parallel: int = DEFAULT_PARALLEL
     ctx_size: int | None = None  # shared by all sequences (any one may use it all); default min(train, 4096)
     cache_ram: int = 0  # MiB of host memory for KV blocks that left the cache (--cache-ram; 0: off)
+    cache_disk: str | None = None  # a folder for the blocks that leave host memory (--cache-disk)
+    cache_disk_size: int = 4096  # MiB of blocks the folder holds for this model
     batch_size: int = 512
     queue_size: int = 64
     api_key: str | None = None
@@ -114,6 +116,10 @@ def serve(opts: ServeOptions) -> None:
         raise BadRequestError(f"--batch-size must be >= 1, got {opts.batch_size}")
     if opts.cache_ram < 0:
         raise BadRequestError(f"--cache-ram must be >= 0 MiB, got {opts.cache_ram}")
+    if opts.cache_disk_size < 1:
+        raise BadRequestError(f"--cache-disk-size must be >= 1 MiB, got {opts.cache_disk_size}")
+    if opts.cache_disk is not None and os.path.exists(opts.cache_disk) and not os.path.isdir(opts.cache_disk):
+        raise BadRequestError(f"--cache-disk {opts.cache_disk!r} is not a folder")
     if opts.max_body_size < 1:
         raise BadRequestError(f"--max-body-size must be >= 1 byte, got {opts.max_body_size}")
     if opts.log_format not in access_log.LOG_FORMATS:
@@ -122,7 +128,8 @@ def serve(opts: ServeOptions) -> None:
     if not opts.shutdown_timeout >= 0:
         raise BadRequestError(f"--shutdown-timeout must be >= 0 seconds, got {opts.shutdown_timeout}")
     engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",
-                                 max_plans=MAX_PLANS, cache_ram=opts.cache_ram * 2**20)
+                                 max_plans=MAX_PLANS, cache_ram=opts.cache_ram * 2**20, cache_disk=opts.cache_disk,
+                                 cache_disk_bytes=opts.cache_disk_size * 2**20)
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
                  cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config,
                  draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative, lora=opts.lora,
