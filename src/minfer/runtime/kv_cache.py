@@ -105,7 +105,7 @@ class KVLayer:
     def store(self, k: np.ndarray, v: np.ndarray, rows: np.ndarray) -> None:
         """Write K/V rows ``k[i]``, ``v[i]`` at virtual rows ``rows[i]`` (already bounds-checked, their blocks
         writable)."""
-        phys = self.row_map[rows]
+        phys = self.physical(rows)
         if self.cache_type == "q8_0":
             quantize_q8_0_into(k, self.k, phys)
             quantize_q8_0_into(v, self.v, phys)
@@ -271,10 +271,13 @@ class KVCache:
         """Blocks from the pool that writing positions ``first..last`` of ``seq`` takes: one for each block
         it does not hold yet (gaps included), one for each shared block it would copy."""
         held = self._blocks[seq]
-        b0, b1 = first // KV_BLOCK, last // KV_BLOCK
-        new = max(0, b1 + 1 - max(len(held), b0)) + max(0, b0 - len(held))
-        refs = self._refs
-        return new + sum(1 for b in range(b0, min(b1 + 1, len(held))) if refs[held[b]] > 1)
+        gap = max(0, first // KV_BLOCK - len(held))
+        return gap + sum(self._write_cost(held, b) for b in range(first // KV_BLOCK, last // KV_BLOCK + 1))
+
+    def _write_cost(self, held: list[int], b: int) -> int:
+        """Blocks from the pool a write into block ``b`` of a sequence holding ``held`` takes: one for a block
+        it does not hold yet or shares (then copied), none for its own."""
+        return 1 if b >= len(held) or self._refs[held[b]] > 1 else 0
 
     def writable_end(self, seq: int, start: int, n_blocks: int) -> int:
         """How far from ``start`` sequence ``seq`` can write with ``n_blocks`` blocks from the pool: the end
@@ -286,7 +289,7 @@ class KVCache:
                 return start
         b = start // KV_BLOCK
         while b * KV_BLOCK < self.capacity:
-            cost = 1 if b >= len(held) or self._refs[held[b]] > 1 else 0
+            cost = self._write_cost(held, b)
             if cost > n_blocks:
                 break
             n_blocks -= cost

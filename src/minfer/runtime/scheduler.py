@@ -220,8 +220,8 @@ class Scheduler:
         if not self.kv.unified:
             return self._assemble(drafts)
         while True:
-            drafts = self._make_room(drafts)
-            batch = self._assemble(drafts)
+            drafts, need = self._make_room(drafts)
+            batch = self._assemble(drafts, self.kv.blocks_free - need)
             if batch is not None or not self.running:
                 return batch
             # nothing could run: every sequence waits for blocks that others' prompts hold
@@ -243,9 +243,10 @@ class Scheduler:
             n += self.kv.blocks_needed(run.slot, run.pos, run.pos + k)
         return n
 
-    def _make_room(self, drafts: dict[int, Draft] | None) -> dict[int, Draft] | None:
+    def _make_room(self, drafts: dict[int, Draft] | None) -> tuple[dict[int, Draft] | None, int]:
         """Free blocks for this step's decode tokens: idle slots' cached tokens, then the drafts, then
-        running sequences, the most recently admitted first. The drafts that are kept."""
+        running sequences, the most recently admitted first. The drafts that are kept, and the blocks
+        the decode tokens take."""
         need = self._decode_blocks(drafts)
         self.slots.reclaim(need)
         if drafts and need > self.kv.blocks_free:
@@ -256,7 +257,7 @@ class Scheduler:
                 break
             self._preempt(victim)
             need = self._decode_blocks(None)
-        return drafts
+        return drafts, need
 
     def _youngest_holding_blocks(self) -> Running | None:
         for run in reversed(self.running):
@@ -292,9 +293,10 @@ class Scheduler:
             return 0, 0
         return chunk, self.kv.blocks_needed(run.slot, run.n_done, run.n_done + chunk - 1)
 
-    def _assemble(self, drafts: dict[int, Draft] | None) -> Batch[Running] | None:
+    def _assemble(self, drafts: dict[int, Draft] | None, blocks_left: int = 0) -> Batch[Running] | None:
         """Every running sequence's next token (and its draft, if any), then as much waiting prompt as the
-        budget allows."""
+        budget allows (on a unified cache, as its ``blocks_left`` free blocks after the decode tokens
+        allow)."""
         tokens: list[int] = []
         positions: list[int] = []
         seqs: list[int] = []
@@ -325,7 +327,6 @@ class Scheduler:
         waiting = sum(len(r.prompt) - r.n_done for r in self.running if r.next_token is None)
         budget = prompt_budget(waiting, len(tokens), self.batch_size, self.buckets)
         n_decode = len(tokens)
-        blocks_left = self.kv.blocks_free - self._decode_blocks(drafts) if self.kv.unified else 0
         for run in self.running:
             if run.next_token is not None or budget <= 0:
                 continue
