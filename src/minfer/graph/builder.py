@@ -61,6 +61,15 @@ class GraphBuilder:
             raise ModelError(f"{name}: cannot normalize width {x.shape[-1]} in groups of {width}")
         return self._emit(Op.RMS_NORM, (x,), x.shape, meta=NormMeta(eps, width), name=name, layer=layer)
 
+    def layer_norm(self, x: Node, gain: Node, bias: Node, eps: float, name: str = "", layer=None) -> Node:
+        """``(x - mean) / sqrt(var + eps) * gain + bias`` over each row (the statistics over the whole width)."""
+        for w in (gain, bias):
+            if tuple(w.shape) != (x.shape[-1],):
+                raise ModelError(f"{name}: LayerNorm weight {w.label()} has shape {w.shape}, expected "
+                                 f"({x.shape[-1]},)")
+        return self._emit(Op.LAYER_NORM, (x, gain, bias), x.shape, meta=NormMeta(eps, x.shape[-1]), name=name,
+                          layer=layer)
+
     def mul(self, x: Node, w: Node, name: str = "", layer=None) -> Node:
         self._check_broadcast(x, w, name)
         return self._emit(Op.MUL, (x, w), x.shape, name=name, layer=layer)
@@ -117,6 +126,25 @@ class GraphBuilder:
             raise ModelError(f"{name}: q width {q.shape[-1]} != {meta.n_head} x {meta.head_dim_k}")
         out = (q.shape[0], meta.n_head * meta.head_dim_v)
         return self._emit(Op.ATTN, (q, kv, positions, rows), out, meta=meta, name=name, layer=meta.layer)
+
+    def encoder_attn(self, q: Node, k: Node, v: Node, spans: Node, meta: AttnMeta, name: str = "") -> Node:
+        """Bidirectional attention: token t attends to every token of its own sequence in this pass, the rows
+        ``r`` with ``spans[r] == spans[t]`` (``spans``: each token's sequence's first row; a sequence's rows
+        are consecutive)."""
+        if meta.head_dim_k < 1 or meta.n_head % meta.n_head_kv:
+            raise ModelError(f"{name}: {meta.n_head} query heads cannot share {meta.n_head_kv} kv heads")
+        if q.shape[-1] != meta.n_head * meta.head_dim_k or k.shape[-1] != meta.n_head_kv * meta.head_dim_k \
+                or v.shape[-1] != meta.n_head_kv * meta.head_dim_v:
+            raise ModelError(f"{name}: q/k/v widths {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]} do not fit "
+                             f"{meta.n_head} heads ({meta.n_head_kv} kv heads) of {meta.head_dim_k}")
+        if not q.shape[0] == k.shape[0] == v.shape[0] == spans.shape[0]:
+            raise ModelError(f"{name}: q, k, v and spans disagree on the number of tokens")
+        out = (q.shape[0], meta.n_head * meta.head_dim_v)
+        return self._emit(Op.ENC_ATTN, (q, k, v, spans), out, meta=meta, name=name, layer=meta.layer)
+
+    def gelu_erf(self, x: Node, name: str = "", layer=None) -> Node:
+        """The exact GELU, ``x/2 * (1 + erf(x / sqrt(2)))`` (BERT's ``gelu``)."""
+        return self._emit(Op.GELU_ERF, (x,), x.shape, name=name, layer=layer)
 
     def silu(self, x: Node, name: str = "", layer=None) -> Node:
         return self._emit(Op.SILU, (x,), x.shape, name=name, layer=layer)

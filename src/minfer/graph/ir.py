@@ -50,6 +50,12 @@ class Op(StrEnum):
     # a LoRA adapter's update beside a matmul: y + s[row] * (x @ A^T) @ B^T, where s is each row's scale (an
     # input: rows of one batch may use different adapters, or none, with scale 0)
     LORA = "lora"
+    # encoders (BERT): LayerNorm with its gain and bias, (x - mean) / sqrt(var + eps) * gain + bias; the exact
+    # (erf) GELU; attention of every token to every token of its own sequence, no mask by position and no KV
+    # cache (the K/V rows are this pass's own)
+    LAYER_NORM = "layer_norm"
+    GELU_ERF = "gelu_erf"
+    ENC_ATTN = "enc_attn"
 
 
 class RopeStyle(StrEnum):

@@ -138,6 +138,9 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     Op.GELU: lambda node, out, x: ref.gelu(x, out),
     Op.GEGLU: lambda node, out, gate, up: ref.geglu(gate, up, out),
     Op.SOFTCAP: lambda node, out, x: ref.softcap(x, node.meta.factor, out),
+    Op.LAYER_NORM: lambda node, out, x, gain, bias: ref.layer_norm(x, gain, bias, node.meta.eps, out),
+    Op.GELU_ERF: lambda node, out, x: ref.gelu_erf(x, out),
+    Op.ENC_ATTN: lambda node, out, q, k, v, spans: ref.encoder_attention(q, k, v, spans, node.meta, out),
     Op.MOE_ROUTE: lambda node, out, logits: ref.moe_route(logits, node.meta.n_used, node.meta.normalize, out),
 }
 

@@ -328,6 +328,60 @@ def attention(
     out.reshape(nt, meta.n_head_kv, group, meta.head_dim_v)[:] = o.transpose(2, 0, 1, 3)
 
 
+def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """``(x - mean) / sqrt(var + eps) * gain + bias`` per row: mean and (biased) variance summed in float64,
+    the rest in float32 steps, as torch's LayerNorm."""
+    mean = x.mean(axis=-1, keepdims=True, dtype=np.float64)
+    d = x.astype(np.float64) - mean
+    var = np.einsum("ij,ij->i", d, d)[:, None] / x.shape[-1]
+    inv = (1.0 / np.sqrt(var + eps)).astype(np.float32)
+    np.multiply((x - mean.astype(np.float32)) * inv, gain, out=out)
+    np.add(out, bias, out=out)
+
+
+SQRT_HALF = 0.7071067811865476
+
+
+def gelu_erf(x: np.ndarray, out: np.ndarray) -> None:
+    """The exact GELU ``x/2 (1 + erf(x / sqrt 2))``, erf in float64 (numpy has none in float32), rounded once."""
+    from math import erf
+
+    flat = x.reshape(-1).astype(np.float64)
+    e = np.frompyfunc(erf, 1, 1)(flat * SQRT_HALF).astype(np.float64)
+    out.reshape(-1)[:] = (0.5 * flat * (1.0 + e)).astype(np.float32)
+
+
+def sequence_spans(spans: np.ndarray) -> list[tuple[int, int]]:
+    """``[(first, end), ...]`` of the sequences of a pass whose tokens carry their sequence's first row
+    (``spans``: an encoder's input); a sequence's rows must be consecutive and start where ``spans`` says."""
+    out: list[tuple[int, int]] = []
+    t, n = 0, spans.shape[0]
+    while t < n:
+        start = int(spans[t])
+        if start != t:
+            raise ValueError(f"token {t} says its sequence starts at row {start}: sequences must be consecutive")
+        end = t + 1
+        while end < n and spans[end] == start:
+            end += 1
+        out.append((t, end))
+        t = end
+    return out
+
+
+def encoder_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, spans: np.ndarray, meta: AttnMeta,
+                      out: np.ndarray) -> None:
+    """Bidirectional GQA attention within each sequence of the pass (see :func:`sequence_spans`)."""
+    group = meta.n_head // meta.n_head_kv
+    for a, b in sequence_spans(spans):
+        n = b - a
+        qh = q[a:b].reshape(n, meta.n_head_kv, group, meta.head_dim_k).transpose(1, 2, 0, 3)  # [hk, g, t, d]
+        kh = k[a:b].reshape(n, meta.n_head_kv, meta.head_dim_k).transpose(1, 2, 0)  # [hk, d, s]
+        vh = v[a:b].reshape(n, meta.n_head_kv, meta.head_dim_v).transpose(1, 0, 2)  # [hk, s, dv]
+        weights = softmax_rows(np.matmul(qh, kh[:, None]) * np.float32(meta.scale))
+        o = np.matmul(weights, vh[:, None])  # [hk, g, t, dv]
+        out[a:b].reshape(n, meta.n_head_kv, group, meta.head_dim_v)[:] = o.transpose(2, 0, 1, 3)
+
+
 def dequantize_tensor(t: WeightTensor) -> np.ndarray:
     """The whole tensor as float32 in its numpy shape (for small tensors: norms, biases)."""
     if t.ggml_type == GGMLType.F32:
