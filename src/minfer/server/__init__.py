@@ -127,6 +127,13 @@ def serve(opts: ServeOptions) -> None:
                               f"got {opts.log_format!r}")
     if not opts.shutdown_timeout >= 0:
         raise BadRequestError(f"--shutdown-timeout must be >= 0 seconds, got {opts.shutdown_timeout}")
+    from minfer.models.bert import is_encoder_folder
+    from minfer.pull import resolve_model
+
+    resolved = resolve_model(opts.model)
+    if is_encoder_folder(resolved):
+        _serve_encoder(opts, resolved)
+        return
     engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",
                                  max_plans=MAX_PLANS, cache_ram=opts.cache_ram * 2**20, cache_disk=opts.cache_disk,
                                  cache_disk_bytes=opts.cache_disk_size * 2**20)
@@ -185,3 +192,46 @@ def serve(opts: ServeOptions) -> None:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+# the options of a generating server that mean nothing for an encoder's, refused when given
+_GENERATING_OPTIONS = {"ctx_size": "--ctx-size", "cache_ram": "--cache-ram", "cache_disk": "--cache-disk",
+                       "cache_type": "--cache-type", "quantize": "--quantize", "draft": "--model-draft",
+                       "lookup": "--lookup", "lora": "--lora", "lora_merge": "--lora-merge"}
+
+
+def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
+    """Serve an encoder (:mod:`minfer.server.encoder_app`) until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from minfer.api import keep_for_process
+    from minfer.api_encoder import Encoder
+    from minfer.runtime.encoder_loop import EncoderLoop
+    from minfer.server import access_log
+    from minfer.server.context import ServerConfig
+    from minfer.server.encoder_app import create_encoder_app
+    from minfer.server.http_protocols import http_protocol
+
+    defaults = ServeOptions()
+    given = [flag for name, flag in _GENERATING_OPTIONS.items() if getattr(opts, name) != getattr(defaults, name)]
+    if given:
+        raise BadRequestError(f"{path} is an encoder model (embeddings, reranking): {', '.join(given)} do not apply")
+    encoder = Encoder(path, threads=opts.threads, kernels=opts.kernels)
+    loop = EncoderLoop(encoder.runner, max_queue=opts.queue_size)
+    keep_for_process(collect=True)
+    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    config = ServerConfig(model_id=opts.alias or Path(encoder.path).name, api_key=api_key,
+                          strict_model=opts.strict_model, normalize=opts.normalize, cors_origins=opts.cors_origins,
+                          max_body_size=opts.max_body_size, log_format=opts.log_format)
+    access_log.configure(opts.log_format)
+    errors_to_stderr()
+    app = create_encoder_app(encoder, loop, config, pooling=opts.pooling)
+    sock = listening_socket(opts.host, opts.port)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
+                                           timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
+    what = "embeddings and reranking" if encoder.can_rerank else "embeddings"
+    print(f"minfer: serving {config.model_id} on http://{host}:{port} ({what}, {encoder.pooling} pooling, up to "
+          f"{encoder.max_length} tokens per input, {encoder.threads} threads){' with an API key' if api_key else ''}",
+          file=sys.stderr, flush=True)
+    server.run(sockets=[sock])

@@ -523,6 +523,15 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
                     attend_by_sequence(q, kv, positions, rows, out, attend, window, cells=True)
 
             return attn
+        if op in (Op.LAYER_NORM, Op.GELU_ERF, Op.ENC_ATTN):  # encoders (compiled on first use)
+            from minfer.backends.cpu import encoder_kernels as enc
+
+            if op is Op.LAYER_NORM:
+                eps = meta.eps
+                return lambda node, out, x, gain, bias: enc.layer_norm(x, gain, bias, eps, out)
+            if op is Op.GELU_ERF:
+                return lambda node, out, x: enc.gelu_erf(x, out)
+            return lambda node, out, q, k, v, spans: enc.encoder_attention(q, k, v, spans, meta, out)
         return REFERENCE_KERNELS[op]
 
     def close(self) -> None:

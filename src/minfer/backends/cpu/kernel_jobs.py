@@ -267,6 +267,18 @@ def lora_job() -> CompileJob:
                       (f"{_CPU}.lora_kernels:_lora_serial", f"{_CPU}.lora_kernels:_lora_parallel"), 3.0)
 
 
+_ENC = f"{_CPU}.encoder_kernels"
+_ENCODER_OPS = (Op.LAYER_NORM, Op.GELU_ERF, Op.ENC_ATTN)
+
+
+def encoder_job() -> CompileJob:
+    """LayerNorm, the erf GELU and the bidirectional attention of encoders (BERT), serial and parallel."""
+    kernels = tuple(f"{_ENC}:{k}" for k in ("_layer_norm_serial", "_layer_norm_parallel", "_gelu_erf_serial",
+                                            "_gelu_erf_parallel", "_sequence_starts", "_attn_serial",
+                                            "_attn_parallel"))
+    return CompileJob("encoder", f"{_ENC}:warmup", "encoders", kernels, 7.0)
+
+
 def _weight_kind(node: Node) -> str:
     """How a 1-D weight operand reaches a kernel: read-only (float32 in the file: a view of the read-only
     mapping) or writable (dequantized at load)."""
@@ -317,6 +329,8 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
             jobs.append(rope_job())
         elif op is Op.LORA:
             jobs.append(lora_job())
+        elif op in _ENCODER_OPS:
+            jobs.append(encoder_job())
     jobs.append(elementwise_job(ew))
     jobs.extend(matmul_jobs(types))
     return list({j.name: j for j in jobs if j is not None}.values())
@@ -325,7 +339,7 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
 def all_jobs(cache_types: Iterable[str] = ("f32", "f16", "q8_0")) -> list[CompileJob]:
     """Every fast kernel: each weight type's matmul, every vector op, the caches of ``cache_types``."""
     jobs: list[CompileJob | None] = list(matmul_jobs(_MATMUL_KERNELS))
-    jobs += [norms_job("ro"), norms_job("rw"), rope_job(), lora_job()]
+    jobs += [norms_job("ro"), norms_job("rw"), rope_job(), lora_job(), encoder_job()]
     ops = [o for o in _ELEMENTWISE_OP.values() if o not in ("add", "mul")]
     jobs.append(elementwise_job([*ops, *(f"{o}{w}" for o in ("add", "mul") for w in ("", "+ro", "+rw"))]))
     for c in cache_types:
