@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +216,61 @@ def test_all_minilm_matches_sentence_transformers_on_200_sentences(all_minilm_pa
                                                                                                      axis=1)
     assert cosine.min() >= 0.99999, cosine.min()
     np.testing.assert_allclose(got, ref["embeddings"], atol=2e-5, rtol=0)
+
+
+# --- the command line --------------------------------------------------------------------------------------
+
+
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minfer", *args], capture_output=True, text=True, timeout=300,
+                          input=stdin)
+
+
+def test_cli_embed_json_npy_and_file(tmp_path):
+    texts = ["hello world", "The café served crème brûlée to Zoë."]
+    r = cli("embed", str(BERT), *texts)
+    assert r.returncode == 0, r.stderr
+    want = minfer.load(BERT).embed(texts)
+    np.testing.assert_array_equal(np.array(json.loads(r.stdout), np.float32), want)
+    out = tmp_path / "e.npy"
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n\n", encoding="utf-8")
+    r = cli("embed", str(BERT), "-f", str(tmp_path / "texts.txt"), "-o", str(out), "--no-normalize")
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.load(out), minfer.load(BERT).embed(texts, normalize=False))
+    r = cli("embed", str(BERT), "-f", "-", "--pooling", "cls", stdin="hello world\n")
+    np.testing.assert_array_equal(np.array(json.loads(r.stdout), np.float32),
+                                  minfer.load(BERT).embed(["hello world"], pooling="cls"))
+
+
+def test_cli_rerank_prints_best_first():
+    spec = json.loads((RERANK / "texts.json").read_text())
+    r = cli("rerank", str(RERANK), spec["query"], *spec["documents"], "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    want = minfer.load(RERANK).rerank(spec["query"], spec["documents"])
+    assert [g["index"] for g in got] == [w["index"] for w in want]
+    assert [g["document"] for g in got] == [spec["documents"][w["index"]] for w in want]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("embed", str(BERT)), "no texts"),
+    (("embed", str(BERT), "word " * 100), "longer than the model's 64"),
+    (("rerank", str(BERT), "q", "a"), "no classification head"),
+    (("run", str(BERT), "hello"), "is an encoder model"),
+    (("trace", str(BERT), "hello", "--html", "/tmp/never.html"), "is an encoder model"),
+    (("bench", str(BERT)), "is an encoder model"),
+    (("embed", str(FIXTURES / "llama" / "model-f32.gguf"), "hi"), "is a generating model"),
+])
+def test_cli_errors_are_one_line(args, fragment):
+    r = cli(*args)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("minfer: error:") and fragment in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_cli_inspect_an_encoder():
+    r = cli("inspect", str(RERANK), "--tensors")
+    assert r.returncode == 0, r.stderr
+    assert "kind: encoder (bert; embeddings, reranking)" in r.stdout and "cls.output.weight" in r.stdout
+    r = cli("inspect", str(BERT), "--graph", "--tokens", "3", "--format", "json")
+    nodes = json.loads(r.stdout)["nodes"]
+    assert sum(n["op"] == "enc_attn" for n in nodes) == 2 and sum(n["op"] == "layer_norm" for n in nodes) == 5

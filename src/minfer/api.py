@@ -26,7 +26,7 @@ from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.formats.chat_template import ChatTemplate
 from minfer.formats.fim import FimTokens, find_fim_tokens
 from minfer.formats.tokenizer import Tokenizer
-from minfer.models.bert import is_encoder_folder
+from minfer.models.bert import is_encoder_checkpoint
 from minfer.models.hparams import HParams
 from minfer.models.model import TransformerModel
 from minfer.pull import resolve_model
@@ -540,7 +540,7 @@ def load(
     ``lora_init_without_apply=True`` loads them with scale 0.
     """
     resolved = resolve_model(path)
-    if is_encoder_folder(resolved):
+    if is_encoder_checkpoint(resolved):
         generating = {"n_ctx": n_ctx, "cache_type": cache_type, "trace": trace, "dump_dir": dump_dir,
                       "quantize": quantize, "engine_config": engine_config, "draft": draft, "lookup": lookup or None,
                       "speculative": speculative, "lora": lora, "lora_merge": lora_merge or None}

@@ -18,8 +18,6 @@ import numpy as np
 from minfer.api_setup import default_threads
 from minfer.backends.cpu.backend import CPUBackend
 from minfer.errors import BadRequestError
-from minfer.formats.encoder_tokenizer import EncoderTokenizer
-from minfer.formats.sentence_config import read_sentence_config
 from minfer.models.bert import BertModel, EncoderHParams
 from minfer.runtime.encoder import EncoderRunner
 from minfer.runtime.pooling import ENCODER_POOLINGS
@@ -42,12 +40,11 @@ class Encoder:
             threads = default_threads()
         if not isinstance(threads, int) or threads < 1:
             raise BadRequestError(f"threads must be a positive integer, got {threads!r}")
-        self.model = BertModel(path)
+        self.model = BertModel.open(path)
         self.path: Path = self.model.path
         self.threads = threads
-        hp = self.model.hparams
-        self.config = read_sentence_config(self.path, "cls" if self.model.has_head else "mean", hp.n_ctx_train)
-        self.tokenizer = EncoderTokenizer(self.path / "tokenizer.json", self.config.max_seq_length)
+        self.config = self.model.sentence_config()
+        self.tokenizer = self.model.load_tokenizer(self.config.max_seq_length)
         self.backend = CPUBackend(threads=threads, kernels=kernels)
         self.runner = EncoderRunner(self.model, self.backend, max_tokens=max_tokens)
         self.runner.warm_up()

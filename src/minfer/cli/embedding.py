@@ -45,6 +45,18 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     rr.set_defaults(handler=cmd_rerank)
 
 
+def refuse_encoder(model: str | None, command: str) -> None:
+    """A one-line error when ``model`` is an encoder, for the subcommands that generate or trace a decoder."""
+    from minfer.models.bert import is_encoder_checkpoint
+    from minfer.pull import resolve_model
+
+    path = resolve_model(model)
+    if is_encoder_checkpoint(path):
+        raise BadRequestError(f"{path} is an encoder model: `minfer {command}` needs a generating model (for an "
+                              "encoder: `minfer embed`, `minfer rerank`, `minfer serve`, `minfer inspect`; its "
+                              "throughput: bench/encoder_throughput.py)")
+
+
 def _lines(args: argparse.Namespace, given: list[str], what: str) -> list[str]:
     if args.file is not None and given:
         raise BadRequestError(f"give the {what} as arguments or with -f, not both")

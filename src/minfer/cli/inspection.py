@@ -41,6 +41,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from minfer.tools.model_summary import format_bytes, format_summary, summarize
 
     path = resolve_model(args.model)
+    from minfer.models.bert import is_encoder_checkpoint
+
+    if is_encoder_checkpoint(path):
+        return _inspect_encoder(path, args)
     if args.kv:
         from minfer.runtime.kv_cache import CACHE_TYPES, cell_bytes
 
@@ -114,4 +118,51 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             stored = model.source.stored_name(name)
             shown_name = name if stored == name else f"{name} ({stored})"
             print(f"  {shown_name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {format_bytes(t.nbytes):>12s}")
+    return 0
+
+
+def _inspect_encoder(path, args: argparse.Namespace) -> int:
+    """An encoder's summary (hyperparameters, sentence-transformers configuration, metadata, tensors) or graph."""
+    from minfer.graph import printing
+    from minfer.graph.fusion import fuse
+    from minfer.models.bert import BertModel
+    from minfer.tools.model_summary import format_bytes
+
+    if args.kv or args.lora or args.quantize:
+        raise MinferError(f"{path} is an encoder model: it has no KV cache, adapters or load-time quantization here")
+    model = BertModel.open(path)
+    if args.graph:
+        if args.tokens < 1:
+            raise MinferError(f"--tokens must be >= 1, got {args.tokens}")
+        graph = model.build_graph(args.tokens)
+        graph = graph if args.no_fuse else fuse(graph)
+        layers = set(args.layer) if args.layer else None
+        text = printing.to_dot(graph, layers) if args.format == "dot" else printing.to_json(graph) \
+            if args.format == "json" else printing.to_text(graph, layers)
+        print(text)
+        return 0
+    if args.format == "dot":
+        raise MinferError("--format dot is for --graph; the summary prints as text or json")
+    config = model.sentence_config()
+    summary = {"file": str(model.path), "format": "GGUF" if model.gguf is not None else "HF safetensors folder",
+               "kind": "encoder", "architecture": model.hparams.arch, "rerank": model.has_head,
+               "pooling": config.pooling, "normalize": config.normalize, "max_seq_length": config.max_seq_length,
+               "weights": model.weight_bytes, "hparams": vars(model.hparams)}
+    if args.format == "json":
+        if args.tensors:
+            summary["tensors"] = [{"name": n, "type": t.ggml_type.name, "shape": list(t.shape), "bytes": t.nbytes}
+                                  for n, t in model.tensors.items()]
+        print(json.dumps(summary, indent=1, default=str))
+        return 0
+    print(f"file: {summary['file']}\nformat: {summary['format']}, {len(model.tensors)} tensors, "
+          f"{format_bytes(model.weight_bytes)}\nkind: encoder ({model.hparams.arch}; embeddings"
+          f"{', reranking' if model.has_head else ''})\nembeddings: {config.pooling} pooling"
+          f"{', L2-normalized' if config.normalize else ''}, up to {config.max_seq_length} tokens per input")
+    print("\nhyperparameters:")
+    for k, v in vars(model.hparams).items():
+        print(f"  {k} = {v}")
+    if args.tensors:
+        print("\ntensors:")
+        for name, t in model.tensors.items():
+            print(f"  {name:40s} {t.ggml_type.name:6s} {str(list(t.shape)):>16s} {format_bytes(t.nbytes):>12s}")
     return 0

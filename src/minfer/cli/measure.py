@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from minfer.cli.embedding import refuse_encoder
 from minfer.cli.options import add_model_argument, add_quantize_flag, add_threads_flag
 from minfer.errors import MinferError
 
@@ -55,6 +56,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise MinferError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise MinferError(f"{path}: cannot read as UTF-8 text: {e}") from None
+    refuse_encoder(args.model, "perplexity")
     model = minfer.load(args.model, n_ctx=max(args.ctx, 4), threads=args.threads, quantize=args.quantize)
     t0 = time.perf_counter()
     result = model.perplexity(text, n_ctx=args.ctx, n_batch=args.batch, progress=True)
@@ -87,6 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise MinferError(f"--peer-python takes ENGINE=PYTHON, got {item!r}")
         peers[engine] = python
     threads = _int_list(args.threads, "--threads") if args.threads else [default_threads()]
+    refuse_encoder(args.model, "bench")
     report = bench(resolve_model(args.model), _int_list(args.n_prompt, "-p"), _int_list(args.n_gen, "-n"),
                    threads, args.repetitions, compare=args.compare, peer_python=peers, quantize=args.quantize,
                    lookup=args.lookup, draft=args.draft,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from minfer.cli.embedding import refuse_encoder
 from minfer.cli.options import add_cache_type_flag, add_quantize_flag, add_threads_flag
 from minfer.errors import MinferError
 
@@ -80,6 +81,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             raise MinferError("--example is served alone: minfer trace --serve --example NAME (no model, no prompt)")
         return _serve_example(args)
     model_ref, prompt = _model_and_prompt(args)
+    refuse_encoder(model_ref, "trace")
     model = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize, cache_type=args.cache_type,
                         threads=args.threads)
     if args.serve:

@@ -17,6 +17,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from minfer.errors import BadRequestError, FormatError
+from minfer.formats.gguf_file import GGUFFile
+
+SPM_SPACE = "\u2581"  # "▁": llama.cpp's phantom space before a word-initial piece
 
 
 @dataclass(frozen=True)
@@ -29,20 +32,25 @@ class Encoded:
 class EncoderTokenizer:
     """Tokenizes single texts and (query, document) pairs into at most ``max_length`` tokens."""
 
-    def __init__(self, path: str | os.PathLike[str], max_length: int) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise FormatError(f"{path}: missing (an encoder folder needs its tokenizer.json)")
-        try:
-            self._whole = Tokenizer.from_file(str(path))
-        except Exception as e:  # the library's errors are Exception subclasses of its own
-            raise FormatError(f"{path}: not a tokenizer.json the tokenizers library reads ({e})") from None
+    def __init__(self, tokenizer: Tokenizer, max_length: int) -> None:
+        self._whole = tokenizer
         self._whole.no_truncation()
         self._whole.no_padding()
         self._cut = Tokenizer.from_str(self._whole.to_str())
         self._cut.enable_truncation(max_length)
         self.max_length = max_length
         self.vocab_size = self._whole.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], max_length: int) -> EncoderTokenizer:
+        path = Path(path)
+        if not path.is_file():
+            raise FormatError(f"{path}: missing (an encoder folder needs its tokenizer.json)")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the library's errors are Exception subclasses of its own
+            raise FormatError(f"{path}: not a tokenizer.json the tokenizers library reads ({e})") from None
+        return cls(tokenizer, max_length)
 
     def encode(self, text: str, pair: str | None = None, truncate: bool = False, what: str = "input") -> Encoded:
         """``text`` (and ``pair``) with the special tokens; longer than ``max_length``: cut where ``truncate``,
@@ -62,3 +70,50 @@ class EncoderTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._whole.decode(ids)
+
+
+GGUF_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+
+
+def wordpiece_from_gguf(f: GGUFFile) -> Tokenizer:
+    """The WordPiece tokenizer of a GGUF BERT (``tokenizer.ggml.model`` ``bert``) as the ``tokenizers`` library's:
+    llama.cpp's converter wrote the vocabulary with "phantom spaces" (a word-initial piece ``w`` as ``▁w``, a
+    continuation ``##w`` as ``w``, control tokens as they are), which is undone here; BERT's normaliser
+    (lowercasing and accent stripping, as llama.cpp's WPM tokenizer always does), pre-tokenizer and template
+    ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` with the file's ids."""
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+    kind = f.get("tokenizer.ggml.model")
+    if kind != "bert":
+        raise FormatError(f"{f.path}: tokenizer.ggml.model is {kind!r}; an encoder's GGUF needs 'bert' (WordPiece)")
+    tokens = f.require("tokenizer.ggml.tokens", list)
+    types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise FormatError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab: dict[str, int] = {}
+    for i, (tok, kind_id) in enumerate(zip(tokens, types, strict=True)):
+        text = tok if kind_id == GGUF_CONTROL else tok[1:] if tok.startswith(SPM_SPACE) else "##" + tok
+        vocab.setdefault(text, i)
+
+    def special(key: str, fallback: str) -> tuple[str, int]:
+        value = f.get(key)
+        if value is None:
+            value = vocab.get(fallback)
+        if not isinstance(value, int) or not 0 <= value < len(tokens):
+            raise FormatError(f"{f.path}: {key} is missing or outside the vocabulary ({value!r})")
+        return tokens[value], value
+
+    unk, _ = special("tokenizer.ggml.unknown_token_id", "[UNK]")
+    cls_token = special("tokenizer.ggml.cls_token_id", "") if f.get("tokenizer.ggml.cls_token_id") is not None \
+        else special("tokenizer.ggml.bos_token_id", "[CLS]")
+    sep_token = special("tokenizer.ggml.seperator_token_id", "") if f.get("tokenizer.ggml.seperator_token_id") \
+        is not None else special("tokenizer.ggml.eos_token_id", "[SEP]")
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True,
+                                                lowercase=bool(f.get("tokenizer.ggml.normalizer.lowercase", True)))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    (c, ci), (s_, si) = cls_token, sep_token
+    tok.post_processor = processors.TemplateProcessing(single=f"{c} $A {s_}", pair=f"{c} $A {s_} $B:1 {s_}:1",
+                                                       special_tokens=[(c, ci), (s_, si)])
+    tok.decoder = decoders.WordPiece()
+    return tok

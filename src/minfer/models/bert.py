@@ -1,5 +1,7 @@
-"""BERT encoders (``model_type`` ``bert``: all-MiniLM, bge, e5, the BERT cross-encoder rerankers), from HF
-folders: hyperparameters, tensors under llama.cpp's GGUF names, and the layer recipe as a compute graph.
+"""BERT-family encoders: BERT (``model_type`` ``bert``: all-MiniLM, bge, e5, the BERT cross-encoder rerankers) and
+XLM-RoBERTa / RoBERTa (``xlm-roberta``, ``roberta``: bge-m3, bge-reranker, jina-reranker), from HF folders and
+from GGUF files as llama.cpp's converter writes them (``general.architecture`` ``bert``): hyperparameters,
+tensors under llama.cpp's GGUF names, and the layer recipe as a compute graph.
 
     x = LN_embd(tok_embd[token] + pos_embd[position] + type_embd[token_type])
     per layer:  x = LN_attn(x + W_o · attn(W_q·x + b_q, W_k·x + b_k, W_v·x + b_v) + b_o)
@@ -10,9 +12,13 @@ sequences share a pass, each a run of consecutive rows named by the ``spans`` in
 (erf) GELU for ``hidden_act`` ``gelu``, the tanh one for ``gelu_new`` / ``gelu_pytorch_tanh``. The graph's
 output is the last layer's hidden states ``[n_tokens, n_embd]`` (sentence-transformers pools them).
 
-A ``BertForSequenceClassification`` folder (a cross-encoder reranker) also carries its pooler (``cls``:
-``tanh(W·x[CLS] + b)``) and classifier (``cls.output``), which :meth:`BertModel.classify` applies to the
-first row of each sequence.
+RoBERTa's position embeddings start at row ``pad_token_id + 1`` (transformers numbers a sequence's positions from
+there): ``position_offset`` rows are skipped. llama.cpp's converter drops those rows from its GGUF files instead.
+
+A ``*ForSequenceClassification`` checkpoint (a cross-encoder reranker) also carries a head, which
+:func:`classification_head` applies to the first row of each sequence: ``cls.output · tanh(cls · x + b) + b``
+(BERT's pooler then classifier; RoBERTa's ``classifier.dense`` then ``out_proj``). llama.cpp's converter leaves
+BERT's pooler out of its GGUF files, whose head is then ``cls.output · x + b``, as llama.cpp computes it.
 """
 
 from __future__ import annotations
@@ -28,13 +34,22 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import FormatError, ModelError
+from minfer.formats.encoder_tokenizer import EncoderTokenizer, wordpiece_from_gguf
+from minfer.formats.gguf_file import GGUFFile
+from minfer.formats.quants import is_supported
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
+from minfer.formats.sentence_config import SentenceConfig, read_sentence_config
 from minfer.formats.tensors import WeightTensor
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.ir import AttnMeta, Graph
 
-MODEL_TYPES = ("bert",)  # config.json model_type values this module runs
-CLASSES = ("BertModel", "BertForSequenceClassification", "BertForMaskedLM", "BertForPreTraining")
+MODEL_TYPES = ("bert", "xlm-roberta", "roberta")  # config.json model_type values this module runs
+CLASSES = ("BertModel", "BertForSequenceClassification", "BertForMaskedLM", "BertForPreTraining",
+           "XLMRobertaModel", "XLMRobertaForSequenceClassification", "XLMRobertaForMaskedLM",
+           "RobertaModel", "RobertaForSequenceClassification", "RobertaForMaskedLM")
+# the prefix of the encoder's tensors in a checkpoint with a head (BertForSequenceClassification's "bert.")
+PREFIXES = {"bert": "bert.", "xlm-roberta": "roberta.", "roberta": "roberta."}
+GGUF_ARCHS = ("bert",)
 ACTIVATIONS = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 _GLOBAL = {
@@ -46,7 +61,9 @@ _GLOBAL = {
     "pooler.dense.weight": "cls.weight",
     "pooler.dense.bias": "cls.bias",
 }
-_HEAD = {"classifier.weight": "cls.output.weight", "classifier.bias": "cls.output.bias"}
+_HEAD = {"classifier.weight": "cls.output.weight", "classifier.bias": "cls.output.bias",  # BERT's
+         "classifier.dense.weight": "cls.weight", "classifier.dense.bias": "cls.bias",  # RoBERTa's
+         "classifier.out_proj.weight": "cls.output.weight", "classifier.out_proj.bias": "cls.output.bias"}
 _LAYER_TENSORS = {
     "attention.self.query": "attn_q",
     "attention.self.key": "attn_k",
@@ -59,7 +76,8 @@ _LAYER_TENSORS = {
 }
 _LAYER = re.compile(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)")
 # buffers and heads the encoder does not compute: position ids, the masked-LM and next-sentence heads
-_IGNORED = re.compile(r"(embeddings\.position_ids|cls\.predictions\..*|cls\.seq_relationship\..*)")
+_IGNORED = re.compile(r"(embeddings\.position_ids|embeddings\.token_type_ids|cls\.predictions\..*|"
+                      r"cls\.seq_relationship\..*|lm_head\..*)")
 
 
 @dataclass(frozen=True)
@@ -75,6 +93,7 @@ class EncoderHParams:
     norm_eps: float
     activation: str  # "erf" (exact GELU) or "tanh"
     n_labels: int = 0  # classification outputs (a reranker's 1), 0 without a head
+    position_offset: int = 0  # the position embeddings' first row of position 0 (RoBERTa: pad_token_id + 1)
 
     @property
     def head_dim(self) -> int:
@@ -85,9 +104,33 @@ class EncoderHParams:
         return 1.0 / math.sqrt(self.head_dim)
 
 
-def is_encoder_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is an HF folder whose ``config.json`` names an encoder this module runs."""
-    cfg = Path(path) / "config.json"
+def gguf_architecture(path: Path) -> str | None:
+    """The ``general.architecture`` of a GGUF file, read from its first metadata pair (llama.cpp's converter and
+    gguf's writer put it there), without parsing the rest of the header; None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4 + 4 + 8 + 8 + 8 + 64 + 4 + 8 + 64)
+    except OSError:
+        return None
+    if len(head) < 40 or head[:4] != b"GGUF":
+        return None
+    n = int.from_bytes(head[24:32], "little")
+    if n != len("general.architecture") or head[32:32 + n] != b"general.architecture":
+        return None
+    at = 32 + n
+    if int.from_bytes(head[at:at + 4], "little") != 8:  # GGUF_TYPE_STRING
+        return None
+    length = int.from_bytes(head[at + 4:at + 12], "little")
+    return head[at + 12:at + 12 + length].decode("utf-8", "replace") if length <= 64 else None
+
+
+def is_encoder_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an encoder this module runs: an HF folder whose ``config.json`` names one of
+    :data:`MODEL_TYPES`, or a GGUF file of one of :data:`GGUF_ARCHS`."""
+    p = Path(path)
+    if p.is_file():
+        return gguf_architecture(p) in GGUF_ARCHS
+    cfg = p / "config.json"
     if not cfg.is_file():
         return False
     try:
@@ -105,14 +148,16 @@ def _config_int(cfg: Mapping[str, Any], name: str, where: Path, default: int | N
 
 
 def hparams_from_config(cfg: Mapping[str, Any], where: Path, n_labels: int) -> EncoderHParams:
-    """BERT's hyperparameters as transformers' ``BertConfig`` reads them; one-line errors naming the field."""
+    """The hyperparameters as transformers' ``BertConfig`` / ``XLMRobertaConfig`` read them; one-line errors
+    naming the field."""
+    model_type = cfg.get("model_type")
     classes = cfg.get("architectures")
     if isinstance(classes, list) and classes and not any(c in CLASSES for c in classes):
-        raise ModelError(f"{where}: architectures {classes} is not an encoder minfer runs for model_type 'bert' "
-                         f"(supported: {', '.join(CLASSES)})")
+        raise ModelError(f"{where}: architectures {classes} is not an encoder minfer runs for model_type "
+                         f"{model_type!r} (supported: {', '.join(CLASSES)})")
     act = cfg.get("hidden_act", "gelu")
     if act not in ACTIVATIONS:
-        raise ModelError(f"{where}: hidden_act {act!r} is not supported for bert (supported: "
+        raise ModelError(f"{where}: hidden_act {act!r} is not supported for {model_type} (supported: "
                          f"{', '.join(ACTIVATIONS)})")
     kind = cfg.get("position_embedding_type", "absolute")
     if kind != "absolute":
@@ -124,10 +169,20 @@ def hparams_from_config(cfg: Mapping[str, Any], where: Path, n_labels: int) -> E
     eps = cfg.get("layer_norm_eps", 1e-12)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise FormatError(f"{where}: field 'layer_norm_eps' must be a positive number, got {eps!r}")
+    offset = 0
+    if model_type != "bert":  # RoBERTa numbers positions from pad_token_id + 1
+        pad = cfg.get("pad_token_id", 1)
+        if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+            raise FormatError(f"{where}: field 'pad_token_id' must be a non-negative integer, got {pad!r}")
+        offset = pad + 1
+    n_positions = _config_int(cfg, "max_position_embeddings", where, 512)
+    if n_positions <= offset:
+        raise ModelError(f"{where}: max_position_embeddings {n_positions} leaves no position after the "
+                         f"{offset} that {model_type} skips (pad_token_id + 1)")
     return EncoderHParams(
-        arch="bert",
+        arch=str(model_type),
         n_vocab=_config_int(cfg, "vocab_size", where),
-        n_ctx_train=_config_int(cfg, "max_position_embeddings", where, 512),
+        n_ctx_train=n_positions - offset,
         n_embd=n_embd,
         n_layer=_config_int(cfg, "num_hidden_layers", where),
         n_head=n_head,
@@ -136,15 +191,50 @@ def hparams_from_config(cfg: Mapping[str, Any], where: Path, n_labels: int) -> E
         norm_eps=float(eps),
         activation=ACTIVATIONS[act],
         n_labels=n_labels,
+        position_offset=offset,
     )
 
 
-def tensor_shapes(hp: EncoderHParams) -> dict[str, tuple[int, ...]]:
-    """Every tensor the recipe reads, with its shape in numpy order ([out, in] for matrices)."""
+def _gguf_int(f: GGUFFile, key: str) -> int:
+    value = f.require(key, int)
+    if isinstance(value, bool) or value <= 0:
+        raise FormatError(f"{f.path}: metadata key {key!r} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def hparams_from_gguf(f: GGUFFile, tensors: Mapping[str, WeightTensor]) -> EncoderHParams:
+    """The hyperparameters of a GGUF file as llama.cpp's converter writes a BERT (``bert.*`` keys)."""
+    arch = f.architecture
+    if f.get(f"{arch}.attention.causal", False):
+        raise ModelError(f"{f.path}: {arch}.attention.causal is true: not an encoder")
+    embd, types = tensors.get("token_embd.weight"), tensors.get("token_types.weight")
+    if embd is None or len(embd.shape) != 2:
+        raise FormatError(f"{f.path}: missing tensor 'token_embd.weight' (or it is not 2-D)")
+    head = tensors.get("cls.output.weight")
+    eps = f.require(f"{arch}.attention.layer_norm_epsilon", (int, float))
+    n_types = int(f.get("tokenizer.ggml.token_type_count", types.shape[0] if types is not None else 2))
+    return EncoderHParams(
+        arch=arch,
+        n_vocab=embd.shape[0],
+        n_ctx_train=_gguf_int(f, f"{arch}.context_length"),
+        n_embd=_gguf_int(f, f"{arch}.embedding_length"),
+        n_layer=_gguf_int(f, f"{arch}.block_count"),
+        n_head=_gguf_int(f, f"{arch}.attention.head_count"),
+        n_ff=_gguf_int(f, f"{arch}.feed_forward_length"),
+        n_token_types=max(n_types, 1),
+        norm_eps=float(eps),
+        activation="erf",  # BERT's "gelu" (llama.cpp computes the tanh form: a 1e-3-size difference it has)
+        n_labels=head.shape[0] if head is not None and len(head.shape) == 2 else 0,
+    )
+
+
+def tensor_shapes(hp: EncoderHParams, pooler: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor the recipe reads, with its shape in numpy order ([out, in] for matrices); ``pooler``: the head
+    has its dense layer (``cls``; llama.cpp's BERT files do not)."""
     e, f = hp.n_embd, hp.n_ff
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (hp.n_vocab, e),
-        "position_embd.weight": (hp.n_ctx_train, e),
+        "position_embd.weight": (hp.n_ctx_train + hp.position_offset, e),
         "token_types.weight": (hp.n_token_types, e),
         "token_embd_norm.weight": (e,),
         "token_embd_norm.bias": (e,),
@@ -159,86 +249,114 @@ def tensor_shapes(hp: EncoderHParams) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}{norm}.weight"] = (e,)
             shapes[f"{p}{norm}.bias"] = (e,)
     if hp.n_labels:
-        shapes |= {"cls.weight": (e, e), "cls.bias": (e,), "cls.output.weight": (hp.n_labels, e),
-                   "cls.output.bias": (hp.n_labels,)}
+        shapes |= {"cls.output.weight": (hp.n_labels, e), "cls.output.bias": (hp.n_labels,)}
+        if pooler:
+            shapes |= {"cls.weight": (e, e), "cls.bias": (e,)}
     return shapes
 
 
 class BertModel:
-    """A BERT encoder loaded from an HF folder; the weights stay in the safetensors memory map."""
+    """An encoder loaded from an HF folder (:meth:`from_folder`) or a GGUF file (:meth:`from_gguf`); the weights
+    stay in the memory map. ``open`` picks by what ``path`` is."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, path: Path, tensors: dict[str, WeightTensor], hparams: EncoderHParams,
+                 origin: Mapping[str, tuple[str, Path]], gguf: GGUFFile | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
+        self.path = path
+        self.tensors = tensors
+        self.hparams = hparams
+        self.origin = dict(origin)
+        self.gguf = gguf
+        self.config = dict(config or {})
+        self._validate()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> BertModel:
+        p = Path(path)
+        return cls.from_gguf(p) if p.is_file() else cls.from_folder(p)
+
+    @classmethod
+    def from_folder(cls, directory: str | os.PathLike[str]) -> BertModel:
         directory = Path(directory)
         cfg_path = directory / "config.json"
         cfg = read_json(cfg_path)
         if not isinstance(cfg, dict):
             raise FormatError(f"{cfg_path}: expected a JSON object")
-        if cfg.get("model_type") not in MODEL_TYPES:
-            raise ModelError(f"{cfg_path}: model_type {cfg.get('model_type')!r} is not an encoder minfer runs "
+        model_type = cfg.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ModelError(f"{cfg_path}: model_type {model_type!r} is not an encoder minfer runs "
                              f"(supported: {', '.join(MODEL_TYPES)})")
-        self.path = directory
-        self.config = cfg
         folder = SafetensorsFolder(directory)
-        self.tensors: dict[str, WeightTensor] = {}
-        self.origin: dict[str, tuple[str, Path]] = {}
+        tensors: dict[str, WeightTensor] = {}
+        origin: dict[str, tuple[str, Path]] = {}
+        prefix = PREFIXES[model_type]
         for hf_name, info in folder.infos.items():
-            name = self._engine_name(hf_name)
+            name = _engine_name(hf_name, prefix)
             if name is None:
-                if _IGNORED.fullmatch(hf_name.removeprefix("bert.")):
+                if _IGNORED.fullmatch(hf_name.removeprefix(prefix)):
                     continue
-                raise ModelError(f"{info.file}: tensor {hf_name!r} has no place in the bert recipe")
+                raise ModelError(f"{info.file}: tensor {hf_name!r} has no place in the {model_type} recipe")
             if info.dtype not in SAFETENSORS_TYPES:
                 raise ModelError(f"{info.file}: tensor {hf_name!r} has dtype {info.dtype}, not supported "
                                  f"(supported: {', '.join(SAFETENSORS_TYPES)})")
             t = folder.tensors[hf_name]
-            self.tensors[name] = WeightTensor(name, t.ggml_type, t.shape, t.data, t.file_rows)
-            self.origin[name] = (hf_name, info.file)
-        head = self.tensors.get("cls.output.weight")
-        n_labels = head.shape[0] if head is not None and len(head.shape) == 2 else 0
-        self.hparams = hparams_from_config(cfg, cfg_path, n_labels)
-        layers = {int(m.group(1)) for n in folder.infos if (m := _LAYER.fullmatch(n.removeprefix("bert.")))}
-        if layers and max(layers) >= self.hparams.n_layer:
-            raise ModelError(f"{cfg_path}: num_hidden_layers is {self.hparams.n_layer} but the weights have layer "
+            tensors[name] = WeightTensor(name, t.ggml_type, t.shape, t.data, t.file_rows)
+            origin[name] = (hf_name, info.file)
+        head = tensors.get("cls.output.weight")
+        hparams = hparams_from_config(cfg, cfg_path, head.shape[0] if head is not None and len(head.shape) == 2
+                                      else 0)
+        layers = {int(m.group(1)) for n in folder.infos if (m := _LAYER.fullmatch(n.removeprefix(prefix)))}
+        if layers and max(layers) >= hparams.n_layer:
+            raise ModelError(f"{cfg_path}: num_hidden_layers is {hparams.n_layer} but the weights have layer "
                              f"{max(layers)}")
-        self._validate()
+        return cls(directory, tensors, hparams, origin, config=cfg)
 
-    @staticmethod
-    def _engine_name(hf_name: str) -> str | None:
-        if hf_name in _HEAD:
-            return _HEAD[hf_name]
-        name = hf_name.removeprefix("bert.")
-        if name in _GLOBAL:
-            return _GLOBAL[name]
-        m = _LAYER.fullmatch(name)
-        if m is not None and m.group(2) in _LAYER_TENSORS:
-            return f"blk.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
-        return None
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> BertModel:
+        f = GGUFFile(path)
+        if f.architecture not in GGUF_ARCHS:
+            raise ModelError(f"{f.path}: architecture {f.architecture!r} is not an encoder minfer runs "
+                             f"(supported: {', '.join(GGUF_ARCHS)})")
+        tensors = dict(f.tensors)
+        hparams = hparams_from_gguf(f, tensors)
+        return cls(f.path, tensors, hparams, {name: (name, f.path) for name in tensors}, gguf=f)
 
     def describe_tensor(self, name: str) -> str:
         hf_name, file = self.origin.get(name, (name, self.path))
         return f"{file}: tensor {hf_name!r}"
 
-    def _validate(self) -> None:
+    def _stored_name(self, name: str) -> str:
+        if self.gguf is not None:
+            return name
         by_engine = {v: k for k, v in {**_GLOBAL, **_HEAD}.items()}
-        for name, shape in tensor_shapes(self.hparams).items():
-            t = self.tensors.get(name)
-            if t is None:
-                hf = by_engine.get(name) or self._hf_layer_name(name)
-                raise FormatError(f"{self.path}: missing tensor {hf!r} (bert, shape {shape})")
-            if tuple(t.shape) != shape:
-                raise ModelError(f"{self.describe_tensor(name)} has shape {t.shape}, expected {shape}")
-
-    @staticmethod
-    def _hf_layer_name(name: str) -> str:
+        if name in by_engine:
+            return by_engine[name]
         m = re.fullmatch(r"blk\.(\d+)\.(.+)\.(weight|bias)", name)
         if m is None:
             return name
         hf = {v: k for k, v in _LAYER_TENSORS.items()}[m.group(2)]
         return f"encoder.layer.{m.group(1)}.{hf}.{m.group(3)}"
 
+    def _validate(self) -> None:
+        hp = self.hparams
+        # llama.cpp's BERT files carry no pooler: their head is the classifier alone
+        pooler = self.gguf is None or "cls.weight" in self.tensors
+        for name, shape in tensor_shapes(hp, pooler).items():
+            t = self.tensors.get(name)
+            if t is None:
+                raise FormatError(f"{self.path}: missing tensor {self._stored_name(name)!r} ({hp.arch}, shape {shape})")
+            if tuple(t.shape) != shape:
+                raise ModelError(f"{self.describe_tensor(name)} has shape {t.shape}, expected {shape}")
+            if not is_supported(t.ggml_type):
+                raise ModelError(f"{self.describe_tensor(name)} has type {t.ggml_type.name}, not supported")
+        if self.gguf is not None:
+            extra = sorted(set(self.tensors) - set(tensor_shapes(hp, pooler)))
+            if extra:
+                raise ModelError(f"{self.describe_tensor(extra[0])} has no place in the {hp.arch} recipe")
+
     @property
     def has_head(self) -> bool:
-        """Whether the folder carries a classification head (a cross-encoder reranker)."""
+        """Whether the checkpoint carries a classification head (a cross-encoder reranker)."""
         return self.hparams.n_labels > 0
 
     @property
@@ -251,8 +369,41 @@ class BertModel:
         except KeyError:
             raise FormatError(f"{self.path}: missing tensor {name!r}") from None
 
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensors
+
     def build_graph(self, n_tokens: int) -> Graph:
         return build_bert_graph(self, n_tokens)
+
+    # -- what comes with the weights ---------------------------------------------------------------
+
+    def sentence_config(self) -> SentenceConfig:
+        """The pooling, normalisation and longest input: a folder's sentence-transformers modules, a GGUF's
+        ``pooling_type`` (normalised, as llama.cpp's default ``embd_normalize``); a reranker pools ``cls``."""
+        hp = self.hparams
+        default = "cls" if self.has_head else "mean"
+        if self.gguf is None:
+            return read_sentence_config(self.path, default, hp.n_ctx_train)
+        raw = self.gguf.get(f"{hp.arch}.pooling_type")
+        pooling = {0: "none", 1: "mean", 2: "cls", 3: "last"}.get(int(raw), default) if raw is not None else default
+        return SentenceConfig(pooling, True, hp.n_ctx_train, declared=raw is not None)
+
+    def load_tokenizer(self, max_length: int) -> EncoderTokenizer:
+        if self.gguf is None:
+            return EncoderTokenizer.from_file(self.path / "tokenizer.json", max_length)
+        return EncoderTokenizer(wordpiece_from_gguf(self.gguf), max_length)
+
+
+def _engine_name(hf_name: str, prefix: str) -> str | None:
+    if hf_name in _HEAD:
+        return _HEAD[hf_name]
+    name = hf_name.removeprefix(prefix)
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    m = _LAYER.fullmatch(name)
+    if m is not None and m.group(2) in _LAYER_TENSORS:
+        return f"blk.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    return None
 
 
 def build_bert_graph(model: BertModel, n_tokens: int) -> Graph:
@@ -294,7 +445,10 @@ def build_bert_graph(model: BertModel, n_tokens: int) -> Graph:
 
 def classification_head(model: BertModel, first_rows: np.ndarray, dequantize) -> np.ndarray:
     """``cls.output · tanh(cls · x + b) + b``: the classifier's outputs ``[n, n_labels]`` of each sequence's
-    first ([CLS]) row, in float32 as transformers' head (``dequantize``: the backend's, a tensor as float32)."""
-    pooled = np.tanh(first_rows @ dequantize(model.tensor("cls.weight")).T + dequantize(model.tensor("cls.bias")))
-    out = pooled.astype(np.float32) @ dequantize(model.tensor("cls.output.weight")).T
+    first row ([CLS], ``<s>``), in float32 as transformers' head (``dequantize``: the backend's, a tensor as
+    float32). Without ``cls`` (llama.cpp's BERT files) the classifier reads the row itself."""
+    x = first_rows.astype(np.float32)
+    if model.has_tensor("cls.weight"):
+        x = np.tanh(x @ dequantize(model.tensor("cls.weight")).T + dequantize(model.tensor("cls.bias")))
+    out = x.astype(np.float32) @ dequantize(model.tensor("cls.output.weight")).T
     return (out + dequantize(model.tensor("cls.output.bias"))).astype(np.float32)

@@ -109,18 +109,19 @@ class EncoderRunner:
         plan = self.plan(size)
         inp = plan.inputs
         tokens, positions, token_types, spans = (inp[r] for r in ("tokens", "positions", "token_types", "spans"))
+        offset = self.model.hparams.position_offset  # RoBERTa's positions start at pad_token_id + 1
         row = 0
         for k in group:
             m = len(sequences[k])
             tokens[row:row + m] = sequences[k]
             token_types[row:row + m] = types[k]
-            positions[row:row + m] = np.arange(m)
+            positions[row:row + m] = np.arange(offset, offset + m)
             spans[row:row + m] = row
             row += m
         # the padding: one more run of rows (token 0 at positions from 0), computed and dropped
         tokens[row:] = 0
         token_types[row:] = 0
-        positions[row:] = np.arange(size - row) % self.model.hparams.n_ctx_train
+        positions[row:] = offset + np.arange(size - row) % self.model.hparams.n_ctx_train
         spans[row:] = row
         with self.backend.running(("encoder", size)):
             hidden = plan.run()

@@ -127,11 +127,11 @@ def serve(opts: ServeOptions) -> None:
                               f"got {opts.log_format!r}")
     if not opts.shutdown_timeout >= 0:
         raise BadRequestError(f"--shutdown-timeout must be >= 0 seconds, got {opts.shutdown_timeout}")
-    from minfer.models.bert import is_encoder_folder
+    from minfer.models.bert import is_encoder_checkpoint
     from minfer.pull import resolve_model
 
     resolved = resolve_model(opts.model)
-    if is_encoder_folder(resolved):
+    if is_encoder_checkpoint(resolved):
         _serve_encoder(opts, resolved)
         return
     engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",

@@ -84,6 +84,9 @@ def create_encoder_app(encoder: Encoder, loop: EncoderLoop, config: ServerConfig
 
     app = FastAPI(title="minfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    from minfer.server.routes.page import register_encoder_page
+
+    register_encoder_page(app, key_required=config.api_key is not None)  # the page at /
 
     async def body_of(request: Request) -> Any:
         raw = await request.body()

@@ -51,3 +51,21 @@ def register_pages(app: FastAPI, chat: bool = True, key_required: bool = False) 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
     register_pages(app, chat=True, key_required=ctx.config.api_key is not None)
+
+
+def register_encoder_page(app: FastAPI, key_required: bool = False) -> None:
+    """An encoder server's ``/``: a page that says chat is not available and offers an embeddings and rerank
+    playground (``encoder.html``), with ``/favicon.ico`` and ``/static/`` as :func:`register_pages` serves them."""
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        text = (PAGE_DIR / "encoder.html").read_text(encoding="utf-8")
+        text = text.replace('<meta name="minfer-key" content="">',
+                            f'<meta name="minfer-key" content="{"required" if key_required else ""}">')
+        return HTMLResponse(text, headers=HEADERS)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        return FileResponse(PAGE_DIR / "favicon.svg", media_type="image/svg+xml")
+
+    app.mount("/static", StaticFiles(directory=PAGE_DIR), name="static")
