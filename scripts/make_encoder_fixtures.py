@@ -8,10 +8,11 @@ sentence-transformers 6.3.0; every number fp32, eager attention, CPU)::
 
     /tmp/refenv/bin/python scripts/make_encoder_fixtures.py --out DIR --minilm /tmp/minilm/w/folder
 
-It writes ``DIR/bert``, ``DIR/bert_rerank``, ``DIR/minilm_sentences.json`` and ``DIR/minilm_reference.npz``
-(without ``--minilm`` only the two tiny fixtures); copy ``DIR/bert`` and ``DIR/bert_rerank`` over
-``tests/fixtures/`` and the two ``minilm_*`` files into ``tests/data/``. At the end the script reloads every
-saved folder with transformers / sentence-transformers and checks that it reproduces the stored references
+It writes ``DIR/bert``, ``DIR/bert_rerank``, ``DIR/xlmr``, ``DIR/xlmr_rerank``, ``DIR/minilm_sentences.json``
+and ``DIR/minilm_reference.npz`` (without ``--minilm`` only the four tiny fixtures); copy ``DIR/bert``,
+``DIR/bert_rerank``, ``DIR/xlmr``, ``DIR/xlmr_rerank`` over ``tests/fixtures/`` and the two ``minilm_*`` files
+into ``tests/data/``. At the end the script reloads every saved folder with transformers / sentence-transformers and
+checks that it reproduces the stored references
 exactly (max abs diff 0).
 
 Recipe:
@@ -50,7 +51,21 @@ Recipe:
    ``reference.npz``: ``pair_ids_<i>`` / ``pair_type_ids_<i>`` (``tokenizer.encode(query, doc)``: query as
    segment A with type 0, document as segment B with type 1), ``logits`` [5] (the raw score of each pair run
    alone, no activation), ``batch_logits`` [5] (one padded batch).
-5. MiniLM: ``minilm_sentences.json`` = ``minilm_sentences()`` (200 strings built from templates with
+5. ``xlmr/`` (``XLMR_SEED``): ``XLMRobertaModel`` with ``XLMR_CONFIG`` (sizes of bert/, max_position_embeddings
+   130 = 128 usable positions since RoBERTa's position ids start at pad_token_id + 1 = 2, type_vocab_size 1,
+   layer_norm_eps 1e-5, pad 1 / bos 0 / eos 2), same init recipe. Tokenizer (``train_unigram_tokenizer``,
+   shared with xlmr_rerank): a ``tokenizers`` Unigram model built by hand (``unigram_vocab``, deterministic:
+   ``<s> <pad> </s> <unk>`` = ids 0..3, every character of the Metaspace-pretokenized ``CORPUS``, then its most
+   frequent substrings of 2..8 characters seen at least twice ranked by count * (len - 1) then the string,
+   scores log(count / total), ``<mask>`` last = id 599); no normalizer, ``Metaspace`` pre-tokenizer
+   (prepend "\u2581" always), ``TemplateProcessing`` ``<s> $A </s>`` / ``<s> $A </s> </s> $B </s>`` (all type
+   ids 0), Metaspace decoder; saved through ``transformers.XLMRobertaTokenizerFast(tokenizer_object=...)``.
+   sentence-transformers files as bert/ but CLS pooling. ``texts.json`` = ``XLMR_TEXTS`` (bert's, the last one
+   cut to a clause so it stays under 64 tokens); ``reference.npz`` as bert/ (batch padded with id 1).
+6. ``xlmr_rerank/`` (``XLMR_RERANK_SEED``): ``XLMRobertaForSequenceClassification`` num_labels 1 (``roberta.*``
+   without pooler, ``classifier.dense`` + tanh + ``classifier.out_proj``), same tokenizer; ``reference.npz``
+   as bert_rerank/ (``tok.encode(query, doc)``, type ids all 0).
+7. MiniLM: ``minilm_sentences.json`` = ``minilm_sentences()`` (200 strings built from templates with
    ``random.Random(MINILM_SEED)``: English 1 to ~330 tokens, accented French / German / Vietnamese, Greek,
    Cyrillic, Chinese, Japanese, Korean, Arabic, Hindi, emoji, very long words, digits and punctuation,
    mixed case, control characters, empty-ish strings). ``minilm_reference.npz``: ``embeddings`` [200, 384]
@@ -77,6 +92,9 @@ import numpy as np
 VOCAB_TARGET = 600
 BERT_SEED = 4101
 RERANK_SEED = 4103
+XLMR_SEED = 4109
+XLMR_RERANK_SEED = 4111
+XLMR_VOCAB_TARGET = 600
 MINILM_SEED = 4107
 ST_MAX_SEQ = 64  # the tiny embedder's sentence_bert_config.json
 
@@ -96,6 +114,26 @@ BERT_CONFIG: dict[str, Any] = {
     "initializer_range": 0.2,
     "pad_token_id": 0,
 }
+
+# XLM-RoBERTa sizes: positions are offset by pad_token_id + 1 = 2 in transformers' RoBERTa, so 130 rows give
+# 128 usable positions (llama.cpp's converter drops the first 2 rows and writes context_length 128).
+XLMR_CONFIG: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 130,
+    "type_vocab_size": 1,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-5,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "initializer_range": 0.2,
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+}
+XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # ids 0..3; "<mask>" is the last id, as in XLM-R
 
 # The tokenizer's training text: ASCII English only.
 CORPUS = [
@@ -152,6 +190,11 @@ BERT_TEXTS = [
     "Transformers use attention to mix information between tokens, while encoders read the whole input at "
     "once; pooling then averages the vectors into a single sentence embedding.",
 ]
+
+# the xlmr fixture's texts: bert's, the last one cut to one clause (the 600-piece Unigram vocabulary needs 69
+# tokens for the full text, more than max_seq_length 64)
+XLMR_TEXTS = BERT_TEXTS[:-1] + ["Transformers use attention to mix information between tokens, while encoders read "
+                                "the whole input at once."]
 
 RERANK_QUERY = "how do search engines rank documents?"
 RERANK_DOCS = [
@@ -232,13 +275,69 @@ def save_tokenizer(tok: Any, folder: Path) -> Any:
     return hf
 
 
+def unigram_vocab(words: dict[str, int], size: int) -> list[tuple[str, float]]:
+    """A Unigram (SentencePiece-style) vocabulary built by hand, deterministically: every character seen, then
+    the most frequent substrings (2..8 characters, not starting inside a "\u2581"-prefixed word boundary rule)
+    of the Metaspace-pretokenized words, ranked by (count * (len - 1)) then the string; score = log(count /
+    total), specials 0.0."""
+    import math
+
+    counts: dict[str, int] = {}
+    for w, n in words.items():
+        for i in range(len(w)):
+            for j in range(i + 1, min(len(w), i + 8) + 1):
+                counts[w[i:j]] = counts.get(w[i:j], 0) + n
+    total = sum(counts.values())
+    chars = sorted(c for c in counts if len(c) == 1)
+    multi = sorted((c for c in counts if len(c) > 1 and counts[c] >= 2), key=lambda c: (-counts[c] * (len(c) - 1), c))
+    pieces = chars + multi[:size - len(XLMR_SPECIALS) - 1 - len(chars)]
+    vocab = [(t, 0.0) for t in XLMR_SPECIALS]
+    vocab += [(p, math.log(counts[p] / total)) for p in pieces]
+    vocab.append(("<mask>", 0.0))
+    return vocab
+
+
+def train_unigram_tokenizer() -> Any:
+    """XLM-R-shaped tokenizer: Unigram model, no normalizer, Metaspace pre-tokenizer (prepend "\u2581"),
+    ``<s> $A </s>`` / ``<s> $A </s> </s> $B </s>`` (all type ids 0), Metaspace decoder."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    pre = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    words: dict[str, int] = {}
+    for line in CORPUS:
+        for w, _ in pre.pre_tokenize_str(line):
+            words[w] = words.get(w, 0) + 1
+    vocab = unigram_vocab(words, XLMR_VOCAB_TARGET)
+    tok = Tokenizer(models.Unigram(vocab, unk_id=3, byte_fallback=False))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in XLMR_SPECIALS]
+                           + [AddedToken("<mask>", special=True, normalized=False, lstrip=True)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    assert [tok.token_to_id(t) for t in XLMR_SPECIALS] == [0, 1, 2, 3]
+    assert tok.token_to_id("<mask>") == tok.get_vocab_size() - 1
+    return tok
+
+
+def save_xlmr_tokenizer(tok: Any, folder: Path) -> Any:
+    from transformers import XLMRobertaTokenizerFast
+
+    hf = XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                 cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+                                 model_max_length=XLMR_CONFIG["max_position_embeddings"] - 2)
+    hf.save_pretrained(folder)
+    return hf
+
+
 # --------------------------------------------------------------------------------------------- models
 
-def build_model(model_class: str, seed: int, vocab_size: int, **extra: Any) -> Any:
+def build_model(model_class: str, seed: int, vocab_size: int, config_class: str = "BertConfig",
+                base: dict[str, Any] | None = None, **extra: Any) -> Any:
     import torch
     import transformers
 
-    config = transformers.BertConfig(vocab_size=vocab_size, **BERT_CONFIG, **extra)
+    config = getattr(transformers, config_class)(vocab_size=vocab_size, **(base or BERT_CONFIG), **extra)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -258,7 +357,7 @@ def reload(model_class: str, folder: Path) -> Any:
         folder, attn_implementation="eager", dtype="float32").eval()
 
 
-def write_st_files(folder: Path) -> None:
+def write_st_files(folder: Path, pooling_mode: str = "mean") -> None:
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -266,8 +365,9 @@ def write_st_files(folder: Path) -> None:
     ]
     (folder / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     (folder / "1_Pooling").mkdir(exist_ok=True)
-    pooling = {"word_embedding_dimension": BERT_CONFIG["hidden_size"], "pooling_mode_cls_token": False,
-               "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+    pooling = {"word_embedding_dimension": BERT_CONFIG["hidden_size"],
+               "pooling_mode_cls_token": pooling_mode == "cls",
+               "pooling_mode_mean_tokens": pooling_mode == "mean", "pooling_mode_max_tokens": False,
                "pooling_mode_mean_sqrt_len_tokens": False}
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
     (folder / "sentence_bert_config.json").write_text(
@@ -281,14 +381,16 @@ def load_st(folder: Path, eager: bool = True) -> Any:
     return SentenceTransformer(str(folder), device="cpu", **kwargs)
 
 
-def bert_references(folder: Path, tok: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def bert_references(folder: Path, tok: Any, model_class: str = "BertModel", pad_id: int = 0,
+                    pooling_mode: str = "mean",
+                    texts: list[str] = BERT_TEXTS) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     import torch
 
-    model = reload("BertModel", folder)
+    model = reload(model_class, folder)
     ref: dict[str, np.ndarray] = {}
     pooled, hidden = [], []
     with torch.no_grad():
-        for i, text in enumerate(BERT_TEXTS):
+        for i, text in enumerate(texts):
             enc = tok.encode(text)
             ids = np.asarray(enc.ids, dtype=np.int32)
             assert len(ids) <= ST_MAX_SEQ
@@ -301,10 +403,10 @@ def bert_references(folder: Path, tok: Any) -> tuple[dict[str, np.ndarray], dict
             hidden.append(h)
             pooled.append(out.pooler_output[0].numpy())
         ref["pooler_output"] = np.stack(pooled).astype(np.float32)
-        n = max(len(ref[f"ids_{i}"]) for i in range(len(BERT_TEXTS)))
-        bids = np.zeros((len(BERT_TEXTS), n), dtype=np.int32)
-        mask = np.zeros((len(BERT_TEXTS), n), dtype=np.int32)
-        for i in range(len(BERT_TEXTS)):
+        n = max(len(ref[f"ids_{i}"]) for i in range(len(texts)))
+        bids = np.full((len(texts), n), pad_id, dtype=np.int32)
+        mask = np.zeros((len(texts), n), dtype=np.int32)
+        for i in range(len(texts)):
             k = len(ref[f"ids_{i}"])
             bids[i, :k] = ref[f"ids_{i}"]
             mask[i, :k] = 1
@@ -318,20 +420,21 @@ def bert_references(folder: Path, tok: Any) -> tuple[dict[str, np.ndarray], dict
 
     st = load_st(folder)
     # the ids sentence-transformers feeds the model must be the tokenizers tokenizer's
-    feats = st.tokenize(BERT_TEXTS)
-    for i in range(len(BERT_TEXTS)):
+    feats = st.tokenize(texts)
+    for i in range(len(texts)):
         k = int(feats["attention_mask"][i].sum())
         assert feats["input_ids"][i, :k].tolist() == ref[f"ids_{i}"].tolist(), i
-    emb = np.stack([st.encode([t], batch_size=1, convert_to_numpy=True)[0] for t in BERT_TEXTS])
+    emb = np.stack([st.encode([t], batch_size=1, convert_to_numpy=True)[0] for t in texts])
     ref["embedding"] = emb.astype(np.float32)
-    ref["batch_embedding"] = st.encode(BERT_TEXTS, batch_size=len(BERT_TEXTS), convert_to_numpy=True)
-    # the same by hand: mean over the tokens, then L2 normalization
-    manual = np.stack([h.mean(0) / np.linalg.norm(h.mean(0)) for h in hidden])
+    ref["batch_embedding"] = st.encode(texts, batch_size=len(texts), convert_to_numpy=True)
+    # the same by hand: mean over the tokens (or the first token), then L2 normalization
+    pool = (lambda h: h.mean(0)) if pooling_mode == "mean" else (lambda h: h[0])
+    manual = np.stack([pool(h) / np.linalg.norm(pool(h)) for h in hidden])
     stats = {
-        "tokens_per_text": [len(ref[f"ids_{i}"]) for i in range(len(BERT_TEXTS))],
+        "tokens_per_text": [len(ref[f"ids_{i}"]) for i in range(len(texts))],
         "batch_vs_single_last_hidden_max_abs_diff": batch_diff,
         "batch_vs_single_embedding_max_abs_diff": float(np.abs(ref["batch_embedding"] - emb).max()),
-        "manual_mean_pool_normalize_vs_st_max_abs_diff": float(np.abs(manual - emb).max()),
+        f"manual_{pooling_mode}_pool_normalize_vs_st_max_abs_diff": float(np.abs(manual - emb).max()),
         "last_hidden_state_std": float(np.concatenate(hidden).std()),
         "pooler_output_std": float(ref["pooler_output"].std()),
     }
@@ -407,6 +510,75 @@ def make_rerank(out: Path, tok: Any) -> dict[str, Any]:
     return meta
 
 
+def make_xlmr(out: Path, tok: Any) -> dict[str, Any]:
+    folder = out / "xlmr"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    model = build_model("XLMRobertaModel", XLMR_SEED, tok.get_vocab_size(), "XLMRobertaConfig", XLMR_CONFIG)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_xlmr_tokenizer(tok, folder)
+    write_st_files(folder, pooling_mode="cls")
+    ref, stats = bert_references(folder, tok, "XLMRobertaModel", pad_id=XLMR_CONFIG["pad_token_id"],
+                                 pooling_mode="cls", texts=XLMR_TEXTS)
+    np.savez(folder / "reference.npz", **ref)
+    (folder / "texts.json").write_text(json.dumps(XLMR_TEXTS, ensure_ascii=False, indent=1) + "\n")
+    meta = {"model_class": "XLMRobertaModel", "seed": XLMR_SEED, "config": XLMR_CONFIG,
+            "vocab_size": tok.get_vocab_size(),
+            "init": "as bert/: transformers init (initializer_range 0.2) after torch.manual_seed(seed); then "
+                    "LayerNorm gains normal(1, 0.2), biases normal(0, 0.2)",
+            "tensors": {k: list(v.shape) for k, v in model.state_dict().items()}, **stats}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (folder / "README.md").write_text(README_XLMR)
+    return meta
+
+
+def make_xlmr_rerank(out: Path, tok: Any) -> dict[str, Any]:
+    import torch
+
+    folder = out / "xlmr_rerank"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    model = build_model("XLMRobertaForSequenceClassification", XLMR_RERANK_SEED, tok.get_vocab_size(),
+                        "XLMRobertaConfig", XLMR_CONFIG, num_labels=1)
+    model.save_pretrained(folder, safe_serialization=True)
+    hf = save_xlmr_tokenizer(tok, folder)
+    model = reload("XLMRobertaForSequenceClassification", folder)
+    ref: dict[str, np.ndarray] = {}
+    logits = []
+    with torch.no_grad():
+        for i, doc in enumerate(RERANK_DOCS):
+            enc = tok.encode(RERANK_QUERY, doc)
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            types = np.asarray(enc.type_ids, dtype=np.int32)
+            assert not types.any()  # type_vocab_size 1
+            ref[f"pair_ids_{i}"], ref[f"pair_type_ids_{i}"] = ids, types
+            o = model(input_ids=torch.tensor(ids[None], dtype=torch.long),
+                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            assert o.logits.shape == (1, 1)
+            logits.append(float(o.logits[0, 0]))
+        ref["logits"] = np.asarray(logits, dtype=np.float32)
+        b = hf([RERANK_QUERY] * len(RERANK_DOCS), RERANK_DOCS, padding=True, return_tensors="pt")
+        for i in range(len(RERANK_DOCS)):
+            k = int(b["attention_mask"][i].sum())
+            assert b["input_ids"][i, :k].tolist() == ref[f"pair_ids_{i}"].tolist()
+        ref["batch_logits"] = model(**b).logits[:, 0].numpy().astype(np.float32)
+    np.savez(folder / "reference.npz", **ref)
+    (folder / "texts.json").write_text(
+        json.dumps({"query": RERANK_QUERY, "documents": RERANK_DOCS}, ensure_ascii=False, indent=1) + "\n")
+    meta = {"model_class": "XLMRobertaForSequenceClassification", "num_labels": 1, "seed": XLMR_RERANK_SEED,
+            "config": XLMR_CONFIG, "vocab_size": tok.get_vocab_size(),
+            "init": "as xlmr/ (classifier.dense.bias and classifier.out_proj.bias in the normal(0, 0.2) biases)",
+            "tensors": {k: list(v.shape) for k, v in model.state_dict().items()},
+            "pair_lengths": [len(ref[f"pair_ids_{i}"]) for i in range(len(RERANK_DOCS))],
+            "logits": [float(v) for v in ref["logits"]],
+            "batch_vs_single_logits_max_abs_diff": float(np.abs(ref["batch_logits"] - ref["logits"]).max())}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (folder / "README.md").write_text(README_XLMR_RERANK)
+    return meta
+
+
 README_BERT = """\
 # bert: tiny random BertModel embedder
 
@@ -433,6 +605,40 @@ the tokenizer of `../bert`.
 
 - `texts.json`: the query and 5 documents.
 - `reference.npz`: `pair_ids_<i>` / `pair_type_ids_<i>` (`[CLS] query [SEP] doc [SEP]`, types 0 then 1),
+  `logits` [5] (raw score of each pair run alone, no sigmoid), `batch_logits` [5] (one padded batch).
+- `meta.json`: config, seed, tensor shapes, the scores.
+"""
+
+
+README_XLMR = """\
+# xlmr: tiny random XLMRobertaModel embedder
+
+Made by `scripts/make_encoder_fixtures.py` (its docstring is the recipe). transformers `XLMRobertaModel` with
+random weights (hidden 32, 2 layers, 4 heads, intermediate 64, exact GELU, max_position_embeddings 130 =
+128 usable positions, since RoBERTa's position ids start at pad_token_id + 1 = 2, 1 token type, LayerNorm eps
+1e-5, LayerNorm gains ~N(1, 0.2), biases ~N(0, 0.2)), a Unigram `tokenizer.json` shaped like XLM-R's
+(`<s>`=0 `<pad>`=1 `</s>`=2 `<unk>`=3, `<mask>` last; no normalizer, Metaspace pre-tokenizer,
+`<s> $A </s>` / `<s> $A </s> </s> $B </s>`, all type ids 0), and the sentence-transformers files
+(CLS pooling, Normalize, max_seq_length 64).
+
+- `texts.json`: the 6 texts (those of `../bert`, the last one cut to its first clause).
+- `reference.npz`: `ids_<i>` (int32, with `<s>`/`</s>`), `last_hidden_state_<i>` [tokens, 32] (text alone,
+  no padding: position ids 2..n+1), `pooler_output` [6, 32], `embedding` [6, 32] (sentence-transformers
+  encode of each text alone: hidden state of `<s>`, L2-normalized), `batch_input_ids` /
+  `batch_attention_mask` / `batch_last_hidden_state` [6, L, 32] (one batch right-padded with id 1),
+  `batch_embedding` [6, 32].
+- `meta.json`: config, seed, tensor shapes, padded-vs-single differences.
+"""
+
+README_XLMR_RERANK = """\
+# xlmr_rerank: tiny random XLM-R cross-encoder reranker (bge-reranker / jina-reranker shape)
+
+Made by `scripts/make_encoder_fixtures.py`. transformers `XLMRobertaForSequenceClassification` with num_labels
+1 (tensors `roberta.embeddings.*`, `roberta.encoder.layer.*`, no pooler, head `classifier.dense` [32, 32] +
+tanh + `classifier.out_proj` [1, 32] on the `<s>` token), the sizes and the tokenizer of `../xlmr`.
+
+- `texts.json`: the query and 5 documents (those of `../bert_rerank`).
+- `reference.npz`: `pair_ids_<i>` / `pair_type_ids_<i>` (`<s> query </s> </s> doc </s>`, types all 0),
   `logits` [5] (raw score of each pair run alone, no sigmoid), `batch_logits` [5] (one padded batch).
 - `meta.json`: config, seed, tensor shapes, the scores.
 """
@@ -607,6 +813,35 @@ def check(out: Path, minilm: Path | None) -> None:
                           .logits[0, 0].item())
         same(np.asarray(logits, dtype=np.float32), ref["logits"], "rerank logits")
 
+    xtok = Tokenizer.from_file(str(out / "xlmr" / "tokenizer.json"))
+    for sub in ("xlmr", "xlmr_rerank"):  # the saved tokenizer.json is the one the references were made with
+        assert Tokenizer.from_file(str(out / sub / "tokenizer.json")).to_str() == xtok.to_str(), sub
+    ref = dict(np.load(out / "xlmr" / "reference.npz"))
+    model = reload("XLMRobertaModel", out / "xlmr")
+    with torch.no_grad():
+        for i, text in enumerate(XLMR_TEXTS):
+            ids = np.asarray(xtok.encode(text).ids, dtype=np.int32)
+            same(ids, ref[f"ids_{i}"], f"xlmr ids {i}")
+            h = model(input_ids=torch.tensor(ids[None], dtype=torch.long)).last_hidden_state[0].numpy()
+            same(h, ref[f"last_hidden_state_{i}"], f"xlmr hidden {i}")
+        h = model(input_ids=torch.tensor(ref["batch_input_ids"], dtype=torch.long),
+                  attention_mask=torch.tensor(ref["batch_attention_mask"], dtype=torch.long)).last_hidden_state
+        same(h.numpy(), ref["batch_last_hidden_state"], "xlmr batch")
+    st = load_st(out / "xlmr")
+    emb = np.stack([st.encode([t], batch_size=1, convert_to_numpy=True)[0] for t in XLMR_TEXTS])
+    same(emb, ref["embedding"], "xlmr st embedding")
+
+    ref = dict(np.load(out / "xlmr_rerank" / "reference.npz"))
+    model = reload("XLMRobertaForSequenceClassification", out / "xlmr_rerank")
+    with torch.no_grad():
+        logits = []
+        for i, doc in enumerate(RERANK_DOCS):
+            enc = xtok.encode(RERANK_QUERY, doc)
+            same(np.asarray(enc.ids, dtype=np.int32), ref[f"pair_ids_{i}"], f"xlmr rerank ids {i}")
+            same(np.asarray(enc.type_ids, dtype=np.int32), ref[f"pair_type_ids_{i}"], f"xlmr rerank types {i}")
+            logits.append(model(input_ids=torch.tensor([enc.ids])).logits[0, 0].item())
+        same(np.asarray(logits, dtype=np.float32), ref["logits"], "xlmr rerank logits")
+
     if minilm is not None:
         sentences = json.loads((out / "minilm_sentences.json").read_text())
         ref = dict(np.load(out / "minilm_reference.npz"))
@@ -634,6 +869,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{meta['manual_mean_pool_normalize_vs_st_max_abs_diff']:.2e}")
     meta = make_rerank(args.out, tok)
     print(f"[bert_rerank] pair lengths {meta['pair_lengths']}, logits {meta['logits']}, "
+          f"batch diff {meta['batch_vs_single_logits_max_abs_diff']:.2e}")
+    xtok = train_unigram_tokenizer()
+    print(f"unigram tokenizer: vocab {xtok.get_vocab_size()}")
+    meta = make_xlmr(args.out, xtok)
+    print(f"[xlmr] tokens {meta['tokens_per_text']}, padded-vs-single hidden diff "
+          f"{meta['batch_vs_single_last_hidden_max_abs_diff']:.2e}, manual cls pooling vs ST "
+          f"{meta['manual_cls_pool_normalize_vs_st_max_abs_diff']:.2e}")
+    meta = make_xlmr_rerank(args.out, xtok)
+    print(f"[xlmr_rerank] pair lengths {meta['pair_lengths']}, logits {meta['logits']}, "
           f"batch diff {meta['batch_vs_single_logits_max_abs_diff']:.2e}")
     if args.minilm is not None:
         info = make_minilm(args.out, args.minilm)

@@ -101,39 +101,54 @@ def test_poolings_by_hand():
 
 BERT = FIXTURES / "bert"
 RERANK = FIXTURES / "bert_rerank"
+XLMR = FIXTURES / "xlmr"
+XLMR_RERANK = FIXTURES / "xlmr_rerank"
+# an embedder's checkpoints and the folder holding its references: HF folders, and GGUF files in llama.cpp's layout
+# (scripts/bert_to_gguf.py, byte-identical to llama.cpp's converter; f16: its weights rounded, looser)
+EMBEDDERS = {"bert": (BERT, BERT, 1e-4), "bert-gguf-f32": (BERT / "model-f32.gguf", BERT, 1e-4),
+             "bert-gguf-f16": (BERT / "model-f16.gguf", BERT, 2e-2), "xlmr": (XLMR, XLMR, 1e-4)}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
-def tiny(request):
-    return {kernels: minfer.load(BERT, threads=request.param, kernels=kernels) for kernels in ("fast", "reference")}
+def threads(request):
+    return request.param
 
 
 @pytest.mark.parametrize("kernels", ["fast", "reference"])
-def test_every_position_within_1e_4_of_transformers(tiny, kernels):
-    enc: Encoder = tiny[kernels]
-    ref = np.load(BERT / "reference.npz")
-    texts = json.loads((BERT / "texts.json").read_text())
+@pytest.mark.parametrize("which", list(EMBEDDERS))
+def test_every_position_within_1e_4_of_transformers(which, kernels, threads):
+    path, refs, tol = EMBEDDERS[which]
+    enc: Encoder = minfer.load(path, threads=threads, kernels=kernels)
+    ref = np.load(refs / "reference.npz")
+    texts = json.loads((refs / "texts.json").read_text())
     ids = [enc.tokenize(t) for t in texts]
     for k, t in enumerate(ids):
-        assert t == ref[f"ids_{k}"].tolist()  # the tokenizers library's ids, [CLS] and [SEP] included
+        assert t == ref[f"ids_{k}"].tolist()  # the tokenizers library's ids, the special tokens included
     hidden = enc.runner.hidden_states(ids)  # all six sequences in one pass
     for k, h in enumerate(hidden):
-        np.testing.assert_allclose(h, ref[f"last_hidden_state_{k}"], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(enc.embed(texts), ref["embedding"], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(h, ref[f"last_hidden_state_{k}"], atol=tol, rtol=0)
+    np.testing.assert_allclose(enc.embed(texts), ref["embedding"], atol=tol / 10, rtol=0)
 
 
-def test_a_sequence_has_the_same_bits_alone_and_packed(tiny):
-    enc: Encoder = tiny["fast"]
-    texts = json.loads((BERT / "texts.json").read_text())
-    together = enc.embed(texts)
-    for k, t in enumerate(texts):
-        np.testing.assert_array_equal(enc.embed(t)[0], together[k])
+@pytest.mark.parametrize("which", ["bert", "xlmr"])
+def test_a_sequence_has_the_same_bits_alone_and_packed(which):
+    path = EMBEDDERS[which][0]
+    texts = json.loads((path / "texts.json").read_text())
+    for threads in (1, 2):
+        enc = minfer.load(path, threads=threads)
+        together = enc.embed(texts)
+        for k, t in enumerate(texts):
+            np.testing.assert_array_equal(enc.embed(t)[0], together[k])
+        if threads == 1:
+            one_thread = together
+    np.testing.assert_array_equal(one_thread, together)  # 1 thread and 2 threads: the same bits
 
 
-def test_rerank_scores_within_1e_4_of_transformers():
-    enc = minfer.load(RERANK)
-    ref = np.load(RERANK / "reference.npz")
-    spec = json.loads((RERANK / "texts.json").read_text())
+@pytest.mark.parametrize("folder", [RERANK, XLMR_RERANK], ids=["bert", "xlmr"])
+def test_rerank_scores_within_1e_4_of_transformers(folder):
+    enc = minfer.load(folder)
+    ref = np.load(folder / "reference.npz")
+    spec = json.loads((folder / "texts.json").read_text())
     for k, d in enumerate(spec["documents"]):
         pair = enc.tokenizer.encode(spec["query"], d)
         assert pair.ids == ref[f"pair_ids_{k}"].tolist() and pair.token_types == ref[f"pair_type_ids_{k}"].tolist()
@@ -143,6 +158,23 @@ def test_rerank_scores_within_1e_4_of_transformers():
     assert [r["index"] for r in results] == np.argsort(-ref["logits"], kind="stable").tolist()
     assert [r["index"] for r in enc.rerank(spec["query"], spec["documents"], top_n=2)] == \
         [r["index"] for r in results[:2]]
+
+
+def test_a_gguf_reranker_has_llama_cpp_s_head():
+    """llama.cpp's converter leaves BERT's pooler out of its GGUF files: the classifier reads the [CLS] row itself,
+    as llama.cpp computes it. Checked against the folder's own [CLS] rows (held to transformers above)."""
+    gguf, folder = minfer.load(RERANK / "model-f32.gguf"), minfer.load(RERANK)
+    spec = json.loads((RERANK / "texts.json").read_text())
+    pairs = [folder.tokenizer.encode(spec["query"], d) for d in spec["documents"]]
+    assert [gguf.tokenizer.encode(spec["query"], d).ids for d in spec["documents"]] == [p.ids for p in pairs]
+    cls_rows = np.stack([h[0] for h in folder.runner.hidden_states([p.ids for p in pairs],
+                                                                    [p.token_types for p in pairs])])
+    w = folder.backend.dequantize(folder.model.tensor("cls.output.weight"))
+    b = folder.backend.dequantize(folder.model.tensor("cls.output.bias"))
+    want = (cls_rows @ w.T + b)[:, 0]
+    got = gguf.rerank(spec["query"], spec["documents"])
+    np.testing.assert_allclose([g["relevance_score"] for g in sorted(got, key=lambda g: g["index"])], want,
+                               atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("call,match", [
