@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from minfer.errors import ModelError
-from minfer.graph.ir import AttnMeta, Graph, KVMeta, MoeMeta, Node, NormMeta, Op, RopeMeta, ScaleMeta
+from minfer.graph.ir import AttnMeta, Graph, KVMeta, MatmulMeta, MoeMeta, Node, NormMeta, Op, RopeMeta, ScaleMeta
 
 
 class GraphBuilder:
@@ -78,13 +78,15 @@ class GraphBuilder:
         self._check_broadcast(x, y, name)
         return self._emit(Op.ADD, (x, y), x.shape, name=name, layer=layer)
 
-    def matmul(self, x: Node, w: Node, name: str = "", layer=None) -> Node:
+    def matmul(self, x: Node, w: Node, name: str = "", layer=None, whole_sequences: bool = False) -> Node:
+        """``x @ W^T``; ``whole_sequences``: the graph never runs a decode step (an encoder's), see MatmulMeta."""
         if len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
             raise ModelError(
                 f"{name}: weight {w.name!r} has shape {w.shape}, expected (*, {x.shape[-1]}) "
                 f"to multiply activations of width {x.shape[-1]}"
             )
-        return self._emit(Op.MATMUL, (x, w), (x.shape[0], w.shape[0]), name=name, layer=layer)
+        meta = MatmulMeta(whole_sequences=True) if whole_sequences else None
+        return self._emit(Op.MATMUL, (x, w), (x.shape[0], w.shape[0]), meta=meta, name=name, layer=layer)
 
     def lora(self, y: Node, x: Node, a: Node, b: Node, scales: Node, factor: float, name: str = "",
              layer=None) -> Node:

@@ -70,6 +70,13 @@ class NormMeta:
 
 
 @dataclass(frozen=True)
+class MatmulMeta:
+    # the matmul only ever runs in passes of whole sequences (an encoder's: no decode step whose rows must equal
+    # these bit for bit), so a backend may give it a GEMM of its own
+    whole_sequences: bool = False
+
+
+@dataclass(frozen=True)
 class ScaleMeta:
     factor: float  # float32 multiplier (Gemma's embedding scale sqrt(n_embd))
 

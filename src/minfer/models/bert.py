@@ -421,8 +421,8 @@ def build_bert_graph(model: BertModel, n_tokens: int) -> Graph:
         return b.layer_norm(x, w(p + ".weight"), w(p + ".bias"), hp.norm_eps, name=name, layer=layer)
 
     def linear(x, p: str, name: str, layer: int):
-        return b.add(b.matmul(x, w(p + ".weight"), name=name, layer=layer), w(p + ".bias"), name=name + ".bias",
-                     layer=layer)
+        y = b.matmul(x, w(p + ".weight"), name=name, layer=layer, whole_sequences=True)
+        return b.add(y, w(p + ".bias"), name=name + ".bias", layer=layer)
 
     x = b.get_rows(w("token_embd.weight"), tokens, name="embd")
     x = b.add(x, b.get_rows(w("position_embd.weight"), positions, name="embd.position"), name="embd.plus_position")

@@ -32,9 +32,10 @@ from minfer.compiling import KernelCompiler
 from minfer.errors import BadRequestError
 from minfer.formats.quants import GGMLType
 from minfer.formats.tensors import ExpertTensors, WeightTensor
-from minfer.graph.ir import ExpertReads, Node, Op, RopeMeta, RopeStyle, StepParts, Take
+from minfer.graph.ir import ExpertReads, MatmulMeta, Node, Op, RopeMeta, RopeStyle, StepParts, Take
 
 KERNEL_SETS = ("fast", "reference", "reference-q8")
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # weights an encoder's GEMM reads (as float32 panels)
 # weight types whose fast matmul quantizes its activations to Q8 blocks (float weights do not)
 Q8_ACTIVATION_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
                                  GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4})
@@ -220,6 +221,7 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         self._pool: ThreadPoolExecutor | None = None
         self._rope_tables: dict[tuple, Any] = {}
         self._prepared: dict[int, tuple[WeightTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
+        self._gemm_panels: dict[int, tuple[WeightTensor, np.ndarray]] = {}  # id(tensor) -> (tensor, float_gemm panels)
         self._lora_transposed: dict[int, tuple[WeightTensor, np.ndarray]] = {}  # id -> (A or B, its transpose)
         self.expert_reads = ExpertReads()
         # kernels are compiled when a plan first needs them (prepare_kernels), only those it needs
@@ -439,6 +441,8 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
     def _fast_matmul(self, node: Node) -> Callable[..., None]:
         """A matmul's kernel by its weight's block-type family, with the plan's direct call where there is one."""
         w, qm, kq = node.inputs[1].source, self._qm, self._kq
+        if isinstance(node.meta, MatmulMeta) and node.meta.whole_sequences and w.ggml_type in FLOAT_TYPES:
+            return self._gemm_kernel(w)
         if qm.supports(w.ggml_type):
             mm = qm.matmul
             direct = lambda out, x, w, xq=None: qm.direct_call(x, w, out, xq)  # noqa: E731
@@ -452,6 +456,18 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         if len(node.inputs) == 3:  # the activations come quantized by a shared QUANTIZE node
             return _bound(lambda out, x, w, xq: mm(x, w, out, xq), direct)
         return _bound(lambda out, x, w: mm(x, w, out), direct)
+
+    def _gemm_kernel(self, w: WeightTensor) -> Callable[..., None]:
+        """An encoder's float matmul (:mod:`.float_gemm`): the weight repacked into panels once, for every plan."""
+        from minfer.backends.cpu import float_gemm
+
+        held = self._gemm_panels.get(id(w))
+        if held is None or held[0] is not w:
+            values = w.data.view(np.float32).reshape(w.shape) if w.ggml_type == GGMLType.F32 else \
+                ref.dequantize_tensor(w)
+            held = self._gemm_panels[id(w)] = (w, float_gemm.repack(values))
+        panels = held[1]
+        return lambda node, out, x, _w: float_gemm.gemm(x, panels, out)
 
     def _fast_kernel(self, node: Node) -> Callable[..., None]:
         norms, ew, attention, qm = self._norms, self._ew, self._attn, self._qm

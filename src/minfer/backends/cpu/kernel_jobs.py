@@ -22,7 +22,7 @@ from minfer.backends.cpu.simd512 import WIDE
 from minfer.compiling import CompileJob
 from minfer.formats.quants import GGMLType
 from minfer.formats.tensors import WeightTensor
-from minfer.graph.ir import Node, Op
+from minfer.graph.ir import MatmulMeta, Node, Op
 
 _CPU = "minfer.backends.cpu"
 _HERE = f"{_CPU}.kernel_jobs"
@@ -279,6 +279,12 @@ def encoder_job() -> CompileJob:
     return CompileJob("encoder", f"{_ENC}:warmup", "encoders", kernels, 7.0)
 
 
+def gemm_job() -> CompileJob:
+    """The float GEMM of encoders' matmuls (whole sequences, weights repacked into panels)."""
+    return CompileJob("gemm", f"{_CPU}.float_gemm:warmup", "encoder matmuls",
+                      (f"{_CPU}.float_gemm:_gemm_serial", f"{_CPU}.float_gemm:_gemm_parallel"), 4.0)
+
+
 def _weight_kind(node: Node) -> str:
     """How a 1-D weight operand reaches a kernel: read-only (float32 in the file: a view of the read-only
     mapping) or writable (dequantized at load)."""
@@ -310,7 +316,10 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
     types: dict[GGMLType, None] = {}
     for node in nodes:
         op = node.op
-        if op is Op.MATMUL:
+        if op is Op.MATMUL and isinstance(node.meta, MatmulMeta) and node.meta.whole_sequences and \
+                node.inputs[1].source.ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+            jobs.append(gemm_job())
+        elif op is Op.MATMUL:
             types[node.inputs[1].source.ggml_type] = None
         elif op is Op.MOE_EXPERTS:
             types.update(dict.fromkeys(i.source.experts[0].ggml_type for i in node.inputs[2:5]))
@@ -339,7 +348,7 @@ def jobs_for(nodes: Iterable[Node]) -> list[CompileJob]:
 def all_jobs(cache_types: Iterable[str] = ("f32", "f16", "q8_0")) -> list[CompileJob]:
     """Every fast kernel: each weight type's matmul, every vector op, the caches of ``cache_types``."""
     jobs: list[CompileJob | None] = list(matmul_jobs(_MATMUL_KERNELS))
-    jobs += [norms_job("ro"), norms_job("rw"), rope_job(), lora_job(), encoder_job()]
+    jobs += [norms_job("ro"), norms_job("rw"), rope_job(), lora_job(), encoder_job(), gemm_job()]
     ops = [o for o in _ELEMENTWISE_OP.values() if o not in ("add", "mul")]
     jobs.append(elementwise_job([*ops, *(f"{o}{w}" for o in ("add", "mul") for w in ("", "+ro", "+rw"))]))
     for c in cache_types:
