@@ -40,7 +40,7 @@ def test_gemm_matches_a_float64_product(rng, rows, shape):
     fg._gemm_serial(x, fg.repack(w), out, rows)
     _check(x, w, out)
     par = np.full((n, m), np.nan, F32)
-    fg._gemm_parallel(x, fg.repack(w), par, rows)
+    fg._gemm_parallel(x, fg.repack(w), par, rows, 3)
     np.testing.assert_array_equal(par, out)
 
 
@@ -50,7 +50,7 @@ def test_a_row_has_the_same_bits_alone_in_a_pass_and_at_any_thread_count(rng, ro
     w = rng.standard_normal((70, 96)).astype(F32)
     panels = fg.repack(w)
     whole = np.empty((45, 70), F32)
-    fg._gemm_parallel(x, panels, whole, rows)
+    fg._gemm_parallel(x, panels, whole, rows, 2)
     for r in (0, 7, 8, 44):
         alone = np.empty((1, 70), F32)
         fg._gemm_serial(x[r:r + 1].copy(), panels, alone, rows)

@@ -11,12 +11,14 @@ its registers but sixteen; four rows on AVX2, whose sixteen 256-bit registers ho
 Each output element is ``fma(x[r, k], w[k, j], acc)`` for k = 0, 1, ... n_in - 1 from 0, one fused multiply-add
 after another (a multiply and an add where the CPU has no FMA): the same operations whatever tile, pass or
 thread computes it, so a sequence alone in a pass gives the bits it gives among others, at any thread count.
-Against numpy's float32 BLAS it differs by rounding only. Rows past the last whole tile are copied into a
-zero-padded scratch tile, a partial last panel is stored through a scratch tile too.
+Against numpy's float32 BLAS it differs by rounding only. Whole tiles are stored in place; rows past the last whole
+tile are copied into a zero-padded scratch tile, and a partial last panel is stored through it. The threads take
+runs of consecutive work items (tiles, panel by panel), one scratch tile each.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -37,9 +39,9 @@ def repack(w: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _tile8(x, xo, k_in, wp, wo, out, oo) -> None:  # pragma: no cover - compiled
-    """Eight rows (``x[xo + r * k_in + k]``) by one panel (``wp[wo + k * PANEL + j]``) into ``out[oo + r * PANEL]``
-    (all flat float32 arrays; ``out`` a tile buffer or the output itself when its rows are PANEL wide)."""
+def _tile8(x, xo, k_in, wp, wo, out, oo, os) -> None:  # pragma: no cover - compiled
+    """Eight rows (``x[xo + r * k_in + k]``) by one panel (``wp[wo + k * PANEL + j]``) into ``out[oo + r * os + j]``
+    (all flat float32 arrays: ``out`` the output itself, rows ``os`` apart, or a scratch tile)."""
     a00 = zeros_f32x16()
     a01 = zeros_f32x16()
     a10 = zeros_f32x16()
@@ -85,24 +87,24 @@ def _tile8(x, xo, k_in, wp, wo, out, oo) -> None:  # pragma: no cover - compiled
         a71 = fma_f32x16(a71, b, w1)
     store_f32x16(out, oo, a00)
     store_f32x16(out, oo + 16, a01)
-    store_f32x16(out, oo + PANEL, a10)
-    store_f32x16(out, oo + PANEL + 16, a11)
-    store_f32x16(out, oo + 2 * PANEL, a20)
-    store_f32x16(out, oo + 2 * PANEL + 16, a21)
-    store_f32x16(out, oo + 3 * PANEL, a30)
-    store_f32x16(out, oo + 3 * PANEL + 16, a31)
-    store_f32x16(out, oo + 4 * PANEL, a40)
-    store_f32x16(out, oo + 4 * PANEL + 16, a41)
-    store_f32x16(out, oo + 5 * PANEL, a50)
-    store_f32x16(out, oo + 5 * PANEL + 16, a51)
-    store_f32x16(out, oo + 6 * PANEL, a60)
-    store_f32x16(out, oo + 6 * PANEL + 16, a61)
-    store_f32x16(out, oo + 7 * PANEL, a70)
-    store_f32x16(out, oo + 7 * PANEL + 16, a71)
+    store_f32x16(out, oo + os, a10)
+    store_f32x16(out, oo + os + 16, a11)
+    store_f32x16(out, oo + 2 * os, a20)
+    store_f32x16(out, oo + 2 * os + 16, a21)
+    store_f32x16(out, oo + 3 * os, a30)
+    store_f32x16(out, oo + 3 * os + 16, a31)
+    store_f32x16(out, oo + 4 * os, a40)
+    store_f32x16(out, oo + 4 * os + 16, a41)
+    store_f32x16(out, oo + 5 * os, a50)
+    store_f32x16(out, oo + 5 * os + 16, a51)
+    store_f32x16(out, oo + 6 * os, a60)
+    store_f32x16(out, oo + 6 * os + 16, a61)
+    store_f32x16(out, oo + 7 * os, a70)
+    store_f32x16(out, oo + 7 * os + 16, a71)
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _tile4(x, xo, k_in, wp, wo, out, oo) -> None:  # pragma: no cover - compiled
+def _tile4(x, xo, k_in, wp, wo, out, oo, os) -> None:  # pragma: no cover - compiled
     """As :func:`_tile8` on four rows (AVX2: eight 256-bit accumulator pairs fit its sixteen registers)."""
     a00 = zeros_f32x16()
     a01 = zeros_f32x16()
@@ -129,64 +131,65 @@ def _tile4(x, xo, k_in, wp, wo, out, oo) -> None:  # pragma: no cover - compiled
         a31 = fma_f32x16(a31, b, w1)
     store_f32x16(out, oo, a00)
     store_f32x16(out, oo + 16, a01)
-    store_f32x16(out, oo + PANEL, a10)
-    store_f32x16(out, oo + PANEL + 16, a11)
-    store_f32x16(out, oo + 2 * PANEL, a20)
-    store_f32x16(out, oo + 2 * PANEL + 16, a21)
-    store_f32x16(out, oo + 3 * PANEL, a30)
-    store_f32x16(out, oo + 3 * PANEL + 16, a31)
+    store_f32x16(out, oo + os, a10)
+    store_f32x16(out, oo + os + 16, a11)
+    store_f32x16(out, oo + 2 * os, a20)
+    store_f32x16(out, oo + 2 * os + 16, a21)
+    store_f32x16(out, oo + 3 * os, a30)
+    store_f32x16(out, oo + 3 * os + 16, a31)
 
 
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _item(x, wp, out, n_rows, k_in, n_out, n_panels, rows, item, scratch, tile) -> None:  # pragma: no cover
+def _item(x, wp, out, n_rows, k_in, n_out, rows, item, scratch) -> None:  # pragma: no cover - compiled
     """Work item ``item`` (panel-major: the threads' consecutive items share a panel while it is in cache): one
-    tile of ``rows`` rows by one panel, through ``scratch`` (``[rows * k_in + rows * PANEL]``) where the rows or
-    the panel's columns are not whole."""
+    tile of ``rows`` rows by one panel, stored in place, or through ``scratch`` (``[rows * k_in + rows * PANEL]``)
+    where the rows or the panel's columns are not whole."""
     n_tiles = -(-n_rows // rows)
     p = item // n_tiles
     t = item - p * n_tiles
     r0 = t * rows
     nr = min(rows, n_rows - r0)
+    c0 = p * PANEL
+    nc = min(PANEL, n_out - c0)
     xf = x.reshape(-1)
+    of = out.reshape(-1)
+    whole = nr == rows and nc == PANEL
     if nr == rows:
         src, so = xf, r0 * k_in
     else:
         src, so = scratch, 0
         for i in range(rows * k_in):
             scratch[i] = xf[r0 * k_in + i] if i < nr * k_in else F32(0.0)
-    obuf = rows * k_in
+    dst, do, ds = (of, r0 * n_out + c0, n_out) if whole else (scratch, rows * k_in, PANEL)
     if rows == 8:
-        _tile8(src, so, k_in, wp, p * k_in * PANEL, scratch, obuf)
+        _tile8(src, so, k_in, wp, p * k_in * PANEL, dst, do, ds)
     else:
-        _tile4(src, so, k_in, wp, p * k_in * PANEL, scratch, obuf)
-    c0 = p * PANEL
-    nc = min(PANEL, n_out - c0)
-    for r in range(nr):
-        for j in range(nc):
-            out[r0 + r, c0 + j] = scratch[obuf + r * PANEL + j]
+        _tile4(src, so, k_in, wp, p * k_in * PANEL, dst, do, ds)
+    if not whole:
+        for r in range(nr):
+            for j in range(nc):
+                out[r0 + r, c0 + j] = scratch[do + r * PANEL + j]
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _gemm_serial(x, wp, out, rows) -> None:  # pragma: no cover - compiled
     n_rows, k_in = x.shape
-    n_panels = wp.shape[0]
-    n_out = out.shape[1]
     wf = wp.reshape(-1)
     scratch = np.empty(rows * k_in + rows * PANEL, F32)
-    for item in range(n_panels * (-(-n_rows // rows))):
-        _item(x, wf, out, n_rows, k_in, n_out, n_panels, rows, item, scratch, 0)
+    for item in range(wp.shape[0] * (-(-n_rows // rows))):
+        _item(x, wf, out, n_rows, k_in, out.shape[1], rows, item, scratch)
 
 
 @njit(nogil=True, cache=True, error_model="numpy", parallel=True)
-def _gemm_parallel(x, wp, out, rows) -> None:  # pragma: no cover - compiled
+def _gemm_parallel(x, wp, out, rows, n_chunks) -> None:  # pragma: no cover - compiled
+    """The items in ``n_chunks`` runs of consecutive ones (one per thread, each with its scratch tile)."""
     n_rows, k_in = x.shape
-    n_panels = wp.shape[0]
-    n_out = out.shape[1]
     wf = wp.reshape(-1)
-    n_items = n_panels * (-(-n_rows // rows))
-    for item in prange(n_items):
+    n_items = wp.shape[0] * (-(-n_rows // rows))
+    for c in prange(n_chunks):
         scratch = np.empty(rows * k_in + rows * PANEL, F32)
-        _item(x, wf, out, n_rows, k_in, n_out, n_panels, rows, item, scratch, 0)
+        for item in range(c * n_items // n_chunks, (c + 1) * n_items // n_chunks):
+            _item(x, wf, out, n_rows, k_in, out.shape[1], rows, item, scratch)
 
 
 PARALLEL_ITEMS = 4  # tiles from which the work is shared among the threads
@@ -200,12 +203,20 @@ def gemm(x: np.ndarray, panels: np.ndarray, out: np.ndarray) -> None:
             or x.dtype != F32 or out.dtype != F32 or panels.dtype != F32):
         raise ValueError(f"gemm: x {x.shape}, panels {panels.shape}, out {out.shape} (float32) do not fit")
     x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    o = out if out.flags.c_contiguous else np.empty(out.shape, F32)
     items = n_panels * -(-n_rows // ROWS)
-    (_gemm_parallel if items >= PARALLEL_ITEMS else _gemm_serial)(x, panels, out, ROWS)
+    threads = numba.get_num_threads()
+    if items >= PARALLEL_ITEMS and threads > 1:
+        _gemm_parallel(x, panels, o, ROWS, min(threads, items))
+    else:
+        _gemm_serial(x, panels, o, ROWS)
+    if o is not out:
+        out[:] = o
 
 
 def warmup() -> None:
     """Compile (or load from the on-disk cache) both variants."""
     w = repack(np.ones((PANEL + 1, 3), F32))
     for n in (1, ROWS * PARALLEL_ITEMS + 1):
-        gemm(np.ones((n, 3), F32), w, np.empty((n, PANEL + 1), F32))
+        _gemm_serial(np.ones((n, 3), F32), w, np.empty((n, PANEL + 1), F32), ROWS)
+        _gemm_parallel(np.ones((n, 3), F32), w, np.empty((n, PANEL + 1), F32), ROWS, 2)
