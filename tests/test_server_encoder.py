@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +36,7 @@ def server(all_minilm_path):
 
 @pytest.fixture(scope="module")
 def reranker():
-    with ServerProcess(RERANKER, ["--alias", "reranker"]) as s:
+    with ServerProcess(RERANKER, ["--alias", "reranker", "--pooling", "rank"]) as s:
         yield s
 
 
@@ -149,3 +151,13 @@ def test_base64_is_little_endian_float32(server, local):
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "abc", "encoding_format": "base64"}, timeout=60)
     vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), "<f4")
     np.testing.assert_array_equal(vec, local.embed("abc")[0])
+
+
+@pytest.mark.parametrize("model,fragment", [
+    (Path(__file__).parent / "fixtures" / "bert", "has no classification head"),
+    (Path(__file__).parent / "fixtures" / "llama" / "model-f32.gguf", "is a generating model"),
+])
+def test_pooling_rank_needs_a_reranker(model, fragment):
+    r = subprocess.run([sys.executable, "-m", "minfer", "serve", str(model), "--port", "0", "--pooling", "rank"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and fragment in r.stderr, r.stderr

@@ -54,10 +54,11 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--strict-model", action="store_true",
                      help="refuse requests whose 'model' is not this model's name (default: any name is served)")
     srv.add_argument("--pooling", default=None,
-                     choices=["mean", "cls", "last", "none", "max", "mean_sqrt_len", "weighted_mean"],
+                     choices=["mean", "cls", "last", "none", "max", "mean_sqrt_len", "weighted_mean", "rank"],
                      help="embeddings pooling (default: the GGUF's pooling_type or an encoder's sentence-transformers "
                      "Pooling module, else mean; max, mean_sqrt_len and weighted_mean: encoders only); none: one "
-                     "vector per token, on /embedding only")
+                     "vector per token, on /embedding only; rank: a reranker (/v1/rerank), refused for a model "
+                     "without a classification head")
     srv.add_argument("--no-normalize", dest="normalize", action="store_false",
                      help="do not L2-normalise pooled embeddings")
     srv.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",

@@ -146,6 +146,9 @@ def serve(opts: ServeOptions) -> None:
     # a 10 s run, 1.7 ms each, landing inside decode steps; frozen, 16 ms.
     keep_for_process(collect=True)
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    if opts.pooling == "rank":
+        raise BadRequestError(f"--pooling rank: {model.path} is a generating model; reranking needs a cross-encoder "
+                              "(a *ForSequenceClassification checkpoint)")
     pooling = check_pooling(opts.pooling) if opts.pooling is not None else model.pooling  # a bad one fails now
     config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_key=api_key,
                           strict_model=opts.strict_model, pooling=pooling, normalize=opts.normalize,
@@ -217,6 +220,12 @@ def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
     if given:
         raise BadRequestError(f"{path} is an encoder model (embeddings, reranking): {', '.join(given)} do not apply")
     encoder = Encoder(path, threads=opts.threads, kernels=opts.kernels)
+    pooling = opts.pooling
+    if pooling == "rank":  # llama-server's way of asking for reranking: the model must have the head for it
+        if not encoder.can_rerank:
+            raise BadRequestError(f"--pooling rank: {path} has no classification head, so it cannot rerank (serve a "
+                                  "cross-encoder, a *ForSequenceClassification checkpoint)")
+        pooling = None
     loop = EncoderLoop(encoder.runner, max_queue=opts.queue_size)
     keep_for_process(collect=True)
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
@@ -225,7 +234,7 @@ def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
                           max_body_size=opts.max_body_size, log_format=opts.log_format)
     access_log.configure(opts.log_format)
     errors_to_stderr()
-    app = create_encoder_app(encoder, loop, config, pooling=opts.pooling)
+    app = create_encoder_app(encoder, loop, config, pooling=pooling)
     sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
