@@ -64,21 +64,22 @@ class EncoderRunner:
         """Compile the kernels and build the smallest pass's plan now, not inside the first request."""
         self.hidden_states([[0]])
 
-    def check(self, ids: Sequence[int], types: Sequence[int], k: int) -> None:
+    def check(self, ids: Sequence[int], types: Sequence[int], k: int, what: str = "input") -> None:
+        """A :class:`BadRequestError` naming ``what[k]`` unless the sequence fits the model."""
         hp = self.model.hparams
         if len(ids) == 0:
-            raise BadRequestError(f"input {k} has no tokens")
+            raise BadRequestError(f"{what}[{k}] has no tokens")
         if len(ids) > hp.n_ctx_train:
-            raise BadRequestError(f"input {k} is {len(ids)} tokens, longer than the model's {hp.n_ctx_train}")
+            raise BadRequestError(f"{what}[{k}] is {len(ids)} tokens, longer than the model's {hp.n_ctx_train}")
         if len(types) != len(ids):
-            raise BadRequestError(f"input {k}: {len(types)} token types for {len(ids)} tokens")
+            raise BadRequestError(f"{what}[{k}]: {len(types)} token types for {len(ids)} tokens")
         a = np.asarray(ids)
         if a.min() < 0 or a.max() >= hp.n_vocab:
-            raise BadRequestError(f"input {k}: token id {int(a.max() if a.max() >= hp.n_vocab else a.min())} is "
+            raise BadRequestError(f"{what}[{k}]: token id {int(a.max() if a.max() >= hp.n_vocab else a.min())} is "
                                   f"outside the vocabulary (0..{hp.n_vocab - 1})")
         t = np.asarray(types)
         if t.min() < 0 or t.max() >= hp.n_token_types:
-            raise BadRequestError(f"input {k}: token type outside 0..{hp.n_token_types - 1}")
+            raise BadRequestError(f"{what}[{k}]: token type outside 0..{hp.n_token_types - 1}")
 
     def hidden_states(self, sequences: Sequence[Sequence[int]],
                       token_types: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:

@@ -54,12 +54,14 @@ class EncoderLoop:
     def waiting(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, sequences: Sequence[Sequence[int]], token_types: Sequence[Sequence[int]] | None = None) -> Future:
-        """Queue the sequences; the future gets their hidden states (a list of ``[len, n_embd]`` arrays)."""
+    def submit(self, sequences: Sequence[Sequence[int]], token_types: Sequence[Sequence[int]] | None = None,
+               what: str = "input") -> Future:
+        """Queue the sequences; the future gets their hidden states (a list of ``[len, n_embd]`` arrays). A bad
+        sequence is a :class:`BadRequestError` naming ``what[k]``."""
         types = [list(t) for t in token_types] if token_types is not None else [[0] * len(s) for s in sequences]
         job = EncoderJob([list(s) for s in sequences], types)
         for k, (ids, tt) in enumerate(zip(job.sequences, job.token_types, strict=True)):
-            self.runner.check(ids, tt, k)  # a bad input fails its own request now, never a shared batch
+            self.runner.check(ids, tt, k, what)  # a bad input fails its own request now, never a shared batch
         try:
             self._queue.put_nowait(job)
         except queue.Full:

@@ -108,10 +108,9 @@ def create_encoder_app(encoder: Encoder, loop: EncoderLoop, config: ServerConfig
 
     async def evaluate(sequences: list[list[int]], types: list[list[int]] | None, field: str) -> list[np.ndarray]:
         try:
-            future = loop.submit(sequences, types)
+            future = loop.submit(sequences, types, field)
         except BadRequestError as e:
-            raise ApiError(str(e).replace("input ", f"{field}[").replace(" is ", "] is ", 1)
-                           if str(e).startswith("input ") else str(e), param=field) from None
+            raise ApiError(str(e), param=field) from None
         hidden = await asyncio.wrap_future(future)
         metrics.prompt_tokens.inc(sum(len(s) for s in sequences))
         return hidden
