@@ -306,3 +306,11 @@ def test_cli_inspect_an_encoder():
     r = cli("inspect", str(BERT), "--graph", "--tokens", "3", "--format", "json")
     nodes = json.loads(r.stdout)["nodes"]
     assert sum(n["op"] == "enc_attn" for n in nodes) == 2 and sum(n["op"] == "layer_norm" for n in nodes) == 5
+
+
+def test_pass_sizes_waste_at_most_a_third():
+    from minfer.runtime.encoder import bucket
+
+    sizes = {bucket(n) for n in range(1, 2049)}
+    assert sorted(sizes)[:6] == [16, 24, 32, 48, 64, 96] and max(sizes) == 2048 and len(sizes) == 15
+    assert all(n <= bucket(n) and (n <= 16 or bucket(n) < 1.5 * n) for n in range(1, 2049))

@@ -32,8 +32,6 @@ Texts = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
 class Encoder:
     """A loaded encoder: its tokenizer, sentence-transformers configuration, backend and runner."""
 
-    kind = "encoder"
-
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kernels: str | None = None,
                  max_tokens: int = 2048) -> None:
         if threads is None:

@@ -4,8 +4,8 @@ scored by a classification head.
 An encoder has no KV cache and no decode: each call evaluates whole sequences. The sequences of a batch are
 packed back to back into passes of up to ``max_tokens`` rows (longest first, so that similar lengths share a
 pass), each sequence a run of rows named by the graph's ``spans`` input, so that attention never crosses from
-one into another and no row is padding inside a sequence. A pass is padded to a bucketed size (a power of two
-from 16) with one extra run of padding rows, so that a few plans serve every batch; the padding's rows are
+one into another and no row is padding inside a sequence. A pass is padded to a bucketed size (:func:`bucket`)
+with one extra run of padding rows, so that a few plans serve every batch; the padding's rows are
 computed and dropped. A sequence's rows are the same bits whatever else shares its pass (every kernel is
 row-local, and attention reads its own run only).
 """
@@ -24,16 +24,20 @@ from minfer.graph.plan import BufferArena, Plan
 from minfer.models.bert import BertModel, classification_head
 from minfer.runtime.pooling import l2_normalize, pool_rows
 
-MAX_PLANS = 8
+MAX_PLANS = 16
 MIN_BUCKET = 16
 
 
 def bucket(n_tokens: int) -> int:
-    """The pass size ``n_tokens`` rows run in: the next power of two from :data:`MIN_BUCKET`."""
+    """The pass size ``n_tokens`` rows run in: the next of 16, 24, 32, 48, 64, 96, ... (powers of two and the
+    halfway sizes between them: at most a third of a pass is padding, with two plans per doubling)."""
     size = MIN_BUCKET
-    while size < n_tokens:
+    while True:
+        if size >= n_tokens:
+            return size
+        if size + size // 2 >= n_tokens:
+            return size + size // 2
         size *= 2
-    return size
 
 
 class EncoderRunner:
