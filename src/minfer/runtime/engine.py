@@ -20,10 +20,11 @@ pools into its vector. :meth:`Engine.run` drives the steps on the caller's threa
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -76,6 +77,7 @@ class Engine:
         speculative: SpeculativeSettings | None = None,
         draft: DraftModel | None = None,
         prompt_cache: PromptCache | None = None,
+        measure_costs: bool = True,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
@@ -84,7 +86,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.scheduler = Scheduler(runner, tokenizer, batch_size, end_of_context, hooks, speculative, draft,
-                                   prompt_cache)
+                                   prompt_cache, measure_costs)
         self.slots = self.scheduler.slots
 
     # -- what the scheduler holds, as callers read it ----------------------------------------------
@@ -287,6 +289,13 @@ class EngineConfig:
     cache_ram: int = 0  # bytes of host memory for KV blocks that left the cache (0: none; --cache-ram)
     cache_disk: str | None = None  # a folder for the blocks that leave host memory (--cache-disk)
     cache_disk_bytes: int = 4 << 30  # at most this many bytes of them there
+    # speculation's pass costs: measured on the passes that run ("measured"), or the prior alone ("prior":
+    # the same drafts whatever else loads the machine; MINFER_PASS_COSTS sets the default)
+    pass_costs: str = field(default_factory=lambda: os.environ.get("MINFER_PASS_COSTS", "measured"))
+
+    def __post_init__(self) -> None:
+        if self.pass_costs not in ("measured", "prior"):
+            raise BadRequestError(f"MINFER_PASS_COSTS must be 'measured' or 'prior', got {self.pass_costs!r}")
 
 
 def build_engine(
@@ -317,7 +326,8 @@ def build_engine(
     runner = ForwardRunner(model, backend, kv, observers, max_plans=config.max_plans + spare)
     draft = None
     if draft_model is not None:
-        draft = DraftModel(draft_model, backend, kv.capacity, config.n_slots, cache_type)
+        draft = DraftModel(draft_model, backend, kv.capacity, config.n_slots, cache_type,
+                           measure_costs=config.pass_costs == "measured")
     prompt_cache = None
     if config.cache_ram > 0 or config.cache_disk:
         disk = None
@@ -325,4 +335,4 @@ def build_engine(
             disk = DiskBlocks(config.cache_disk, config.cache_disk_bytes, cells_fingerprint(model, kv.cache_type))
         prompt_cache = PromptCache(config.cache_ram, disk)
     return Engine(runner, tokenizer, config.batch_size, config.end_of_context, speculative=speculative, draft=draft,
-                  prompt_cache=prompt_cache)
+                  prompt_cache=prompt_cache, measure_costs=config.pass_costs == "measured")

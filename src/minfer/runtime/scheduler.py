@@ -96,6 +96,7 @@ class Scheduler:
         speculative: SpeculativeSettings | None = None,
         draft: DraftModel | None = None,
         prompt_cache: PromptCache | None = None,
+        measure_costs: bool = True,
     ) -> None:
         kv = runner.kv
         self.pad_seq: int | None = None  # the cache's scratch sequence that padding tokens go to
@@ -114,7 +115,8 @@ class Scheduler:
         # speculative decoding: what a request without its own settings gets, and the draft model if any
         self.speculative = speculative or SpeculativeSettings()
         self.draft = draft
-        self.pass_costs = PassCosts()  # what decode and verifying passes cost: how long a lookup draft pays
+        # what decode and verifying passes cost: how long a draft pays (measure_costs False: the prior alone)
+        self.pass_costs = PassCosts(measure=measure_costs)
         if draft is not None and (draft.capacity != self.slots.capacity or draft.kv.n_seq < self.slots.n_slots):
             raise BadRequestError("the draft model's cache does not match the engine's slots")
         self.check_speculative(self.speculative)

@@ -69,11 +69,12 @@ class DraftModel:
     """``model`` drafting into its own cache of ``n_seq`` sequences of ``capacity`` positions."""
 
     def __init__(self, model: TransformerModel, backend: Any, capacity: int, n_seq: int,
-                 cache_type: str | None = None) -> None:
+                 cache_type: str | None = None, measure_costs: bool = True) -> None:
         self.model = model
         self.kv = KVCache(model.hparams, capacity * n_seq, cache_type, n_seq=n_seq)
         self.runner = ForwardRunner(model, backend, self.kv, max_plans=DRAFT_PLANS)
-        self.costs = PassCosts()  # its drafting passes (one token per drafting sequence): what a draft costs
+        # its drafting passes (one token per drafting sequence): what a draft costs
+        self.costs = PassCosts(measure=measure_costs)
 
     @property
     def capacity(self) -> int:
