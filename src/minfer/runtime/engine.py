@@ -293,10 +293,6 @@ class EngineConfig:
     # the same drafts whatever else loads the machine; MINFER_PASS_COSTS sets the default)
     pass_costs: str = field(default_factory=lambda: os.environ.get("MINFER_PASS_COSTS", "measured"))
 
-    def __post_init__(self) -> None:
-        if self.pass_costs not in ("measured", "prior"):
-            raise BadRequestError(f"MINFER_PASS_COSTS must be 'measured' or 'prior', got {self.pass_costs!r}")
-
 
 def build_engine(
     model: TransformerModel,
@@ -312,6 +308,8 @@ def build_engine(
     """The KV cache, the forward runner and the engine over them: the one construction that
     ``minfer.load`` and ``minfer serve`` share. ``draft_model`` (its vocabulary checked by the caller)
     drafts into a cache of its own with the same slots; ``speculative``: what requests get by default."""
+    if config.pass_costs not in ("measured", "prior"):
+        raise BadRequestError(f"MINFER_PASS_COSTS must be 'measured' or 'prior', got {config.pass_costs!r}")
     batched = config.n_slots > 1 or config.batch_size is not None  # batches that mix sequences
     backend.compiler.need(sampling_compile_jobs(batched))  # compiled with the first plan's kernels, in one batch
     if batched:
