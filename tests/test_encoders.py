@@ -289,7 +289,7 @@ def test_cli_rerank_prints_best_first():
     (("embed", str(BERT), "word " * 100), "longer than the model's 64"),
     (("rerank", str(BERT), "q", "a"), "no classification head"),
     (("run", str(BERT), "hello"), "is an encoder model"),
-    (("trace", str(BERT), "hello", "--html", "/tmp/never.html"), "is an encoder model"),
+    (("trace", str(BERT), "hello", "--serve"), "is an encoder model"),
     (("bench", str(BERT)), "is an encoder model"),
     (("embed", str(FIXTURES / "llama" / "model-f32.gguf"), "hi"), "is a generating model"),
 ])

@@ -342,3 +342,34 @@ def test_minfer_serve_without_ray_never_loads_it():
         assert server.proc is not None
         maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
         assert "_raylet" not in maps and "/site-packages/ray/" not in maps
+
+
+def test_an_encoder_on_ray_replicas_embeds_and_refuses_chat():
+    """An encoder behind the Ray front: its requests have no prefix to route by (least loaded), each replica is
+    the encoder's server, and the front passes its answers through."""
+    import minfer
+
+    model = Path(__file__).parent / "fixtures" / "bert"
+    before = ray_processes()
+    server = ServerProcess(model, ["--ray", "--replicas", "2", "--threads", "1", "--host", "127.0.0.1",
+                                   "--log-format", "off"], startup_timeout=READY_TIMEOUT)
+    try:
+        with _started(server):
+            wait_ready(server.url, 2, READY_TIMEOUT)
+            texts = ["hello world", "The café served crème brûlée to Zoë."]
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda t: httpx.post(server.url + "/v1/embeddings", json={"input": t},
+                                                             timeout=120), texts * 4))
+            want = minfer.load(model).embed(texts)
+            for k, r in enumerate(answers):
+                assert r.status_code == 200, r.text
+                assert r.json()["data"][0]["embedding"] == want[k % 2].tolist()
+            r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                           timeout=60)
+            assert r.status_code == 400 and "is an encoder" in r.json()["error"]["message"]
+    finally:
+        deadline = time.monotonic() + 60
+        while (left := ray_processes() - before) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)

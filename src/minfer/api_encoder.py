@@ -9,7 +9,7 @@ classification head, as llama-server's ``/rerank`` does (the raw score, best fir
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 from minfer.api_setup import default_threads
 from minfer.backends.cpu.backend import CPUBackend
 from minfer.errors import BadRequestError
+from minfer.graph.plan import Plan, Step
 from minfer.models.bert import BertModel, EncoderHParams
 from minfer.runtime.encoder import EncoderRunner
 from minfer.runtime.pooling import ENCODER_POOLINGS
@@ -142,3 +143,9 @@ class Encoder:
         scores = self.runner.classify([p.ids for p in pairs], [p.token_types for p in pairs])[:, 0]
         order = sorted(range(len(documents)), key=lambda k: -float(scores[k]))
         return [{"index": k, "relevance_score": float(scores[k])} for k in order[:top_n]]
+
+    def run_observed(self, ids: Sequence[int], on_step: Callable[[Step, float], None],
+                     token_types: Sequence[int] | None = None) -> tuple[Plan, np.ndarray]:
+        """One sequence's forward pass alone in its pass, ``on_step(step, seconds)`` seeing every node as it ran
+        (the trace): the plan it ran in and the sequence's last hidden states (:meth:`EncoderRunner.observe`)."""
+        return self.runner.observe(list(ids), on_step, token_types)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from minfer.cli.embedding import refuse_encoder
 from minfer.cli.options import add_cache_type_flag, add_quantize_flag, add_threads_flag
 from minfer.errors import MinferError
 
@@ -81,7 +80,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
             raise MinferError("--example is served alone: minfer trace --serve --example NAME (no model, no prompt)")
         return _serve_example(args)
     model_ref, prompt = _model_and_prompt(args)
-    refuse_encoder(model_ref, "trace")
+    if _is_encoder(model_ref):
+        return _trace_encoder(args, model_ref, prompt)
     model = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize, cache_type=args.cache_type,
                         threads=args.threads)
     if args.serve:
@@ -94,6 +94,40 @@ def cmd_trace(args: argparse.Namespace) -> int:
                            heads=_int_list(args.heads, "--heads"), max_positions=args.positions)
     out = Path(args.html)
     # atomically: a full disk or a kill leaves the user's old page as it was, never half a page
+    write_atomically(out, render(data).encode("utf-8"), what="trace page")
+    print(out)
+    for what in data["omitted"]:
+        print(f"left out: {what}")
+    return 0
+
+
+def _is_encoder(model_ref: str | None) -> bool:
+    from minfer.models.bert import is_encoder_checkpoint
+    from minfer.pull import resolve_model
+
+    return is_encoder_checkpoint(resolve_model(model_ref))
+
+
+def _trace_encoder(args: argparse.Namespace, model_ref: str | None, text: str) -> int:
+    """``minfer trace ENCODER TEXT --html FILE``: the page of one encoder pass (--serve is refused)."""
+    from pathlib import Path
+
+    import minfer
+    from minfer.formats.atomic import write_atomically
+    from minfer.trace.encoder_page import encoder_trace_page_data
+    from minfer.trace.html import render
+
+    if args.serve:
+        raise MinferError(f"{model_ref} is an encoder model: trace --serve (the explorer) runs generating models "
+                          "only; use --html FILE for an encoder's trace page")
+    if args.positions < 1:
+        raise MinferError(f"--positions must be >= 1, got {args.positions}")
+    # the generating flags given (-c, --cache-type, --quantize) are refused by load, naming them
+    encoder = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize, cache_type=args.cache_type,
+                          threads=args.threads)
+    data = encoder_trace_page_data(encoder, text, layers=_int_list(args.layers, "--layers"),
+                                   heads=_int_list(args.heads, "--heads"), max_positions=args.positions)
+    out = Path(args.html)
     write_atomically(out, render(data).encode("utf-8"), what="trace page")
     print(out)
     for what in data["omitted"]:

@@ -13,14 +13,14 @@ row-local, and attention reads its own run only).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from minfer.errors import BadRequestError
 from minfer.graph.fusion import fuse
 from minfer.graph.ir import Backend
-from minfer.graph.plan import BufferArena, Plan
+from minfer.graph.plan import BufferArena, Plan, Step
 from minfer.models.bert import BertModel, classification_head
 from minfer.runtime.pooling import l2_normalize, pool_rows
 
@@ -108,7 +108,9 @@ class EncoderRunner:
         return [o for o in out if o is not None]
 
     def _run(self, group: list[int], sequences: Sequence[Sequence[int]], types: Sequence[Sequence[int]],
-             out: list[np.ndarray | None]) -> None:
+             out: list[np.ndarray | None], on_step: Callable[[Step, float], None] | None = None) -> Plan:
+        """One pass of the sequences ``group`` (indices into ``sequences``), their hidden states into ``out``;
+        ``on_step``: an observer of every node as it ran (the trace). The plan it ran in."""
         n = sum(len(sequences[k]) for k in group)
         size = bucket(n)
         plan = self.plan(size)
@@ -129,13 +131,25 @@ class EncoderRunner:
         positions[row:] = offset + np.arange(size - row) % self.model.hparams.n_ctx_train
         spans[row:] = row
         with self.backend.running(("encoder", size)):
-            hidden = plan.run()
+            hidden = plan.run(on_step)
         self.passes += 1
         row = 0
         for k in group:
             m = len(sequences[k])
             out[k] = hidden[row:row + m].copy()
             row += m
+        return plan
+
+    def observe(self, ids: Sequence[int], on_step: Callable[[Step, float], None],
+                token_types: Sequence[int] | None = None) -> tuple[Plan, np.ndarray]:
+        """One sequence alone in its pass, ``on_step(step, seconds)`` seeing every node as it ran (the trace): the
+        plan it ran in (every node's rows past the sequence's are the padding's) and its last hidden states."""
+        types = [0] * len(ids) if token_types is None else list(token_types)
+        self.check(ids, types, 0)
+        out: list[np.ndarray | None] = [None]
+        plan = self._run([0], [list(ids)], [types], out, on_step)
+        assert out[0] is not None
+        return plan, out[0]
 
     def embed(self, sequences: Sequence[Sequence[int]], pooling: str, normalize: bool) -> list[np.ndarray]:
         """Each sequence's embedding: its hidden states pooled (:func:`~minfer.runtime.pooling.pool_rows`),

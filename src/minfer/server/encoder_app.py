@@ -226,8 +226,8 @@ def create_encoder_app(encoder: Encoder, loop: EncoderLoop, config: ServerConfig
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "kind": "encoder", "requests_waiting": loop.waiting,
-                "sequences_running": loop.running}
+        # slots_running / slots_waiting: the names a generating server's load goes by (the Ray front routes on them)
+        return {"status": "ok", "kind": "encoder", "slots_running": loop.running, "slots_waiting": loop.waiting}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

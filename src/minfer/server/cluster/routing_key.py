@@ -17,6 +17,7 @@ from typing import Any
 from minfer.errors import MinferError
 from minfer.formats.chat_template import ChatTemplate
 from minfer.formats.tokenizer import Tokenizer
+from minfer.models.bert import is_encoder_checkpoint
 from minfer.models.model import TransformerModel
 from minfer.runtime.chat import plan_chat
 from minfer.server.cluster.prefix import BLOCK_TOKENS, MAX_BLOCKS, block_hashes
@@ -35,20 +36,23 @@ COMPLETION_PATHS = frozenset({"/v1/completions", "/completions", "/completion"})
 class PromptKeys:
     """Routing keys for one model's requests."""
 
-    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, template: ChatTemplate | None) -> None:
+        self.tokenizer = tokenizer  # None: an encoder's requests, which no prefix routes (least loaded)
         self.template = template
 
     @classmethod
     def from_model(cls, path: str | Path) -> PromptKeys:
-        """The tokenizer and chat template of the model at ``path`` (its weights are mapped, not read)."""
+        """The tokenizer and chat template of the model at ``path`` (its weights are mapped, not read); an
+        encoder's keys are none (its passes keep no cache a prefix could reuse)."""
+        if is_encoder_checkpoint(path):
+            return cls(None, None)
         model = TransformerModel.from_path(path)
         tokenizer = model.load_tokenizer()
         return cls(tokenizer, model.load_chat_template(tokenizer))
 
     def key(self, path: str, body: bytes) -> list[bytes]:
         """The block hashes of the prompt of a request to ``path`` with ``body``; [] when there is none."""
-        if len(body) > MAX_KEYED_BODY or not body:
+        if len(body) > MAX_KEYED_BODY or not body or self.tokenizer is None:
             return []
         try:
             data = json.loads(body)
