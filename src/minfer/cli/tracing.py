@@ -70,10 +70,8 @@ def _model_and_prompt(args: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     import minfer
-    from minfer.formats.atomic import write_atomically
 
     if args.example is not None:
         if not args.serve or args.args:
@@ -86,16 +84,25 @@ def cmd_trace(args: argparse.Namespace) -> int:
                         threads=args.threads)
     if args.serve:
         return _serve_model(args, model, prompt)
-    from minfer.trace.html import render, trace_page_data
+    from minfer.trace.html import trace_page_data
 
     if args.positions < 1:
         raise MinferError(f"--positions must be >= 1, got {args.positions}")
     data = trace_page_data(model, prompt, layers=_int_list(args.layers, "--layers"),
                            heads=_int_list(args.heads, "--heads"), max_positions=args.positions)
-    out = Path(args.html)
-    # atomically: a full disk or a kill leaves the user's old page as it was, never half a page
-    write_atomically(out, render(data).encode("utf-8"), what="trace page")
-    print(out)
+    return _write_page(args.html, data)
+
+
+def _write_page(path: str, data: dict) -> int:
+    """The page of ``data`` written to ``path`` (atomically: a full disk or a kill leaves the user's old page
+    as it was, never half a page), then what it left out."""
+    from pathlib import Path
+
+    from minfer.formats.atomic import write_atomically
+    from minfer.trace.html import render
+
+    write_atomically(Path(path), render(data).encode("utf-8"), what="trace page")
+    print(path)
     for what in data["omitted"]:
         print(f"left out: {what}")
     return 0
@@ -110,12 +117,9 @@ def _is_encoder(model_ref: str | None) -> bool:
 
 def _trace_encoder(args: argparse.Namespace, model_ref: str | None, text: str) -> int:
     """``minfer trace ENCODER TEXT --html FILE``: the page of one encoder pass (--serve is refused)."""
-    from pathlib import Path
 
     import minfer
-    from minfer.formats.atomic import write_atomically
     from minfer.trace.encoder_page import encoder_trace_page_data
-    from minfer.trace.html import render
 
     if args.serve:
         raise MinferError(f"{model_ref} is an encoder model: trace --serve (the explorer) runs generating models "
@@ -127,12 +131,7 @@ def _trace_encoder(args: argparse.Namespace, model_ref: str | None, text: str) -
                           threads=args.threads)
     data = encoder_trace_page_data(encoder, text, layers=_int_list(args.layers, "--layers"),
                                    heads=_int_list(args.heads, "--heads"), max_positions=args.positions)
-    out = Path(args.html)
-    write_atomically(out, render(data).encode("utf-8"), what="trace page")
-    print(out)
-    for what in data["omitted"]:
-        print(f"left out: {what}")
-    return 0
+    return _write_page(args.html, data)
 
 
 def _serve_model(args: argparse.Namespace, model: object, prompt: str) -> int:

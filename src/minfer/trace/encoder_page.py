@@ -19,11 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from minfer.errors import BadRequestError
 from minfer.graph.ir import Op
 from minfer.graph.plan import Step
 from minfer.trace.head_attention import attention_check
-from minfer.trace.html import DEFAULT_MAX_CELLS, DEFAULT_MAX_POSITIONS
+from minfer.trace.html import DEFAULT_MAX_CELLS, DEFAULT_MAX_POSITIONS, inlined
 from minfer.trace.tracer import array_stats
 
 NO_LOGITS = "an encoder: no vocabulary projection, so no logits and no top tokens (its output is the hidden states)"
@@ -88,19 +87,8 @@ def encoder_trace_page_data(
 
     ids = encoder.tokenize(text)
     hp = encoder.hparams
-    for what, chosen, n in (("layer", layers, hp.n_layer), ("head", heads, hp.n_head)):
-        bad = [i for i in chosen or [] if not 0 <= i < n]
-        if bad:
-            raise BadRequestError(f"{what} {bad[0]} is outside 0..{n - 1}")
-    if max_positions is not None and max_positions < 1:
-        raise BadRequestError(f"max_positions must be >= 1, got {max_positions}")
     n = len(ids)
-    n_pos = n if max_positions is None else min(n, max_positions)
-    heads = list(range(hp.n_head)) if heads is None else sorted(set(heads))
-    if layers is None:
-        per_layer = len(heads) * n_pos * n_pos * 4
-        layers = list(range(max(1, min(hp.n_layer, max_cells // max(per_layer, 1)))))
-    layers = sorted(set(layers))
+    layers, heads, n_pos = inlined(hp.n_layer, hp.n_head, n, layers, heads, max_positions, max_cells)
     capture = EncoderCapture(n)
     encoder.run_observed(ids, capture.step)
     labels = [token_label(encoder.tokenizer, t) for t in ids]

@@ -44,6 +44,24 @@ def attention_intermediates(
             "weights": weights.tolist(), "output": (weights @ v64).tolist(), "v": v64.tolist()}
 
 
+def inlined(n_layer: int, n_head: int, n_tokens: int, layers: list[int] | None, heads: list[int] | None,
+            max_positions: int | None, max_cells: int) -> tuple[list[int], list[int], int]:
+    """The layers, heads and positions whose attention matrices a page inlines (checked: a layer or head out of
+    range is a :class:`BadRequestError`); by default every head of the first layers that fit in ``max_cells``."""
+    for what, chosen, n in (("layer", layers, n_layer), ("head", heads, n_head)):
+        bad = [i for i in chosen or [] if not 0 <= i < n]
+        if bad:
+            raise BadRequestError(f"{what} {bad[0]} is outside 0..{n - 1}")
+    if max_positions is not None and max_positions < 1:
+        raise BadRequestError(f"max_positions must be >= 1, got {max_positions}")
+    n_pos = n_tokens if max_positions is None else min(n_tokens, max_positions)
+    heads = list(range(n_head)) if heads is None else sorted(set(heads))
+    if layers is None:
+        per_layer = len(heads) * n_pos * n_pos * 4
+        layers = list(range(max(1, min(n_layer, max_cells // max(per_layer, 1)))))
+    return sorted(set(layers)), heads, n_pos
+
+
 class Capture:
     """Keeps a copy of every node's output of one forward call (an observer of :meth:`Plan.run`)."""
 
@@ -82,18 +100,7 @@ def trace_page_data(
 
     ids = model.tokenize(prompt)
     hp = model.hparams
-    for what, chosen, n in (("layer", layers, hp.n_layer), ("head", heads, hp.n_head)):
-        bad = [i for i in chosen or [] if not 0 <= i < n]
-        if bad:
-            raise BadRequestError(f"{what} {bad[0]} is outside 0..{n - 1}")
-    if max_positions is not None and max_positions < 1:
-        raise BadRequestError(f"max_positions must be >= 1, got {max_positions}")
-    n_pos = len(ids) if max_positions is None else min(len(ids), max_positions)
-    heads = list(range(hp.n_head)) if heads is None else sorted(set(heads))
-    if layers is None:
-        per_layer = len(heads) * n_pos * n_pos * 4
-        layers = list(range(max(1, min(hp.n_layer, max_cells // max(per_layer, 1)))))
-    layers = sorted(set(layers))
+    layers, heads, n_pos = inlined(hp.n_layer, hp.n_head, len(ids), layers, heads, max_positions, max_cells)
     capture = Capture()
     model.runner.observers.append(capture)
     try:
