@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 import numpy as np
 import pytest
+from browser_support import Watched, guarded_context, launch_chromium
 
 from minfer.testing.server_process import ServerProcess
 
@@ -24,37 +24,15 @@ pytestmark = pytest.mark.slow
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
 
-CHROMIUM = Path("/usr/bin/chromium")
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "pages"
 KEY = "encoder-page-key"
-LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 TEXTS = ["The cat sits on the mat.", "A kitten rests on a rug.", "Stock markets fell sharply today."]
-
-
-class Watched:
-    """A browser page whose console errors, page errors and off-machine requests are collected."""
-
-    def __init__(self, context: object) -> None:
-        self.errors: list[str] = []
-        self.blocked: list[str] = context.blocked  # type: ignore[attr-defined]
-        self.page = context.new_page()  # type: ignore[attr-defined]
-        self.page.on("console", lambda m: self.errors.append(f"console: {m.text}") if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
-
-    def clean(self, allow: str | None = None) -> None:
-        assert self.blocked == [], f"requests left the machine: {self.blocked}"
-        errors = [e for e in self.errors if allow is None or allow not in e]
-        assert errors == [], errors
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    assert CHROMIUM.exists(), "Debian's chromium is needed (apt-get install chromium)"
-    with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        yield b
-        b.close()
+    yield from launch_chromium(playwright_api)
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +49,7 @@ def reranker() -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def context(browser: object) -> Iterator[object]:
-    ctx = browser.new_context(viewport={"width": 1300, "height": 1000})  # type: ignore[attr-defined]
-    ctx.blocked = []
-
-    def guard(route: object) -> None:
-        url = route.request.url  # type: ignore[attr-defined]
-        host = urlparse(url).hostname or ""
-        if url.startswith(("data:", "blob:")) or host in LOOPBACK:
-            route.continue_()  # type: ignore[attr-defined]
-        else:
-            ctx.blocked.append(url)
-            route.abort()  # type: ignore[attr-defined]
-
-    ctx.route("**/*", guard)
-    yield ctx
-    ctx.close()
+    yield from guarded_context(browser, 1300)
 
 
 def api(server: ServerProcess, key: str | None = None) -> httpx.Client:

@@ -12,21 +12,19 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 import numpy as np
 import pytest
+from browser_support import Watched, guarded_context, launch_chromium
 from explorer_process import explorer_process
 
 from minfer.testing.server_process import ServerProcess
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "pages"
 KEY = "page-test-key"
-LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 def record(name: str, value: object) -> None:
@@ -38,28 +36,9 @@ def record(name: str, value: object) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
-class Watched:
-    """A browser page whose console errors, page errors and off-machine requests are collected."""
-
-    def __init__(self, context: object) -> None:
-        self.errors: list[str] = []
-        self.blocked: list[str] = []
-        self.page = context.new_page()  # type: ignore[attr-defined]
-        self.page.on("console", lambda m: self.errors.append(f"console: {m.text}") if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
-
-    def clean(self) -> None:
-        assert self.blocked == [], f"requests left the machine: {self.blocked}"
-        assert self.errors == [], self.errors
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    assert CHROMIUM.exists(), "Debian's chromium is needed (apt-get install chromium)"
-    with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
-        yield b
-        b.close()
+    yield from launch_chromium(playwright_api)
 
 
 @pytest.fixture(scope="module")
@@ -70,27 +49,11 @@ def server(smollm2_path: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def context(browser: object) -> Iterator[object]:
-    ctx = browser.new_context(viewport={"width": 1500, "height": 1000})  # type: ignore[attr-defined]
-    ctx.blocked = []
-
-    def guard(route: object) -> None:
-        url = route.request.url  # type: ignore[attr-defined]
-        host = urlparse(url).hostname or ""
-        if url.startswith(("data:", "blob:")) or host in LOOPBACK:
-            route.continue_()  # type: ignore[attr-defined]
-        else:
-            ctx.blocked.append(url)
-            route.abort()  # type: ignore[attr-defined]
-
-    ctx.route("**/*", guard)
-    yield ctx
-    ctx.close()
+    yield from guarded_context(browser, 1500)
 
 
 def watched(context: object) -> Watched:
-    w = Watched(context)
-    w.blocked = context.blocked  # type: ignore[attr-defined]
-    return w
+    return Watched(context)
 
 
 def api(server: ServerProcess) -> httpx.Client:
