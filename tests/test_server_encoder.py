@@ -78,7 +78,10 @@ def test_native_embedding_and_token_routes(server, local):
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["id"] == "all-minilm" and card["meta"]["n_embd"] == 384 and card["meta"]["kind"] == "encoder"
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
-    assert "minfer_requests_total" in httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "minfer_requests_total" in metrics
+    passes = [float(line.split()[1]) for line in metrics.splitlines() if line.startswith("minfer_encoder_passes ")]
+    assert passes and passes[0] >= 1
 
 
 @pytest.mark.parametrize("path,body,param,fragment", [

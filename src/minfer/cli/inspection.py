@@ -157,7 +157,8 @@ def _inspect_encoder(path, args: argparse.Namespace) -> int:
     print(f"file: {summary['file']}\nformat: {summary['format']}, {len(model.tensors)} tensors, "
           f"{format_bytes(model.weight_bytes)}\nkind: encoder ({model.hparams.arch}; embeddings"
           f"{', reranking' if model.has_head else ''})\nembeddings: {config.pooling} pooling"
-          f"{', L2-normalized' if config.normalize else ''}, up to {config.max_seq_length} tokens per input")
+          f"{', L2-normalized' if config.normalize else ''}, up to {config.max_seq_length} tokens per input"
+          f" ({'the sentence-transformers modules' if config.declared else 'defaults: no modules.json'})")
     print("\nhyperparameters:")
     for k, v in vars(model.hparams).items():
         print(f"  {k} = {v}")

@@ -260,14 +260,12 @@ class BertModel:
     stay in the memory map. ``open`` picks by what ``path`` is."""
 
     def __init__(self, path: Path, tensors: dict[str, WeightTensor], hparams: EncoderHParams,
-                 origin: Mapping[str, tuple[str, Path]], gguf: GGUFFile | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 origin: Mapping[str, tuple[str, Path]], gguf: GGUFFile | None = None) -> None:
         self.path = path
         self.tensors = tensors
         self.hparams = hparams
         self.origin = dict(origin)
         self.gguf = gguf
-        self.config = dict(config or {})
         self._validate()
 
     @classmethod
@@ -309,7 +307,7 @@ class BertModel:
         if layers and max(layers) >= hparams.n_layer:
             raise ModelError(f"{cfg_path}: num_hidden_layers is {hparams.n_layer} but the weights have layer "
                              f"{max(layers)}")
-        return cls(directory, tensors, hparams, origin, config=cfg)
+        return cls(directory, tensors, hparams, origin)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> BertModel:

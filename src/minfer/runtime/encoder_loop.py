@@ -36,8 +36,6 @@ class EncoderLoop:
         self._queue: queue.Queue[EncoderJob | None] = queue.Queue(max_queue)
         self._thread: threading.Thread | None = None
         self.batches = 0  # batches evaluated (several requests each, when they arrive together)
-        self.sequences = 0
-        self.tokens = 0
         self.running = 0  # sequences in the batch being evaluated now
 
     def start(self) -> None:
@@ -105,8 +103,6 @@ class EncoderLoop:
         finally:
             self.running = 0
         self.batches += 1
-        self.sequences += len(sequences)
-        self.tokens += sum(len(s) for s in sequences)
         k = 0
         for j in jobs:
             n = len(j.sequences)

@@ -58,6 +58,10 @@ class EncoderMetrics:
         Gauge("minfer_queue_depth", "requests waiting for the encoder thread", registry=reg).set_function(
             lambda: loop.waiting)
         Gauge("minfer_requests_running", "sequences being evaluated", registry=reg).set_function(lambda: loop.running)
+        Gauge("minfer_encoder_passes", "forward passes the encoder ran", registry=reg).set_function(
+            lambda: loop.runner.passes)
+        Gauge("minfer_plans_built", "forward-pass plans built since the start", registry=reg).set_function(
+            lambda: loop.runner.plans_built)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
