@@ -8,12 +8,12 @@ sentence-transformers 6.3.0; every number fp32, eager attention, CPU)::
 
     /tmp/refenv/bin/python scripts/make_encoder_fixtures.py --out DIR --minilm /tmp/minilm/w/folder
 
-It writes ``DIR/bert``, ``DIR/bert_rerank``, ``DIR/xlmr``, ``DIR/xlmr_rerank``, ``DIR/minilm_sentences.json``
-and ``DIR/minilm_reference.npz`` (without ``--minilm`` only the four tiny fixtures); copy ``DIR/bert``,
-``DIR/bert_rerank``, ``DIR/xlmr``, ``DIR/xlmr_rerank`` over ``tests/fixtures/`` and the two ``minilm_*`` files
-into ``tests/data/``. At the end the script reloads every saved folder with transformers / sentence-transformers and
-checks that it reproduces the stored references
-exactly (max abs diff 0).
+It writes ``DIR/nomic`` (alone with ``--only-nomic``), ``DIR/bert``, ``DIR/bert_rerank``, ``DIR/xlmr``,
+``DIR/xlmr_rerank``, ``DIR/minilm_sentences.json`` and ``DIR/minilm_reference.npz`` (without ``--minilm`` only the
+five tiny fixtures); copy the five folders over ``tests/fixtures/`` and the two ``minilm_*`` files into
+``tests/data/``. At the end the script reloads every saved folder with transformers / sentence-transformers and
+checks that it reproduces the stored references exactly (max abs diff 0). ``nomic/model-f32.gguf`` is written by
+llama.cpp's converter (see ``nomic/README.md``).
 
 Recipe:
 
@@ -65,7 +65,12 @@ Recipe:
 6. ``xlmr_rerank/`` (``XLMR_RERANK_SEED``): ``XLMRobertaForSequenceClassification`` num_labels 1 (``roberta.*``
    without pooler, ``classifier.dense`` + tanh + ``classifier.out_proj``), same tokenizer; ``reference.npz``
    as bert_rerank/ (``tok.encode(query, doc)``, type ids all 0).
-7. MiniLM: ``minilm_sentences.json`` = ``minilm_sentences()`` (200 strings built from templates with
+7. ``nomic/`` (``NOMIC_SEED``): ``NomicBertModel`` with ``NOMIC_CONFIG`` (bert/'s sizes, SwiGLU, rotary positions at
+   base 1000, no projection biases), bert/'s tokenizer, sentence-transformers files as bert/ (mean pooling);
+   init as above (LayerNorm gains matched case-insensitively: its layers' norms are ``post_*_layernorm``).
+   ``reference.npz`` as bert/ without ``pooler_output``; ``config_nomic.json`` (``nomic_original_config``) is
+   the same model in nomic's own config fields, for llama.cpp's converter and the tests of that config.
+8. MiniLM: ``minilm_sentences.json`` = ``minilm_sentences()`` (200 strings built from templates with
    ``random.Random(MINILM_SEED)``: English 1 to ~330 tokens, accented French / German / Vietnamese, Greek,
    Cyrillic, Chinese, Japanese, Korean, Arabic, Hindi, emoji, very long words, digits and punctuation,
    mixed case, control characters, empty-ish strings). ``minilm_reference.npz``: ``embeddings`` [200, 384]
@@ -93,6 +98,7 @@ VOCAB_TARGET = 600
 BERT_SEED = 4101
 RERANK_SEED = 4103
 XLMR_SEED = 4109
+NOMIC_SEED = 4113
 XLMR_RERANK_SEED = 4111
 XLMR_VOCAB_TARGET = 600
 MINILM_SEED = 4107
@@ -113,6 +119,23 @@ BERT_CONFIG: dict[str, Any] = {
     "attention_probs_dropout_prob": 0.0,
     "initializer_range": 0.2,
     "pad_token_id": 0,
+}
+
+# nomic-bert: bert/'s sizes, rotary positions at nomic's base 1000, SwiGLU, no projection biases
+NOMIC_CONFIG: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+    "type_vocab_size": 2,
+    "hidden_act": "silu",
+    "layer_norm_eps": 1e-12,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"},
 }
 
 # XLM-RoBERTa sizes: positions are offset by pad_token_id + 1 = 2 in transformers' RoBERTa, so 130 rows give
@@ -343,7 +366,7 @@ def build_model(model_class: str, seed: int, vocab_size: int, config_class: str 
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
+            if "layernorm.weight" in name.lower():  # BERT's LayerNorm, nomic-bert's post_*_layernorm
                 p.copy_(torch.randn(p.shape) * 0.2 + 1.0)
             elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape) * 0.2)
@@ -401,8 +424,10 @@ def bert_references(folder: Path, tok: Any, model_class: str = "BertModel", pad_
             h = out.last_hidden_state[0].numpy().astype(np.float32)
             ref[f"last_hidden_state_{i}"] = h
             hidden.append(h)
-            pooled.append(out.pooler_output[0].numpy())
-        ref["pooler_output"] = np.stack(pooled).astype(np.float32)
+            if out.pooler_output is not None:  # NomicBertModel has none
+                pooled.append(out.pooler_output[0].numpy())
+        if pooled:
+            ref["pooler_output"] = np.stack(pooled).astype(np.float32)
         n = max(len(ref[f"ids_{i}"]) for i in range(len(texts)))
         bids = np.full((len(texts), n), pad_id, dtype=np.int32)
         mask = np.zeros((len(texts), n), dtype=np.int32)
@@ -436,7 +461,7 @@ def bert_references(folder: Path, tok: Any, model_class: str = "BertModel", pad_
         "batch_vs_single_embedding_max_abs_diff": float(np.abs(ref["batch_embedding"] - emb).max()),
         f"manual_{pooling_mode}_pool_normalize_vs_st_max_abs_diff": float(np.abs(manual - emb).max()),
         "last_hidden_state_std": float(np.concatenate(hidden).std()),
-        "pooler_output_std": float(ref["pooler_output"].std()),
+        "pooler_output_std": float(ref["pooler_output"].std()) if pooled else None,
     }
     return ref, stats
 
@@ -460,6 +485,50 @@ def make_bert(out: Path, tok: Any) -> dict[str, Any]:
             "tensors": {k: list(v.shape) for k, v in model.state_dict().items()}, **stats}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     (folder / "README.md").write_text(README_BERT)
+    return meta
+
+
+def nomic_original_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config.json nomic's own checkpoints carry (nomic-ai/nomic-embed-text-v1.5's fields, this model's
+    sizes): what llama.cpp's converter reads (it asserts n_positions 8192 with max_trained_positions 2048)."""
+    return {
+        "architectures": ["NomicBertModel"], "model_type": "nomic_bert", "activation_function": "swiglu",
+        "n_embd": cfg["hidden_size"], "n_head": cfg["num_attention_heads"], "n_layer": cfg["num_hidden_layers"],
+        "n_inner": cfg["intermediate_size"], "n_positions": 8192, "max_trained_positions": 2048,
+        "vocab_size": cfg["vocab_size"], "type_vocab_size": cfg["type_vocab_size"],
+        "layer_norm_epsilon": cfg["layer_norm_eps"], "rotary_emb_base": cfg["rope_parameters"]["rope_theta"],
+        "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "rotary_emb_scale_base": None,
+        "rotary_scaling_factor": None, "causal": False, "prenorm": False, "qkv_proj_bias": False,
+        "mlp_fc1_bias": False, "mlp_fc2_bias": False, "parallel_block": False, "use_rms_norm": False,
+        "pad_token_id": cfg["pad_token_id"], "bos_token_id": None, "eos_token_id": None,
+    }
+
+
+def make_nomic(out: Path, tok: Any) -> dict[str, Any]:
+    folder = out / "nomic"
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    model = build_model("NomicBertModel", NOMIC_SEED, tok.get_vocab_size(), "NomicBertConfig", NOMIC_CONFIG)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(tok, folder)
+    write_st_files(folder)
+    ref, stats = bert_references(folder, tok, "NomicBertModel")
+    np.savez(folder / "reference.npz", **ref)
+    (folder / "texts.json").write_text(json.dumps(BERT_TEXTS, ensure_ascii=False, indent=1) + "\n")
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config_nomic.json").write_text(json.dumps(nomic_original_config(saved), indent=2) + "\n")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "np") as f:
+        names = sorted(f.keys())
+    meta = {"model_class": "NomicBertModel", "seed": NOMIC_SEED, "config": NOMIC_CONFIG,
+            "vocab_size": tok.get_vocab_size(),
+            "init": "transformers init (initializer_range 0.2) after torch.manual_seed(seed); then LayerNorm "
+                    "gains normal(1, 0.2), biases normal(0, 0.2)",
+            "saved_tensors": names, **stats}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (folder / "README.md").write_text(README_NOMIC)
     return meta
 
 
@@ -643,6 +712,24 @@ tanh + `classifier.out_proj` [1, 32] on the `<s>` token), the sizes and the toke
 - `meta.json`: config, seed, tensor shapes, the scores.
 """
 
+README_NOMIC = """\
+# nomic: tiny random nomic-bert embedder (nomic-embed-text's recipe)
+
+Made by `scripts/make_encoder_fixtures.py` (its docstring is the recipe). transformers `NomicBertModel` with
+random weights (hidden 32, 2 layers, 4 heads, intermediate 64, SwiGLU, rotary positions at base 1000 over the
+whole head, no position table, 2 token types, no projection biases, LayerNorm eps 1e-12, LayerNorm gains
+~N(1, 0.2) and biases ~N(0, 0.2)), the tokenizer of `../bert`, and the sentence-transformers files (mean
+pooling, Normalize, max_seq_length 64). `save_pretrained` writes the original checkpoint's tensor names
+(`emb_ln`, `encoder.layers.N.attn.Wqkv`, `mlp.fc11`/`fc12`/`fc2`, `norm1`/`norm2`) with transformers'
+`NomicBertConfig` in `config.json`; `config_nomic.json` is the same model in the config nomic's own hub
+folders carry (`n_embd`, `rotary_emb_base`, `activation_function` swiglu, ...).
+
+- `model-f32.gguf`: llama.cpp's `convert_hf_to_gguf.py` (llama-cpp-python 0.3.36) of this folder with
+  `config_nomic.json` as its config (`general.architecture` nomic-bert, context 2048), run by
+  `scripts/llama_cpp_convert.py --outtype f32 --model-name Nomic`.
+- `texts.json`, `reference.npz`, `meta.json`: as `../bert` (no `pooler_output`).
+"""
+
 
 # --------------------------------------------------------------------------------------------- MiniLM
 
@@ -774,6 +861,23 @@ def make_minilm(out: Path, folder: Path) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------- check
 
+def check_nomic(out: Path) -> None:
+    """Reload nomic/ and recompute its references; they must be equal (max abs diff 0)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    ref = dict(np.load(out / "nomic" / "reference.npz"))
+    tok = Tokenizer.from_file(str(out / "nomic" / "tokenizer.json"))
+    model = reload("NomicBertModel", out / "nomic")
+    with torch.no_grad():
+        for i, text in enumerate(BERT_TEXTS):
+            ids = np.asarray(tok.encode(text).ids, dtype=np.int32)
+            assert ids.tolist() == ref[f"ids_{i}"].tolist(), i
+            h = model(input_ids=torch.tensor(ids[None], dtype=torch.long)).last_hidden_state[0].numpy()
+            assert np.array_equal(h, ref[f"last_hidden_state_{i}"]), i
+    print("check: nomic's references reproduced from the saved folder (max abs diff 0)")
+
+
 def check(out: Path, minilm: Path | None) -> None:
     """Reload every folder and recompute the references; they must be equal (max abs diff 0)."""
     import torch
@@ -859,10 +963,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minilm", type=Path, default=None, help="all-MiniLM-L6-v2 sentence-transformers folder")
+    ap.add_argument("--only-nomic", action="store_true", help="write and check nomic/ alone")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     print(f"tokenizer: vocab {tok.get_vocab_size()}")
+    meta = make_nomic(args.out, tok)
+    print(f"[nomic] tokens {meta['tokens_per_text']}, padded-vs-single hidden diff "
+          f"{meta['batch_vs_single_last_hidden_max_abs_diff']:.2e}, manual pooling vs ST "
+          f"{meta['manual_mean_pool_normalize_vs_st_max_abs_diff']:.2e}")
+    check_nomic(args.out)
+    if args.only_nomic:
+        return 0
     meta = make_bert(args.out, tok)
     print(f"[bert] tokens {meta['tokens_per_text']}, padded-vs-single hidden diff "
           f"{meta['batch_vs_single_last_hidden_max_abs_diff']:.2e}, manual pooling vs ST "

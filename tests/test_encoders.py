@@ -103,10 +103,13 @@ BERT = FIXTURES / "bert"
 RERANK = FIXTURES / "bert_rerank"
 XLMR = FIXTURES / "xlmr"
 XLMR_RERANK = FIXTURES / "xlmr_rerank"
+NOMIC = FIXTURES / "nomic"
 # an embedder's checkpoints and the folder holding its references: HF folders, and GGUF files in llama.cpp's layout
-# (scripts/bert_to_gguf.py, byte-identical to llama.cpp's converter; f16: its weights rounded, looser)
+# (bert: scripts/bert_to_gguf.py, byte-identical to llama.cpp's converter; f16: its weights rounded, looser;
+# nomic: llama.cpp's converter itself, see tests/fixtures/nomic/README.md)
 EMBEDDERS = {"bert": (BERT, BERT, 1e-4), "bert-gguf-f32": (BERT / "model-f32.gguf", BERT, 1e-4),
-             "bert-gguf-f16": (BERT / "model-f16.gguf", BERT, 2e-2), "xlmr": (XLMR, XLMR, 1e-4)}
+             "bert-gguf-f16": (BERT / "model-f16.gguf", BERT, 2e-2), "xlmr": (XLMR, XLMR, 1e-4),
+             "nomic": (NOMIC, NOMIC, 1e-4), "nomic-gguf-f32": (NOMIC / "model-f32.gguf", NOMIC, 1e-4)}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
@@ -130,7 +133,7 @@ def test_every_position_within_1e_4_of_transformers(which, kernels, threads):
     np.testing.assert_allclose(enc.embed(texts), ref["embedding"], atol=tol / 10, rtol=0)
 
 
-@pytest.mark.parametrize("which", ["bert", "xlmr"])
+@pytest.mark.parametrize("which", ["bert", "xlmr", "nomic"])
 def test_a_sequence_has_the_same_bits_alone_and_packed(which):
     path = EMBEDDERS[which][0]
     texts = json.loads((path / "texts.json").read_text())

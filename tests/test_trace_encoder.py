@@ -117,6 +117,31 @@ def test_attention_is_unmasked_and_equals_the_engine_and_numpy(encoder):
                                    atol=1e-5)
 
 
+def test_a_rotary_encoder_s_page_reads_q_and_k_after_rope():
+    """nomic-bert has no q/k/v biases and rotates q and k: the page recomputes each head from the roped q and k
+    (checked here against numpy's RoPE of the unrotated projections) and equals the engine's attention."""
+    enc = minfer.load(fixture_dir("nomic"))
+    data = encoder_trace_page_data(enc, TEXT)
+    ids = enc.tokenize(TEXT)
+    n, hp = len(ids), enc.hparams
+    d = hp.head_dim
+    outputs: dict[str, np.ndarray] = {}
+    enc.run_observed(ids, lambda s, _: outputs.__setitem__(s.node.name, np.array(s.out[:n], copy=True)))
+    half = d // 2
+    angle = np.arange(n)[:, None] * hp.rope_base ** (-np.arange(half) / half)
+    cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
+    for c in "qk":  # NeoX pairs (i, i + d/2) of each head
+        x = outputs[f"blk.0.{c}"].astype(np.float64).reshape(n, hp.n_head, d)
+        a, b = x[..., :half], x[..., half:]
+        rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(n, -1)
+        np.testing.assert_allclose(outputs[f"blk.0.{c}_rope"], rotated, atol=1e-5)
+    for layer in data["layers"]:
+        engine = outputs[f"blk.{layer['layer']}.attn"].reshape(n, hp.n_head, d)
+        for head in layer["heads"]:
+            assert head["check"]["equal"]
+            np.testing.assert_allclose(head["output"], engine[:, head["head"]], atol=1e-5)
+
+
 def test_cropped_page_says_what_it_left_out(encoder):
     data = encoder_trace_page_data(encoder, TEXT, layers=[1], heads=[2], max_positions=3)
     assert [x["layer"] for x in data["layers"]] == [1] and [h["head"] for h in data["layers"][0]["heads"]] == [2]

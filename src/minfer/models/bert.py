@@ -1,11 +1,15 @@
-"""BERT-family encoders: BERT (``model_type`` ``bert``: all-MiniLM, bge, e5, the BERT cross-encoder rerankers) and
-XLM-RoBERTa / RoBERTa (``xlm-roberta``, ``roberta``: bge-m3, bge-reranker, jina-reranker), from HF folders and
-from GGUF files as llama.cpp's converter writes them (``general.architecture`` ``bert``): hyperparameters,
-tensors under llama.cpp's GGUF names, and the layer recipe as a compute graph.
+"""BERT-family encoders: BERT (``model_type`` ``bert``: all-MiniLM, bge, e5, the BERT cross-encoder rerankers),
+XLM-RoBERTa / RoBERTa (``xlm-roberta``, ``roberta``: bge-m3, bge-reranker, jina-reranker) and nomic-bert
+(``nomic_bert``: nomic-embed-text; its own fields and names in :mod:`minfer.models.nomic_bert`), from HF folders and
+from GGUF files as llama.cpp's converter writes them (``general.architecture`` ``bert``, ``nomic-bert``):
+hyperparameters, tensors under llama.cpp's GGUF names, and the layer recipe as a compute graph.
 
     x = LN_embd(tok_embd[token] + pos_embd[position] + type_embd[token_type])
     per layer:  x = LN_attn(x + W_o · attn(W_q·x + b_q, W_k·x + b_k, W_v·x + b_v) + b_o)
                 x = LN_out(x + W_down · gelu(W_up·x + b_up) + b_down)
+
+nomic-bert drops ``pos_embd`` and every bias, rotates q and k (RoPE, NeoX pairs, before ``attn``) and has a gated
+FFN, ``W_down · (silu(W_gate·x) * W_up·x)``; its fused ``W_qkv`` is split into q/k/v views at load.
 
 ``attn`` is bidirectional: each token reads every token of its own sequence (there is no KV cache; several
 sequences share a pass, each a run of consecutive rows named by the ``spans`` input). ``gelu`` is the exact
@@ -39,17 +43,18 @@ from minfer.formats.gguf_file import GGUFFile
 from minfer.formats.quants import is_supported
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
 from minfer.formats.sentence_config import SentenceConfig, read_sentence_config
-from minfer.formats.tensors import WeightTensor
+from minfer.formats.tensors import WeightTensor, tensor_rows
 from minfer.graph.builder import GraphBuilder
-from minfer.graph.ir import AttnMeta, Graph
+from minfer.graph.ir import AttnMeta, Graph, RopeMeta, RopeStyle
+from minfer.models import nomic_bert
 
-MODEL_TYPES = ("bert", "xlm-roberta", "roberta")  # config.json model_type values this module runs
+MODEL_TYPES = ("bert", "xlm-roberta", "roberta", nomic_bert.MODEL_TYPE)  # config.json model_types it runs
 CLASSES = ("BertModel", "BertForSequenceClassification", "BertForMaskedLM", "BertForPreTraining",
            "XLMRobertaModel", "XLMRobertaForSequenceClassification", "XLMRobertaForMaskedLM",
            "RobertaModel", "RobertaForSequenceClassification", "RobertaForMaskedLM")
 # the prefix of the encoder's tensors in a checkpoint with a head (BertForSequenceClassification's "bert.")
 PREFIXES = {"bert": "bert.", "xlm-roberta": "roberta.", "roberta": "roberta."}
-GGUF_ARCHS = ("bert",)
+GGUF_ARCHS = ("bert", nomic_bert.GGUF_ARCH)
 ACTIVATIONS = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 _GLOBAL = {
@@ -91,9 +96,11 @@ class EncoderHParams:
     n_ff: int
     n_token_types: int
     norm_eps: float
-    activation: str  # "erf" (exact GELU) or "tanh"
+    activation: str  # the FFN's: "erf" (exact GELU), "tanh" (GELU's tanh form) or "swiglu" (gated, nomic-bert)
     n_labels: int = 0  # classification outputs (a reranker's 1), 0 without a head
     position_offset: int = 0  # the position embeddings' first row of position 0 (RoBERTa: pad_token_id + 1)
+    rope_base: float = 0.0  # rotary positions at this base (nomic-bert); 0: a table of position embeddings
+    biases: bool = True  # the projections have biases (nomic-bert's have none)
 
     @property
     def head_dim(self) -> int:
@@ -102,6 +109,10 @@ class EncoderHParams:
     @property
     def attn_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def rotary(self) -> bool:
+        return self.rope_base > 0
 
 
 def gguf_architecture(path: Path) -> str | None:
@@ -213,6 +224,10 @@ def hparams_from_gguf(f: GGUFFile, tensors: Mapping[str, WeightTensor]) -> Encod
     head = tensors.get("cls.output.weight")
     eps = f.require(f"{arch}.attention.layer_norm_epsilon", (int, float))
     n_types = int(f.get("tokenizer.ggml.token_type_count", types.shape[0] if types is not None else 2))
+    nomic = arch == nomic_bert.GGUF_ARCH
+    rope_base = float(f.require(f"{arch}.rope.freq_base", (int, float))) if nomic else 0.0
+    if nomic and not rope_base > 0:
+        raise FormatError(f"{f.path}: metadata key '{arch}.rope.freq_base' must be positive, got {rope_base}")
     return EncoderHParams(
         arch=arch,
         n_vocab=embd.shape[0],
@@ -223,8 +238,11 @@ def hparams_from_gguf(f: GGUFFile, tensors: Mapping[str, WeightTensor]) -> Encod
         n_ff=_gguf_int(f, f"{arch}.feed_forward_length"),
         n_token_types=max(n_types, 1),
         norm_eps=float(eps),
-        activation="erf",  # BERT's "gelu" (llama.cpp computes the tanh form: a 1e-3-size difference it has)
+        # BERT's "gelu" is the exact one (llama.cpp computes the tanh form: a 1e-3-size difference it has)
+        activation="swiglu" if nomic else "erf",
         n_labels=head.shape[0] if head is not None and len(head.shape) == 2 else 0,
+        rope_base=rope_base,
+        biases=not nomic,
     )
 
 
@@ -234,17 +252,20 @@ def tensor_shapes(hp: EncoderHParams, pooler: bool = True) -> dict[str, tuple[in
     e, f = hp.n_embd, hp.n_ff
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (hp.n_vocab, e),
-        "position_embd.weight": (hp.n_ctx_train + hp.position_offset, e),
         "token_types.weight": (hp.n_token_types, e),
         "token_embd_norm.weight": (e,),
         "token_embd_norm.bias": (e,),
     }
+    if not hp.rotary:
+        shapes["position_embd.weight"] = (hp.n_ctx_train + hp.position_offset, e)
+    gate = (("ffn_gate", f, e),) if hp.activation == "swiglu" else ()
     for il in range(hp.n_layer):
         p = f"blk.{il}."
         for name, out, inp in (("attn_q", e, e), ("attn_k", e, e), ("attn_v", e, e), ("attn_output", e, e),
-                               ("ffn_up", f, e), ("ffn_down", e, f)):
+                               ("ffn_up", f, e), *gate, ("ffn_down", e, f)):
             shapes[f"{p}{name}.weight"] = (out, inp)
-            shapes[f"{p}{name}.bias"] = (out,)
+            if hp.biases:
+                shapes[f"{p}{name}.bias"] = (out,)
         for norm in ("attn_output_norm", "layer_output_norm"):
             shapes[f"{p}{norm}.weight"] = (e,)
             shapes[f"{p}{norm}.bias"] = (e,)
@@ -287,9 +308,10 @@ class BertModel:
         folder = SafetensorsFolder(directory)
         tensors: dict[str, WeightTensor] = {}
         origin: dict[str, tuple[str, Path]] = {}
-        prefix = PREFIXES[model_type]
+        nomic = model_type == nomic_bert.MODEL_TYPE
+        prefix = PREFIXES.get(model_type, "")
         for hf_name, info in folder.infos.items():
-            name = _engine_name(hf_name, prefix)
+            name = nomic_bert.engine_name(hf_name) if nomic else _engine_name(hf_name, prefix)
             if name is None:
                 if _IGNORED.fullmatch(hf_name.removeprefix(prefix)):
                     continue
@@ -301,9 +323,14 @@ class BertModel:
             tensors[name] = WeightTensor(name, t.ggml_type, t.shape, t.data, t.file_rows)
             origin[name] = (hf_name, info.file)
         head = tensors.get("cls.output.weight")
-        hparams = hparams_from_config(cfg, cfg_path, head.shape[0] if head is not None and len(head.shape) == 2
-                                      else 0)
-        layers = {int(m.group(1)) for n in folder.infos if (m := _LAYER.fullmatch(n.removeprefix(prefix)))}
+        if nomic:
+            hparams = EncoderHParams(**nomic_bert.config_hparams(cfg, cfg_path), biases=False)
+            split_fused_qkv(tensors, origin, hparams.n_embd)
+        else:
+            hparams = hparams_from_config(cfg, cfg_path, head.shape[0] if head is not None and len(head.shape) == 2
+                                          else 0)
+        pattern = nomic_bert.LAYER if nomic else _LAYER
+        layers = {int(m.group(1)) for n in folder.infos if (m := pattern.fullmatch(n.removeprefix(prefix)))}
         if layers and max(layers) >= hparams.n_layer:
             raise ModelError(f"{cfg_path}: num_hidden_layers is {hparams.n_layer} but the weights have layer "
                              f"{max(layers)}")
@@ -317,7 +344,9 @@ class BertModel:
                              f"(supported: {', '.join(GGUF_ARCHS)})")
         tensors = dict(f.tensors)
         hparams = hparams_from_gguf(f, tensors)
-        return cls(f.path, tensors, hparams, {name: (name, f.path) for name in tensors}, gguf=f)
+        origin = {name: (name, f.path) for name in tensors}
+        split_fused_qkv(tensors, origin, hparams.n_embd)
+        return cls(f.path, tensors, hparams, origin, gguf=f)
 
     def describe_tensor(self, name: str) -> str:
         hf_name, file = self.origin.get(name, (name, self.path))
@@ -325,7 +354,10 @@ class BertModel:
 
     def _stored_name(self, name: str) -> str:
         if self.gguf is not None:
-            return name
+            return name.replace(".attn_q.", ".attn_qkv.").replace(".attn_k.", ".attn_qkv.").replace(
+                ".attn_v.", ".attn_qkv.") if self.hparams.arch == nomic_bert.GGUF_ARCH else name
+        if self.hparams.arch == nomic_bert.MODEL_TYPE:
+            return nomic_bert.stored_name(name)
         by_engine = {v: k for k, v in {**_GLOBAL, **_HEAD}.items()}
         if name in by_engine:
             return by_engine[name]
@@ -347,10 +379,11 @@ class BertModel:
                 raise ModelError(f"{self.describe_tensor(name)} has shape {t.shape}, expected {shape}")
             if not is_supported(t.ggml_type):
                 raise ModelError(f"{self.describe_tensor(name)} has type {t.ggml_type.name}, not supported")
-        if self.gguf is not None:
-            extra = sorted(set(self.tensors) - set(tensor_shapes(hp, pooler)))
-            if extra:
-                raise ModelError(f"{self.describe_tensor(extra[0])} has no place in the {hp.arch} recipe")
+        extra = set(self.tensors) - set(tensor_shapes(hp, pooler))
+        if self.gguf is None:
+            extra -= {"cls.weight", "cls.bias"}  # a BertModel's pooler: what embeddings do not read
+        if extra:
+            raise ModelError(f"{self.describe_tensor(min(extra))} has no place in the {hp.arch} recipe")
 
     @property
     def has_head(self) -> bool:
@@ -392,6 +425,20 @@ class BertModel:
         return EncoderTokenizer(wordpiece_from_gguf(self.gguf), max_length)
 
 
+def split_fused_qkv(tensors: dict[str, WeightTensor], origin: dict[str, tuple[str, Path]], n_embd: int) -> None:
+    """Each fused ``blk.N.attn_qkv.weight`` (nomic-bert's ``Wqkv``) replaced by ``attn_q``/``attn_k``/``attn_v``:
+    views of its three thirds of rows, whose ``origin`` is the fused tensor's."""
+    for name in [n for n in tensors if n.endswith(".attn_qkv.weight")]:
+        t, where = tensors.pop(name), origin.pop(name)
+        if len(t.shape) != 2 or t.shape[0] != 3 * n_embd:
+            raise ModelError(f"{where[1]}: tensor {where[0]!r} has shape {t.shape}, expected "
+                             f"({3 * n_embd}, {n_embd}): q, k and v of width {n_embd}")
+        for i, part in enumerate("qkv"):
+            part_name = name.replace(".attn_qkv.", f".attn_{part}.")
+            tensors[part_name] = tensor_rows(t, i * n_embd, (i + 1) * n_embd, part_name)
+            origin[part_name] = where
+
+
 def _engine_name(hf_name: str, prefix: str) -> str | None:
     if hf_name in _HEAD:
         return _HEAD[hf_name]
@@ -420,25 +467,44 @@ def build_bert_graph(model: BertModel, n_tokens: int) -> Graph:
 
     def linear(x, p: str, name: str, layer: int):
         y = b.matmul(x, w(p + ".weight"), name=name, layer=layer, whole_sequences=True)
-        return b.add(y, w(p + ".bias"), name=name + ".bias", layer=layer)
+        return b.add(y, w(p + ".bias"), name=name + ".bias", layer=layer) if hp.biases else y
 
     x = b.get_rows(w("token_embd.weight"), tokens, name="embd")
-    x = b.add(x, b.get_rows(w("position_embd.weight"), positions, name="embd.position"), name="embd.plus_position")
+    if not hp.rotary:
+        x = b.add(x, b.get_rows(w("position_embd.weight"), positions, name="embd.position"),
+                  name="embd.plus_position")
     x = b.add(x, b.get_rows(w("token_types.weight"), types, name="embd.type"), name="embd.plus_type")
     x = norm(x, "token_embd_norm", "embd_norm", None)
     meta = lambda il: AttnMeta(il, hp.n_head, hp.n_head, hp.head_dim, hp.head_dim, hp.attn_scale)  # noqa: E731
+    rope = RopeMeta(hp.n_head, hp.head_dim, hp.head_dim, hp.rope_base, 1.0, RopeStyle.NEOX)
     for il in range(hp.n_layer):
         p = f"blk.{il}."
         q, k, v = (linear(x, f"{p}attn_{c}", f"{p}{c}", il) for c in "qkv")
+        if hp.rotary:
+            q = b.rope(q, positions, rope, name=p + "q_rope", layer=il)
+            k = b.rope(k, positions, rope, name=p + "k_rope", layer=il)
         a = b.encoder_attn(q, k, v, spans, meta(il), name=p + "attn")
         o = linear(a, p + "attn_output", p + "attn_out", il)
         x = norm(b.add(x, o, name=p + "attn_residual", layer=il), p + "attn_output_norm", p + "attn_norm", il)
         up = linear(x, p + "ffn_up", p + "ffn_up", il)
-        act = b.gelu_erf(up, name=p + "ffn_gelu", layer=il) if hp.activation == "erf" else \
-            b.gelu(up, name=p + "ffn_gelu", layer=il)
+        if hp.activation == "swiglu":  # the fusion pass makes silu(gate) * up one SWIGLU node
+            gate = b.silu(linear(x, p + "ffn_gate", p + "ffn_gate", il), name=p + "ffn_silu", layer=il)
+            act = b.mul(gate, up, name=p + "ffn_swiglu", layer=il)
+        elif hp.activation == "erf":
+            act = b.gelu_erf(up, name=p + "ffn_gelu", layer=il)
+        else:
+            act = b.gelu(up, name=p + "ffn_gelu", layer=il)
         down = linear(act, p + "ffn_down", p + "ffn_down", il)
         x = norm(b.add(x, down, name=p + "ffn_residual", layer=il), p + "layer_output_norm", p + "out_norm", il)
     return b.build(x)
+
+
+def attention_inputs(hp: EncoderHParams, layer: int) -> tuple[str, str, str]:
+    """The names of the graph nodes that give layer ``layer``'s attention its q, k and v (the trace reads them)."""
+    p = f"blk.{layer}."
+    if hp.rotary:
+        return p + "q_rope", p + "k_rope", p + "v"
+    return p + "q.bias", p + "k.bias", p + "v.bias"
 
 
 def classification_head(model: BertModel, first_rows: np.ndarray, dequantize) -> np.ndarray:

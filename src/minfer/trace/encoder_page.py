@@ -21,6 +21,7 @@ import numpy as np
 
 from minfer.graph.ir import Op
 from minfer.graph.plan import Step
+from minfer.models.bert import attention_inputs
 from minfer.trace.head_attention import attention_check
 from minfer.trace.html import DEFAULT_MAX_CELLS, DEFAULT_MAX_POSITIONS, inlined
 from minfer.trace.tracer import array_stats
@@ -96,7 +97,7 @@ def encoder_trace_page_data(
     shown = []
     for il in layers:
         p = f"blk.{il}."
-        q, k, v = (capture.outputs[p + c + ".bias"].reshape(n, hp.n_head, d) for c in "qkv")
+        q, k, v = (capture.outputs[name].reshape(n, hp.n_head, d) for name in attention_inputs(hp, il))
         engine = capture.outputs[p + "attn"].reshape(n, hp.n_head, d)
         per_head = []
         for h in heads:
