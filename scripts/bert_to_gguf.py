@@ -1,5 +1,6 @@
-"""Write a GGUF file from a Hugging Face BERT folder, in llama.cpp's layout (what llama.cpp's
-``convert_hf_to_gguf.py`` writes for ``BertModel`` / ``BertForMaskedLM`` / ``BertForSequenceClassification``).
+"""Write a GGUF file from a Hugging Face BERT or XLM-RoBERTa folder, in llama.cpp's layout (what llama.cpp's
+``convert_hf_to_gguf.py`` writes for ``BertModel`` / ``BertForMaskedLM`` / ``BertForSequenceClassification`` and
+``XLMRobertaModel`` / ``XLMRobertaForSequenceClassification``: bge-m3, bge-reranker-v2-m3).
 
     python scripts/bert_to_gguf.py HF_FOLDER OUT.gguf [--outtype f32|f16] [--name NAME]
 
@@ -33,8 +34,29 @@ llama-cpp-python 0.3.36 (``conversion/bert.py`` ``BertModel``, ``conversion/base
   ``position_embd.weight`` and ``token_types.weight`` (kept F32 as llama.cpp does); ``token_embd.weight`` and
   ``cls.output.weight`` become F16. Source tensors in BF16/other dtypes are read as F32 first, as llama.cpp does.
 
-Not supported (refused): RoBERTa / XLM-R (llama.cpp chops ``pad_token_id + 1`` rows off ``position_embd`` and
-uses a SentencePiece "t5" vocabulary for them), pytorch_model.bin-only folders, chat templates.
+XLM-RoBERTa (``conversion/bert.py`` ``XLMRobertaModel``, ``BertModel._xlmroberta_tokenizer_init`` /
+``_xlmroberta_set_vocab``), the differences from BERT:
+
+- ``pad_token_id + 1`` rows cut off ``position_embd.weight`` (RoBERTa numbers positions from there) and
+  ``bert.context_length`` = max_position_embeddings - (pad_token_id + 1); tensors' ``roberta.`` prefix stripped;
+  ``classifier.dense.*`` -> ``cls.*``, ``classifier.out_proj.*`` -> ``cls.output.*`` (no pooler).
+- the vocabulary, after ``general.quantization_version``: ``tokenizer.ggml.model`` "t5", ``tokenizer.ggml.pre``
+  "default", ``tokenizer.ggml.tokens`` (the Unigram pieces as they are, ``[PAD<i>]`` for holes up to config
+  ``vocab_size``), ``tokenizer.ggml.scores`` (tokenizer.json's, as float32; -10000 for holes),
+  ``tokenizer.ggml.token_type`` (UNKNOWN 2 for the unk token, CONTROL 3 for transformers' special tokens: those
+  named in tokenizer_config.json, XLMRobertaTokenizer's defaults <s> </s> <unk> <pad> <mask> otherwise; USER_DEFINED
+  4 for other added tokens; UNUSED 5 for holes), ``tokenizer.ggml.add_space_prefix`` (tokenizer_config
+  ``add_prefix_space``, default true), ``tokenizer.ggml.token_type_count``, ``tokenizer.ggml.remove_extra_whitespaces``
+  (tokenizer_config ``clean_up_tokenization_spaces``, default false: what llama.cpp reads through transformers),
+  ``tokenizer.ggml.precompiled_charsmap`` (the ``Precompiled`` normalizer's bytes; written only when non-empty),
+  then ``SpecialVocab`` as for BERT.
+- read from ``tokenizer.json`` only. Refused: a folder with ``sentencepiece.bpe.model`` (llama.cpp reads that file
+  instead, through sentencepiece and protobuf, and writes its scores, remove_extra_whitespaces true and the fairseq
+  id realignment; the real bge-m3 has one), a normalizer other than ``Precompiled`` or none, jina-embeddings-v3
+  (``lora_adaptations``).
+
+Not supported (refused): RoBERTa (``RobertaModel``: llama.cpp has no such registration either),
+pytorch_model.bin-only folders, chat templates.
 
 Verified (llama.cpp converter from llama-cpp-python 0.3.36 in /tmp/refenv: torch 2.13.0, transformers 5.24.0):
 
@@ -54,6 +76,19 @@ Verified (llama.cpp converter from llama-cpp-python 0.3.36 in /tmp/refenv: torch
   llama.cpp's, which is how the fixtures' ``model-f32.gguf`` / ``model-f16.gguf`` were written), every tensor equal
   (37 / 39 tensors; the reranker has ``cls.output.weight`` [1, 32] and
   ``cls.output.bias`` [1], ``bert.classifier.output_labels`` ["LABEL_0"], no ``bert.pooling_type``).
+- the tiny XLM-R fixtures ``tests/fixtures/xlmr`` and ``tests/fixtures/xlmr_rerank`` (f32), against llama.cpp's
+  converter (run with ``PYTHONPATH=<vendor>/llama.cpp/gguf-py``) patched twice: its
+  ``b64decode(tokenizer_json["normalizer"]["precompiled_charsmap"])`` fails on these folders, whose
+  tokenizer.json has no normalizer (``null``: patched to an empty charsmap, so no charsmap key), and its
+  ``from sentencepiece import sentencepiece_model_pb2`` needs protobuf, which the reference environment lacks
+  (patched out; only the sentencepiece.bpe.model route uses it). 31 keys each, in the same order, every key and value
+  equal except ``general.name`` (llama.cpp: "Xlmr" / "Xlmr_Rerank"); with ``--name Xlmr`` / ``--name Xlmr_Rerank``
+  both files are byte-identical to llama.cpp's (how the fixtures' ``model-f32.gguf`` were written): 37 / 41 tensors,
+  ``position_embd.weight`` [128, 32] (130 - 2 rows), ``bert.context_length`` 128, ``add_space_prefix`` true,
+  ``remove_extra_whitespaces`` false, ids bos 0 / eos 2 / unk 3 / sep 2 / pad 1 / mask 599, add_bos/eos/sep true;
+  the reranker: ``cls.weight`` [32, 32], ``cls.bias``, ``cls.output.weight`` [1, 32], ``cls.output.bias``.
+  Not compared against llama.cpp: a folder with a real Precompiled charsmap (none offline); the charsmap bytes are
+  copied from tokenizer.json as llama.cpp does (base64-decoded, a UINT8 array).
 """
 
 from __future__ import annotations
