@@ -1,5 +1,6 @@
-"""Write a GGUF file from a Hugging Face BERT folder, in llama.cpp's layout (what llama.cpp's
-``convert_hf_to_gguf.py`` writes for ``BertModel`` / ``BertForMaskedLM`` / ``BertForSequenceClassification``).
+"""Write a GGUF file from a Hugging Face BERT or XLM-RoBERTa folder, in llama.cpp's layout (what llama.cpp's
+``convert_hf_to_gguf.py`` writes for ``BertModel`` / ``BertForMaskedLM`` / ``BertForSequenceClassification`` and
+``XLMRobertaModel`` / ``XLMRobertaForSequenceClassification``: bge-m3, bge-reranker-v2-m3).
 
     python scripts/bert_to_gguf.py HF_FOLDER OUT.gguf [--outtype f32|f16] [--name NAME]
 
@@ -33,8 +34,29 @@ llama-cpp-python 0.3.36 (``conversion/bert.py`` ``BertModel``, ``conversion/base
   ``position_embd.weight`` and ``token_types.weight`` (kept F32 as llama.cpp does); ``token_embd.weight`` and
   ``cls.output.weight`` become F16. Source tensors in BF16/other dtypes are read as F32 first, as llama.cpp does.
 
-Not supported (refused): RoBERTa / XLM-R (llama.cpp chops ``pad_token_id + 1`` rows off ``position_embd`` and
-uses a SentencePiece "t5" vocabulary for them), pytorch_model.bin-only folders, chat templates.
+XLM-RoBERTa (``conversion/bert.py`` ``XLMRobertaModel``, ``BertModel._xlmroberta_tokenizer_init`` /
+``_xlmroberta_set_vocab``), the differences from BERT:
+
+- ``pad_token_id + 1`` rows cut off ``position_embd.weight`` (RoBERTa numbers positions from there) and
+  ``bert.context_length`` = max_position_embeddings - (pad_token_id + 1); tensors' ``roberta.`` prefix stripped;
+  ``classifier.dense.*`` -> ``cls.*``, ``classifier.out_proj.*`` -> ``cls.output.*`` (no pooler).
+- the vocabulary, after ``general.quantization_version``: ``tokenizer.ggml.model`` "t5", ``tokenizer.ggml.pre``
+  "default", ``tokenizer.ggml.tokens`` (the Unigram pieces as they are, ``[PAD<i>]`` for holes up to config
+  ``vocab_size``), ``tokenizer.ggml.scores`` (tokenizer.json's, as float32; -10000 for holes),
+  ``tokenizer.ggml.token_type`` (UNKNOWN 2 for the unk token, CONTROL 3 for transformers' special tokens: those
+  named in tokenizer_config.json, XLMRobertaTokenizer's defaults <s> </s> <unk> <pad> <mask> otherwise; USER_DEFINED
+  4 for other added tokens; UNUSED 5 for holes), ``tokenizer.ggml.add_space_prefix`` (tokenizer_config
+  ``add_prefix_space``, default true), ``tokenizer.ggml.token_type_count``, ``tokenizer.ggml.remove_extra_whitespaces``
+  (tokenizer_config ``clean_up_tokenization_spaces``, default false: what llama.cpp reads through transformers),
+  ``tokenizer.ggml.precompiled_charsmap`` (the ``Precompiled`` normalizer's bytes; written only when non-empty),
+  then ``SpecialVocab`` as for BERT.
+- read from ``tokenizer.json`` only. Refused: a folder with ``sentencepiece.bpe.model`` (llama.cpp reads that file
+  instead, through sentencepiece and protobuf, and writes its scores, remove_extra_whitespaces true and the fairseq
+  id realignment; the real bge-m3 has one), a normalizer other than ``Precompiled`` or none, jina-embeddings-v3
+  (``lora_adaptations``).
+
+Not supported (refused): RoBERTa (``RobertaModel``: llama.cpp has no such registration either),
+pytorch_model.bin-only folders, chat templates.
 
 Verified (llama.cpp converter from llama-cpp-python 0.3.36 in /tmp/refenv: torch 2.13.0, transformers 5.24.0):
 
@@ -54,6 +76,19 @@ Verified (llama.cpp converter from llama-cpp-python 0.3.36 in /tmp/refenv: torch
   llama.cpp's, which is how the fixtures' ``model-f32.gguf`` / ``model-f16.gguf`` were written), every tensor equal
   (37 / 39 tensors; the reranker has ``cls.output.weight`` [1, 32] and
   ``cls.output.bias`` [1], ``bert.classifier.output_labels`` ["LABEL_0"], no ``bert.pooling_type``).
+- the tiny XLM-R fixtures ``tests/fixtures/xlmr`` and ``tests/fixtures/xlmr_rerank`` (f32), against llama.cpp's
+  converter (run with ``PYTHONPATH=<vendor>/llama.cpp/gguf-py``) patched twice: its
+  ``b64decode(tokenizer_json["normalizer"]["precompiled_charsmap"])`` fails on these folders, whose
+  tokenizer.json has no normalizer (``null``: patched to an empty charsmap, so no charsmap key), and its
+  ``from sentencepiece import sentencepiece_model_pb2`` needs protobuf, which the reference environment lacks
+  (patched out; only the sentencepiece.bpe.model route uses it). 31 keys each, in the same order, every key and value
+  equal except ``general.name`` (llama.cpp: "Xlmr" / "Xlmr_Rerank"); with ``--name Xlmr`` / ``--name Xlmr_Rerank``
+  both files are byte-identical to llama.cpp's (how the fixtures' ``model-f32.gguf`` were written): 37 / 41 tensors,
+  ``position_embd.weight`` [128, 32] (130 - 2 rows), ``bert.context_length`` 128, ``add_space_prefix`` true,
+  ``remove_extra_whitespaces`` false, ids bos 0 / eos 2 / unk 3 / sep 2 / pad 1 / mask 599, add_bos/eos/sep true;
+  the reranker: ``cls.weight`` [32, 32], ``cls.bias``, ``cls.output.weight`` [1, 32], ``cls.output.bias``.
+  Not compared against llama.cpp: a folder with a real Precompiled charsmap (none offline); the charsmap bytes are
+  copied from tokenizer.json as llama.cpp does (base64-decoded, a UINT8 array).
 """
 
 from __future__ import annotations
@@ -73,6 +108,8 @@ PHANTOM = "\u2581"
 # gguf token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 POOLING = {"mean": 1, "cls": 2, "lasttoken": 3}
+BERT_ARCHS = ("BertModel", "BertForMaskedLM", "BertForSequenceClassification")
+XLMR_ARCHS = ("XLMRobertaModel", "XLMRobertaForSequenceClassification")
 
 
 # --------------------------------------------------------------------------------------------- safetensors
@@ -120,12 +157,19 @@ def load_tensors(folder: Path) -> list[tuple[str, np.ndarray]]:
 
 # --------------------------------------------------------------------------------------------- tensors
 
-def map_tensors(tensors: list[tuple[str, np.ndarray]], n_layers: int, classifier: bool) -> list[tuple[str, np.ndarray]]:
+def map_tensors(tensors: list[tuple[str, np.ndarray]], n_layers: int, classifier: bool,
+                position_offset: int = 0) -> list[tuple[str, np.ndarray]]:
+    """llama.cpp's names; ``position_offset`` (XLM-R: pad_token_id + 1) rows cut off the position embeddings."""
     import gguf
 
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, n_layers)
     out = []
     for name, data in tensors:
+        # XLMRobertaModel.filter_tensors
+        if name.startswith("roberta."):
+            name = name[8:]
+        if ".parametrizations." in name:
+            raise SystemExit(f"tensor {name!r}: jina-embeddings-v3's LoRA parametrizations are not supported")
         # BertModel.filter_tensors
         if name.startswith("bert."):
             name = name[5:]
@@ -143,6 +187,9 @@ def map_tensors(tensors: list[tuple[str, np.ndarray]], n_layers: int, classifier
         # BertModel.modify_tensors
         if classifier and name in ("classifier.weight", "classifier.bias"):
             name = "classifier.out_proj." + name.split(".")[-1]
+        # XLMRobertaModel.modify_tensors
+        if name == "embeddings.position_embeddings.weight" and position_offset:
+            data = data[position_offset:, :]
         new = tmap.get_name(key=name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise SystemExit(f"can not map tensor {name!r}")
@@ -205,6 +252,66 @@ def vocab_base(folder: Path, hparams: dict[str, Any]) -> tuple[list[str], list[i
             types.append(NORMAL)
         tokens.append(token)
     return tokens, types
+
+
+XLMR_SPECIAL_DEFAULTS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "sep_token": "</s>",
+                         "pad_token": "<pad>", "cls_token": "<s>", "mask_token": "<mask>"}
+
+
+def _token_content(entry: Any) -> str | None:
+    return entry.get("content") if isinstance(entry, dict) else entry if isinstance(entry, str) else None
+
+
+def xlmr_vocab(folder: Path, hparams: dict[str, Any]) -> dict[str, Any]:
+    """BertModel._xlmroberta_set_vocab for a folder with a Unigram ``tokenizer.json`` (transformers'
+    XLMRobertaTokenizer read from the files by hand): tokens, scores, types, add_space_prefix,
+    remove_extra_whitespaces and the precompiled charsmap."""
+    from base64 import b64decode
+
+    if (folder / "sentencepiece.bpe.model").is_file():
+        raise SystemExit(f"{folder}: has sentencepiece.bpe.model, which llama.cpp's converter reads instead of "
+                         "tokenizer.json; not supported here (it needs the sentencepiece package)")
+    tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    model = tj.get("model") or {}
+    if model.get("type") != "Unigram":
+        raise SystemExit(f"{folder}/tokenizer.json: model type {model.get('type')!r}, expected Unigram (XLM-R)")
+    normalizer = tj.get("normalizer")
+    if normalizer is None:
+        # llama.cpp's converter stops here (tokenizer_json["normalizer"] is None): no charsmap is the only reading
+        charsmap = b""
+    elif normalizer.get("type") == "Precompiled":
+        charsmap = b64decode(normalizer["precompiled_charsmap"] or "")
+    else:
+        raise SystemExit(f"{folder}/tokenizer.json: normalizer {normalizer.get('type')!r}; llama.cpp's converter "
+                         "reads only a Precompiled one")
+    pieces: list[list[Any]] = model["vocab"]
+    added = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    special_strings = {_token_content(cfg.get(k, d)) for k, d in XLMR_SPECIAL_DEFAULTS.items()}
+    for extra in cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []:
+        special_strings.add(_token_content(extra))
+    by_piece = {p[0]: i for i, p in enumerate(pieces)} | added
+    special_ids = {by_piece[t] for t in special_strings if t in by_piece}
+    unk_id = added.get(_token_content(cfg.get("unk_token")), model.get("unk_id", 3))
+    # transformers' vocab_size for this tokenizer: the model's pieces and the added tokens
+    n_tok = len(set(range(len(pieces))) | set(added.values()))
+    vocab_size = max(hparams.get("vocab_size", 0), n_tok)
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    types = [UNUSED] * vocab_size
+    id_to_added = {i: t for t, i in added.items()}
+    for i in range(n_tok):
+        piece = pieces[i][0] if i < len(pieces) else id_to_added.get(i)
+        if piece is None:
+            continue
+        tokens[i] = piece
+        scores[i] = pieces[i][1] if i < len(pieces) else 0.0  # llama.cpp reads the model's vocab by id
+        types[i] = (UNKNOWN if i == unk_id else CONTROL if i in special_ids else USER_DEFINED
+                    if i in added.values() else NORMAL)
+    return {"tokens": tokens, "scores": scores, "types": types,
+            "add_prefix": bool(cfg.get("add_prefix_space", True)),
+            "remove_whitespaces": bool(cfg.get("clean_up_tokenization_spaces", False)), "charsmap": charsmap}
 
 
 class SpecialVocab:
@@ -386,21 +493,43 @@ def size_label(n_params: int) -> str:
     return gguf.size_label(n_params, 0, 0, 0)
 
 
+def write_wordpiece_vocab(w: Any, folder: Path, hp: dict[str, Any]) -> None:
+    """BertModel.set_vocab: the WordPiece vocabulary with phantom spaces."""
+    tokens, types = vocab_base(folder, hp)
+    w.add_uint32("tokenizer.ggml.token_type_count", hp.get("type_vocab_size", 1))
+    tokens = [t if ty == CONTROL else t[2:] if t.startswith("##") else PHANTOM + t
+              for t, ty in zip(tokens, types, strict=True)]
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("jina-v2-en")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    SpecialVocab(folder, len(tokens)).add_to_gguf(w)
+
+
 def convert(folder: Path, out: Path, outtype: str = "f32", name: str | None = None) -> None:
     import gguf
 
     hp = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     archs = hp.get("architectures") or ["BertModel"]
-    if archs[0] not in ("BertModel", "BertForMaskedLM", "BertForSequenceClassification"):
-        raise SystemExit(f"unsupported architecture {archs[0]!r} (only BERT; RoBERTa/XLM-R need llama.cpp's "
-                         "position_embd chop and a SentencePiece vocabulary)")
+    if archs[0] not in BERT_ARCHS + XLMR_ARCHS:
+        raise SystemExit(f"unsupported architecture {archs[0]!r} (supported: {', '.join(BERT_ARCHS + XLMR_ARCHS)})")
+    xlmr = archs[0] in XLMR_ARCHS
+    offset = 0
+    if xlmr:
+        if hp.get("lora_adaptations"):
+            raise SystemExit("jina-embeddings-v3 (lora_adaptations) is not supported")
+        # XLMRobertaModel._xlmroberta_tokenizer_init: RoBERTa's positions start at pad_token_id + 1
+        if (pad := hp.get("pad_token_id")) is not None:
+            offset = 1 + pad
+            if "max_position_embeddings" in hp:
+                hp["max_position_embeddings"] -= offset
     labels = hp.get("id2label")
     if labels and len(labels) == 2 and labels.get("0", labels.get(0)) == "LABEL_0":
         labels = None
     f16 = outtype == "f16"
     n_layers = hp["num_hidden_layers"]
 
-    tensors = map_tensors(load_tensors(folder), n_layers, bool(labels))
+    tensors = map_tensors(load_tensors(folder), n_layers, bool(labels), offset)
     # gguf-py's total parameter count: every tensor's element count (no expert / shared split here)
     n_params = sum(int(d.size) for _, d in tensors)
 
@@ -424,16 +553,21 @@ def convert(folder: Path, out: Path, outtype: str = "f32", name: str | None = No
     if labels:
         w.add_array(f"{ARCH}.classifier.output_labels", [v for _, v in sorted(labels.items())])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    # BertModel.set_vocab
-    tokens, types = vocab_base(folder, hp)
-    w.add_uint32("tokenizer.ggml.token_type_count", hp.get("type_vocab_size", 1))
-    tokens = [t if ty == CONTROL else t[2:] if t.startswith("##") else PHANTOM + t
-              for t, ty in zip(tokens, types, strict=True)]
-    w.add_tokenizer_model("bert")
-    w.add_tokenizer_pre("jina-v2-en")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    SpecialVocab(folder, len(tokens)).add_to_gguf(w)
+    if xlmr:  # XLMRobertaModel.set_vocab: BertModel._xlmroberta_set_vocab
+        v = xlmr_vocab(folder, hp)
+        w.add_tokenizer_model("t5")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(v["tokens"])
+        w.add_token_scores(v["scores"])
+        w.add_token_types(v["types"])
+        w.add_add_space_prefix(v["add_prefix"])
+        w.add_uint32("tokenizer.ggml.token_type_count", hp.get("type_vocab_size", 1))
+        w.add_remove_extra_whitespaces(v["remove_whitespaces"])
+        if v["charsmap"]:
+            w.add_precompiled_charsmap(v["charsmap"])
+        SpecialVocab(folder, len(v["tokens"])).add_to_gguf(w)
+    else:
+        write_wordpiece_vocab(w, folder, hp)
 
     for tname, data in tensors:
         qtype = out_type(tname, data, f16)

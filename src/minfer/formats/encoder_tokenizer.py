@@ -2,6 +2,10 @@
 post-processor adding the special tokens (BERT: ``[CLS] A [SEP]``, pairs ``[CLS] A [SEP] B [SEP]`` with token
 types 0 and 1), so ids are transformers' and sentence-transformers' own.
 
+A GGUF file's vocabulary is rebuilt as a ``tokenizers`` tokenizer (:func:`tokenizer_from_gguf`): BERT's WordPiece
+(``tokenizer.ggml.model`` ``bert``) or XLM-RoBERTa's SentencePiece Unigram (``t5``: bge-m3, bge-reranker-v2-m3),
+each as llama.cpp's converter writes it.
+
 The file's own truncation and padding settings are switched off (all-MiniLM's ``tokenizer.json`` pads and
 cuts everything to 128 tokens): a sequence longer than the model takes is either cut the way transformers
 cuts it (``truncation=True``, "longest first" for pairs), when the caller asked for that, or refused with
@@ -117,3 +121,82 @@ def wordpiece_from_gguf(f: GGUFFile) -> Tokenizer:
                                                        special_tokens=[(c, ci), (s_, si)])
     tok.decoder = decoders.WordPiece()
     return tok
+
+
+GGUF_UNKNOWN, GGUF_USER_DEFINED = 2, 4  # llama.cpp's LLAMA_TOKEN_TYPE_UNKNOWN / _USER_DEFINED
+
+
+def unigram_from_gguf(f: GGUFFile) -> Tokenizer:
+    """The SentencePiece Unigram tokenizer of a GGUF XLM-RoBERTa (``tokenizer.ggml.model`` ``t5``, as llama.cpp's
+    converter writes bge-m3 and bge-reranker-v2-m3) as the ``tokenizers`` library's, shaped like XLM-R's
+    ``tokenizer.json``: the pieces and their scores with ``tokenizer.ggml.unknown_token_id``; the normaliser
+    ``Precompiled(tokenizer.ggml.precompiled_charsmap)`` when the file has one; a Metaspace pre-tokenizer that
+    prepends "▁" (``tokenizer.ggml.add_space_prefix``, default true); the template ``<s> $A </s>`` /
+    ``<s> $A </s> </s> $B </s>`` (all token types 0) with the file's bos / eos ids; the Metaspace decoder. Control,
+    unknown and user-defined pieces are added tokens, found in the text before the model runs (``<mask>`` eats the
+    spaces before it, as XLM-R's ``AddedToken(lstrip=True)``).
+
+    ``tokenizer.ggml.remove_extra_whitespaces`` true (what the converter writes from a ``sentencepiece.bpe.model``,
+    as SentencePiece's own normaliser does and llama.cpp's UGM tokenizer does) drops leading and trailing spaces
+    and merges runs of spaces into one, after the charsmap; false (the converter's value from a ``tokenizer.json``
+    folder: transformers' ``clean_up_tokenization_spaces``) keeps every space as the ``tokenizer.json`` does,
+    each extra one a "▁" piece. Scores are stored as float32 in the file (float64 in ``tokenizer.json``)."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+    kind = f.get("tokenizer.ggml.model")
+    if kind != "t5":
+        raise FormatError(f"{f.path}: tokenizer.ggml.model is {kind!r}; a SentencePiece Unigram vocabulary is 't5'")
+    tokens = f.require("tokenizer.ggml.tokens", list)
+    scores = f.require("tokenizer.ggml.scores", list)
+    types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    for key, values in (("scores", scores), ("token_type", types)):
+        if len(values) != len(tokens):
+            raise FormatError(f"{f.path}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
+
+    def special(*keys: str) -> int:
+        for key in keys:
+            value = f.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
+                raise FormatError(f"{f.path}: {key} is outside the vocabulary ({value!r})")
+            return value
+        raise FormatError(f"{f.path}: missing metadata key {keys[0]!r}")
+
+    unk = special("tokenizer.ggml.unknown_token_id")
+    bos = special("tokenizer.ggml.bos_token_id", "tokenizer.ggml.cls_token_id")
+    eos = special("tokenizer.ggml.eos_token_id", "tokenizer.ggml.seperator_token_id")
+    tok = Tokenizer(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores, strict=True)], unk, False))
+    steps = []
+    charsmap = f.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        steps.append(normalizers.Precompiled(bytes(charsmap)))
+    if f.get("tokenizer.ggml.remove_extra_whitespaces", False):
+        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if steps:
+        tok.normalizer = normalizers.Sequence(steps)
+    # llama.cpp prepends the space to every word when it merges spaces, whatever add_space_prefix says
+    prepend = bool(f.get("tokenizer.ggml.add_space_prefix", True)) or bool(
+        f.get("tokenizer.ggml.remove_extra_whitespaces", False))
+    scheme = "always" if prepend else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPM_SPACE, prepend_scheme=scheme, split=True)
+    tok.decoder = decoders.Metaspace(replacement=SPM_SPACE, prepend_scheme=scheme, split=True)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, lstrip=t == "<mask>")
+                            for t, ty in zip(tokens, types, strict=True)
+                            if ty in (GGUF_CONTROL, GGUF_UNKNOWN, GGUF_USER_DEFINED)])
+    b, e = tokens[bos], tokens[eos]
+    tok.post_processor = processors.TemplateProcessing(single=f"{b} $A {e}", pair=f"{b} $A {e} {e} $B {e}",
+                                                       special_tokens=[(b, bos), (e, eos)])
+    return tok
+
+
+def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
+    """The ``tokenizers`` tokenizer of an encoder's GGUF file, by ``tokenizer.ggml.model``: ``bert`` (WordPiece,
+    :func:`wordpiece_from_gguf`) or ``t5`` (SentencePiece Unigram, :func:`unigram_from_gguf`)."""
+    kind = f.get("tokenizer.ggml.model")
+    if kind == "bert":
+        return wordpiece_from_gguf(f)
+    if kind == "t5":
+        return unigram_from_gguf(f)
+    raise FormatError(f"{f.path}: tokenizer.ggml.model is {kind!r}; an encoder's GGUF needs 'bert' (WordPiece) or "
+                      "'t5' (SentencePiece Unigram)")

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import FormatError, ModelError
-from minfer.formats.encoder_tokenizer import EncoderTokenizer, wordpiece_from_gguf
+from minfer.formats.encoder_tokenizer import EncoderTokenizer, tokenizer_from_gguf
 from minfer.formats.gguf_file import GGUFFile
 from minfer.formats.quants import is_supported
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
@@ -422,7 +422,7 @@ class BertModel:
     def load_tokenizer(self, max_length: int) -> EncoderTokenizer:
         if self.gguf is None:
             return EncoderTokenizer.from_file(self.path / "tokenizer.json", max_length)
-        return EncoderTokenizer(wordpiece_from_gguf(self.gguf), max_length)
+        return EncoderTokenizer(tokenizer_from_gguf(self.gguf), max_length)
 
 
 def split_fused_qkv(tensors: dict[str, WeightTensor], origin: dict[str, tuple[str, Path]], n_embd: int) -> None:
