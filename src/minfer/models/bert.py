@@ -2,7 +2,10 @@
 XLM-RoBERTa / RoBERTa (``xlm-roberta``, ``roberta``: bge-m3, bge-reranker, jina-reranker) and nomic-bert
 (``nomic_bert``: nomic-embed-text; its own fields and names in :mod:`minfer.models.nomic_bert`), from HF folders and
 from GGUF files as llama.cpp's converter writes them (``general.architecture`` ``bert``, ``nomic-bert``):
-hyperparameters, tensors under llama.cpp's GGUF names, and the layer recipe as a compute graph.
+hyperparameters, tensors under llama.cpp's GGUF names, and the layer recipe as a compute graph. A GGUF encoder
+carries a WordPiece vocabulary (``tokenizer.ggml.model`` "bert") or XLM-R's SentencePiece Unigram one ("t5"),
+rebuilt as a ``tokenizers`` tokenizer by :func:`~minfer.formats.encoder_tokenizer.tokenizer_from_gguf`
+(``remove_extra_whitespaces`` true merges and strips spaces as llama.cpp does).
 
     x = LN_embd(tok_embd[token] + pos_embd[position] + type_embd[token_type])
     per layer:  x = LN_attn(x + W_o · attn(W_q·x + b_q, W_k·x + b_k, W_v·x + b_v) + b_o)
