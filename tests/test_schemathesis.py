@@ -32,6 +32,9 @@ from minfer.testing.server_process import ServerProcess
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
 EXAMPLES_PER_OPERATION = 15
+# routes whose documented answer is a 501 (ollama's model-store routes: minfer keeps no store), so a 5xx is their
+# answer, not a server error; every other check still holds them to the document
+ANSWERING_501 = {"/api/delete", "/api/copy", "/api/create", "/api/push"}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,8 @@ def test_api_conforms_to_its_schema(api_schema):
         @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         def conforms(case):
-            bounded(case).call_and_validate(checks=CHECKS, timeout=60)
+            checks = [c for c in CHECKS if c is not not_a_server_error or case.path not in ANSWERING_501]
+            bounded(case).call_and_validate(checks=checks, timeout=60)
 
         try:
             conforms()

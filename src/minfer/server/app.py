@@ -38,6 +38,7 @@ from minfer.server.routes import (
     llama_native,
     lora_adapters,
     messages,
+    ollama,
     page,
     responses,
     service,
@@ -48,7 +49,7 @@ from minfer.server.routes import (
 __all__ = ["MinferApp", "ServerConfig", "create_app"]
 
 ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, lora_adapters, responses,
-                messages, page, trace)
+                messages, ollama, page, trace)
 
 
 class MinferApp:

@@ -49,16 +49,23 @@ class ApiError(Exception):
 
 # the paths whose errors are Anthropic's {"type": "error", "error": {"type", "message"}} bodies
 ANTHROPIC_PATHS = ("/v1/messages",)
+# the paths whose errors are ollama's {"error": "message"} bodies (its clients read the string)
+OLLAMA_PATHS = ("/api/",)
 
 HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def error_response(e: ApiError, path: str = "") -> JSONResponse:
-    """The error as a JSON answer: OpenAI's body, or Anthropic's under the Anthropic routes."""
+    """The error as a JSON answer: OpenAI's body, Anthropic's under the Anthropic routes, ollama's under ``/api/``."""
     from fastapi.responses import JSONResponse
 
-    body = anthropic_error_body(e) if path.startswith(ANTHROPIC_PATHS) else e.body()
+    if path.startswith(ANTHROPIC_PATHS):
+        body = anthropic_error_body(e)
+    elif path.startswith(OLLAMA_PATHS):
+        body = {"error": e.message}
+    else:
+        body = e.body()
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 

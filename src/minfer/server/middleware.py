@@ -57,7 +57,7 @@ class CatchAll:
         except Exception:
             log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await error_response(internal_error())(scope, receive, send)
+                await error_response(internal_error(), scope.get("path", ""))(scope, receive, send)
 
 
 class AuthAndCount:
@@ -92,7 +92,8 @@ class AuthAndCount:
                 return
             size = self._content_length(scope)
             if size is not None and size > self.max_body_size:
-                await error_response(BodyTooLargeError(self.max_body_size, size))(scope, receive, counting_send)
+                await error_response(BodyTooLargeError(self.max_body_size, size), path)(scope, receive,
+                                                                                        counting_send)
                 return
             await self.app(scope, self._capped(receive), counting_send)
         finally:

@@ -34,6 +34,11 @@ ERROR_BODY = {
     }},
 }
 
+# ollama's routes (/api/...) answer errors in ollama's shape
+OLLAMA_ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+# ollama's routes that stream NDJSON unless the body says "stream": false
+OLLAMA_STREAMS = ("/api/chat", "/api/generate", "/api/pull")
+
 _SAMPLING = {
     "model": {"type": "string"},
     "max_tokens": {"type": "integer", "minimum": 0},
@@ -82,7 +87,9 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
 
 
 # answers only some routes give, beyond ERROR_STATUSES
-EXTRA_STATUSES: dict[str, dict[str, str]] = {"/slots": {"501": "the server was started without --slots"}}
+EXTRA_STATUSES: dict[str, dict[str, str]] = {"/slots": {"501": "the server was started without --slots"},
+                                             **{f"/api/{what}": {"501": "minfer keeps no model store"}
+                                                for what in ("delete", "copy", "create", "push")}}
 
 # routes whose 200 is not JSON (FastAPI documents application/json for a route returning a Response)
 OK_MEDIA_TYPES: dict[str, str] = {"/metrics": "text/plain"}
@@ -95,9 +102,11 @@ def document_errors(app: FastAPI) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_BODY
-        error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        schemas["Error"], schemas["OllamaError"] = ERROR_BODY, OLLAMA_ERROR_BODY
         for path, operations in schema.get("paths", {}).items():
+            kind = "OllamaError" if path.startswith("/api/") else "Error"
+            error = {"application/json": {"schema": {"$ref": f"#/components/schemas/{kind}"}}}
             for method, op in operations.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)  # FastAPI's validation errors are answered as 400s
@@ -108,6 +117,10 @@ def document_errors(app: FastAPI) -> None:
                 media = OK_MEDIA_TYPES.get(path)
                 if media is not None:
                     responses["200"] = {"description": "the answer", "content": {media: {"schema": {"type": "string"}}}}
+                if path in OLLAMA_STREAMS:
+                    responses["200"] = {"description": "the answer, or its NDJSON stream", "content": {
+                        "application/json": {"schema": {"type": "object"}},
+                        "application/x-ndjson": {"schema": {"type": "object"}}}}
                 body = REQUEST_BODIES.get(path)
                 if method == "post" and body is not None and "requestBody" not in op:
                     op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
