@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,6 +20,7 @@ from minfer.server.protocols.ollama import ollama_message
 from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
+DATA = Path(__file__).parent / "data"
 
 # the key order ollama's client sends (its pydantic Tool writes "required" before "properties"), so that the OpenAI
 # request renders the very same tool description into the prompt
@@ -237,3 +239,29 @@ def test_version_and_ndjson(server, name):
 def test_the_digest_is_the_file_s_sha256(client, smollm2_path):
     h = hashlib.sha256(smollm2_path.read_bytes()).hexdigest()
     assert client.list().models[0].digest == h
+
+
+# --- an encoder's server: ollama's embedding routes ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def encoder_server(all_minilm_path):
+    with ServerProcess(all_minilm_path, ["--alias", "all-minilm"]) as s:
+        yield s
+
+
+def test_an_encoder_embeds_through_ollama_s_client_as_sentence_transformers(encoder_server):
+    """all-MiniLM-L6-v2 (ollama's ``all-minilm``): /api/embed's vectors are sentence-transformers' own."""
+    client = ollama.Client(host=encoder_server.url, timeout=300)
+    sentences = json.loads((DATA / "minilm_sentences.json").read_text())[:8]
+    ref = np.load(DATA / "minilm_reference.npz")["embeddings"][:8]
+    got = np.array(client.embed(model="all-minilm:latest", input=sentences).embeddings)
+    assert (got * ref).sum(axis=1).min() >= 0.99999
+    old = np.array(client.embeddings(model="all-minilm", prompt=sentences[0]).embedding)
+    np.testing.assert_allclose(old / np.linalg.norm(old), ref[0], atol=1e-5)
+    assert [m.model for m in client.list().models] == ["all-minilm:latest"]
+    assert client.show("all-minilm").capabilities == ["embedding"]
+    assert client.ps().models[0].details.format == "safetensors"
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="all-minilm", messages=ASK)
+    assert err.value.status_code == 400 and "is an encoder" in err.value.error

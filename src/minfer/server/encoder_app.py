@@ -6,7 +6,9 @@ Routes: ``POST /v1/embeddings`` (OpenAI; also ``/embeddings``), ``POST /embeddin
 ``POST /v1/rerank`` (also ``/rerank``, ``/reranking``, ``/v1/reranking``: llama-server's, Jina's, Cohere's and TEI's
 shapes, :mod:`minfer.server.protocols.rerank`), ``POST /tokenize`` / ``/detokenize``, ``GET /health``,
 ``/v1/models``, ``/props`` and ``/metrics``. The generating endpoints (chat, completions, messages, responses,
-llama-server's ``/completion``) answer 400 naming the model as an encoder, never 404 or 500.
+llama-server's ``/completion``, ollama's ``/api/chat`` and ``/api/generate``) answer 400 naming the model as an
+encoder, never 404 or 500. ollama's embedding routes (``/api/embed``, ``/api/tags``, ...) are
+:mod:`minfer.server.routes.ollama_encoder`'s.
 
 Requests are tokenized on the event loop (off it when large) and evaluated on the encoder thread
 (:class:`~minfer.runtime.encoder_loop.EncoderLoop`), which batches concurrent requests into shared passes.
@@ -41,7 +43,7 @@ from minfer.server.protocols.embeddings import parse_embeddings
 from minfer.server.protocols.rerank import parse_rerank
 
 GENERATING_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/completion",
-                     "/completions", "/chat/completions", "/infill")
+                     "/completions", "/chat/completions", "/infill", "/api/chat", "/api/generate")
 LARGE_TEXT = 64 * 1024  # characters tokenized off the event loop
 
 
@@ -255,6 +257,9 @@ def create_encoder_app(encoder: Encoder, loop: EncoderLoop, config: ServerConfig
                 "pooling": pooling, "n_ctx": encoder.max_length, "rerank": encoder.can_rerank,
                 "chat_template": None, "modalities": {"vision": False, "audio": False}}
 
+    from minfer.server.routes import ollama_encoder
+
+    ollama_encoder.register(app, encoder, config.model_id, pooling, check_model, body_of, tokenized, evaluate)
     what = "embeds and reranks" if encoder.can_rerank else "embeds"
 
     async def not_generating(request: Request) -> Response:

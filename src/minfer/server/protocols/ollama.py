@@ -296,6 +296,31 @@ def _renamed(e: ApiError, renames: Mapping[str, str]) -> ApiError:
     return e
 
 
+def parse_embed(body: Mapping[str, Any], n_embd: int) -> tuple[list[str], bool]:
+    """``/api/embed``'s texts and ``truncate`` (true unless false, as ollama's)."""
+    check_keep_alive(body.get("keep_alive"))
+    texts = body.get("input")
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise _err("must be a string or a non-empty list of strings", "input")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _err(f"must be true or false, got {truncate!r}", "truncate")
+    dims = body.get("dimensions")
+    if dims is not None and dims != n_embd:
+        raise _err(f"must be {n_embd} for this model (it cannot shorten vectors), got {dims!r}", "dimensions")
+    return texts, truncate
+
+
+def parse_embeddings_prompt(body: Mapping[str, Any]) -> str:
+    """The older ``/api/embeddings``' ``prompt``."""
+    check_keep_alive(body.get("keep_alive"))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _err("must be a string", "prompt")
+    return prompt
+
+
 # -- answers ----------------------------------------------------------------------------------------
 
 

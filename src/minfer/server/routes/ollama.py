@@ -20,7 +20,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ from minfer.server.protocols.ollama import (
     durations,
     now_rfc3339,
     ollama_message,
+    parse_embed,
+    parse_embeddings_prompt,
     parse_ollama_chat,
     parse_ollama_generate,
 )
@@ -68,52 +70,60 @@ def _stream(lines: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 class ModelFacts:
-    """What ollama's listing says of the served model, computed once: details, size, the file's sha256."""
+    """What ollama's listing says of the served model (a decoder's or an encoder's), computed once: details, size,
+    the file's sha256."""
 
-    def __init__(self, ctx: ServerContext) -> None:
-        self.ctx = ctx
+    def __init__(self, model_id: str, path: str | os.PathLike[str], arch: str, tensors: Iterable[Any]) -> None:
+        self.path = Path(path)
+        # the served model's ollama name: its id without ``.gguf``, tagged ``:latest`` as ollama's are
+        model_id = model_id.removesuffix(".gguf")
+        self.name = model_id if ":" in model_id else f"{model_id}:latest"
+        by_type: Counter[str] = Counter()
+        n_params = self.size = 0
+        for t in tensors:
+            n_params += int(math.prod(t.shape))
+            self.size += int(t.nbytes)
+            if len(t.shape) >= 2:
+                by_type[t.ggml_type.name] += t.nbytes
+        self._details = {"parent_model": "", "format": "gguf" if self.path.is_file() else "safetensors",
+                         "family": arch, "families": [arch], "parameter_size": _parameter_size(n_params),
+                         "quantization_level": by_type.most_common(1)[0][0] if by_type else ""}
         self._digest: str | None = None
         self._lock = asyncio.Lock()
 
-    @property
-    def name(self) -> str:
-        """The served model's ollama name: its id without ``.gguf``, tagged ``:latest`` as ollama's are."""
-        model_id = self.ctx.config.model_id.removesuffix(".gguf")
-        return model_id if ":" in model_id else f"{model_id}:latest"
-
     def details(self) -> dict[str, Any]:
-        model = self.ctx.model
-        transformer = model.transformer
-        n_params = sum(int(math.prod(t.shape)) for t in transformer.tensors.values())
-        by_type: Counter[str] = Counter()
-        for t in transformer.tensors.values():
-            if len(t.shape) >= 2:
-                by_type[t.ggml_type.name] += t.nbytes
-        path = Path(model.path)
-        return {"parent_model": "", "format": "gguf" if path.is_file() else "safetensors",
-                "family": model.hparams.arch, "families": [model.hparams.arch],
-                "parameter_size": _parameter_size(n_params),
-                "quantization_level": by_type.most_common(1)[0][0] if by_type else ""}
+        return dict(self._details)
 
     def modified_at(self) -> str:
-        mtime = os.stat(self.ctx.model.path).st_mtime
-        return datetime.fromtimestamp(mtime, UTC).isoformat().replace("+00:00", "Z")
-
-    @property
-    def size(self) -> int:
-        return int(self.ctx.model.transformer.weight_bytes)
+        return datetime.fromtimestamp(os.stat(self.path).st_mtime, UTC).isoformat().replace("+00:00", "Z")
 
     async def digest(self) -> str:
         """The sha256 of the model file (of a folder: of its files' names and sha256s, sorted), computed on a
         worker thread the first time it is asked for."""
         async with self._lock:
             if self._digest is None:
-                self._digest = await asyncio.to_thread(_sha256_of, Path(self.ctx.model.path))
+                self._digest = await asyncio.to_thread(_sha256_of, self.path)
         return self._digest
 
     async def listing(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.name, "modified_at": self.modified_at(), "size": self.size,
                 "digest": await self.digest(), "details": self.details()}
+
+    async def running(self, context_length: int) -> dict[str, Any]:
+        """``/api/ps``'s entry: loaded for the server's life (ollama writes a far-off expiry for keep_alive -1)."""
+        listing = await self.listing()
+        del listing["modified_at"]
+        return {**listing, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0, "context_length": context_length}
+
+
+def model_name(body: Any) -> str:
+    """The ``model`` (or older ``name``) of an ollama body."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    name = body.get("model", body.get("name"))
+    if not isinstance(name, str) or not name:
+        raise ApiError("model: is required (a model name)", param="model")
+    return name
 
 
 def _sha256_of(path: Path) -> str:
@@ -153,7 +163,8 @@ def _model_info(ctx: ServerContext) -> dict[str, Any]:
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
-    facts = ModelFacts(ctx)
+    transformer = ctx.model.transformer
+    facts = ModelFacts(ctx.config.model_id, ctx.model.path, ctx.model.hparams.arch, transformer.tensors.values())
 
     def check_model(name: str | None) -> None:
         if name is not None and name.endswith(":latest"):
@@ -319,21 +330,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def embed(request: Request) -> Response:
         started = asyncio.get_running_loop().time()
         body = await ctx.read_json(request)
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
-        check_model(_name(body))
-        check_keep_alive(body.get("keep_alive"))
-        texts = body.get("input")
-        texts = [texts] if isinstance(texts, str) else texts
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise ApiError("input: must be a string or a non-empty list of strings", param="input")
-        truncate = body.get("truncate", True)
-        if not isinstance(truncate, bool):
-            raise ApiError(f"truncate: must be true or false, got {truncate!r}", param="truncate")
-        dims = body.get("dimensions")
-        if dims is not None and dims != ctx.model.hparams.n_embd:
-            raise ApiError(f"dimensions: must be {ctx.model.hparams.n_embd} for this model (it cannot shorten "
-                           f"vectors), got {dims!r}", param="dimensions")
+        check_model(model_name(body))
+        texts, truncate = parse_embed(body, ctx.model.hparams.n_embd)
         vectors, n = await embed_texts(request, texts, truncate, "input", normalize=True)
         took = int((asyncio.get_running_loop().time() - started) * 1e9)
         return JSONResponse({"model": body["model"], "embeddings": vectors, "total_duration": took,
@@ -342,13 +340,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/api/embeddings")
     async def embeddings(request: Request) -> Response:
         body = await ctx.read_json(request)
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
-        check_model(_name(body))
-        check_keep_alive(body.get("keep_alive"))
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise ApiError("prompt: must be a string", param="prompt")
+        check_model(model_name(body))
+        prompt = parse_embeddings_prompt(body)
         if not prompt:  # ollama answers an empty prompt with an empty vector
             return JSONResponse({"embedding": []})
         # the older endpoint: the vector as pooled, not normalized (as ollama's)
@@ -361,18 +354,12 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        listing = await facts.listing()
-        del listing["modified_at"]
-        # loaded for the server's life: ollama writes a far-off expiry for keep_alive -1
-        return {"models": [{**listing, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
-                            "context_length": ctx.engine_loop.slot_context}]}
+        return {"models": [await facts.running(ctx.engine_loop.slot_context)]}
 
     @app.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
         body = await ctx.read_json(request)
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
-        check_model(_name(body))
+        check_model(model_name(body))
         model = ctx.model
         defaults = model.generation_defaults
         parameters = "\n".join(f"{k:<15} {v}" for k, v in defaults.items() if isinstance(v, int | float | str))
@@ -399,7 +386,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         body = await ctx.read_json(request)
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object")
-        name = _name(body).removesuffix(":latest")
+        name = model_name(body).removesuffix(":latest")
         stream = body.get("stream", True)
         try:
             known = pulling.known_model(name)
@@ -436,8 +423,3 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         app.add_api_route(f"/api/{what}", not_here(what), methods=["POST"])
 
 
-def _name(body: dict[str, Any]) -> str:
-    name = body.get("model", body.get("name"))
-    if not isinstance(name, str) or not name:
-        raise ApiError("model: is required (a model name)", param="model")
-    return name
