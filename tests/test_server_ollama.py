@@ -241,6 +241,19 @@ def test_the_digest_is_the_file_s_sha256(client, smollm2_path):
     assert client.list().models[0].digest == h
 
 
+def test_langchain_s_chat_ollama_invokes_and_streams(server, client, name):
+    """LangChain's ``ChatOllama`` and ``OllamaEmbeddings`` (PyPI ``langchain-ollama``) against minfer's server."""
+    from langchain_ollama import ChatOllama, OllamaEmbeddings
+
+    llm = ChatOllama(model=name, base_url=server.url, temperature=0, num_predict=20)
+    answer = llm.invoke("What is the capital of France?")
+    ref = client.chat(model=name, messages=ASK, options={"temperature": 0, "num_predict": 20})
+    assert answer.content == ref.message.content and answer.usage_metadata["output_tokens"] == ref.eval_count
+    assert "".join(chunk.content for chunk in llm.stream("What is the capital of France?")) == answer.content
+    vector = OllamaEmbeddings(model=name, base_url=server.url).embed_query("hello there")
+    np.testing.assert_allclose(vector, client.embed(model=name, input="hello there").embeddings[0], atol=1e-6)
+
+
 # --- an encoder's server: ollama's embedding routes ---------------------------------------------------------
 
 
