@@ -241,6 +241,18 @@ def test_the_digest_is_the_file_s_sha256(client, smollm2_path):
     assert client.list().models[0].digest == h
 
 
+def test_the_api_key_and_the_body_cap_hold_on_ollama_s_routes(smollm2_path):
+    with ServerProcess(smollm2_path, ["--api-key", "s3cret", "--max-body-size", "2048"]) as s:
+        with pytest.raises(ollama.ResponseError) as err:
+            ollama.Client(host=s.url).list()
+        assert err.value.status_code == 401 and isinstance(err.value.error, str)
+        keyed = ollama.Client(host=s.url, headers={"Authorization": "Bearer s3cret"})
+        assert keyed.list().models
+        with pytest.raises(ollama.ResponseError) as err:
+            keyed.chat(model="m", messages=[{"role": "user", "content": "x" * 4096}])
+        assert err.value.status_code == 413 and isinstance(err.value.error, str)
+
+
 def test_langchain_s_chat_ollama_invokes_and_streams(server, client, name):
     """LangChain's ``ChatOllama`` and ``OllamaEmbeddings`` (PyPI ``langchain-ollama``) against minfer's server."""
     from langchain_ollama import ChatOllama, OllamaEmbeddings
