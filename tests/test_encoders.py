@@ -109,7 +109,8 @@ NOMIC = FIXTURES / "nomic"
 # nomic: llama.cpp's converter itself, see tests/fixtures/nomic/README.md)
 EMBEDDERS = {"bert": (BERT, BERT, 1e-4), "bert-gguf-f32": (BERT / "model-f32.gguf", BERT, 1e-4),
              "bert-gguf-f16": (BERT / "model-f16.gguf", BERT, 2e-2), "xlmr": (XLMR, XLMR, 1e-4),
-             "nomic": (NOMIC, NOMIC, 1e-4), "nomic-gguf-f32": (NOMIC / "model-f32.gguf", NOMIC, 1e-4)}
+             "xlmr-gguf-f32": (XLMR / "model-f32.gguf", XLMR, 1e-4), "nomic": (NOMIC, NOMIC, 1e-4),
+             "nomic-gguf-f32": (NOMIC / "model-f32.gguf", NOMIC, 1e-4)}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
@@ -147,9 +148,11 @@ def test_a_sequence_has_the_same_bits_alone_and_packed(which):
     np.testing.assert_array_equal(one_thread, together)  # 1 thread and 2 threads: the same bits
 
 
-@pytest.mark.parametrize("folder", [RERANK, XLMR_RERANK], ids=["bert", "xlmr"])
-def test_rerank_scores_within_1e_4_of_transformers(folder):
-    enc = minfer.load(folder)
+@pytest.mark.parametrize("path,folder", [(RERANK, RERANK), (XLMR_RERANK, XLMR_RERANK),
+                                         (XLMR_RERANK / "model-f32.gguf", XLMR_RERANK)],
+                         ids=["bert", "xlmr", "xlmr-gguf-f32"])
+def test_rerank_scores_within_1e_4_of_transformers(path, folder):
+    enc = minfer.load(path)
     ref = np.load(folder / "reference.npz")
     spec = json.loads((folder / "texts.json").read_text())
     for k, d in enumerate(spec["documents"]):
