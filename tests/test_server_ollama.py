@@ -290,3 +290,17 @@ def test_an_encoder_embeds_through_ollama_s_client_as_sentence_transformers(enco
     with pytest.raises(ollama.ResponseError) as err:
         client.chat(model="all-minilm", messages=ASK)
     assert err.value.status_code == 400 and "is an encoder" in err.value.error
+
+
+def test_logprobs_are_openai_s(client, openai_client, name):
+    got = client.chat(model=name, messages=ASK, options={"temperature": 0, "num_predict": 6}, logprobs=True,
+                      top_logprobs=2)
+    ref = openai_client.chat.completions.create(model=name.removesuffix(":latest"), messages=ASK, temperature=0,
+                                                max_tokens=6, logprobs=True, top_logprobs=2)
+    want = ref.choices[0].logprobs.content
+    assert [(x.token, round(x.logprob, 5)) for x in got.logprobs] == [(x.token, round(x.logprob, 5)) for x in want]
+    assert [[t.token for t in x.top_logprobs] for x in got.logprobs] == [[t.token for t in x.top_logprobs]
+                                                                          for x in want]
+    parts = list(client.generate(model=name, prompt="The capital of France is", raw=True, stream=True, logprobs=True,
+                                 options={"temperature": 0, "num_predict": 4}))
+    assert sum(len(p.logprobs or []) for p in parts) == 4

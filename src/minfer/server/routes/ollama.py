@@ -30,8 +30,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minfer import __version__
 from minfer.errors import MinferError
+from minfer.pull import sha256_file
 from minfer.runtime.chat import ContentDelta, ReasoningDelta
 from minfer.runtime.requests import Failed, Token
+from minfer.runtime.sampling import TokenLogprob
 from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError, api_error, cancelled_error
@@ -127,18 +129,11 @@ def model_name(body: Any) -> str:
 
 
 def _sha256_of(path: Path) -> str:
-    def one(p: Path) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return h.hexdigest()
-
     if path.is_file():
-        return one(path)
+        return sha256_file(path)
     h = hashlib.sha256()
     for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(f"{p.relative_to(path)}\0{one(p)}\n".encode())
+        h.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
     return h.hexdigest()
 
 
@@ -178,6 +173,13 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     def base(req: OllamaRequest) -> dict[str, Any]:
         return {"model": req.model, "created_at": now_rfc3339()}
 
+    def logprobs(items: Iterable[TokenLogprob]) -> dict[str, Any]:
+        """ollama's ``logprobs`` of the tokens ``items`` (none: nothing, the request did not ask)."""
+        out = [{"token": ctx.token_text(x.token), "logprob": x.logprob,
+                "top_logprobs": [{"token": ctx.token_text(t), "logprob": v} for t, v in x.top_logprobs]}
+               for x in items]
+        return {"logprobs": out} if out else {}
+
     def finished(req: OllamaRequest, job: Job, prompt_tokens: int) -> dict[str, Any]:
         stats = job.choices[0].stats
         assert stats is not None
@@ -208,20 +210,21 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         if not req.stream:
             choice = (await turn.result(request))[0]
             message = ollama_message(choice.message)
+            scores = logprobs(choice.logprobs)
             if generate:
                 head: dict[str, Any] = {"response": message["content"]}
                 if "thinking" in message:
                     head["thinking"] = message["thinking"]
             else:
                 head = {"message": message}
-            return JSONResponse({**base(req), **head, **finished(req, turn.job, n_prompt), **context()})
+            return JSONResponse({**base(req), **head, **finished(req, turn.job, n_prompt), **context(), **scores})
 
-        def piece(text: str, thinking: bool) -> dict[str, Any]:
+        def piece(text: str, thinking: bool, scores: dict[str, Any]) -> dict[str, Any]:
             if generate:
-                return {**base(req), ("thinking" if thinking else "response"): text, "done": False}
+                return {**base(req), ("thinking" if thinking else "response"): text, "done": False, **scores}
             message = {"role": "assistant", "content": ""}
             message["thinking" if thinking else "content"] = text
-            return {**base(req), "message": message, "done": False}
+            return {**base(req), "message": message, "done": False, **scores}
 
         async def lines() -> AsyncIterator[bytes]:
             async for batch in turn.batches():
@@ -229,7 +232,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 for event in batch:
                     if isinstance(event, TurnDelta) and isinstance(event.delta, ContentDelta | ReasoningDelta):
                         if event.delta.text:
-                            out.append(_ndjson(piece(event.delta.text, isinstance(event.delta, ReasoningDelta))))
+                            out.append(_ndjson(piece(event.delta.text, isinstance(event.delta, ReasoningDelta),
+                                                     logprobs(event.logprobs))))
                     elif isinstance(event, TurnFinished):
                         message = ollama_message(event.message)
                         if "tool_calls" in message and not generate:  # a call is sent whole, as ollama's
@@ -258,7 +262,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
         if not req.stream:
             await ctx.collect(job, request)
-            return JSONResponse({**base(req), "response": "".join(job.choices[0].text), **last()})
+            return JSONResponse({**base(req), "response": "".join(job.choices[0].text), **last(),
+                                 **logprobs(job.choices[0].logprobs)})
 
         async def lines() -> AsyncIterator[bytes]:
             try:
@@ -270,7 +275,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                     if c.cancelled:
                         raise cancelled_error()
                     if isinstance(event, Token) and event.step.text:
-                        yield _ndjson({**base(req), "response": event.step.text, "done": False})
+                        scores = logprobs([event.step.logprob] if event.step.logprob is not None else [])
+                        yield _ndjson({**base(req), "response": event.step.text, "done": False, **scores})
                 yield _ndjson({**base(req), "response": "", **last()})
             finally:
                 ctx.open_jobs.discard(job)
@@ -384,8 +390,6 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         from minfer import pull as pulling
 
         body = await ctx.read_json(request)
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
         name = model_name(body).removesuffix(":latest")
         stream = body.get("stream", True)
         try:
