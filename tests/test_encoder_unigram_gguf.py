@@ -2,8 +2,9 @@
 "t5" (a SentencePiece Unigram vocabulary) and position embeddings without RoBERTa's first ``pad_token_id + 1`` rows.
 The fixtures' ``model-f32.gguf`` files are ``scripts/bert_to_gguf.py``'s, byte-identical to llama.cpp's converter
 (its docstring says how that was checked); here their vocabularies are held to the folders' tokenizer (their hidden
-states and scores against transformers' are in ``test_encoders.py``'s tables, ``xlmr-gguf-f32``). The ``Precompiled`` normaliser path uses ``tests/data/unigram_charsmap.json``, a charsmap
-compiled by SentencePiece itself (``scripts/make_unigram_charsmap_data.py``)."""
+states and scores against transformers' are in ``test_encoders.py``'s tables, ``xlmr-gguf-f32``). The
+``Precompiled`` normaliser path uses ``tests/data/unigram_charsmap.json``, a charsmap compiled by SentencePiece
+itself (``scripts/make_unigram_charsmap_data.py``)."""
 
 from __future__ import annotations
 
