@@ -287,14 +287,22 @@ FOLDER = {"config.json": b'{"architectures": ["BertModel"]}',
 
 
 def _zip_bytes(files: dict[str, bytes], dirs: tuple[str, ...] = ("1_Pooling/",)) -> bytes:
+    """The archive of ``files``, the same bytes in every process: each member is stamped with a fixed time (a
+    ``writestr`` of a bare name stamps the current one, so a child process that rebuilt the archive a second later
+    got another sha256 than the parent's known model)."""
     import io
+
+    def member(name: str) -> zipfile.ZipInfo:
+        info = zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_DEFLATED
+        return info
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for d in dirs:
-            z.writestr(d, b"")
+            z.writestr(member(d), b"")
         for name, data in files.items():
-            z.writestr(name, data)
+            z.writestr(member(name), data)
     return buf.getvalue()
 
 
