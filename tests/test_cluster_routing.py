@@ -112,6 +112,8 @@ def test_stream_errors_take_each_endpoints_shape():
     anthropic = stream_error("/v1/messages", "r1")
     assert anthropic.startswith(b"event: error\n") and b'"overloaded_error"' in anthropic
     assert stream_error("/v1/responses", "r1").startswith(b"event: error\n")
+    ollama = stream_error("/api/chat", "r1")  # ollama's NDJSON: a last {"error": "..."} line
+    assert ollama.endswith(b"\n") and "r1" in json.loads(ollama)["error"]
 
 
 def test_the_autoscaling_policy_follows_the_load():

@@ -182,6 +182,15 @@ def test_the_openai_client_streamed_and_not(cluster):
     assert httpx.get(cluster.url + "/metrics", timeout=30).status_code == 401
     engine = httpx.get(cluster.url + "/health", timeout=10).json()["replicas"][0]["url"]
     assert httpx.get(engine + "/v1/models", timeout=30).status_code == 401
+    # ollama's client through the front: its NDJSON stream passes line by line, and is the same text
+    import ollama
+
+    oc = ollama.Client(host=cluster.url, headers=AUTH)
+    options = {"temperature": 0, "num_predict": 16}
+    streamed = list(oc.chat(model="smollm2", messages=messages, options=options, stream=True))
+    assert len(streamed) > 2 and streamed[-1].done
+    assert "".join(p.message.content for p in streamed) == text == oc.chat(model="smollm2", messages=messages,
+                                                                           options=options).message.content
 
 
 def test_8_concurrent_requests_equal_their_solo_text(cluster):

@@ -370,7 +370,8 @@ class Front:
                 out_headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS]
                 out_headers.append((b"x-minfer-replica", replica.id.encode()))
                 start = {"type": "http.response.start", "status": response.status_code, "headers": out_headers}
-                if response.headers.get("content-type", "").startswith("text/event-stream"):
+                kind = response.headers.get("content-type", "")
+                if kind.startswith(("text/event-stream", "application/x-ndjson")):  # SSE, ollama's NDJSON
                     chunks = response.aiter_raw()
                     try:
                         async for chunk in chunks:
@@ -425,6 +426,8 @@ def stream_error(path: str, replica: str) -> bytes:
     """The last event of a stream whose replica died, in the endpoint's own error shape."""
     e = ApiError(f"the replica serving this stream ({replica}) died; the reply is incomplete, send the request "
                  "again", status=503, type="server_error", code="replica_died")
+    if path.startswith("/api/"):  # ollama's NDJSON streams end with an {"error"} line
+        return json.dumps({"error": e.message}).encode() + b"\n"
     p = path if path.startswith("/v1/") else "/v1" + path
     if p.startswith("/v1/messages"):
         return sse_event(anthropic_error_body(e))
