@@ -21,7 +21,7 @@ from minfer.errors import MinferError
 # the subcommands that run kernels (the others never import numba, whose import alone takes ~1 s)
 COMPILING_COMMANDS = frozenset({"run", "chat", "perplexity", "bench", "serve", "trace", "warmup", "embed", "rerank"})
 # the subcommands whose options may come after (or between) their positional texts
-INTERMIXED_COMMANDS = frozenset({"run", "embed", "rerank"})
+INTERMIXED_COMMANDS = frozenset({"run", "embed", "rerank", "serve"})
 
 
 def build_parser() -> argparse.ArgumentParser:

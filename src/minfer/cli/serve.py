@@ -8,13 +8,13 @@ from collections.abc import Callable
 from minfer.cli.options import (
     add_cache_type_flag,
     add_lora_flags,
-    add_model_argument,
     add_quantize_flag,
     add_speculative_flags,
     add_threads_flag,
     lora_kwargs,
     speculative_kwargs,
 )
+from minfer.errors import MinferError
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
 
 
@@ -24,9 +24,19 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings, "
                      "/v1/models, also without /v1), llama-server's native endpoints (/completion, /infill, "
                      "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics; "
-                     "the chat page at / and the trace explorer at /trace. With --ray: replicas on Ray Serve behind "
-                     "one endpoint.")
-    add_model_argument(srv)
+                     "the chat page at / and the trace explorer at /trace, ollama's /api/*. With several models (or "
+                     "--models-dir): each loaded on its first request, at most --models-max at once. With --ray: "
+                     "replicas on Ray Serve behind one endpoint.")
+    srv.add_argument("model", nargs="?", default=None,
+                     help=f"GGUF file, HF model folder or known model name (default: {DEFAULT_MODEL})")
+    srv.add_argument("more_models", nargs="*", metavar="MODEL",
+                     help="more models: several are served behind one address, each loaded on its first request")
+    srv.add_argument("--models-dir", default=None, metavar="DIR",
+                     help="serve every GGUF file and model folder in DIR (named by file stem or folder name), each "
+                     "loaded on its first request")
+    srv.add_argument("--models-max", type=int, default=4, metavar="N",
+                     help="with several models: most loaded at once; the least recently used idle one is unloaded "
+                     "when another is needed (default: 4)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
     srv.add_argument("-np", "--parallel", type=int, default=4,
@@ -119,6 +129,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        normalize=args.normalize, strict_model=args.strict_model,
                        cors_origins=parse_origins(args.cors_origins), slots=args.slots,
                        reasoning_format=args.reasoning_format, **speculative_kwargs(args), **lora_kwargs(args))
+    if args.more_models or args.models_dir is not None:
+        from minfer.server import serve_models
+
+        if args.ray:
+            raise MinferError("--ray serves one model: several models (or --models-dir) are not supported with it yet")
+        models = ([args.model] if args.model is not None else []) + list(args.more_models)
+        serve_models(opts, models, args.models_dir, args.models_max)
+        return 0
     if args.ray:
         from minfer.server.cluster.launch import RayOptions, parse_autoscale, serve_ray
 

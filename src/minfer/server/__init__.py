@@ -197,6 +197,54 @@ def serve(opts: ServeOptions) -> None:
             signal.signal(s, handler)
 
 
+# the options a several-model server passes to each model's own server (ServeOptions field -> flag)
+_PER_MODEL_FLAGS = {"parallel": "--parallel", "ctx_size": "--ctx-size", "batch_size": "--batch-size",
+                    "queue_size": "--queue-size", "threads": "--threads", "kernels": "--kernels",
+                    "cache_type": "--cache-type", "quantize": "--quantize", "reasoning_format": "--reasoning-format",
+                    "pooling": "--pooling", "shutdown_timeout": "--shutdown-timeout", "log_level": "--log-level",
+                    "log_format": "--log-format", "max_body_size": "--max-body-size", "cache_ram": "--cache-ram"}
+# the options that name or shape one model, refused with several
+_ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--lookup", "lora": "--lora",
+                    "lora_merge": "--lora-merge", "lora_init_without_apply": "--lora-init-without-apply",
+                    "cache_disk": "--cache-disk", "strict_model": "--strict-model", "cors_origins": "--cors-origin",
+                    "slots": "--slots"}
+
+
+def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int) -> None:
+    """Serve several models behind one address (:mod:`minfer.server.model_router`) until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from minfer.server.http_protocols import http_protocol
+    from minfer.server.model_router import ModelRouter, model_entries
+
+    defaults = ServeOptions()
+    given = [flag for name, flag in _ONE_MODEL_FLAGS.items() if getattr(opts, name) != getattr(defaults, name)]
+    if given:
+        raise BadRequestError(f"{', '.join(given)} apply to one model: serve it alone to use them")
+    entries = model_entries(models, models_dir)
+    if not entries:
+        raise BadRequestError("no model to serve: give model files or folders, or --models-dir DIR")
+    child_args: list[str] = []
+    for name, flag in _PER_MODEL_FLAGS.items():
+        value = getattr(opts, name)
+        if value is not None and value != getattr(defaults, name):
+            child_args += [flag, str(value)]
+    if not opts.normalize:
+        child_args.append("--no-normalize")
+    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    router = ModelRouter(entries, child_args, models_max, api_key, opts.max_body_size)
+    errors_to_stderr()
+    sock = listening_socket(opts.host, opts.port)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(router, log_level=opts.log_level, access_log=False, http=http_protocol(),
+                                           timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
+    names = ", ".join(e.name for e in entries)
+    print(f"minfer: serving {len(entries)} models on http://{host}:{port} (at most {models_max} loaded at once, "
+          f"each loaded on its first request: {names}){' with an API key' if api_key else ''}",
+          file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+
+
 # the options of a generating server that mean nothing for an encoder's, refused when given
 _GENERATING_OPTIONS = {"ctx_size": "--ctx-size", "cache_ram": "--cache-ram", "cache_disk": "--cache-disk",
                        "cache_type": "--cache-type", "quantize": "--quantize", "draft": "--model-draft",

@@ -1,0 +1,412 @@
+"""Several models behind one address: ``minfer serve A.gguf B.gguf`` or ``minfer serve --models-dir DIR``.
+
+Each model is served by a ``minfer serve`` child process of its own on loopback, started on the first request
+that names it (requests that arrive meanwhile wait for it; none fails) and stopped when another model needs its
+place (``--models-max``, the least recently used one whose requests have all finished: a stream is never cut)
+or on ``POST /models/unload``. A process per model, rather than engines sharing one, because numba's OpenMP kernels
+run about 3x slower when launched off a process's main thread (each child runs its engine loop on its own main
+thread, as a one-model server does), and because an exiting process returns all of its memory.
+
+This front answers the routes about the models themselves: ``GET /v1/models`` and ``/models`` (each model with
+its ``status``: loaded, loading, unloaded), ``POST /models/load`` and ``/models/unload`` (llama-server's router
+shapes), ollama's ``GET /api/tags``, ``/api/ps`` and ``/api/version``, and ``/health``. Every other request goes
+to the model its body's ``model`` names (or ``?model=``; without one, the first model), answered by that model's
+own server: the same routes, bodies and errors as a one-model server. ``NAME:latest`` and ``NAME.gguf`` are
+``NAME``. An unknown name is a 404 listing the names there are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from minfer.errors import BadRequestError
+from minfer.server.cluster.front import HOP_HEADERS, ClientGone, _read_body, _wait_disconnect, stream_error
+from minfer.server.errors import ApiError, error_response
+from minfer.server.middleware import has_key, missing_key_error
+
+log = logging.getLogger("minfer.server")
+
+UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
+START_TIMEOUT = 600.0  # seconds a model's process may take to load and answer /health
+
+
+@dataclass
+class ModelEntry:
+    """One configured model and, while it is loaded, its process."""
+
+    name: str
+    path: Path
+    state: str = UNLOADED
+    url: str | None = None
+    proc: asyncio.subprocess.Process | None = None
+    active: int = 0  # requests being answered (a stream counts until its last byte)
+    last_used: float = 0.0
+    load_seconds: float | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def card(self, created: int) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": created, "owned_by": "minfer",
+                "path": str(self.path), "status": {"value": self.state}}
+
+
+def model_entries(models: list[str], models_dir: str | None) -> list[ModelEntry]:
+    """The configured models: each positional one (a file, a folder or a name ``minfer pull`` knows) and every
+    GGUF file and model folder in ``models_dir``, named by file stem, folder name or known name."""
+    from minfer.pull import KNOWN_MODELS, resolve_model
+
+    found: list[tuple[str, Path]] = []
+    for ref in models:
+        path = resolve_model(ref)
+        name = ref if ref in KNOWN_MODELS else Path(path).name.removesuffix(".gguf")
+        found.append((name, Path(path)))
+    if models_dir is not None:
+        folder = Path(models_dir)
+        if not folder.is_dir():
+            raise BadRequestError(f"--models-dir {models_dir!r} is not a folder")
+        for p in sorted(folder.iterdir()):
+            if p.is_file() and p.suffix == ".gguf":
+                found.append((p.stem, p))
+            elif p.is_dir() and (p / "config.json").is_file():
+                found.append((p.name, p))
+        if not any(p.parent == folder for _, p in found):
+            raise BadRequestError(f"--models-dir {models_dir!r} holds no GGUF file and no model folder")
+    names: dict[str, Path] = {}
+    for name, path in found:
+        if name in names and names[name] != path:
+            raise BadRequestError(f"two models are named {name!r} ({names[name]} and {path}): rename one")
+        names[name] = path
+    return [ModelEntry(name, path) for name, path in names.items()]
+
+
+class ModelRouter:
+    """The ASGI app of a several-model server (see the module docstring)."""
+
+    def __init__(self, entries: list[ModelEntry], child_args: list[str], models_max: int, api_key: str | None,
+                 max_body_size: int) -> None:
+        if models_max < 1:
+            raise BadRequestError(f"--models-max must be >= 1, got {models_max}")
+        self.entries = {e.name: e for e in entries}
+        self.default = entries[0]
+        self.child_args = child_args
+        self.models_max = models_max
+        self.api_key = api_key
+        self.internal_key = secrets.token_hex(16)  # the children answer only this front
+        self.max_body_size = max_body_size
+        self.created = int(time.time())
+        self.client: httpx.AsyncClient | None = None
+        self._changed = asyncio.Condition()  # a model finished a request, loaded or unloaded
+        self._loading = asyncio.Lock()  # one model loads (or is chosen for eviction) at a time
+
+    # -- ASGI ------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        try:
+            if self.api_key is not None and path != "/health" and not has_key(scope, self.api_key):
+                raise missing_key_error()
+            own = self._own_route(method, path)
+            if own is not None:
+                await own(scope, receive, send)
+                return
+            await self._proxy(scope, receive, send)
+        except ApiError as e:
+            await error_response(e, path)(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await asyncio.gather(*(self._stop(e) for e in self.entries.values()))
+                if self.client is not None:
+                    await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- the front's own routes ------------------------------------------------------------------
+
+    def _own_route(self, method: str, path: str) -> Any:
+        routes = {("GET", "/v1/models"): self._models, ("GET", "/models"): self._models,
+                  ("POST", "/models/load"): self._load_route, ("POST", "/models/unload"): self._unload_route,
+                  ("GET", "/api/tags"): self._tags, ("GET", "/api/ps"): self._ps,
+                  ("GET", "/api/version"): self._version, ("GET", "/health"): self._health}
+        return routes.get((method, path))
+
+    async def _json(self, send: Send, body: Any, status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._json(send, {"object": "list", "data": [e.card(self.created) for e in self.entries.values()]})
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._json(send, {"status": "ok", "models": {e.name: e.state for e in self.entries.values()}})
+
+    async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from minfer.server.routes.ollama import OLLAMA_API_VERSION
+
+        await self._json(send, {"version": OLLAMA_API_VERSION})
+
+    async def _tags(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._json(send, {"models": [_listing(e) for e in self.entries.values()]})
+
+    async def _ps(self, scope: Scope, receive: Receive, send: Send) -> None:
+        running = [{**_listing(e), "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0}
+                   for e in self.entries.values() if e.state == LOADED]
+        await self._json(send, {"models": running})
+
+    async def _named(self, receive: Receive, scope: Scope) -> ModelEntry:
+        try:
+            body = json.loads(await _read_body(receive, self.max_body_size))
+        except (ValueError, ClientGone):
+            body = None
+        name = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ApiError("'model' is required: the name of a configured model", param="model")
+        return self.find(name, scope["path"])
+
+    async def _load_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        entry = await self._named(receive, scope)
+        await self.acquire(entry)
+        self.release(entry)
+        await self._json(send, {"success": True})
+
+    async def _unload_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        entry = await self._named(receive, scope)
+        async with self._changed:
+            await self._changed.wait_for(lambda: entry.active == 0)
+        await self._stop(entry)
+        await self._json(send, {"success": True})
+
+    # -- choosing and loading models -------------------------------------------------------------
+
+    def find(self, name: str, path: str = "") -> ModelEntry:
+        for candidate in (name, name.removesuffix(":latest"), name.removesuffix(".gguf")):
+            if candidate in self.entries:
+                return self.entries[candidate]
+        raise ApiError(f"model {name!r} not found (this server has {', '.join(sorted(self.entries))})",
+                       status=404, type="not_found_error", param="model", code="model_not_found")
+
+    async def acquire(self, entry: ModelEntry) -> str:
+        """The URL of ``entry``'s server, loading it first if need be (after making room); counts a request on it
+        until :meth:`release`."""
+        while True:
+            if entry.state == LOADED:
+                entry.active += 1
+                entry.last_used = time.monotonic()
+                assert entry.url is not None
+                return entry.url
+            if entry.state == LOADING:
+                await entry.ready.wait()
+                continue
+            async with self._loading:
+                if entry.state != UNLOADED:
+                    continue
+                await self._make_room()
+                entry.state, entry.ready = LOADING, asyncio.Event()
+            try:
+                await self._start(entry)
+            finally:
+                entry.ready.set()
+                async with self._changed:
+                    self._changed.notify_all()
+
+    def release(self, entry: ModelEntry) -> None:
+        entry.active -= 1
+        entry.last_used = time.monotonic()
+
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        asyncio.ensure_future(notify())
+
+    async def _make_room(self) -> None:
+        """Unload the least recently used idle model until another fits under ``models_max``."""
+
+        def held() -> int:
+            return sum(e.state in (LOADED, LOADING) for e in self.entries.values())
+
+        def idle() -> list[ModelEntry]:
+            return [e for e in self.entries.values() if e.state == LOADED and e.active == 0]
+
+        while held() >= self.models_max:
+            if idle():
+                await self._stop(min(idle(), key=lambda e: e.last_used))
+                continue
+            async with self._changed:  # every loaded model is answering: wait for one to finish
+                await self._changed.wait_for(lambda: bool(idle()) or held() < self.models_max)
+
+    async def _start(self, entry: ModelEntry) -> None:
+        started = time.perf_counter()
+        cmd = [sys.executable, "-m", "minfer", "serve", str(entry.path), "--host", "127.0.0.1", "--port", "0",
+               "--alias", entry.name, "--api-key", self.internal_key, *self.child_args]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        entry.proc = proc
+        lines: list[str] = []
+        url = None
+        assert proc.stderr is not None
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                while url is None:
+                    raw = await proc.stderr.readline()
+                    if not raw:
+                        break
+                    line = raw.decode("utf-8", "replace")
+                    lines.append(line)
+                    if line.startswith("minfer: serving ") and " on http://" in line:
+                        url = line.split(" on ", 1)[1].split()[0]
+                if url is not None:
+                    while (await self._get(url + "/health")) != 200:
+                        await asyncio.sleep(0.05)
+        except TimeoutError:
+            url = None
+        if url is None:
+            entry.state, entry.proc = UNLOADED, None
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            tail = "".join(lines[-5:]).strip()
+            raise ApiError(f"model {entry.name!r} did not load: {tail or 'its process ended'}", status=500,
+                           type="server_error", code="model_load_failed")
+        asyncio.ensure_future(self._echo(entry.name, proc))
+        entry.url, entry.state = url, LOADED
+        entry.load_seconds = time.perf_counter() - started
+        print(f"minfer: loaded {entry.name} in {entry.load_seconds:.1f} s", file=sys.stderr, flush=True)
+
+    async def _get(self, url: str) -> int:
+        assert self.client is not None
+        try:
+            return (await self.client.get(url, timeout=5.0)).status_code
+        except httpx.HTTPError:
+            return 0
+
+    @staticmethod
+    async def _echo(name: str, proc: asyncio.subprocess.Process) -> None:
+        """The child's log lines on this server's stderr, marked with its model."""
+        assert proc.stderr is not None
+        while raw := await proc.stderr.readline():
+            sys.stderr.write(f"[{name}] {raw.decode('utf-8', 'replace')}")
+
+    async def _stop(self, entry: ModelEntry) -> None:
+        proc, entry.proc = entry.proc, None
+        entry.state, entry.url = UNLOADED, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                async with asyncio.timeout(30):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+            print(f"minfer: unloaded {entry.name}", file=sys.stderr, flush=True)
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- forwarding ------------------------------------------------------------------------------
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await _read_body(receive, self.max_body_size + 1)  # beyond the cap: the model server's 413
+        except ClientGone:
+            return
+        entry = self.find(_model_of(scope, body) or self.default.name, scope["path"])
+        url = await self.acquire(entry)
+        forward = asyncio.ensure_future(self._forward(url, scope, body, send))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not forward.done():  # the client left: closing the upstream request cancels its sequences
+                forward.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await forward
+            self.release(entry)
+        if forward.done() and not forward.cancelled() and forward.exception() is not None:
+            raise forward.exception()  # type: ignore[misc]
+
+    async def _forward(self, base: str, scope: Scope, body: bytes, send: Send) -> None:
+        assert self.client is not None
+        query = scope.get("query_string", b"")
+        url = base + scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_HEADERS | {b"authorization",
+                                                                                          b"x-api-key"}]
+        headers.append((b"authorization", f"Bearer {self.internal_key}".encode()))
+        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise ApiError(f"the server of this model did not answer ({e})", status=503, type="server_error",
+                           code="model_unavailable") from None
+        try:
+            out_headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+            try:
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.HTTPError:
+                await send({"type": "http.response.body", "body": stream_error(scope["path"], "model server"),
+                            "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(response.aclose())
+
+
+def _model_of(scope: Scope, body: bytes) -> str | None:
+    """The model a request names: its JSON body's ``model`` (ollama's older ``name``), else ``?model=``."""
+    if body[:1] == b"{":
+        with contextlib.suppress(ValueError):
+            parsed = json.loads(body)
+            name = parsed.get("model", parsed.get("name")) if isinstance(parsed, dict) else None
+            if isinstance(name, str) and name:
+                return name
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model")
+    return values[0] if values else None
+
+
+def _listing(entry: ModelEntry) -> dict[str, Any]:
+    """ollama's listing of a configured model, from its file alone (loaded or not)."""
+    from minfer.models.bert import gguf_architecture
+
+    path = entry.path
+    family = ""
+    if path.is_file():
+        size, family, fmt = path.stat().st_size, gguf_architecture(path) or "", "gguf"
+    else:
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        with contextlib.suppress(OSError, ValueError):
+            family = str(json.loads((path / "config.json").read_text()).get("model_type", ""))
+        fmt = "safetensors"
+    name = entry.name if ":" in entry.name else f"{entry.name}:latest"
+    modified = datetime.fromtimestamp(os.stat(path).st_mtime, UTC).isoformat().replace("+00:00", "Z")
+    return {"name": name, "model": name, "modified_at": modified, "size": size, "digest": "",
+            "details": {"parent_model": "", "format": fmt, "family": family, "families": [family]}}

@@ -1,0 +1,138 @@
+"""Several models behind one server (``minfer serve --models-dir DIR``, ``minfer serve A B``): each loaded on its
+first request in a process of its own, the least recently used idle one unloaded under ``--models-max``; every
+answer equals the one its model's own one-model server gives, through the openai and ollama clients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+from conftest import fixture_dir
+from openai import OpenAI
+
+from minfer.testing.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+MODELS = {"llama": fixture_dir("llama") / "model-f32.gguf", "gemma3": fixture_dir("gemma3") / "model-f32.gguf"}
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("models")
+    for name, path in MODELS.items():
+        (folder / f"{name}.gguf").symlink_to(path)
+    return folder
+
+
+def complete(url: str, model: str, n: int = 8) -> str:
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": n,
+                                                  "temperature": 0}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def solo() -> dict[str, str]:
+    """Each model's text from a one-model server of its own."""
+    out = {}
+    for name, path in MODELS.items():
+        with ServerProcess(path, ["--ctx-size", "256"]) as s:
+            out[name] = complete(s.url, name, 24)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(models_dir):
+    with ServerProcess(f"--models-dir={models_dir}", ["--models-max", "1", "--ctx-size", "256"]) as s:
+        yield s
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def states(url: str) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in httpx.get(url + "/v1/models").json()["data"]}
+
+
+def test_models_are_listed_before_any_loads(one_at_a_time):
+    assert states(one_at_a_time.url) == {"gemma3": "unloaded", "llama": "unloaded"}
+    tags = ollama.Client(host=one_at_a_time.url).list().models
+    assert {(m.model, m.details.family) for m in tags} == {("llama:latest", "llama"), ("gemma3:latest", "gemma3")}
+
+
+def test_models_max_1_switches_and_every_answer_is_the_solo_one(one_at_a_time, solo):
+    url = one_at_a_time.url
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    first = None
+    for round_ in range(20):  # 20 switches: the front's memory stays bounded
+        for name in ("llama", "gemma3"):
+            text = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+            assert text == solo[name]
+            assert states(url)[name] == "loaded" and list(states(url).values()).count("loaded") == 1
+            assert [m.model for m in ollama.Client(host=url).ps().models] == [f"{name}:latest"]
+        if round_ == 1:
+            first = rss_kib(one_at_a_time.proc.pid)
+    assert first is not None and rss_kib(one_at_a_time.proc.pid) - first < 50 * 1024
+    # ollama's names and the chat client work across the switch too
+    r = ollama.Client(host=url).generate(model="llama:latest", prompt=PROMPT, raw=True,
+                                         options={"temperature": 0, "num_predict": 24})
+    assert r.response == solo["llama"]
+
+
+def test_an_unknown_model_is_a_404_naming_the_models(one_at_a_time):
+    r = httpx.post(one_at_a_time.url + "/v1/chat/completions",
+                   json={"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "gemma3, llama" in r.json()["error"]["message"]
+    with pytest.raises(ollama.ResponseError) as err:
+        ollama.Client(host=one_at_a_time.url).chat(model="llama3:8b", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 404 and "gemma3, llama" in err.value.error
+
+
+def test_load_and_unload_routes(one_at_a_time):
+    url = one_at_a_time.url
+    assert httpx.post(url + "/models/load", json={"model": "gemma3"}, timeout=300).json() == {"success": True}
+    assert states(url)["gemma3"] == "loaded"
+    assert httpx.post(url + "/models/unload", json={"model": "gemma3"}, timeout=300).json() == {"success": True}
+    assert set(states(url).values()) == {"unloaded"}
+    assert httpx.post(url + "/models/load", json={"model": "nope"}).status_code == 404
+    assert httpx.post(url + "/models/load", json={}).status_code == 400
+
+
+def test_two_models_stream_at_once_and_each_is_its_solo_text(models_dir, solo):
+    # two positional files (named by their stems: llama, gemma3), both loaded at once
+    with ServerProcess(models_dir / "llama.gguf", [str(models_dir / "gemma3.gguf"), "--models-max", "2",
+                                                   "--ctx-size", "256"]) as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        texts: dict[str, str] = {}
+
+        def stream(name: str) -> None:
+            parts = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+            texts[name] = "".join(p.choices[0].text for p in parts if p.choices)
+
+        threads = [threading.Thread(target=stream, args=(n,)) for n in ("llama", "gemma3")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert texts == solo
+
+
+def test_one_model_flags_are_refused_with_several(models_dir):
+    r = subprocess.run([sys.executable, "-m", "minfer", "serve", f"--models-dir={models_dir}", "--alias", "x"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--alias apply to one model" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "minfer", "serve", "--models-dir=/nonexistent"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "is not a folder" in r.stderr and "Traceback" not in r.stderr
