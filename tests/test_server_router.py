@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -136,3 +137,23 @@ def test_one_model_flags_are_refused_with_several(models_dir):
     r = subprocess.run([sys.executable, "-m", "minfer", "serve", "--models-dir=/nonexistent"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "is not a folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_keep_alive_and_sleep_idle_unload_a_model(models_dir, solo):
+    with ServerProcess(f"--models-dir={models_dir}", ["--sleep-idle-seconds", "1.5", "--ctx-size", "256"]) as s:
+        client = ollama.Client(host=s.url)
+        options = {"temperature": 0, "num_predict": 24}
+        # keep_alive 0: the model unloads as soon as this request is answered (ollama's way to unload one)
+        assert client.generate(model="llama", prompt=PROMPT, raw=True, options=options, keep_alive=0).response == \
+            solo["llama"]
+        deadline = time.monotonic() + 30
+        while states(s.url)["llama"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert states(s.url)["llama"] == "unloaded"
+        # -1: never unloaded, --sleep-idle-seconds notwithstanding; the other model, without one, sleeps after 1.5 s
+        client.generate(model="llama", prompt=PROMPT, raw=True, options=options, keep_alive=-1)
+        client.generate(model="gemma3", prompt=PROMPT, raw=True, options=options)
+        assert client.ps().models[0].expires_at is not None
+        time.sleep(4)
+        assert states(s.url) == {"gemma3": "unloaded", "llama": "loaded"}
+        assert client.generate(model="gemma3", prompt=PROMPT, raw=True, options=options).response == solo["gemma3"]

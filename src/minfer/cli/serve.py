@@ -37,6 +37,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--models-max", type=int, default=4, metavar="N",
                      help="with several models: most loaded at once; the least recently used idle one is unloaded "
                      "when another is needed (default: 4)")
+    srv.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
+                     help="with several models: unload a model idle for S seconds (default: only to make room)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
     srv.add_argument("-np", "--parallel", type=int, default=4,
@@ -129,13 +131,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        normalize=args.normalize, strict_model=args.strict_model,
                        cors_origins=parse_origins(args.cors_origins), slots=args.slots,
                        reasoning_format=args.reasoning_format, **speculative_kwargs(args), **lora_kwargs(args))
+    if args.sleep_idle_seconds is not None and not (args.more_models or args.models_dir is not None):
+        raise MinferError("--sleep-idle-seconds applies to several models (several MODELs or --models-dir)")
     if args.more_models or args.models_dir is not None:
         from minfer.server import serve_models
 
         if args.ray:
             raise MinferError("--ray serves one model: several models (or --models-dir) are not supported with it yet")
         models = ([args.model] if args.model is not None else []) + list(args.more_models)
-        serve_models(opts, models, args.models_dir, args.models_max)
+        serve_models(opts, models, args.models_dir, args.models_max, args.sleep_idle_seconds)
         return 0
     if args.ray:
         from minfer.server.cluster.launch import RayOptions, parse_autoscale, serve_ray

@@ -210,7 +210,8 @@ _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--l
                     "slots": "--slots"}
 
 
-def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int) -> None:
+def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int,
+                 sleep_idle: float | None = None) -> None:
     """Serve several models behind one address (:mod:`minfer.server.model_router`) until SIGINT/SIGTERM."""
     import uvicorn
 
@@ -232,7 +233,7 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
     if not opts.normalize:
         child_args.append("--no-normalize")
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
-    router = ModelRouter(entries, child_args, models_max, api_key, opts.max_body_size)
+    router = ModelRouter(entries, child_args, models_max, api_key, opts.max_body_size, sleep_idle)
     errors_to_stderr()
     sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]

@@ -2,10 +2,11 @@
 
 Each model is served by a ``minfer serve`` child process of its own on loopback, started on the first request
 that names it (requests that arrive meanwhile wait for it; none fails) and stopped when another model needs its
-place (``--models-max``, the least recently used one whose requests have all finished: a stream is never cut)
-or on ``POST /models/unload``. A process per model, rather than engines sharing one, because numba's OpenMP kernels
-run about 3x slower when launched off a process's main thread (each child runs its engine loop on its own main
-thread, as a one-model server does), and because an exiting process returns all of its memory.
+place (``--models-max``, the least recently used one whose requests have all finished: a stream is never cut),
+once idle for ``--sleep-idle-seconds`` or for the ``keep_alive`` an ollama request gave it (0: at once; negative:
+never), or on ``POST /models/unload``. A process per model, rather than engines sharing one, because numba's
+OpenMP kernels run about 3x slower when launched off a process's main thread (each child runs its engine loop on
+its own main thread, as a one-model server does), and because an exiting process returns all of its memory.
 
 This front answers the routes about the models themselves: ``GET /v1/models`` and ``/models`` (each model with
 its ``status``: loaded, loading, unloaded), ``POST /models/load`` and ``/models/unload`` (llama-server's router
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import sys
@@ -58,6 +60,8 @@ class ModelEntry:
     last_used: float = 0.0
     load_seconds: float | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    keep_alive: float | None = None  # seconds it stays loaded once idle (ollama's keep_alive); None: the server's
+    idle_timer: asyncio.Task[None] | None = None
 
     def card(self, created: int) -> dict[str, Any]:
         return {"id": self.name, "object": "model", "created": created, "owned_by": "minfer",
@@ -97,9 +101,12 @@ class ModelRouter:
     """The ASGI app of a several-model server (see the module docstring)."""
 
     def __init__(self, entries: list[ModelEntry], child_args: list[str], models_max: int, api_key: str | None,
-                 max_body_size: int) -> None:
+                 max_body_size: int, sleep_idle: float | None = None) -> None:
         if models_max < 1:
             raise BadRequestError(f"--models-max must be >= 1, got {models_max}")
+        if sleep_idle is not None and not sleep_idle >= 0:
+            raise BadRequestError(f"--sleep-idle-seconds must be >= 0, got {sleep_idle}")
+        self.sleep_idle = sleep_idle  # seconds a model stays loaded once idle; None: until another needs its place
         self.entries = {e.name: e for e in entries}
         self.default = entries[0]
         self.child_args = child_args
@@ -175,7 +182,7 @@ class ModelRouter:
         await self._json(send, {"models": [_listing(e) for e in self.entries.values()]})
 
     async def _ps(self, scope: Scope, receive: Receive, send: Send) -> None:
-        running = [{**_listing(e), "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0}
+        running = [{**_listing(e), "expires_at": self._expires_at(e), "size_vram": 0}
                    for e in self.entries.values() if e.state == LOADED]
         await self._json(send, {"models": running})
 
@@ -214,6 +221,9 @@ class ModelRouter:
     async def acquire(self, entry: ModelEntry) -> str:
         """The URL of ``entry``'s server, loading it first if need be (after making room); counts a request on it
         until :meth:`release`."""
+        if entry.idle_timer is not None:
+            entry.idle_timer.cancel()
+            entry.idle_timer = None
         while True:
             if entry.state == LOADED:
                 entry.active += 1
@@ -244,6 +254,27 @@ class ModelRouter:
                 self._changed.notify_all()
 
         asyncio.ensure_future(notify())
+        keep = self._keep_alive(entry)
+        if entry.active == 0 and keep is not None and keep != math.inf:
+            entry.idle_timer = asyncio.ensure_future(self._unload_when_idle(entry, keep))
+
+    def _keep_alive(self, entry: ModelEntry) -> float | None:
+        return entry.keep_alive if entry.keep_alive is not None else self.sleep_idle
+
+    def _expires_at(self, entry: ModelEntry) -> str:
+        """When an idle model unloads (ollama's ``expires_at``): far off when nothing unloads it."""
+        keep = self._keep_alive(entry)
+        if keep is None or keep == math.inf or entry.active:
+            return "2318-01-01T00:00:00Z"
+        at = time.time() + max(keep - (time.monotonic() - entry.last_used), 0.0)
+        return datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
+
+    async def _unload_when_idle(self, entry: ModelEntry, seconds: float) -> None:
+        """``--sleep-idle-seconds`` and ``keep_alive``: unload ``entry`` once it has been idle ``seconds``."""
+        last = entry.last_used
+        await asyncio.sleep(seconds)
+        if entry.state == LOADED and entry.active == 0 and entry.last_used == last:
+            await self._stop(entry)
 
     async def _make_room(self) -> None:
         """Unload the least recently used idle model until another fits under ``models_max``."""
@@ -337,6 +368,9 @@ class ModelRouter:
         except ClientGone:
             return
         entry = self.find(_model_of(scope, body) or self.default.name, scope["path"])
+        keep = _keep_alive_of(body)
+        if keep is not None:
+            entry.keep_alive = keep  # ollama's: it holds for this model from this request on
         url = await self.acquire(entry)
         forward = asyncio.ensure_future(self._forward(url, scope, body, send))
         gone = asyncio.ensure_future(_wait_disconnect(receive))
@@ -391,6 +425,18 @@ def _model_of(scope: Scope, body: bytes) -> str | None:
                 return name
     values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model")
     return values[0] if values else None
+
+
+def _keep_alive_of(body: bytes) -> float | None:
+    """A body's ``keep_alive`` in seconds (a bad one is left to the model's server, which answers its 400)."""
+    from minfer.server.protocols.ollama import keep_alive_seconds
+
+    if body[:1] != b"{" or b"keep_alive" not in body:
+        return None
+    with contextlib.suppress(ValueError, ApiError):
+        parsed = json.loads(body)
+        return keep_alive_seconds(parsed.get("keep_alive")) if isinstance(parsed, dict) else None
+    return None
 
 
 def _listing(entry: ModelEntry) -> dict[str, Any]:

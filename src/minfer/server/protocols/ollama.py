@@ -27,6 +27,7 @@ The answer side writes ollama's objects: ``created_at`` in RFC 3339, the duratio
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -51,6 +52,8 @@ RUNNER_OPTIONS = {"numa": bool, "num_batch": int, "num_gpu": int, "main_gpu": in
                   "num_thread": int, "num_keep": int, "tfs_z": float, "penalize_newline": bool}
 _INT_OPTIONS = {"top_k", "repeat_last_n", "seed", "mirostat", "num_predict", "num_ctx"}
 _DURATION = re.compile(r"(-?\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+")
+_DURATION_PART = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def _err(message: str, param: str) -> ApiError:
@@ -98,12 +101,25 @@ def _stream(body: Mapping[str, Any]) -> bool:
     return stream
 
 
+def keep_alive_seconds(value: Any) -> float | None:
+    """ollama's ``keep_alive`` in seconds: a number of seconds or a Go duration (``"5m"``, ``"1h30m"``); a negative
+    one is for ever (``math.inf``); None when not given. A 400 naming the field for anything else."""
+    if value is None:
+        return None
+    seconds: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        seconds = float(value)
+    elif isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+        seconds = float(value.strip())
+    elif isinstance(value, str) and _DURATION.fullmatch(value.strip()):
+        seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value.strip()))
+    if seconds is None:
+        raise _err(f"must be a number of seconds or a duration such as \"5m\", got {value!r}", "keep_alive")
+    return math.inf if seconds < 0 else seconds
+
+
 def check_keep_alive(value: Any) -> None:
-    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
-        return
-    if isinstance(value, str) and (_DURATION.fullmatch(value.strip()) or re.fullmatch(r"-?\d+", value.strip())):
-        return
-    raise _err(f"must be a number of seconds or a duration such as \"5m\", got {value!r}", "keep_alive")
+    keep_alive_seconds(value)
 
 
 def _options(body: Mapping[str, Any], slot_context: int) -> dict[str, Any]:
