@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import secrets
 import sys
 import time
@@ -442,6 +441,7 @@ def _keep_alive_of(body: bytes) -> float | None:
 def _listing(entry: ModelEntry) -> dict[str, Any]:
     """ollama's listing of a configured model, from its file alone (loaded or not)."""
     from minfer.models.bert import gguf_architecture
+    from minfer.server.routes.ollama import modified_at, ollama_name
 
     path = entry.path
     family = ""
@@ -452,7 +452,6 @@ def _listing(entry: ModelEntry) -> dict[str, Any]:
         with contextlib.suppress(OSError, ValueError):
             family = str(json.loads((path / "config.json").read_text()).get("model_type", ""))
         fmt = "safetensors"
-    name = entry.name if ":" in entry.name else f"{entry.name}:latest"
-    modified = datetime.fromtimestamp(os.stat(path).st_mtime, UTC).isoformat().replace("+00:00", "Z")
-    return {"name": name, "model": name, "modified_at": modified, "size": size, "digest": "",
+    name = ollama_name(entry.name)
+    return {"name": name, "model": name, "modified_at": modified_at(path), "size": size, "digest": "",
             "details": {"parent_model": "", "format": fmt, "family": family, "families": [family]}}

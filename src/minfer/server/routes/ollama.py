@@ -20,7 +20,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -71,15 +71,24 @@ def _stream(lines: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(lines, media_type=NDJSON, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def ollama_name(model_id: str) -> str:
+    """A served model's ollama name: its id without ``.gguf``, tagged ``:latest`` as ollama's are."""
+    model_id = model_id.removesuffix(".gguf")
+    return model_id if ":" in model_id else f"{model_id}:latest"
+
+
+def modified_at(path: Path) -> str:
+    """A model file's or folder's modification time in RFC 3339 (ollama's ``modified_at``)."""
+    return datetime.fromtimestamp(os.stat(path).st_mtime, UTC).isoformat().replace("+00:00", "Z")
+
+
 class ModelFacts:
     """What ollama's listing says of the served model (a decoder's or an encoder's), computed once: details, size,
     the file's sha256."""
 
     def __init__(self, model_id: str, path: str | os.PathLike[str], arch: str, tensors: Iterable[Any]) -> None:
         self.path = Path(path)
-        # the served model's ollama name: its id without ``.gguf``, tagged ``:latest`` as ollama's are
-        model_id = model_id.removesuffix(".gguf")
-        self.name = model_id if ":" in model_id else f"{model_id}:latest"
+        self.name = ollama_name(model_id)
         by_type: Counter[str] = Counter()
         n_params = self.size = 0
         for t in tensors:
@@ -97,7 +106,7 @@ class ModelFacts:
         return dict(self._details)
 
     def modified_at(self) -> str:
-        return datetime.fromtimestamp(os.stat(self.path).st_mtime, UTC).isoformat().replace("+00:00", "Z")
+        return modified_at(self.path)
 
     async def digest(self) -> str:
         """The sha256 of the model file (of a folder: of its files' names and sha256s, sorted), computed on a
@@ -144,11 +153,11 @@ def _parameter_size(n: int) -> str:
     return str(n)
 
 
-def _model_info(ctx: ServerContext) -> dict[str, Any]:
-    """The checkpoint's metadata (a GGUF's keys, an HF folder's config.json), long lists left out as ollama's
-    ``/api/show`` leaves out the vocabulary (null)."""
+def model_info(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's metadata (a GGUF's keys, an HF folder's config.json) as ``/api/show``'s ``model_info``: long
+    lists left out as ollama's leaves out the vocabulary (null), other values JSON's."""
     out: dict[str, Any] = {}
-    for key, value in ctx.model.transformer.source.metadata.items():
+    for key, value in metadata.items():
         if isinstance(value, list | tuple) and len(value) > 64:
             value = None
         elif not isinstance(value, str | int | float | bool | list | tuple | dict | None):
@@ -378,8 +387,9 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         if ctx.pooling != "none":
             capabilities.append("embedding")
         return {"modelfile": f"# served by minfer {__version__}\nFROM {model.path}\n", "parameters": parameters,
-                "template": template, "details": facts.details(), "model_info": _model_info(ctx),
-                "capabilities": capabilities, "modified_at": facts.modified_at()}
+                "template": template, "details": facts.details(),
+                "model_info": model_info(ctx.model.transformer.source.metadata), "capabilities": capabilities,
+                "modified_at": facts.modified_at()}
 
     @app.get("/api/version")
     async def version() -> dict[str, str]:

@@ -18,7 +18,7 @@ from minfer.api_encoder import Encoder
 from minfer.runtime.pooling import l2_normalize, pool_rows
 from minfer.server.errors import ApiError
 from minfer.server.protocols.ollama import nanoseconds, parse_embed, parse_embeddings_prompt
-from minfer.server.routes.ollama import OLLAMA_API_VERSION, ModelFacts, model_name
+from minfer.server.routes.ollama import OLLAMA_API_VERSION, ModelFacts, model_info, model_name
 
 Tokenized = Callable[[Sequence[str], bool, str], Awaitable[tuple[list[list[int]], int]]]
 Evaluate = Callable[[list[list[int]], Any, str], Awaitable[list[np.ndarray]]]
@@ -75,9 +75,8 @@ def register(app: FastAPI, encoder: Encoder, model_id: str, pooling: str, check_
     async def show(request: Request) -> dict[str, Any]:
         body = await body_of(request)
         check(body)
-        info = dict(model.gguf.metadata) if model.gguf is not None else {
-            f"{model.hparams.arch}.{k}": v for k, v in vars(model.hparams).items()}
-        info = {k: None if isinstance(v, list | tuple) and len(v) > 64 else v for k, v in info.items()}
+        info = model_info(model.gguf.metadata if model.gguf is not None else {
+            f"{model.hparams.arch}.{k}": v for k, v in vars(model.hparams).items()})
         capabilities = ["embedding"] + (["rerank"] if encoder.can_rerank else [])
         return {"modelfile": f"FROM {model.path}\n", "parameters": "", "template": "", "details": facts.details(),
                 "model_info": info, "capabilities": capabilities, "modified_at": facts.modified_at()}
