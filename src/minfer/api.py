@@ -28,6 +28,7 @@ from minfer.formats.fim import FimTokens, find_fim_tokens
 from minfer.formats.tokenizer import Tokenizer
 from minfer.models.bert import is_encoder_checkpoint
 from minfer.models.hparams import HParams
+from minfer.models.mmproj import vision_from_mmproj
 from minfer.models.model import TransformerModel
 from minfer.pull import resolve_model
 from minfer.runtime.chat import (
@@ -51,6 +52,7 @@ from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative import resolve as resolve_speculative
+from minfer.runtime.vision import ImageInput, ImagePrompter, PassImage, VisionRunner, extract_images
 from minfer.trace.capture import TraceCapture
 from minfer.trace.dump import Dumper
 from minfer.trace.explorer import ForwardTrace
@@ -91,6 +93,7 @@ class Model:
         lora: LoraSpec | Sequence[LoraSpec] | None = None,
         lora_merge: bool = False,
         lora_init_without_apply: bool = False,
+        mmproj: str | os.PathLike[str] | None = None,
     ) -> None:
         if n_ctx is not None and (not isinstance(n_ctx, int) or n_ctx < 1):
             raise BadRequestError(f"n_ctx must be a positive integer, got {n_ctx!r}")
@@ -110,6 +113,8 @@ class Model:
         self.n_ctx = n_ctx
         self.threads = threads
         self.tokenizer: Tokenizer = self.transformer.load_tokenizer()
+        if mmproj is not None:  # a text GGUF's vision tower and projector, in a file of their own (llama.cpp's)
+            self.transformer.vision = vision_from_mmproj(mmproj, hp.n_embd, self.tokenizer.backend.token_to_id)
         self.chat_template: ChatTemplate | None = self.transformer.load_chat_template(self.tokenizer)
         # sampling defaults the checkpoint ships (HF generation_config.json); explicit arguments win
         self.generation_defaults: dict[str, Any] = self.transformer.generation_defaults()
@@ -132,6 +137,10 @@ class Model:
         self.engine.warm_up()
         self.kv = self.engine.kv
         self.last_stats: GenerationStats | None = None
+        # a vision-language model's images: decoded, encoded (each one once) and placed in prompts
+        vision = self.transformer.vision
+        self.images = None if vision is None else ImagePrompter(VisionRunner(vision, self.backend), vision.processor,
+                                                                self.tokenizer)
 
     @property
     def hparams(self) -> HParams:
@@ -298,6 +307,7 @@ class Model:
         n_keep: int = 0,
         speculative: str | Mapping[str, Any] | SpeculativeSettings | None = None,
         lora: Mapping[int, float] | Sequence[Mapping[str, Any]] | None = None,
+        images: Sequence[PassImage] = (),
         **sampling: Any,
     ) -> Iterator[TokenStep]:
         """Generate step by step: each :class:`TokenStep` has the token, the text it releases and, with
@@ -310,6 +320,7 @@ class Model:
         loaded with ``draft=``) or a mapping of :class:`SpeculativeSettings` fields; default: the model's.
         Stats (``last_stats``) count the drafted and accepted tokens. ``lora``: this call's adapter scales
         (``[{"id": 0, "scale": 0.5}]``, adapters not named are off); default: the model's (:meth:`set_lora`).
+        ``images``: where images' tokens go in the prompt ids (:meth:`image_prompt` makes both).
         """
         ids = self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
@@ -318,7 +329,7 @@ class Model:
                                     constraint=self.constraint(grammar, json_schema), context_shift=context_shift,
                                     n_keep=n_keep, speculative=resolve_speculative(
                                         speculative, self.engine.speculative) if speculative is not None else None,
-                                    lora=self.request_lora(lora))
+                                    lora=self.request_lora(lora), images=images)
         self.last_stats = request.stats
         # one caller at a time: a stream left unfinished ends here. The prompt is placed now (a bad one
         # fails where the call is made), reusing the prefix the cache already holds.
@@ -400,8 +411,14 @@ class Model:
         assistant ``tool_calls`` and ``tool`` results. ``template_kwargs`` reach the template
         (``enable_thinking=False``). See :mod:`minfer.runtime.chat.prompt`.
         """
+        messages, images = extract_images(messages, allow_paths=True)
         if tools is None and reasoning_format is None and tool_choice is None:
             prompt = self.render_chat(messages, **(template_kwargs or {}))
+            if images:
+                ids, placed = self.image_prompt(prompt, images)
+                steps = self.stream(ids, max_tokens, stop=stop, images=placed, **sampling)
+                pieces = (s.text for s in steps if s.text)
+                return pieces if stream else "".join(pieces)
             # the template writes BOS itself when the model wants one
             return self.generate(prompt, max_tokens, stream=stream, stop=stop, add_special=False, **sampling)
         plan = self.plan_chat(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
@@ -410,14 +427,14 @@ class Model:
         grammar = sampling.pop("grammar", None)
         if plan.grammar is not None and (grammar is not None or json_schema is not None):
             raise BadRequestError("a forced tool call (tool_choice) cannot be combined with grammar or json_schema")
-        ids = self.tokenize(plan.prompt, add_special=False)
+        ids, placed = self.image_prompt(plan.prompt, images) if images else (self.tokenize(plan.prompt, False), [])
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise BadRequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         constraint = plan.constraint(self.tokenizer) if plan.grammar is not None else self.constraint(grammar,
                                                                                                       json_schema)
         lora = self.request_lora(sampling.pop("lora", None))
         request = GenerationRequest(ids, self.sampler(**sampling), max_tokens, stop=stop, constraint=constraint,
-                                    lora=lora)
+                                    lora=lora, images=placed)
         self.last_stats = request.stats
         self.engine.cancel_all()
         steps = self.engine.run(request)
@@ -458,6 +475,12 @@ class Model:
         if self.engine.slots.n_slots != 1:
             raise BadRequestError("a conversation needs a model loaded with one slot (the default engine)")
         return Conversation(self, system, seed=seed, **sampling)
+
+    def image_prompt(self, prompt: str, images: Sequence[ImageInput]) -> tuple[list[int], list[PassImage]]:
+        """The ids of a rendered prompt holding one media marker per image, and where each image's tokens go."""
+        if self.images is None:
+            raise BadRequestError(f"{self.path} takes no images (it has no vision model)")
+        return self.images.prompt(prompt, images)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
@@ -508,6 +531,7 @@ def load(
     lora: LoraSpec | Sequence[LoraSpec] | None = None,
     lora_merge: bool = False,
     lora_init_without_apply: bool = False,
+    mmproj: str | os.PathLike[str] | None = None,
 ) -> Model | Encoder:
     """Load a model: a GGUF file, a Hugging Face model folder (config.json, safetensors, tokenizer.json), or
     a known model name such as ``"smollm2"`` (pulled on first use).
@@ -538,12 +562,16 @@ def load(
     with its scale as data (:meth:`Model.set_lora`; per request: ``lora=`` of :meth:`Model.generate`);
     ``lora_merge=True`` adds them into the (float) weights at load instead, at no cost per token;
     ``lora_init_without_apply=True`` loads them with scale 0.
+
+    Images (a vision-language model: Gemma 3 from an HF folder, or its text GGUF with ``mmproj``, llama.cpp's file of
+    its vision tower and projector): image parts in :meth:`Model.chat`'s messages (``{"type": "image", "path": ...}``,
+    OpenAI's ``image_url`` with a ``data:`` URL).
     """
     resolved = resolve_model(path)
     if is_encoder_checkpoint(resolved):
         generating = {"n_ctx": n_ctx, "cache_type": cache_type, "trace": trace, "dump_dir": dump_dir,
                       "quantize": quantize, "engine_config": engine_config, "draft": draft, "lookup": lookup or None,
-                      "speculative": speculative, "lora": lora, "lora_merge": lora_merge or None}
+                      "speculative": speculative, "lora": lora, "lora_merge": lora_merge or None, "mmproj": mmproj}
         given = [name for name, value in generating.items() if value is not None]
         if given:
             raise BadRequestError(f"{resolved} is an encoder model: it embeds and reranks, it does not generate "
@@ -552,4 +580,4 @@ def load(
     return Model(resolved, n_ctx=n_ctx, threads=threads, kernels=kernels, cache_type=cache_type,
                  trace=trace, dump_dir=dump_dir, dump_filter=dump_filter, quantize=quantize,
                  engine_config=engine_config, draft=draft, lookup=lookup, speculative=speculative, lora=lora,
-                 lora_merge=lora_merge, lora_init_without_apply=lora_init_without_apply)
+                 lora_merge=lora_merge, lora_init_without_apply=lora_init_without_apply, mmproj=mmproj)

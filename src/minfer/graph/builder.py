@@ -36,9 +36,11 @@ class GraphBuilder:
 
     # -- leaves --------------------------------------------------------------------------------
 
-    def input(self, role: str, length: int, dtype: str = "i32") -> Node:
-        """A per-call input of ``length`` values: ``i32`` (token ids, positions, rows) or ``f32`` (scales)."""
-        node = self._emit(Op.INPUT, (), (length,), name=role, dtype=dtype, source=role)
+    def input(self, role: str, length: int, dtype: str = "i32", width: int | None = None) -> Node:
+        """A per-call input of ``length`` values: ``i32`` (token ids, positions, rows) or ``f32`` (scales); with
+        ``width``, ``length`` rows of ``width`` values (f32: an image's pixel patches, its embedding rows)."""
+        shape = (length,) if width is None else (length, width)
+        node = self._emit(Op.INPUT, (), shape, name=role, dtype=dtype, source=role)
         self.inputs[role] = node
         return node
 
@@ -119,15 +121,31 @@ class GraphBuilder:
     def kv_load(self, store: Node, name: str = "") -> Node:
         return self._emit(Op.KV_LOAD, (store,), store.shape, meta=store.meta, name=name, layer=store.layer)
 
-    def attn(self, q: Node, kv: Node, positions: Node, rows: Node, meta: AttnMeta, name: str = "") -> Node:
+    def attn(
+        self, q: Node, kv: Node, positions: Node, rows: Node, meta: AttnMeta, name: str = "",
+        key_ends: Node | None = None,
+    ) -> Node:
         """Token t attends to its sequence's cached rows for positions 0..positions[t] (``rows[t] -
-        positions[t]`` is where that sequence starts)."""
+        positions[t]`` is where that sequence starts; in a sliding-window layer of width W only from
+        positions[t] - W + 1).
+
+        ``key_ends`` (an i32 input like ``positions``): token t attends up to position ``key_ends[t] >=
+        positions[t]`` instead, from the same first position: Gemma 3's image tokens see every token of
+        their image (``key_ends`` = the image's last position; a text token's is its own position). The
+        pass must store those keys (the layer's KV store runs on every token of the pass first). The node's
+        inputs are then ``(q, kv, positions, rows, key_ends)``; without it, ``(q, kv, positions, rows)``."""
         if meta.head_dim_k < 1 or meta.n_head % meta.n_head_kv:
             raise ModelError(f"{name}: {meta.n_head} query heads cannot share {meta.n_head_kv} kv heads")
         if q.shape[-1] != meta.n_head * meta.head_dim_k:
             raise ModelError(f"{name}: q width {q.shape[-1]} != {meta.n_head} x {meta.head_dim_k}")
         out = (q.shape[0], meta.n_head * meta.head_dim_v)
-        return self._emit(Op.ATTN, (q, kv, positions, rows), out, meta=meta, name=name, layer=meta.layer)
+        inputs: tuple[Node, ...] = (q, kv, positions, rows)
+        if key_ends is not None:
+            if key_ends.shape != positions.shape or key_ends.dtype != positions.dtype:
+                raise ModelError(f"{name}: key ends {key_ends.label()} {key_ends.shape} {key_ends.dtype} do not match "
+                                 f"positions {positions.label()} {positions.shape} {positions.dtype}")
+            inputs += (key_ends,)
+        return self._emit(Op.ATTN, inputs, out, meta=meta, name=name, layer=meta.layer)
 
     def encoder_attn(self, q: Node, k: Node, v: Node, spans: Node, meta: AttnMeta, name: str = "") -> Node:
         """Bidirectional attention: token t attends to every token of its own sequence in this pass, the rows

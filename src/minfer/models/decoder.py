@@ -61,6 +61,10 @@ class DecoderWeights(Protocol):
 
     def lora_weights(self, k: int, target: str) -> tuple[WeightTensor, WeightTensor] | None: ...
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model has a vision model whose image tokens replace prompt rows' embeddings."""
+
 
 # over 80 lines on purpose: the layer recipe in one place, in the order the graph runs it, each family
 # flag's branch beside its neighbours
@@ -112,6 +116,14 @@ def build_decoder_graph(
     x = b.get_rows(w("token_embd.weight"), tokens, name="embd")
     if hp.embd_scale != 1.0:
         x = b.scale(x, hp.embd_scale, name="embd.scale")
+    key_ends = None
+    if model.takes_images:
+        # an image's rows take its tokens from the vision model (x * 0 + image), every other row keeps its token's
+        # embedding (x * 1 + 0: the same bits); an image's rows attend to each other both ways: each row's last
+        # visible key position is data (key_ends), its own position on a text row
+        x = b.add(b.mul(x, b.input("embd_keep", n_tokens, "f32", width=hp.n_embd), name="embd.text_rows"),
+                  b.input("embd_image", n_tokens, "f32", width=hp.n_embd), name="embd.image_rows")
+        key_ends = b.input("key_ends", n_tokens)
     for il in range(hp.n_layer):
         p = f"blk.{il}."
         h = norm(x, p + "attn_norm.weight", p + "attn_norm", il) if arch.pre_norms else x
@@ -133,7 +145,7 @@ def build_decoder_graph(
             il, hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v, hp.attn_scale, hp.layer_window(il),
             hp.attn_softcap,
         )
-        a = b.attn(q, kv, positions, rows, attn_meta, name=p + "attn")
+        a = b.attn(q, kv, positions, rows, attn_meta, name=p + "attn", key_ends=key_ends)
         o = adapted(b.matmul(a, w(p + "attn_output.weight"), name=p + "attn_out", layer=il), a,
                     p + "attn_output.weight", il)
         if out_rows is not None and not hidden and il == hp.n_layer - 1:

@@ -26,6 +26,7 @@ from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder
 from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import RopeStyle
 from minfer.models.architecture import Architecture, HFArchitecture
+from minfer.models.gemma3_vision import VisionModel, is_vision_tensor, vision_from_hf
 from minfer.models.hparams import HParams, check_layer_count, hf_field_name, layer_indices
 from minfer.models.registry import architecture_of_model_type
 from minfer.models.rope_scaling import hf_rope_parameters, rope_scaling_from_hf
@@ -169,6 +170,7 @@ class HFCheckpoint:
     hparams: HParams
     tensors: dict[str, WeightTensor | ExpertTensors]  # engine names
     origin: dict[str, tuple[str, Path]]  # engine name -> (HF name, file)
+    vision: VisionModel | None = None  # a vision-language folder's vision tower and projector
 
     metadata_title = "config.json"
     chat_template_field = "tokenizer_config.json chat_template"
@@ -266,6 +268,10 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         raise FormatError(f"{cfg_path}: missing (an HF model folder needs config.json)")
     cfg = _json_object(cfg_path, required=True)
     assert cfg is not None
+    full_cfg = cfg
+    vlm = _vision_language_text_config(cfg, cfg_path)
+    if vlm is not None:  # Gemma 3 with its vision tower: the text model is configured by text_config
+        cfg = vlm
     arch = get_hf_architecture(cfg, cfg_path)
     spec = arch.hf
     folder = SafetensorsFolder(directory)
@@ -275,13 +281,21 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         tied = spec.defaults.get("tie_word_embeddings", True)
     n_layer = _Config(cfg, spec, cfg_path).int("num_hidden_layers")
     # before anything is sized by it: a corrupt count of 2**31 layers would be looped over
-    check_layer_count(n_layer, layer_indices(folder.infos, _LAYER), str(cfg_path), "num_hidden_layers")
+    text_names = folder.infos if vlm is None else {_text_model_name(k): v for k, v in folder.infos.items()}
+    check_layer_count(n_layer, layer_indices(text_names, _LAYER), str(cfg_path), "num_hidden_layers")
     tensors: dict[str, WeightTensor | ExpertTensors] = {}
     origin: dict[str, tuple[str, Path]] = {}
     expert_patterns = [(re.compile(re.escape(k).replace(re.escape("{e}"), r"(\d+)")), k, v)
                        for k, v in spec.expert_tensors.items()]
     experts: dict[str, dict[int, WeightTensor]] = {}  # engine name of a layer's stack -> expert -> its matrix
-    for hf_name, info in folder.infos.items():
+    vision_tensors: dict[str, tuple[WeightTensor, Path]] = {}
+    for stored_name, info in folder.infos.items():
+        hf_name = stored_name
+        if vlm is not None:
+            if is_vision_tensor(stored_name):
+                vision_tensors[stored_name] = (folder.tensors[stored_name], info.file)
+                continue
+            hf_name = _text_model_name(stored_name)
         if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
             continue  # tied: transformers reads the output projection from the embeddings
         name = spec.global_tensors.get(hf_name)
@@ -299,9 +313,9 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         if info.dtype not in SAFETENSORS_TYPES:
             raise ModelError(f"{info.file}: tensor {hf_name!r} has dtype {info.dtype}, not supported "
                              f"(supported: {', '.join(SAFETENSORS_TYPES)})")
-        t = folder.tensors[hf_name]
+        t = folder.tensors[stored_name]
         tensors[name] = WeightTensor(name, t.ggml_type, t.shape, t.data, t.file_rows)
-        origin[name] = (hf_name, info.file)
+        origin[name] = (stored_name, info.file)
 
     for stack, by_expert in experts.items():
         n = len(by_expert)
@@ -328,6 +342,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         for name, t in tensors.items():
             if name.endswith("norm.weight") and len(t.shape) == 1:
                 tensors[name] = _plus_one(t)
+    vision = None if vlm is None else vision_from_hf(full_cfg, hparams.n_embd, vision_tensors, cfg_path)
     return HFCheckpoint(
         directory=directory,
         config=cfg,
@@ -338,7 +353,42 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         hparams=hparams,
         tensors=tensors,
         origin=origin,
+        vision=vision,
     )
+
+
+# the vision-language classes whose text model minfer runs with its vision tower (models/gemma3_vision.py)
+_VISION_LANGUAGE = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
+
+
+def _vision_language_text_config(cfg: dict[str, Any], where: Path) -> dict[str, Any] | None:
+    """The text model's config of a vision-language folder (None for any other folder): its ``text_config`` with the
+    text family's ``model_type``, and the fields the outer config holds for it (``tie_word_embeddings``)."""
+    model_type = cfg.get("model_type")
+    known = _VISION_LANGUAGE.get(model_type) if isinstance(model_type, str) else None
+    if known is None or "vision_config" not in cfg:
+        return None
+    classes = cfg.get("architectures")
+    if isinstance(classes, list) and classes and known[0] not in classes:
+        raise ModelError(f"{where}: architectures {classes} is not a model minfer runs for model_type "
+                         f"{cfg['model_type']!r} (supported: {known[0]})")
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise FormatError(f"{where}: field 'text_config' must be an object")
+    out = {**text, "model_type": known[1], "architectures": None}
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
+        out["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return out
+
+
+def _text_model_name(hf_name: str) -> str:
+    """A vision-language folder's text tensor under the text model's own name (``model.language_model.layers.0...``
+    of transformers >= 4.52 and ``language_model.model.layers.0...`` before it -> ``model.layers.0...``)."""
+    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head.")):
+        if hf_name.startswith(prefix):
+            return to + hf_name[len(prefix):]
+    return hf_name
 
 
 def _add_expert(hf_name: str, rest: str, il: int, patterns: list, folder: SafetensorsFolder,

@@ -18,6 +18,7 @@ from minfer.formats.quants import SUPPORTED_TYPES, is_supported
 from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import Graph, RopeStyle
 from minfer.models.decoder import build_decoder_graph
+from minfer.models.gemma3_vision import VisionModel
 from minfer.models.hparams import GGUF_LAYER, check_hparams, check_layer_count, layer_indices
 from minfer.models.lora import LoraAdapter, load_lora, merged_weight
 from minfer.models.tensor_source import TensorSource, open_tensor_source
@@ -52,6 +53,8 @@ class TransformerModel:
         self._lora_weights: dict[tuple[int, str], tuple[WeightTensor, WeightTensor]] = {}
         self.merged_loras: list[tuple[LoraAdapter, float]] = []
         self.output_tensor_name = "output.weight" if self.has_tensor("output.weight") else "token_embd.weight"
+        # a vision-language checkpoint's vision tower and projector (models/gemma3_vision.py), else None
+        self.vision: VisionModel | None = getattr(source, "vision", None)
         check_layer_count(hparams.n_layer, layer_indices(self.tensors, GGUF_LAYER), str(self.path),
                           source.field_name("n_layer"))
         check_hparams(hparams, str(self.path), source.field_name)
@@ -132,6 +135,10 @@ class TransformerModel:
         """How this checkpoint's weights pair RoPE dimensions: the architecture's GGUF layout, or NEOX for
         HF weights, whose q/k rows were never permuted."""
         return self.source.rope_style or self.arch.rope_style
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors

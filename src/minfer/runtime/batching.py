@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from minfer.runtime.speculative.draft import Draft
+from minfer.runtime.vision import PassImage
 
 R = TypeVar("R")  # the scheduler's record of a running sequence
 
@@ -78,6 +79,7 @@ class Batch(Generic[R]):
     drafts: list[Draft | None] | None = None  # None: no sequence has a draft this pass
     pooled: list[tuple[R, int, int]] = field(default_factory=list)
     n_prompt: int = 0  # prompt tokens (the rest decode or verify)
+    images: list[PassImage] = field(default_factory=list)  # the rows that take images' tokens
 
 
 def pad_to_buckets(batch: Batch[R], buckets: list[int], pad_seq: int) -> Batch[R]:

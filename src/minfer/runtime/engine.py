@@ -227,7 +227,7 @@ class Engine:
             logits = out if out is not None else np.empty((0, self.runner.model.hparams.n_vocab))
         else:
             logits = self.runner.forward(batch.tokens, batch.positions, output_rows=batch.outputs,
-                                         seq_ids=batch.seqs)
+                                         seq_ids=batch.seqs, images=batch.images)
         return PassOutput(logits, hidden, t0, time.perf_counter())
 
     @staticmethod

@@ -27,6 +27,7 @@ from minfer.graph.plan import BufferArena, Plan
 from minfer.models.model import TransformerModel
 from minfer.models.rope_scaling import layer_rope_meta
 from minfer.runtime.kv_cache import KVCache
+from minfer.runtime.vision import PassImage, image_inputs
 
 MAX_PLANS = 8
 # the replaced arena arrays the plans built before a growth may keep alive, as a share of the arena: the
@@ -119,14 +120,17 @@ class ForwardRunner:
         positions: Sequence[int] | np.ndarray,
         output_rows: Sequence[int] | np.ndarray | None = None,
         seq_ids: Sequence[int] | np.ndarray | int = 0,
+        images: Sequence[PassImage] = (),
     ) -> np.ndarray:
         """Logits ``[len(output_rows), n_vocab]`` (every row when ``output_rows`` is None); a fresh array.
 
         Token i of sequence ``seq_ids[i]`` is evaluated at ``positions[i]``; its K/V land in that
         sequence's cache row for the position, and it attends to the sequence's positions 0..its own.
         Several sequences may share one call (they must not interleave within a sequence's positions).
+        ``images`` (a vision-language model): the rows that take an image's tokens instead of their token's
+        embedding; an image's rows see each other both ways.
         """
-        logits, _ = self._run(tokens, positions, output_rows, seq_ids, hidden=False)
+        logits, _ = self._run(tokens, positions, output_rows, seq_ids, hidden=False, images=images)
         assert logits is not None
         return logits
 
@@ -151,6 +155,7 @@ class ForwardRunner:
         output_rows: Sequence[int] | np.ndarray | None,
         seq_ids: Sequence[int] | np.ndarray | int,
         hidden: bool,
+        images: Sequence[PassImage] = (),
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
@@ -160,6 +165,11 @@ class ForwardRunner:
         if positions.shape != tokens.shape:
             raise BadRequestError(f"{n} tokens but {positions.shape[0]} positions")
         n_vocab = self.model.hparams.n_vocab
+        recorded = tokens  # what the cache remembers these rows by (an image's rows: the image's ids)
+        if images:  # an image's rows look up no token (their ids may be an image's own negative ids)
+            tokens = tokens.copy()
+            for img in images:
+                tokens[img.first:img.end] = 0
         bad = np.flatnonzero((tokens < 0) | (tokens >= n_vocab))
         if bad.size:
             i = int(bad[0])
@@ -180,6 +190,12 @@ class ForwardRunner:
             plan.inputs["output_rows"][:] = out_rows
         if self.model.loras:
             self._fill_lora_scales(plan, seq_ids, n, out_rows)
+        if self.model.takes_images:
+            inp = plan.inputs
+            image_inputs(positions, images, self.model.hparams.n_embd, inp["embd_keep"], inp["embd_image"],
+                         inp["key_ends"])
+        elif images:
+            raise BadRequestError(f"{self.model.path} has no vision model: it cannot take images")
         with self.backend.running((n, n_out, hidden)):
             if not self.observers:
                 out = plan.run()
@@ -199,7 +215,7 @@ class ForwardRunner:
                     o.logits(tokens, positions, logits)
         if reorder and logits is not None:
             logits = logits[out_rows]
-        self._record(tokens, positions, seq_ids)
+        self._record(recorded, positions, seq_ids)
         return logits, states
 
     def _fill_lora_scales(self, plan: Plan, seq_ids: Sequence[int] | np.ndarray | int, n: int,

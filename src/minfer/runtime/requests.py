@@ -20,6 +20,7 @@ from minfer.runtime.pooling import Pooling
 from minfer.runtime.sampling import Sampler
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.runtime.speculative import SpeculativeSettings
+from minfer.runtime.vision import PassImage
 
 
 @dataclass
@@ -80,6 +81,9 @@ class GenerationRequest:
     reuse_prefix: bool = True  # False: evaluate the whole prompt (llama-server's cache_prompt: false)
     # each loaded LoRA adapter's scale for this sequence (the model's order); None: the engine's defaults
     lora: Seq[float] | None = None
+    # a vision-language model's images in the prompt: the prompt rows each one's tokens take (their prompt ids are
+    # the image's own negative ids, see runtime/vision.py, so a cached prefix holds an image only for that image)
+    images: Seq[PassImage] = ()
     stats: GenerationStats = field(default_factory=GenerationStats)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.perf_counter)

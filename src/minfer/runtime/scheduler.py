@@ -50,6 +50,7 @@ from minfer.runtime.speculative.draft import Draft
 from minfer.runtime.speculative.draft_model import DraftJob, DraftModel
 from minfer.runtime.speculative.policy import DRAFT_TOKEN_PRIOR, PassCosts, expected_tokens
 from minfer.runtime.speculative.state import SequenceSpeculation, verify_size, verify_sizes
+from minfer.runtime.vision import PassImage, check_prompt_images, images_in, whole_images
 
 EndOfContext = Literal["error", "length"]
 
@@ -108,6 +109,7 @@ class Scheduler:
         self.kv = kv
         self.tokenizer = tokenizer
         self.n_vocab = runner.model.hparams.n_vocab
+        self.model = runner.model
         self.batch_size = batch_size
         self.end_of_context = end_of_context
         self.hooks = hooks or EngineHooks()
@@ -135,9 +137,20 @@ class Scheduler:
         prompt = request.prompt_ids
         if len(prompt) == 0:
             raise BadRequestError("the prompt is empty (no tokens to start from)")
-        for i, t in enumerate(prompt):
-            if not 0 <= t < self.n_vocab:
-                raise BadRequestError(f"token id {t} at index {i} is outside the vocabulary (0..{self.n_vocab - 1})")
+        images = request.images if isinstance(request, GenerationRequest) else ()
+        if images:
+            if not self.model.takes_images:
+                raise BadRequestError(f"{self.model.path} has no vision model: it cannot take images")
+            check_prompt_images(prompt, images, self.n_vocab, self.model.hparams.n_embd)
+            longest = max(img.vectors.shape[0] for img in images)
+            if self.batch_size is not None and longest > self.batch_size:
+                raise BadRequestError(f"an image of {longest} tokens does not fit a pass of the batch size "
+                                      f"{self.batch_size} (an image is evaluated in one pass)")
+        else:
+            for i, t in enumerate(prompt):
+                if not 0 <= t < self.n_vocab:
+                    raise BadRequestError(f"token id {t} at index {i} is outside the vocabulary "
+                                          f"(0..{self.n_vocab - 1})")
         if len(prompt) > self.slots.capacity:
             per_sequence = " tokens per sequence" if self.slots.n_slots > 1 and not self.kv.unified else ""
             raise ContextOverflowError(
@@ -172,7 +185,9 @@ class Scheduler:
         slot, cached = self.slots.take(prompt, reuse=request.reuse_prefix, lora=request.lora)
         out.start(prompt)
         settings = request.speculative or self.speculative
-        spec = SequenceSpeculation(settings, prompt, request.sampler) if settings.on else None
+        # drafts never follow an image (a draft model reads none; lookup would copy an image's own ids)
+        on = settings.on and not request.images
+        spec = SequenceSpeculation(settings, prompt, request.sampler) if on else None
         request.stats.speculative = settings.mode if spec is not None and spec.enabled else "off"
         self.running = [*self.running, Running(request, slot, out, cached=cached, n_done=cached, spec=spec)]
         request.emit(Started(cached, slot))
@@ -307,6 +322,7 @@ class Scheduler:
         rows: list[int] = []
         drafted: list[Draft | None] = []
         pooled: list[tuple[Running, int, int]] = []
+        batch_images: list[PassImage] = []
         n_padding = 0
         for i, run in enumerate(self.running):
             if run.next_token is not None:
@@ -338,11 +354,21 @@ class Scheduler:
                 run.n_done = self.slots.resume(run.slot, prompt, max(0, blocks_left))
                 blocks_left -= before - self.kv.blocks_free
             chunk = min(len(prompt) - run.n_done, budget)
+            images = run.request.images if isinstance(run.request, GenerationRequest) else ()
+            if images:  # a pass never ends inside an image, nor grows past the batch size for one
+                chunk = whole_images(images, run.n_done, chunk, extend=True)
+                if self.batch_size is not None and len(tokens) + chunk > self.batch_size:
+                    continue
             if self.kv.unified:
                 chunk, taken = self._prompt_chunk(run, chunk, blocks_left)
+                if images and chunk and whole_images(images, run.n_done, chunk, extend=False) != chunk:
+                    chunk, taken = self._prompt_chunk(run, whole_images(images, run.n_done, chunk, extend=False),
+                                                      blocks_left)
                 if not chunk:
                     continue
                 blocks_left -= taken
+            if images:
+                batch_images.extend(images_in(images, run.n_done, run.n_done + chunk, len(tokens)))
             tokens.extend(prompt[run.n_done : run.n_done + chunk])
             positions.extend(range(run.n_done, run.n_done + chunk))
             seqs.extend([run.slot] * chunk)
@@ -369,9 +395,9 @@ class Scheduler:
         if self.pad_seq is None:
             one_seq = len(set(seqs)) == 1  # then the runner records the tokens in one go
             return Batch(tokens, positions, seqs[0] if one_seq else seqs, outputs, sampled, rows, n_real, spec, pooled,
-                         n_real - n_decode)
+                         n_real - n_decode, batch_images)
         return pad_to_buckets(Batch(tokens, positions, seqs, outputs, sampled, rows, n_real, spec, pooled,
-                                    n_real - n_decode), self.buckets, self.pad_seq)
+                                    n_real - n_decode, batch_images), self.buckets, self.pad_seq)
 
     def _verify_padding(self, run: Running, k: int) -> int:
         """Padding rows after a draft of ``k`` tokens in an unpadded engine: its verifying pass is padded to

@@ -106,7 +106,7 @@ class Continuation:
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self.stats.prompt_tokens = len(prompt_ids)
-        self.sampler.reset(prompt_ids)
+        self.sampler.reset(t for t in prompt_ids if t >= 0)  # (an image's rows have its own negative ids)
 
     def mask(self, logits: np.ndarray) -> None:
         """Before ``logits`` are sampled: the constraint (if any) masks the tokens it does not allow, in place."""

@@ -39,7 +39,7 @@ class TraceCapture:
             self.tensors[node.id] = np.array(data, dtype=np.float32, copy=True)
             if node.op is Op.ATTN:
                 kv = s.args[1]  # the layer's cache regions: read back as the kernel read them
-                n = int(np.asarray(s.args[2]).max()) + 1
+                n = int(np.asarray(s.args[-1 if len(s.args) > 4 else 2]).max()) + 1  # (to the key ends, if any)
                 k, v = kv.window(0, n)
                 self.kv_read[node.layer] = (np.array(k, dtype=np.float32), np.array(v, dtype=np.float32))
         layer = self.layer_outputs.get(node.id)

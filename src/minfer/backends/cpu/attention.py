@@ -12,6 +12,10 @@ Numerics (what ``tests/test_vec_kernels.py`` holds)
       window ``pos[t] + 1`` are never read (nor, in a sliding-window layer of width W, rows before
       ``pos[t] - W + 1``): whatever sits there (NaN, garbage) cannot leak, and their weights are exactly
       0 as in the reference.
+    * key ends: a token may read past its own position, up to its key end ``ends[t] >= pos[t]`` (Gemma 3's
+      image tokens see their whole image: the rows after ``pos[t]`` are stored by the same pass before
+      attention runs). The window is then ``[window_start(pos[t]), ends[t]]``; without key ends the kernels
+      are handed ``ends = pos``, the causal window, so there is one code path and the same bits.
 
 Determinism
     Every output element is computed by one fixed sequence of float operations, never by a reduction
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import get_num_threads, njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from minfer.backends.cpu.elementwise import exp32
 from minfer.backends.cpu.simd import (
@@ -428,20 +432,23 @@ def _map_fits(rmap, j0, j1, n_rows):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _row_keys(p, window, k0, k1):
-    """(j0, j1): the keys of block k0..k1-1 that the token at position p reads (none when j0 >= j1)."""
-    return max(k0, _window_start(p, window)), min(k1, p + 1)
+def _row_keys(p, e, window, k0, k1):
+    """(j0, j1): the keys of block k0..k1-1 that the token at position p with key end e reads (none when
+    j0 >= j1)."""
+    return max(k0, _window_start(p, window)), min(k1, e + 1)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _pair_keys(pos, window, k0, k1, t0, nh, i, nr):
+def _pair_keys(pos, ends, window, k0, k1, t0, nh, i, nr):
     """Rows i and i + 1 of a unit (row r: token t0 + r // nh) in key block k0..k1-1: the keys each reads,
     (ja0, ja1) and (jb0, jb1), and those both read, (c0, c1). Without a row i + 1 (i + 1 == nr), or
     without common keys, c0 = c1 = ja1 and row i + 1 reads none."""
-    ja0, ja1 = _row_keys(pos[t0 + i // nh], window, k0, k1)
+    ta = t0 + i // nh
+    ja0, ja1 = _row_keys(pos[ta], ends[ta], window, k0, k1)
     jb0 = jb1 = ja1
     if i + 1 < nr:
-        jb0, jb1 = _row_keys(pos[t0 + (i + 1) // nh], window, k0, k1)
+        tb = t0 + (i + 1) // nh
+        jb0, jb1 = _row_keys(pos[tb], ends[tb], window, k0, k1)
     c0, c1 = max(ja0, jb0), min(ja1, jb1)
     if i + 1 == nr or c0 >= c1:
         c0 = c1 = ja1
@@ -449,7 +456,7 @@ def _pair_keys(pos, window, k0, k1, t0, nh, i, nr):
 
 
 @njit(cache=True, error_model="numpy")
-def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
+def _attn_unit(q, kr, vr, rmap, pos, ends, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out):
     """Query heads h0..h1-1 (all reading kv head g) for tokens t0..t1-1: what one worker owns.
 
     Keys are taken in blocks of ``ATTN_KEY_BLOCK`` rows. Each block of K (then of V) is first copied
@@ -463,6 +470,9 @@ def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_l
     ``window`` > 0 (sliding-window layers): token t reads only rows ``pos[t] - window + 1 .. pos[t]``;
     rows before are never read, as rows after ``pos[t]`` are not. Key blocks and chunks stay aligned to
     absolute rows, so a token's result is the same whichever other tokens share its unit.
+
+    ``ends[t]`` (>= ``pos[t]``) is the last row token t reads: ``pos[t]`` for causal attention, further for
+    a token that sees keys after its own (an image's); the window's start still follows ``pos[t]``.
     """
     nh = h1 - h0
     nr = (t1 - t0) * nh  # rows (token, head), row i = (t0 + i // nh, h0 + i % nh)
@@ -471,7 +481,7 @@ def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_l
     kend = 0
     kbeg = max_len
     for t in range(t0, t1):
-        kend = max(kend, pos[t] + 1)  # the window is the mask: rows beyond pos[t] are never read
+        kend = max(kend, ends[t] + 1)  # the window is the mask: rows beyond ends[t] are never read
         kbeg = min(kbeg, _window_start(pos[t], window))
     kbeg -= kbeg % ATTN_KEY_BLOCK
     sc = np.empty((nr, max_len), F32)
@@ -480,7 +490,7 @@ def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_l
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
         _pack_block(kr, rmap, ko, k0, k1, hdk, blk)
         for i in range(0, nr, 2):
-            ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, window, k0, k1, t0, nh, i, nr)
+            ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, ends, window, k0, k1, t0, nh, i, nr)
             ta, qa = t0 + i // nh, (h0 + i % nh) * hdk
             # per row: the keys before the common ones, those after, then the common ones (both rows at once)
             _attn_scores(q, ta, qa, blk, 0, k0, ja0, c0, hdk, scale32, sc, i)
@@ -492,7 +502,7 @@ def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_l
                 _attn_scores2(q, ta, qa, tb, qb, blk, k0, c0, c1, hdk, scale32, sc, i, i + 1)
     for t in range(t0, t1):
         for h in range(h0, h1):
-            _attn_softmax(sc, (t - t0) * nh + h - h0, _window_start(pos[t], window), pos[t] + 1)
+            _attn_softmax(sc, (t - t0) * nh + h - h0, _window_start(pos[t], window), ends[t] + 1)
             for d in range(h * hdv, (h + 1) * hdv):
                 out[t, d] = F32(0.0)
     part = np.empty((nr, hdv), F32)  # this chunk's sum of w_j v_j, per (token, head)
@@ -500,7 +510,7 @@ def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_l
         k1 = min(kend, k0 + ATTN_KEY_BLOCK)
         _pack_block(vr, rmap, vo, k0, k1, hdv, blk)
         for i in range(0, nr, 2):
-            ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, window, k0, k1, t0, nh, i, nr)
+            ja0, ja1, jb0, jb1, c0, c1 = _pair_keys(pos, ends, window, k0, k1, t0, nh, i, nr)
             for r in range(i, min(nr, i + 2)):
                 t = t0 + r // nh
                 j0, j1 = (ja0, ja1) if r == i else (jb0, jb1)
@@ -517,7 +527,7 @@ def _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_l
             for r in range(i, min(nr, i + 2)):
                 t = t0 + r // nh
                 j0, j1 = (ja0, ja1) if r == i else (jb0, jb1)
-                if j0 < j1 and ((k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == pos[t] + 1):
+                if j0 < j1 and ((k0 + ATTN_KEY_BLOCK) % ATTN_KEY_CHUNK == 0 or j1 == ends[t] + 1):
                     o = (h0 + r % nh) * hdv  # the chunk or the window ends here
                     for d in range(hdv):
                         out[t, o + d] += part[r, d]
@@ -558,7 +568,7 @@ def _unit_span(v, n_blocks, n_sub, per_sub, group):
 
 @njit(cache=True, error_model="numpy")
 def _attn_task(
-    phase, u, n_blocks, n_sub, per_sub, n_chunks, n_split, group, n_head_kv, q, kr, vr, rmap, pos, hdk, hdv,
+    phase, u, n_blocks, n_sub, per_sub, n_chunks, n_split, group, n_head_kv, q, kr, vr, rmap, pos, ends, hdk, hdv,
     scale32, max_len, window, sc, part, out
 ):
     """Work unit u of a phase. Phase 0: everything for (kv head, head subset, token block) units.
@@ -575,7 +585,7 @@ def _attn_task(
         g, h0, h1, b = _unit_span(u, n_blocks, n_sub, per_sub, group)
         t0 = b * _unit_tokens(group)
         t1 = min(q.shape[0], t0 + _unit_tokens(group))
-        _attn_unit(q, kr, vr, rmap, pos, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
+        _attn_unit(q, kr, vr, rmap, pos, ends, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out)
     elif phase == 2:
         _attn_softmax(sc, I64(u), I64(0), max_len)  # the signature _attn_unit's call compiles
     else:
@@ -616,8 +626,21 @@ def _attn_task(
                 j = e
 
 
+def _key_ends(ends, positions):
+    """The key ends a kernel reads: ``ends``, or the positions where it is None (chosen when numba compiles,
+    so ``ends`` may have another integer type than the positions)."""
+    return positions if ends is None else ends
+
+
+@overload(_key_ends, inline="always")
+def _key_ends_typed(ends, positions):
+    if ends is None or isinstance(ends, (types.NoneType, types.Omitted)):
+        return lambda ends, positions: positions
+    return lambda ends, positions: ends
+
+
 @njit(cache=True, error_model="numpy", inline="always")
-def _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out):
+def _attn_geometry(q, k_region, v_region, positions, ends, n_head, n_head_kv, hdk, hdv, window, out):
     """-1 when the operands fit each other, else the kernels' error code (-2, -3 or -4)."""
     nt = q.shape[0]
     if (
@@ -630,6 +653,7 @@ def _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv
         or out.shape[0] != nt
         or out.shape[1] != n_head * hdv
         or positions.shape[0] != nt
+        or ends.shape[0] != nt
         or k_region.shape[1] != n_head_kv * hdk
         or v_region.shape[1] != n_head_kv * hdv
         or v_region.shape[0] != k_region.shape[0]
@@ -646,20 +670,24 @@ def _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attn_kernel(
     q, k_region, v_region, rmap, positions, n_head, n_head_kv, hdk, hdv, scale, n_threads, phase, sc, part, window,
-    out
+    out, ends=None
 ):
     """Returns -1 when done, -2 on a geometry mismatch, -3 when rows are not contiguous, -4 when out is q,
-    -6 when the row map points outside the regions, else the first token whose position is outside the row
-    map (nothing is written then). Key j is region row ``rmap[j]``.
+    -6 when the row map points outside the regions, else the first token whose position or key end is
+    outside the row map, or whose key end is before its position (nothing is written then). Key j is region
+    row ``rmap[j]``; token t reads keys up to ``ends[t]`` (None: ``positions[t]``, causal attention).
 
     ``phase`` 0 computes everything; 1, 2, 3 are the steps of a decode split by keys, which the caller
     runs in order (4 all three, for a window of one key chunk) with the scratch ``sc [n_head, window]``
     and ``part [n_head * n_chunks, head_dim_v]``
-    (phase 0 ignores them; they read every row 0..pos, so a caller splits only a token whose sliding
+    (phase 0 ignores them; they read every row 0..ends[0], so a caller splits only a token whose sliding
     ``window`` covers them all)."""
     nt = q.shape[0]
     n_ctx = rmap.shape[0]
-    code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
+    # the engine always passes its key ends (the positions themselves for causal attention: one compiled
+    # kernel); None, the tests' direct calls, is resolved when numba compiles
+    kends = _key_ends(ends, positions)
+    code = _attn_geometry(q, k_region, v_region, positions, kends, n_head, n_head_kv, hdk, hdv, window, out)
     if code != -1:
         return code
     # int64, not the literal 0: numba types the calls below before the loop widens it, and compiling
@@ -667,9 +695,10 @@ def _attn_kernel(
     max_len = I64(0)
     for t in range(nt):
         p = positions[t]
-        if p < 0 or p >= n_ctx:
+        e = kends[t]
+        if p < 0 or e < p or e >= n_ctx:
             return t
-        max_len = max(max_len, p + 1)
+        max_len = max(max_len, e + 1)
     if (phase < 2 or phase == 4) and not _map_fits(rmap, 0, max_len, k_region.shape[0]):
         return -6  # (checked by a decode's first step: phases 2 and 3 follow phase 1 on the same map)
     group = n_head // n_head_kv
@@ -711,6 +740,7 @@ def _attn_kernel(
             v_region,
             rmap,
             positions,
+            kends,
             hdk,
             hdv,
             scale32,
@@ -732,20 +762,23 @@ def _attn_kernel(
 
 @njit(cache=True, error_model="numpy", parallel=True)
 def _attn_rows_kernel(
-    q, k_region, v_region, rmap, positions, rows, n_head, n_head_kv, hdk, hdv, scale, n_threads, window, out
+    q, k_region, v_region, rmap, positions, rows, n_head, n_head_kv, hdk, hdv, scale, n_threads, window, out,
+    ends=None
 ):
     """Attention for tokens of several sequences sharing regions, in one parallel loop: token t reads the
-    virtual rows ``rows[t] - positions[t]`` (its sequence's position 0) up to ``rows[t]``, each at region
-    row ``rmap[row]``.
+    virtual rows ``rows[t] - positions[t]`` (its sequence's position 0) up to ``rows[t]`` (up to its key end
+    ``ends[t]``'s row where ``ends`` is given), each at region row ``rmap[row]``.
 
     Tokens are taken in runs that share their first row (a sequence's tokens, consecutive in the batch);
     each run is split into the same (kv head, head subset, token block) units as ``_attn_kernel``'s
     phase 0, on a view of the regions starting at the run's first row, so every (token, head) result is
     bit-identical to attending that sequence alone. Returns as ``_attn_kernel`` does (-1 when done), the
-    first bad token when a row is outside the regions or before its position."""
+    first bad token when a row (its own or its key end's) is outside the regions or before its position, or
+    its key end is before its position."""
     nt = q.shape[0]
     n_ctx = rmap.shape[0]
-    code = _attn_geometry(q, k_region, v_region, positions, n_head, n_head_kv, hdk, hdv, window, out)
+    kends = _key_ends(ends, positions)  # (see _attn_kernel)
+    code = _attn_geometry(q, k_region, v_region, positions, kends, n_head, n_head_kv, hdk, hdv, window, out)
     if code != -1:
         return code
     if rows.shape[0] != nt:
@@ -756,9 +789,10 @@ def _attn_rows_kernel(
     for t in range(nt):
         p = positions[t]
         r = rows[t]
-        if p < 0 or r < p or r >= n_ctx:
+        e = kends[t]
+        if p < 0 or r < p or e < p or r - p + e >= n_ctx:  # (r <= its key end's row r - p + e)
             return t
-        max_len = max(max_len, p + 1)
+        max_len = max(max_len, e + 1)
         if t == 0 or r - p != rows[t - 1] - positions[t - 1]:
             run_start[n_runs] = t
             n_runs += 1
@@ -766,9 +800,9 @@ def _attn_rows_kernel(
     for i in range(n_runs):  # every row a run reads maps into the regions (its keys count from its base)
         t = run_start[i]
         base = rows[t] - positions[t]
-        last = rows[t]
+        last = base + kends[t]
         for u in range(t, run_start[i + 1]):
-            last = max(last, rows[u])
+            last = max(last, base + kends[u])
         if not _map_fits(rmap[base:], 0, last + 1 - base, k_region.shape[0]):
             return -6
     group = n_head // n_head_kv
@@ -795,7 +829,8 @@ def _attn_rows_kernel(
         t1 = min(run_start[i + 1], t0 + tokens)
         base = rows[t_first] - positions[t_first]
         _attn_unit(
-            q, k_region, v_region, rmap[base:], positions, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window, out
+            q, k_region, v_region, rmap[base:], positions, kends, g, h0, h1, t0, t1, hdk, hdv, scale32, max_len, window,
+            out,
         )
     return -1
 
@@ -804,13 +839,17 @@ _NO_SCRATCH = np.zeros((1, 1), F32)
 
 
 def _attention_split_by_keys(
-    q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+    q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out,
+    ends=None,
 ) -> int:
-    """One token's attention as three kernel calls split by keys (one when its window fits a key chunk);
-    -5 when its position is not valid (the single-step path then reports it), else the kernel's code."""
-    n = int(positions[0]) + 1
+    """One token's attention as three kernel calls split by keys (one when its window fits a key chunk),
+    keys 0..``ends[0]`` (None: ``positions[0]``); -5 when its key end is not valid (the single-step path
+    then reports it), else the kernel's code."""
+    if ends is None:
+        ends = positions
+    n = int(ends[0]) + 1
     n_chunks = (n + ATTN_KEY_CHUNK - 1) // ATTN_KEY_CHUNK
-    if n > rmap.shape[0]:
+    if n > rmap.shape[0] or n < 1:
         return -5
     sc = np.empty((n_head, n), F32)
     part = np.empty((n_head * n_chunks, head_dim_v), F32)
@@ -834,6 +873,7 @@ def _attention_split_by_keys(
             part,
             0,
             out,
+            ends,
         )
         if code != -1:
             break
@@ -853,10 +893,14 @@ def attention(
     out: np.ndarray,
     window: int = 0,
     row_map: np.ndarray | None = None,
+    key_ends: np.ndarray | None = None,
 ) -> None:
     """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group.
     With ``window`` > 0 (a sliding-window layer) only the rows ``pos[t] - window + 1 .. pos[t]``.
     ``row_map`` (int32): key j is region row ``row_map[j]`` (the KV cache's blocks); None: row j.
+    ``key_ends`` (as ``positions``): token t reads up to row ``key_ends[t] >= pos[t]`` instead of
+    ``pos[t]`` (an image token that sees its whole image; the window's start still follows ``pos[t]``);
+    None: the positions, causal attention.
 
     ``out`` ``[tokens, n_head * head_dim_v]`` must not overlap ``q``. Runs on numba's threads (``numba.
     set_num_threads``); the result does not depend on their number.
@@ -869,11 +913,13 @@ def attention(
     """
     k_region, v_region = _kv_cells(k_region, v_region)
     rmap = _row_map(row_map, k_region)
+    ends = positions if key_ends is None else key_ends
     n_threads = get_num_threads()
     code = -5
     if q.shape[0] == 1 and (window == 0 or int(positions[0]) < window):
         code = _attention_split_by_keys(
-            q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out
+            q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, scale, n_threads, out,
+            ends,
         )
     if code == -5:
         code = _attn_kernel(
@@ -893,10 +939,11 @@ def attention(
             _NO_SCRATCH,
             window,
             out,
+            ends,
         )
     if code != -1:
         _raise_attention_error(code, q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v,
-                               out)
+                               out, ends)
 
 
 def attention_rows(
@@ -913,27 +960,30 @@ def attention_rows(
     out: np.ndarray,
     window: int = 0,
     row_map: np.ndarray | None = None,
+    key_ends: np.ndarray | None = None,
 ) -> None:
     """:func:`attention` for a batch mixing sequences of one cache: token t sits at virtual row
     ``rows[t]`` and position ``positions[t]`` of a sequence whose position 0 is virtual row
-    ``rows[t] - positions[t]``, and reads that sequence's rows only; virtual row r is region row
-    ``row_map[r]`` (None: row r). One parallel call serves every sequence; each token's result is
-    bit-identical to :func:`attention` on its sequence's rows alone."""
+    ``rows[t] - positions[t]``, and reads that sequence's rows only (up to its position, or its key end
+    ``key_ends[t]``); virtual row r is region row ``row_map[r]`` (None: row r). One parallel call serves
+    every sequence; each token's result is bit-identical to :func:`attention` on its sequence's rows alone."""
     if rows.shape != positions.shape:
         raise ValueError(f"attention: {rows.shape[0]} rows for {positions.shape[0]} positions")
     k_region, v_region = _kv_cells(k_region, v_region)
     rmap = _row_map(row_map, k_region)
+    ends = positions if key_ends is None else key_ends
     code = _attn_rows_kernel(
         q, k_region, v_region, rmap, positions, rows, n_head, n_head_kv, head_dim_k, head_dim_v, scale,
-        get_num_threads(), window, out,
+        get_num_threads(), window, out, ends,
     )
     if code == -1:
         return
-    if code >= 0 and 0 <= int(rows[code]) < rmap.shape[0]:
+    if code >= 0 and int(ends[code]) >= int(positions[code]) and 0 <= int(rows[code]) < rmap.shape[0] and \
+            int(rows[code]) < int(positions[code]):
         raise ValueError(f"attention: token {code} at row {int(rows[code])} has position {int(positions[code])} "
                          "before its sequence's first row")
     _raise_attention_error(code, q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v,
-                               out)
+                           out, ends, rows)
 
 
 def _row_map(row_map: np.ndarray | None, k_region: np.ndarray) -> np.ndarray:
@@ -959,7 +1009,8 @@ def _kv_cells(k_region: np.ndarray, v_region: np.ndarray, what: str = "attention
 
 
 def _raise_attention_error(
-    code: int, q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out
+    code: int, q, k_region, v_region, rmap, positions, n_head, n_head_kv, head_dim_k, head_dim_v, out, ends,
+    rows=None,
 ) -> None:
     if code == -3:
         raise ValueError("attention: q, the K/V regions and out must have contiguous rows")
@@ -971,11 +1022,20 @@ def _raise_attention_error(
     if code == -2:
         raise ValueError(
             f"attention: q {q.shape}, regions {k_region.shape} / {v_region.shape}, positions {positions.shape}, "
-            f"out {out.shape} do not fit n_head {n_head}, n_head_kv {n_head_kv}, head dims {head_dim_k}/{head_dim_v}"
+            f"key ends {ends.shape}, out {out.shape} do not fit n_head {n_head}, n_head_kv {n_head_kv}, head dims "
+            f"{head_dim_k}/{head_dim_v}"
+        )
+    p, e = int(positions[code]), int(ends[code])
+    if e < p:
+        raise ValueError(f"attention: token {code}'s key end {e} is before its position {p}")
+    first = 0 if rows is None else int(rows[code]) - p  # the virtual row of its sequence's position 0
+    if 0 <= p and first + p < rmap.shape[0]:  # the position fits: its key end does not
+        raise ContextOverflowError(
+            f"attention: key end {e} (token {code}, position {p}) is outside the KV regions of "
+            f"{rmap.shape[0] - first} positions"
         )
     raise ContextOverflowError(
-        f"attention: position {int(positions[code])} (token {code}) is outside the KV regions of "
-        f"{rmap.shape[0]} positions"
+        f"attention: position {p} (token {code}) is outside the KV regions of {rmap.shape[0]} positions"
     )
 
 

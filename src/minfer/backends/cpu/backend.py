@@ -74,36 +74,44 @@ def _first_window_row(min_pos: int, window: int) -> int:
 
 
 def attend_by_sequence(
-    q, kv, positions, rows, out, attend: Callable[..., None], window: int = 0, cells: bool = False
+    q, kv, positions, rows, out, attend: Callable[..., None], window: int = 0, cells: bool = False, key_ends=None
 ) -> None:
-    """Run ``attend(q, window, positions, out)`` once per sequence in the batch, with ``window`` that
-    sequence's rows 0..max(pos): (K, V) as float32 arrays (``kv.window``), or with ``cells`` (K, V, row map)
-    as the fast kernels read them (``kv.cells``: f32 and f16 regions and the window's slice of the row map,
-    q8_0 ones dequantized). ``rows`` are virtual rows (sequence base + position). In a sliding-window
-    layer (``window`` > 0) rows before the oldest one still visible are left out (up to
-    ``WINDOW_ROW_ALIGN``), and the positions handed to ``attend`` count from the first row read."""
+    """Run ``attend(q, window, positions, key_ends, out)`` once per sequence in the batch, with ``window``
+    that sequence's rows 0..max(key_ends): (K, V) as float32 arrays (``kv.window``), or with ``cells`` (K, V,
+    row map) as the fast kernels read them (``kv.cells``: f32 and f16 regions and the window's slice of the
+    row map, q8_0 ones dequantized). ``rows`` are virtual rows (sequence base + position); ``key_ends`` the
+    last position each token reads (None: its own position, handed on as ``positions`` itself). In a
+    sliding-window layer (``window`` > 0) rows before the oldest one still visible are left out (up to
+    ``WINDOW_ROW_ALIGN``), and the positions and key ends handed to ``attend`` count from the first row
+    read."""
     read = kv.cells if cells else kv.window
+    same = key_ends is None  # causal: the key ends are the positions (one array, shifted once)
+    ends = positions if same else key_ends
     n = positions.shape[0]
     start = int(rows[0]) - int(positions[0])
     if n == 1:  # decode: one token, one window
         lo = _first_window_row(int(positions[0]), window)
-        attend(q, read(start + lo, start + int(positions[0]) + 1), positions - lo if lo else positions, out)
+        pos = positions - lo if lo else positions
+        attend(q, read(start + lo, start + int(ends[0]) + 1), pos, pos if same else ends - lo, out)
         return
     starts = rows - positions
     if (starts == start).all():
         lo = _first_window_row(int(positions.min()), window)
-        attend(q, read(start + lo, start + int(positions.max()) + 1), positions - lo if lo else positions, out)
+        pos = positions - lo if lo else positions
+        attend(q, read(start + lo, start + int(ends.max()) + 1), pos, pos if same else ends - lo, out)
         return
     for s in dict.fromkeys(starts.tolist()):  # each sequence once, in batch order
         idx = np.flatnonzero(starts == s)
         lo = _first_window_row(int(positions[idx].min()), window)
-        cells = read(s + lo, s + int(positions[idx].max()) + 1)
+        cells = read(s + lo, s + int(ends[idx].max()) + 1)
         if idx[-1] - idx[0] + 1 == len(idx):  # contiguous tokens: views, no copies
             sl = slice(int(idx[0]), int(idx[-1]) + 1)
-            attend(q[sl], cells, positions[sl] - lo if lo else positions[sl], out[sl])
+            pos = positions[sl] - lo if lo else positions[sl]
+            attend(q[sl], cells, pos, pos if same else ends[sl] - lo, out[sl])
         else:
             o = np.empty((len(idx), out.shape[1]), np.float32)
-            attend(np.ascontiguousarray(q[idx]), cells, np.ascontiguousarray(positions[idx] - lo), o)
+            pos = np.ascontiguousarray(positions[idx] - lo)
+            attend(np.ascontiguousarray(q[idx]), cells, pos, pos if same else np.ascontiguousarray(ends[idx] - lo), o)
             out[idx] = o
 
 
@@ -129,9 +137,11 @@ REFERENCE_KERNELS: dict[Op, Callable[..., None]] = {
     Op.ROPE: lambda node, out, x, positions: ref.rope(x, positions, node.meta, out),
     Op.KV_STORE: _reference_kv_store,
     Op.KV_LOAD: _kv_load,
-    Op.ATTN: lambda node, out, q, kv, positions, rows: attend_by_sequence(
-        q, kv, positions, rows, out, lambda q, kv_window, pos, o: ref.attention(q, *kv_window, pos, node.meta, o),
-        node.meta.window,
+    # (key_ends: the node's fifth input where it has one, see GraphBuilder.attn)
+    Op.ATTN: lambda node, out, q, kv, positions, rows, key_ends=None: attend_by_sequence(
+        q, kv, positions, rows, out,
+        lambda q, kv_window, pos, ends, o: ref.attention(q, *kv_window, pos, node.meta, o, ends),
+        node.meta.window, key_ends=key_ends,
     ),
     Op.SILU: lambda node, out, x: ref.silu(x, out),
     Op.SWIGLU: lambda node, out, gate, up: ref.swiglu(gate, up, out),
@@ -517,26 +527,28 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         if op is Op.ATTN:
             m = meta
 
-            def attend(q, cells, positions, out) -> None:
+            def attend(q, cells, positions, ends, out) -> None:
                 k, v, row_map = cells
                 attention.attention(
                     q, k, v, positions, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v, m.scale, out, m.window,
-                    row_map,
+                    row_map, ends,
                 )
 
             window = m.window
 
-            def attn(node: Node, out, q, kv, positions, rows) -> None:
+            # key_ends: the node's fifth input where it has one (GraphBuilder.attn); without it the kernels
+            # are handed the positions as key ends (causal attention), the same code path and bits
+            def attn(node: Node, out, q, kv, positions, rows, key_ends=None) -> None:
                 if kv.cache_type != "q8_0" and positions.shape[0] > 1 and not _one_sequence(positions, rows):
                     # every sequence of the batch in one parallel call, on the regions themselves (f16 cells
                     # are widened as the kernel loads them); one sequence's tokens take the kernel a decode
                     # step takes (the same bits), so that a single-sequence engine compiles one kernel
                     attention.attention_rows(
                         q, kv.k, kv.v, positions, rows, m.n_head, m.n_head_kv, m.head_dim_k, m.head_dim_v,
-                        m.scale, out, window, kv.row_map,
+                        m.scale, out, window, kv.row_map, key_ends,
                     )
                 else:  # a decode step may split its keys over threads; q8_0 cells are dequantized
-                    attend_by_sequence(q, kv, positions, rows, out, attend, window, cells=True)
+                    attend_by_sequence(q, kv, positions, rows, out, attend, window, cells=True, key_ends=key_ends)
 
             return attn
         if op in (Op.LAYER_NORM, Op.GELU_ERF, Op.ENC_ATTN):  # encoders (compiled on first use)

@@ -2,7 +2,8 @@
 
 They follow the seeds' contracts: RMSNorm and softmax accumulate in float64; RoPE pairs dimensions by
 the model's layout; the KV store writes rows at the positions it is given and refuses a position outside
-the context; attention reads the window ``pos[t] + 1`` with masked scores at -inf (weights exactly 0).
+the context; attention reads the window ``pos[t] + 1`` (up to a token's key end where one is given) with
+masked scores at -inf (weights exactly 0).
 """
 
 from __future__ import annotations
@@ -300,14 +301,26 @@ def attention(
     positions: np.ndarray,
     meta: AttnMeta,
     out: np.ndarray,
+    key_ends: np.ndarray | None = None,
 ) -> None:
     """Causal GQA attention: token t reads cached rows ``0..pos[t]``; query head h reads kv head h // group.
     In a sliding-window layer (``meta.window`` W > 0) only rows ``pos[t] - W + 1 .. pos[t]``: key j is
-    visible to query i iff i - j < W, itself included."""
+    visible to query i iff i - j < W, itself included. ``key_ends``: token t reads up to row ``key_ends[t]
+    >= pos[t]`` instead (Gemma 3's image tokens see their whole image), from the same window start."""
     if meta.head_dim_k < 1 or meta.n_head % meta.n_head_kv:
         raise ValueError(f"bad head geometry {meta}")
+    ends = positions
+    if key_ends is not None:
+        if key_ends.shape != positions.shape:
+            raise ValueError(f"attention: key ends {key_ends.shape} for positions {positions.shape}")
+        bad = np.flatnonzero(key_ends < positions)
+        if bad.size:
+            t = int(bad[0])
+            raise ValueError(f"attention: token {t}'s key end {int(key_ends[t])} is before its position "
+                             f"{int(positions[t])}")
+        ends = key_ends
     nt = q.shape[0]
-    nkv = int(positions.max()) + 1
+    nkv = int(ends.max()) + 1
     # rows before every token's sliding window are never read (they may hold anything)
     lo = max(0, int(positions.min()) - meta.window + 1) if meta.window > 0 else 0
     n = nkv - lo
@@ -319,7 +332,7 @@ def attention(
     if meta.softcap > 0:
         softcap(scores, meta.softcap, scores)
     rows = np.arange(lo, nkv)[None, :]
-    masked = rows > positions[:, None]  # [t, s]: the window is the mask
+    masked = rows > ends[:, None]  # [t, s]: the window is the mask
     if meta.window > 0:
         masked |= positions[:, None] - rows >= meta.window
     scores[:, :, masked] = -np.inf

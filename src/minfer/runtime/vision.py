@@ -1,0 +1,314 @@
+"""Vision passes: images' pixels through the vision model's graph (:mod:`minfer.models.gemma3_vision`) into the
+text model's image tokens, and where those tokens go in a prompt.
+
+A pass runs a batch of images (one plan per image count, kept for reuse); each image's patches are a run of rows
+that attention never leaves (the graph's ``spans``), so an image's tokens are the same bits alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minfer.errors import BadRequestError
+from minfer.formats.images import DEFAULT_MAX_PIXELS, ImageProcessorConfig, load_image, patches, preprocess
+from minfer.formats.tokenizer import Tokenizer
+from minfer.graph.fusion import fuse
+from minfer.graph.ir import Backend
+from minfer.graph.plan import BufferArena, Plan
+from minfer.models.gemma3_vision import VisionModel
+
+MAX_PLANS = 4
+
+
+class VisionRunner:
+    """Forward passes of a vision model on a backend: pixels ``[3, H, W]`` -> image tokens ``[T, text n_embd]``."""
+
+    def __init__(self, model: VisionModel, backend: Backend) -> None:
+        self.model = model
+        self.backend = backend
+        self.arena = BufferArena()
+        self._plans: OrderedDict[int, Plan] = OrderedDict()
+        self.images_encoded = 0  # images run through the tower so far (what a cached image does not add to)
+
+    def plan(self, n_images: int) -> Plan:
+        plan = self._plans.get(n_images)
+        if plan is None:
+            graph = fuse(self.model.build_graph(n_images), self.backend.quantized_input)
+            plan = self._plans[n_images] = Plan(graph, self.backend, (), arena=self.arena)
+            if len(self._plans) > MAX_PLANS:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(n_images)
+        return plan
+
+    def encode(self, pixels: Sequence[np.ndarray]) -> np.ndarray:
+        """Each image's tokens ``[n_images, tokens_per_image, text n_embd]`` (a fresh array); ``pixels`` as the image
+        processor gives them (``[3, image_size, image_size]`` float32)."""
+        hp = self.model.hparams
+        n = len(pixels)
+        if n == 0:
+            raise BadRequestError("no images to encode")
+        for k, p in enumerate(pixels):
+            if p.shape != (3, hp.image_size, hp.image_size):
+                raise BadRequestError(f"image {k}: pixels of shape {p.shape}, expected (3, {hp.image_size}, "
+                                      f"{hp.image_size})")
+        plan = self.plan(n)
+        inp = plan.inputs
+        inp["patches"][:] = np.concatenate([patches(p, hp.patch_size) for p in pixels])
+        inp["patch_positions"][:] = np.tile(np.arange(hp.n_patches), n)
+        inp["spans"][:] = np.repeat(np.arange(n) * hp.n_patches, hp.n_patches)
+        for i, rows in enumerate(self.model.pool_rows(n)):
+            inp[f"pool.{i}"][:] = rows
+        with self.backend.running(("vision", n)):
+            out = plan.run()
+        self.images_encoded += n
+        return out.reshape(n, hp.tokens_per_image, -1).copy()
+
+
+@dataclass(frozen=True)
+class PassImage:
+    """An image's tokens in a forward pass (or in a prompt): rows ``first .. first + len(vectors) - 1`` of the pass
+    (the prompt) take them."""
+
+    first: int
+    vectors: np.ndarray  # [tokens_per_image, n_embd] float32
+
+    @property
+    def end(self) -> int:
+        return self.first + self.vectors.shape[0]
+
+
+def image_token_id(digest: bytes) -> int:
+    """The prompt id of an image's rows: negative (no vocabulary entry has it), and the same for the same pixels,
+    so that the prefix cache, which compares prompt ids, reuses an image's cells for that image alone."""
+    return -2 - int.from_bytes(digest[:4], "little") % (2**31 - 2)  # (the KV cache's -1 marks a position unknown)
+
+
+def check_prompt_images(prompt: Sequence[int], images: Sequence[PassImage], n_vocab: int, n_embd: int) -> None:
+    """A :class:`BadRequestError` unless ``images`` are in order, apart, inside the prompt and of width ``n_embd``,
+    and every other prompt id is in the vocabulary (an image's rows may hold any id: the image replaces it)."""
+    end = 0
+    for k, img in enumerate(images):
+        if img.vectors.ndim != 2 or img.vectors.shape[1] != n_embd or img.vectors.shape[0] == 0:
+            raise BadRequestError(f"image {k}: tokens of shape {img.vectors.shape}, expected (n, {n_embd})")
+        if img.first < end or img.end > len(prompt):
+            raise BadRequestError(f"image {k}: rows {img.first}..{img.end - 1} overlap another image or pass the end "
+                                  f"of the {len(prompt)}-token prompt")
+        end = img.end
+    ids = np.asarray(prompt, dtype=np.int64)
+    bad = (ids < 0) | (ids >= n_vocab)
+    for img in images:
+        bad[img.first:img.end] = False
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise BadRequestError(f"token id {int(ids[i])} at index {i} is outside the vocabulary (0..{n_vocab - 1})")
+
+
+def images_in(images: Sequence[PassImage], start: int, end: int, row: int) -> list[PassImage]:
+    """The parts of a prompt's ``images`` at its positions ``start .. end - 1``, as the rows of a pass where position
+    ``start`` is row ``row``."""
+    return [PassImage(row + max(img.first, start) - start, img.vectors[max(0, start - img.first):end - img.first])
+            for img in images if img.first < end and img.end > start]
+
+
+def whole_images(images: Sequence[PassImage], start: int, n: int, extend: bool) -> int:
+    """How many prompt tokens from position ``start`` a pass takes instead of ``n``, so that it does not end inside
+    an image (an image's rows see each other: they are evaluated in one pass): cut before the image, or where the
+    pass starts inside it, with ``extend`` take the rest of the image (else none)."""
+    for img in images:
+        if img.first < start + n < img.end:
+            if img.first > start:
+                return img.first - start
+            return img.end - start if extend else 0
+    return n
+
+
+def image_inputs(positions: np.ndarray, images: Sequence[PassImage], n_embd: int,
+                 keep: np.ndarray, values: np.ndarray, key_ends: np.ndarray) -> None:
+    """Fill a vision-language plan's ``embd_keep``, ``embd_image`` and ``key_ends`` inputs for a pass whose rows are
+    at ``positions``: text rows keep their token's embedding and see keys up to their own position; an image's rows
+    take its tokens and see every key up to the image's last position (its tokens attend to each other both ways)."""
+    keep.fill(1.0)
+    values.fill(0.0)
+    key_ends[:] = positions
+    n = positions.shape[0]
+    for img in images:
+        m = img.vectors.shape[0]
+        end = img.first + m
+        if img.first < 0 or end > n or img.vectors.shape[1] != n_embd:
+            raise BadRequestError(f"an image's {m} tokens at rows {img.first}.. do not fit a pass of {n} rows of "
+                                  f"width {n_embd}")
+        span = positions[img.first:end]
+        if not np.array_equal(span, np.arange(span[0], span[0] + m)):
+            raise BadRequestError("an image's tokens must be at consecutive positions of one pass")
+        keep[img.first:end] = 0.0
+        values[img.first:end] = img.vectors
+        key_ends[img.first:end] = span[-1]
+
+
+# -- images in chat messages ----------------------------------------------------------------------------------
+
+# what an image part leaves in a message's text (llama.cpp's media marker): the chat template renders it as text,
+# then the prompt is split at it (:meth:`ImagePrompter.prompt`), whatever the template does with the text around it
+MEDIA_MARKER = "<__media__>"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a request, as sent (the file's bytes), and where it was in the request (for errors)."""
+
+    data: bytes
+    where: str
+
+
+def extract_images(messages: Sequence[Mapping[str, Any]], allow_paths: bool = False,
+                   ) -> tuple[list[dict[str, Any]], list[ImageInput]]:
+    """``messages`` with each image content part replaced by a text part holding :data:`MEDIA_MARKER`, and the
+    images in order. Image parts: OpenAI's ``{"type": "image_url", "image_url": {"url": "data:..."}}``, the
+    Responses API's ``{"type": "input_image", "image_url": "data:..."}``, Anthropic's ``{"type": "image",
+    "source": {"type": "base64", "data": ...}}``, and transformers' ``{"type": "image", "image": bytes}`` (with
+    ``allow_paths``, the Python API's, also a file path there or as ``"path"``). Remote URLs are not fetched."""
+    out: list[dict[str, Any]] = []
+    images: list[ImageInput] = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, list):
+            out.append(m)  # type: ignore[arg-type]
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            data = _image_bytes(part, where, allow_paths) if isinstance(part, Mapping) else None
+            if data is None:
+                parts.append(part)
+            else:
+                images.append(ImageInput(data, where))
+                parts.append({"type": "text", "text": MEDIA_MARKER})
+        texts = [p.get("text") if isinstance(p, Mapping) and p.get("type") == "text" else None for p in parts]
+        # text parts (the markers among them) become the one string chat templates take
+        joined = "".join(texts) if all(isinstance(t, str) for t in texts) else parts  # type: ignore[arg-type]
+        out.append({**m, "content": joined})
+    return out, images
+
+
+def _image_bytes(part: Mapping[str, Any], where: str, allow_paths: bool) -> bytes | None:
+    """The bytes of an image part (None: not an image part)."""
+    kind = part.get("type")
+    if kind in ("image_url", "input_image"):
+        url = part.get("image_url")
+        if isinstance(url, Mapping):
+            url = url.get("url")
+        return _from_url(url, f"{where}.image_url")
+    if kind != "image":
+        return None
+    source = part.get("source")
+    if isinstance(source, Mapping):  # Anthropic's
+        if source.get("type") == "base64":
+            return _base64(source.get("data"), f"{where}.source.data")
+        if source.get("type") == "url":
+            return _from_url(source.get("url"), f"{where}.source.url")
+        raise BadRequestError(f"{where}.source.type must be 'base64' or 'url', got {source.get('type')!r}")
+    for key in ("image", "url", "path"):
+        value = part.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bytes | bytearray):
+            return bytes(value)
+        if isinstance(value, str) and value.startswith(("data:", "http://", "https://")):
+            return _from_url(value, f"{where}.{key}")
+        if isinstance(value, str | os.PathLike) and allow_paths:
+            try:
+                return Path(value).read_bytes()
+            except OSError as e:
+                raise BadRequestError(f"{where}.{key}: cannot read {str(value)!r} ({e.strerror or e})") from None
+        raise BadRequestError(f"{where}.{key} must be an image's bytes or a data: URL")
+    raise BadRequestError(f"{where}: an image part needs 'image_url', 'image' or 'source'")
+
+
+def _from_url(url: Any, where: str) -> bytes:
+    if not isinstance(url, str) or not url:
+        raise BadRequestError(f"{where} must be a URL string")
+    if url.startswith(("http://", "https://")):
+        raise BadRequestError(f"{where}: remote image URLs are not fetched; send the image as a data: URL "
+                              "(data:image/png;base64,...)")
+    if not url.startswith("data:"):
+        raise BadRequestError(f"{where} must be a data: URL (data:image/png;base64,...), got {url[:40]!r}")
+    head, sep, payload = url[5:].partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise BadRequestError(f"{where}: only base64 data: URLs are supported (data:image/png;base64,...)")
+    return _base64(payload, where)
+
+
+def _base64(text: Any, where: str) -> bytes:
+    if not isinstance(text, str):
+        raise BadRequestError(f"{where} must be base64 text")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequestError(f"{where} is not valid base64") from None
+
+
+class ImagePrompter:
+    """A vision-language model's prompts with images: the rendered text's media markers expanded into each image's
+    tokens as the model's processor does (Gemma 3: ``\\n\\n<start_of_image>``, ``tokens_per_image`` placeholders,
+    ``<end_of_image>\\n\\n``), the placeholders given the image's own ids, and the images encoded (each one once:
+    the tokens of the last ``cache_size`` images are kept by a hash of their pixels)."""
+
+    def __init__(self, runner: VisionRunner, processor: ImageProcessorConfig, tokenizer: Tokenizer,
+                 max_pixels: int = DEFAULT_MAX_PIXELS, cache_size: int = 32) -> None:
+        self.runner = runner
+        self.processor = processor
+        self.tokenizer = tokenizer
+        self.max_pixels = max_pixels
+        hp = runner.model.hparams
+        text = tokenizer.token_text
+        self.expansion = ("\n\n" + text(hp.boi_token_id) + text(hp.image_token_id) * hp.tokens_per_image
+                          + text(hp.eoi_token_id) + "\n\n")
+        self.cache_size = cache_size
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    def prompt(self, text: str, images: Sequence[ImageInput]) -> tuple[list[int], list[PassImage]]:
+        """The prompt ids of ``text`` (a rendered prompt holding one :data:`MEDIA_MARKER` per image, special tokens
+        included) and where each image's tokens go."""
+        pieces = text.split(MEDIA_MARKER)
+        if len(pieces) - 1 != len(images):
+            raise BadRequestError(f"the prompt holds {len(pieces) - 1} image markers for {len(images)} images "
+                                  f"(is {MEDIA_MARKER!r} in a message's text?)")
+        ids = self.tokenizer.encode(self.expansion.join(pieces), add_special=False)
+        hp = self.runner.model.hparams
+        is_image = np.asarray(ids) == hp.image_token_id
+        starts = [i for i in np.flatnonzero(is_image) if i == 0 or not is_image[i - 1]]
+        n = hp.tokens_per_image
+        if len(starts) != len(images) or int(is_image.sum()) != n * len(images):
+            raise BadRequestError(f"the prompt's text holds image placeholder tokens of its own "
+                                  f"({self.tokenizer.token_text(hp.image_token_id)!r})")
+        out = []
+        for start, (digest, vectors) in zip(starts, self.encode(images), strict=True):
+            ids[start:start + n] = [image_token_id(digest)] * n
+            out.append(PassImage(int(start), vectors))
+        return ids, out
+
+    def encode(self, images: Sequence[ImageInput]) -> list[tuple[bytes, np.ndarray]]:
+        """Each image's pixel hash and tokens, the images not seen lately encoded in one pass."""
+        pixels = [preprocess(load_image(img.data, img.where, self.max_pixels), self.processor) for img in images]
+        digests = [hashlib.sha256(p.tobytes()).digest() for p in pixels]
+        new = {d: p for d, p in zip(digests, pixels, strict=True) if d not in self._cache}
+        if new:
+            for d, v in zip(new, self.runner.encode(list(new.values())), strict=True):
+                self._cache[d] = v
+        for d in digests:
+            self._cache.move_to_end(d)
+        out = [(d, self._cache[d]) for d in digests]
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return out
