@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -264,3 +266,50 @@ def test_a_text_model_refuses_images():
     model = minfer.load(Path(__file__).parent / "fixtures" / "gemma3" / "model-f32.gguf", n_ctx=64)
     with pytest.raises(MinferError, match="takes no images"):
         model.chat(messages_of(0), max_tokens=1)
+
+
+# -- the command line and conversations ---------------------------------------------------------------------
+
+
+def minfer_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minfer", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+IMAGE = FIXTURE / "images" / "rgb_45x20.png"
+
+
+@pytest.mark.parametrize("model_args", [[str(FIXTURE / "hf")],
+                                        [str(FIXTURE / "gguf" / "model-f32.gguf"), "--mmproj",
+                                         str(FIXTURE / "gguf" / "mmproj-f32.gguf")]])
+def test_minfer_run_with_an_image_answers_as_the_api(model_args):
+    r = minfer_cli("run", *model_args, "--image", str(IMAGE), "What is in this image?", "-n", "8", "--temp", "0",
+                   "-q")
+    assert r.returncode == 0, r.stderr
+    model = minfer.load(model_args[0], n_ctx=256, mmproj=model_args[2] if len(model_args) > 1 else None)
+    want = model.chat([{"role": "user", "content": [{"type": "image", "path": str(IMAGE)},
+                                                    {"type": "text", "text": "What is in this image?"}]}],
+                      max_tokens=8, temperature=0)
+    assert r.stdout == want + "\n"
+
+
+def test_minfer_run_names_a_bad_image_file_in_one_line(tmp_path):
+    bad = tmp_path / "notes.png"
+    bad.write_text("not an image")
+    r = minfer_cli("run", str(FIXTURE / "hf"), "--image", str(bad), "Hi", "-n", "2")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert str(bad) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chat_image_command_shows_the_image_with_the_next_message(vlm):
+    r = minfer_cli("chat", str(FIXTURE / "hf"), "-n", "6", "--temp", "0",
+                   stdin=f"/image {IMAGE}\nWhat is in this image?\nAnd the colours?\n")
+    assert r.returncode == 0, r.stderr
+    conv = vlm.conversation(temperature=0)
+    from minfer.runtime.vision import ImageInput
+
+    first = conv.send("What is in this image?", 6, images=[ImageInput(IMAGE.read_bytes(), str(IMAGE))])
+    second = conv.send("And the colours?", 6)
+    assert r.stdout == f"{first}\n{second}\n"
+    with pytest.raises(MinferError, match="cannot be saved"):
+        conv.save(Path("/tmp") / "never-written.session")

@@ -30,6 +30,7 @@ CHAT_HELP = """commands:
   /regen        generate the last reply again
   /save FILE    save the conversation (transcript and KV cache) to FILE
   /load FILE    resume a conversation saved with /save
+  /image FILE   show an image with the next message (a vision model; repeatable)
   /help         this help
   /exit, /quit  leave (also Ctrl-D or Ctrl-C at the prompt); an unsaved chat is saved to the cache folder
 Ctrl-C while an answer is being written stops that answer."""
@@ -46,6 +47,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     add_model_flags(run)
     add_speculative_flags(run)
     run.add_argument("--chat", action="store_true", help="treat PROMPT as a user message in the model's chat template")
+    run.add_argument("--image", action="append", default=None, metavar="FILE",
+                     help="an image the user message shows, before PROMPT (a vision model; implies --chat; repeatable)")
     run.add_argument("--system", default=None, help="system message (with --chat)")
     run.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     run.add_argument("-q", "--quiet", action="store_true", help="do not print timings on stderr")
@@ -71,15 +74,18 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     import minfer
     from minfer.api import keep_for_process
+    from minfer.runtime.vision import extract_images
 
     model_ref, prompt = model_and_prompt(args)
     model = minfer.load(model_ref, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
                         trace=args.trace, dump_dir=args.dump_dir, dump_filter=args.dump_filter, quantize=args.quantize,
-                        **speculative_kwargs(args), **lora_kwargs(args))
+                        mmproj=args.mmproj, **speculative_kwargs(args), **lora_kwargs(args))
     keep_for_process()
-    if args.chat:
+    images: list = []
+    if args.chat or args.image:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": prompt})
+        content = [*({"type": "image", "path": f} for f in args.image or ()), {"type": "text", "text": prompt}]
+        messages, inputs = extract_images([{"role": "user", "content": content}], allow_paths=True)
         text, add_special = model.render_chat(messages), False  # the template writes BOS
     else:
         if args.system:
@@ -87,13 +93,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         text, add_special = prompt, True
     # -n beyond what the context leaves: stop at its end with finish "length" and say how to get more,
     # rather than fail on the token that does not fit
-    ids = model.tokenize(text, add_special=add_special)
+    if args.image:
+        ids, images = model.image_prompt(text, inputs)
+    else:
+        ids = model.tokenize(text, add_special=add_special)
     room = model.n_ctx - len(ids) + 1
     max_tokens, capped = args.max_tokens, False
     if not args.context_shift and len(ids) <= model.n_ctx and max_tokens > room:
         max_tokens, capped = room, True
     steps = model.stream(ids, max_tokens, stop=args.stop, logprobs=args.logprobs, add_special=add_special,
-                         context_shift=args.context_shift, n_keep=args.keep,
+                         context_shift=args.context_shift, n_keep=args.keep, images=images,
                          **constraint_kwargs(args), **sampling_kwargs(args))
     if args.echo:
         sys.stdout.write(prompt)
@@ -137,11 +146,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     import minfer
     from minfer.api import keep_for_process
     from minfer.runtime.conversation import Conversation
+    from minfer.runtime.vision import extract_images
 
     if args.logprobs is not None:
         raise MinferError("--logprobs is printed by `minfer run`, not in the chat")
     model = minfer.load(args.model, n_ctx=args.n_ctx, threads=args.threads, cache_type=args.cache_type,
-                        quantize=args.quantize, **speculative_kwargs(args), **lora_kwargs(args))
+                        quantize=args.quantize, mmproj=args.mmproj, **speculative_kwargs(args), **lora_kwargs(args))
     keep_for_process()
     sampling = sampling_kwargs(args)
     conv = Conversation.load(model, args.load) if args.load else model.conversation(system=args.system, **sampling)
@@ -152,6 +162,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
               "commands", file=sys.stderr)
 
     unsaved = False  # turns since the last /save or /load: offered to keep on the way out
+    pending: list = []  # images (/image) for the next message
 
     def show(pieces) -> None:
         """Print an answer as it comes; Ctrl-C stops the answer, not the chat (the turn is dropped)."""
@@ -214,10 +225,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 conv = Conversation.load(model, arg.strip())
                 unsaved = False
                 print(f"(loaded {len(conv.messages)} messages)", file=sys.stderr)
+            elif command == "/image":
+                if not arg:
+                    raise MinferError("/image needs a file name")
+                if model.images is None:
+                    raise MinferError(f"{model.path} takes no images (it has no vision model)")
+                _, found = extract_images([{"role": "user", "content": [{"type": "image", "path": arg.strip()}]}],
+                                          allow_paths=True)
+                pending.extend(found)
+                print(f"(image {arg.strip()} goes with the next message)", file=sys.stderr)
             elif command.startswith("/"):
                 raise MinferError(f"unknown command {command} (/help lists them)")
             else:
-                show(conv.send(line, args.max_tokens, stream=True, **turn))
+                images, pending = pending, []
+                show(conv.send(line, args.max_tokens, stream=True, images=images, **turn))
         except MinferError as e:  # a bad command or a failed turn does not end the chat
             print(f"minfer: error: {e}", file=sys.stderr)
             if not interactive:

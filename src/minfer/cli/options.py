@@ -48,7 +48,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-shift", action="store_true",
                    help="when the context is full, drop the oldest half (after --keep tokens) instead of failing")
     p.add_argument("--keep", type=int, default=0, help="tokens kept at the start by --context-shift (default: 0)")
+    add_mmproj_flag(p)
     add_lora_flags(p)
+
+
+def add_mmproj_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="a text GGUF's vision tower and projector (llama.cpp's mmproj file): the model takes images")
 
 
 def add_lora_flags(p: argparse.ArgumentParser) -> None:

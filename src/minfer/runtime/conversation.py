@@ -23,6 +23,7 @@ from minfer.runtime.kv_cache import KVCache
 from minfer.runtime.sampling import Sampler
 from minfer.runtime.sequence import TokenStep
 from minfer.runtime.session_file import SessionData, load_session, save_session
+from minfer.runtime.vision import MEDIA_MARKER, ImageInput, PassImage
 
 
 class ChatModel(Protocol):
@@ -42,6 +43,8 @@ class ChatModel(Protocol):
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str: ...
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def image_prompt(self, prompt: str, images: Sequence[ImageInput]) -> tuple[list[int], list[PassImage]]: ...
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256, **kwargs: Any) -> Iterator[TokenStep]: ...
 
@@ -127,17 +130,21 @@ class Conversation:
         self.system = system
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.sampling = sampling  # defaults for every turn; each send may override them
+        self.images: list[ImageInput] = []  # the images the messages show, in order (a marker each in their text)
         model.sampler(**sampling)  # validates the defaults now, not at the first turn
         self._rng = np.random.default_rng(seed)  # per-turn seeds: a saved conversation replays the same draws
 
     # -- turns -------------------------------------------------------------------------------------
 
-    def send(self, message: str, max_tokens: int = 512, stream: bool = False, **sampling: Any) -> str | Iterator[str]:
-        """Add a user message and generate the reply (an iterator of text pieces with ``stream``)."""
+    def send(self, message: str, max_tokens: int = 512, stream: bool = False, images: Sequence[ImageInput] = (),
+             **sampling: Any) -> str | Iterator[str]:
+        """Add a user message (showing ``images`` before its text: a vision model) and generate the reply (an
+        iterator of text pieces with ``stream``)."""
         if not isinstance(message, str):
             raise BadRequestError(f"message must be a string, got {type(message).__name__}")
-        self.messages.append({"role": "user", "content": message})
-        pieces = self._reply(max_tokens, sampling)
+        self.messages.append({"role": "user", "content": MEDIA_MARKER * len(images) + message})
+        self.images.extend(images)
+        pieces = self._reply(max_tokens, sampling, len(images))
         return pieces if stream else "".join(pieces)
 
     def regenerate(self, max_tokens: int = 512, stream: bool = False, **sampling: Any) -> str | Iterator[str]:
@@ -145,34 +152,41 @@ class Conversation:
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise BadRequestError("there is no reply to regenerate")
         self.messages.pop()
-        pieces = self._reply(max_tokens, sampling)
+        pieces = self._reply(max_tokens, sampling, 0)
         return pieces if stream else "".join(pieces)
 
     def clear(self) -> None:
         """Forget every turn (the system prompt stays)."""
         self.messages = self.messages[:1] if self.system else []
+        self.images = []
 
-    def _reply(self, max_tokens: int, sampling: dict[str, Any]) -> Iterator[str]:
+    def _reply(self, max_tokens: int, sampling: dict[str, Any], new_images: int) -> Iterator[str]:
         params = {**self.sampling, **sampling}
         if params.get("seed") is None:
             params["seed"] = int(self._rng.integers(2**31))
-        prompt = self.model.render_chat(self.messages)
-        ids = self.model.tokenize(prompt, add_special=False)  # the template writes BOS when the model wants it
-        steps = self.model.stream(ids, max_tokens, **params)
         text: list[str] = []
         try:
-            for step in steps:
+            prompt = self.model.render_chat(self.messages)
+            if self.images:  # each image encoded once, its cells reused while the conversation holds it
+                ids, placed = self.model.image_prompt(prompt, self.images)
+                params["images"] = placed
+            else:
+                ids = self.model.tokenize(prompt, add_special=False)  # the template writes BOS when the model wants it
+            for step in self.model.stream(ids, max_tokens, **params):
                 if step.text:
                     text.append(step.text)
                     yield step.text
         except BaseException:
             self.messages.pop()  # the turn failed: the transcript stays as it was before it
+            del self.images[len(self.images) - new_images:]
             raise
         self.messages.append({"role": "assistant", "content": "".join(text)})
 
     # -- sessions ----------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
+        if self.images:
+            raise BadRequestError("a conversation with images cannot be saved (a session file holds no images)")
         kv = self.model.kv
         tokens = kv.tokens(0)
         arrays = {}

@@ -192,7 +192,9 @@ def extract_images(messages: Sequence[Mapping[str, Any]], allow_paths: bool = Fa
             if data is None:
                 parts.append(part)
             else:
-                images.append(ImageInput(data, where))
+                path = part.get("path", part.get("image"))
+                named = isinstance(path, str | os.PathLike) and not str(path).startswith("data:")
+                images.append(ImageInput(data, str(path) if named else where))
                 parts.append({"type": "text", "text": MEDIA_MARKER})
         texts = [p.get("text") if isinstance(p, Mapping) and p.get("type") == "text" else None for p in parts]
         # text parts (the markers among them) become the one string chat templates take
