@@ -208,3 +208,22 @@ def test_gemma3_file_without_template_gets_the_builtin_one() -> None:
     assert rendered == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert "built-in" in repr(template)
     assert ChatTemplate.from_gguf_metadata({**metadata, "general.architecture": "llama"}, tok) is None
+
+
+# modelled on SmolVLM's published template (HuggingFaceTB/SmolVLM-256M-Instruct), which walks a message's content
+# as a list of typed parts only: a string content would render as nothing
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_a_template_that_reads_only_typed_parts_gets_string_content_as_one_text_part():
+    t = ChatTemplate(SMOLVLM_TEMPLATE)
+    assert t.typed_content
+    assert t.render([{"role": "user", "content": "Hi <__media__> there"}]) == \
+        "<|im_start|>User: Hi <__media__> there<end_of_utterance>\nAssistant:"
+    assert not ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}").typed_content

@@ -218,12 +218,32 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.builtin = builtin
+        self._typed: bool | None = None  # typed_content, once probed
         env = _environment()
         try:
             self._template = env.from_string(source)
             self.variables: frozenset[str] = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.exceptions.TemplateSyntaxError as err:
             raise FormatError(f"chat template is not valid jinja (line {err.lineno}): {err.message}") from None
+
+    @property
+    def typed_content(self) -> bool:
+        """Whether the template renders only content given as a list of typed parts (``[{"type": "text", "text":
+        ...}]``, as SmolVLM's does): string contents are then handed to it as one text part, as minja's polyfill does
+        for llama.cpp. Decided once, by rendering a probe both ways."""
+        if self._typed is None:
+            probe = "\u2063minfer-probe\u2063"
+
+            def shows(content: Any) -> bool:
+                try:
+                    return probe in self._template.render(messages=[{"role": "user", "content": content}],
+                                                          add_generation_prompt=False, tools=None, documents=None,
+                                                          bos_token=self.bos_token, eos_token=self.eos_token)
+                except Exception:  # noqa: BLE001 - a template that fails on the probe is not this kind
+                    return False
+
+            self._typed = not shows(probe) and shows([{"type": "text", "text": probe}])
+        return self._typed
 
     @property
     def takes_tools(self) -> bool:
@@ -261,7 +281,10 @@ class ChatTemplate:
         if self.eos_token:
             variables["eos_token"] = self.eos_token
         variables.update(_plain(extra))
-        variables["messages"] = _validate(messages)
+        checked = _validate(messages)
+        if self.typed_content:
+            checked = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in checked]
+        variables["messages"] = checked
         variables["add_generation_prompt"] = bool(add_generation_prompt)
         try:
             return self._template.render(**variables)

@@ -292,3 +292,156 @@ def patches(pixels: np.ndarray, patch: int) -> np.ndarray:
     x = pixels.astype(np.float32, copy=False).reshape(c, gh, patch, gw, patch)
     x = x.transpose(1, 3, 0, 2, 4)  # [gh, gw, c, ky, kx]
     return np.ascontiguousarray(x.reshape(gh * gw, c * patch * patch))
+
+
+# -- Idefics3 (SmolVLM): images split into tiles ---------------------------------------------------------
+
+_IDEFICS3_MAX_IMAGE_SIZE = 4096  # transformers' MAX_IMAGE_SIZE: no edge grows past it
+
+
+@dataclass(frozen=True)
+class Idefics3ProcessorConfig:
+    """The fields of an ``Idefics3ImageProcessor`` ``preprocessor_config.json`` (SmolVLM's): the image's longest edge
+    is resized to ``longest_edge``, then (``do_image_splitting``) to multiples of ``tile`` and cut into ``tile`` x
+    ``tile`` tiles plus the whole image resized to one tile; defaults are the processor's."""
+
+    longest_edge: int = 4 * 364  # size.longest_edge
+    tile: int = 364  # max_image_size.longest_edge
+    resample: int = 1  # PIL.Image.Resampling.LANCZOS
+    do_resize: bool = True
+    do_image_splitting: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    do_convert_rgb: bool = True
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Idefics3ProcessorConfig:
+        """Read ``preprocessor_config.json`` (or the ``image_processor`` entry of ``processor_config.json``); a missing
+        or wrong field is a one-line :class:`FormatError` naming the file and the field."""
+        folder = Path(path)
+        file, key = folder / "preprocessor_config.json", None
+        if not file.is_file():
+            file, key = folder / "processor_config.json", "image_processor"
+            if not file.is_file():
+                raise FormatError(f"{folder}: no preprocessor_config.json or processor_config.json")
+        try:
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{file}: unreadable JSON ({_one_line(exc)})") from None
+        if key is not None:
+            raw = raw.get(key) if isinstance(raw, dict) else None
+        if not isinstance(raw, dict):
+            raise FormatError(f"{file}: not a JSON object" if key is None else
+                              f"{file}: field 'image_processor' missing or not an object")
+        return cls.from_dict(raw, str(file))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "preprocessor_config.json") -> Idefics3ProcessorConfig:
+        """Validate the fields of a parsed ``preprocessor_config.json``; ``source`` names it in errors."""
+        d = cls()
+        # the fields Gemma 3's processor shares are checked by its reader (a square ``size`` aside)
+        base = ImageProcessorConfig.from_dict({k: v for k, v in raw.items() if k != "size"}, source)
+
+        def edge(field: str, default: int) -> int:
+            v = raw.get(field)
+            if v is None:
+                return default
+            inner = v.get("longest_edge") if isinstance(v, dict) else None
+            if not isinstance(v, dict) or set(v) != {"longest_edge"} or isinstance(inner, bool) \
+                    or not isinstance(inner, int) or inner <= 0:
+                raise FormatError(f"{source}: field '{field}' must be {{'longest_edge': N}} with N a positive "
+                                  f"integer, got {v!r}")
+            return inner
+
+        split = raw.get("do_image_splitting")
+        if split is not None and not isinstance(split, bool):
+            raise FormatError(f"{source}: field 'do_image_splitting' must be true or false, got {split!r}")
+        return cls(
+            longest_edge=edge("size", d.longest_edge), tile=edge("max_image_size", d.tile),
+            resample=base.resample if raw.get("resample") is not None else d.resample,
+            do_resize=base.do_resize, do_image_splitting=d.do_image_splitting if split is None else split,
+            do_rescale=base.do_rescale, rescale_factor=base.rescale_factor, do_normalize=base.do_normalize,
+            image_mean=base.image_mean, image_std=base.image_std, do_convert_rgb=base.do_convert_rgb,
+        )
+
+
+def _idefics3_longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
+    """transformers' ``get_resize_output_image_size`` of Idefics3: the longest edge to ``longest`` (the other edge
+    rounded down, then up to even), then both below 4096."""
+    aspect = width / height
+    if width >= height:
+        width = longest
+        height = int(width / aspect)
+        height += height % 2
+    else:
+        height = longest
+        width = int(height * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > _IDEFICS3_MAX_IMAGE_SIZE:
+        width = _IDEFICS3_MAX_IMAGE_SIZE
+        height = int(width / aspect)
+    elif height > width and height > _IDEFICS3_MAX_IMAGE_SIZE:
+        height = _IDEFICS3_MAX_IMAGE_SIZE
+        width = int(height * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def _idefics3_tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
+    """transformers' ``resize_for_vision_encoder``: both edges up to multiples of ``tile``."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
+
+
+def preprocess_idefics3(image: Image.Image, cfg: Idefics3ProcessorConfig) -> tuple[list[np.ndarray], int, int]:
+    """The pixel values of ``image`` as ``Idefics3ImageProcessorPil`` computes them: the tiles (float32 ``[3, tile,
+    tile]``, row by row, then the whole image), and the tile grid's ``(rows, cols)`` ((0, 0): one tile, the whole
+    image, unsplit)."""
+    if cfg.do_convert_rgb:
+        arr = to_rgb_array(image)
+    else:
+        if image.mode != "RGB":
+            raise BadRequestError(f"image of mode {image.mode} needs RGB conversion, which the processor disables")
+        arr = np.asarray(image, dtype=np.uint8)
+    resample = Image.Resampling(cfg.resample)
+
+    def resize(a: np.ndarray, height: int, width: int) -> np.ndarray:
+        return np.asarray(Image.fromarray(a).resize((width, height), resample=resample), dtype=np.uint8)
+
+    if cfg.do_resize:
+        arr = resize(arr, *_idefics3_longest_edge_size(arr.shape[0], arr.shape[1], cfg.longest_edge))
+    t = cfg.tile
+    rows = cols = 0
+    if cfg.do_image_splitting:
+        arr = resize(arr, *_idefics3_tile_multiple_size(arr.shape[0], arr.shape[1], t))
+        height, width = arr.shape[:2]
+        if height > t or width > t:
+            rows, cols = (height - t) // t + 1, (width - t) // t + 1
+            tiles = [arr[r * t:(r + 1) * t, c * t:(c + 1) * t] for r in range(rows) for c in range(cols)]
+            tiles.append(resize(arr, t, t))
+        else:
+            tiles = [arr]
+    else:
+        tiles = [resize(arr, t, t)]
+    out = []
+    for tile in tiles:
+        x: np.ndarray = np.ascontiguousarray(np.moveaxis(tile, -1, 0))  # [3, H, W] uint8
+        if cfg.do_rescale:
+            x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+        if cfg.do_normalize:
+            if not np.issubdtype(x.dtype, np.floating):
+                x = x.astype(np.float32)
+            x = (x - np.asarray(cfg.image_mean, dtype=x.dtype)[:, None, None]) / \
+                np.asarray(cfg.image_std, dtype=x.dtype)[:, None, None]
+        out.append(np.ascontiguousarray(x, dtype=np.float32))
+    return out, rows, cols

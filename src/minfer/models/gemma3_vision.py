@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from minfer.formats.images import ImageProcessorConfig
 from minfer.formats.quants import GGMLType
 from minfer.formats.tensors import WeightTensor
 from minfer.graph.builder import GraphBuilder
-from minfer.graph.ir import AttnMeta, Graph
+from minfer.graph.ir import AttnMeta, Graph, Node
 
 # the HF module paths of the vision side, as the hub's folders (vision_tower.vision_model.*), transformers 5's
 # save_pretrained (vision_tower.*) and its module tree (model.vision_tower.vision_model.*) name them
@@ -120,11 +120,21 @@ class VisionModel:
             raise ModelError(f"{where}: the image processor resizes to {self.processor.height}x{self.processor.width} "
                              f"but the vision tower takes {size}x{size} images")
 
+    # an image's tokens attend to each other both ways in the text model
+    bidirectional = True
+
     def tensor(self, name: str) -> WeightTensor:
         return self.tensors[name]
 
     def build_graph(self, n_images: int) -> Graph:
         return build_vision_graph(self, n_images)
+
+    def image_text(self, token_text: Callable[[int], str], rows: int = 0, cols: int = 0) -> str:
+        """What an image's media marker becomes in the prompt text (Gemma3Processor's ``full_image_sequence``;
+        ``token_text`` gives a token id's text; Gemma 3 does not split images: ``rows`` and ``cols`` are 0)."""
+        hp = self.hparams
+        return ("\n\n" + token_text(hp.boi_token_id) + token_text(hp.image_token_id) * hp.tokens_per_image
+                + token_text(hp.eoi_token_id) + "\n\n")
 
     def pool_rows(self, n_images: int) -> list[np.ndarray]:
         """The ``pool.<i>`` inputs: for each of the k^2 members of a pooling window (in (ky, kx) order), the row of
@@ -142,8 +152,29 @@ def build_vision_graph(model: VisionModel, n_images: int) -> Graph:
     (``[n_images * n_patches, 3 p^2]``), ``patch_positions`` (each patch's index in its image), ``spans`` (each
     patch's image's first row) and ``pool.<i>``."""
     hp = model.hparams
-    n = n_images * hp.n_patches
     b = GraphBuilder()
+    w = lambda name: b.weight(model.tensor(name))  # noqa: E731
+    x = siglip_tower(b, model, n_images)
+    members = [b.get_rows(x, b.input(f"pool.{i}", n_images * hp.tokens_per_image), name=f"mm.pool.{i}")
+               for i in range(hp.pool ** 2)]
+    pooled = members[0]
+    for i, m in enumerate(members[1:], 1):
+        pooled = b.add(pooled, m, name=f"mm.pool.sum{i}")
+    if len(members) > 1:
+        pooled = b.scale(pooled, 1.0 / len(members), name="mm.pool")
+    normed = b.mul(b.rms_norm(pooled, hp.eps, name="mm.soft_emb_norm"), w("mm.soft_emb_norm.weight"),
+                   name="mm.soft_emb_norm.gain")
+    return b.build(b.matmul(normed, w("mm.input_projection.weight"), name="mm.input_projection",
+                            whole_sequences=True))
+
+
+def siglip_tower(b: GraphBuilder, model: Any, n_images: int) -> Node:
+    """The SigLIP tower's output (after ``post_layernorm``), ``[n_images * n_patches, n_embd]``, added to ``b`` from
+    the inputs ``patches`` (``[n_images * n_patches, 3 p^2]``), ``patch_positions`` (each patch's index in its image)
+    and ``spans`` (each patch's image's first row); ``model`` has the ``v.*`` tensors and ``hparams`` with the
+    tower's geometry (Gemma 3's and Idefics3's vision models)."""
+    hp = model.hparams
+    n = n_images * hp.n_patches
     w = lambda name: b.weight(model.tensor(name))  # noqa: E731
     patches = b.input("patches", n, "f32", width=hp.patch_width)
     positions = b.input("patch_positions", n)
@@ -169,18 +200,7 @@ def build_vision_graph(model: VisionModel, n_images: int) -> Graph:
         h = norm(x, p + "ln2", p + "ln2", il)
         up = b.gelu(linear(h, p + "ffn_up", p + "ffn_up", il), name=p + "ffn_gelu", layer=il)
         x = b.add(x, linear(up, p + "ffn_down", p + "ffn_down", il), name=p + "ffn_residual", layer=il)
-    x = norm(x, "v.post_ln", "v.post_ln", None)
-    members = [b.get_rows(x, b.input(f"pool.{i}", n_images * hp.tokens_per_image), name=f"mm.pool.{i}")
-               for i in range(hp.pool ** 2)]
-    pooled = members[0]
-    for i, m in enumerate(members[1:], 1):
-        pooled = b.add(pooled, m, name=f"mm.pool.sum{i}")
-    if len(members) > 1:
-        pooled = b.scale(pooled, 1.0 / len(members), name="mm.pool")
-    normed = b.mul(b.rms_norm(pooled, hp.eps, name="mm.soft_emb_norm"), w("mm.soft_emb_norm.weight"),
-                   name="mm.soft_emb_norm.gain")
-    return b.build(b.matmul(normed, w("mm.input_projection.weight"), name="mm.input_projection",
-                            whole_sequences=True))
+    return norm(x, "v.post_ln", "v.post_ln", None)
 
 
 # -- HF folders ---------------------------------------------------------------------------------------------
@@ -240,18 +260,22 @@ def vision_from_hf(cfg: Mapping[str, Any], text_n_embd: int, tensors: Mapping[st
     return VisionModel(hp, out, where, ImageProcessorConfig.from_hf_folder(folder) if has_processor else None)
 
 
+def tower_engine_name(rest: str) -> str | None:
+    """The engine name of a SigLIP tower tensor named ``rest`` below the tower's module (``encoder.layers.0...``)."""
+    if rest in _TOWER_GLOBAL:
+        return _TOWER_GLOBAL[rest]
+    lm = _TOWER_LAYER.fullmatch(rest)
+    if lm is not None:
+        module, _, kind = lm.group(2).rpartition(".")
+        if module in _TOWER_LAYER_TENSORS and kind in ("weight", "bias"):
+            return f"v.blk.{lm.group(1)}.{_TOWER_LAYER_TENSORS[module]}.{kind}"
+    return None
+
+
 def _engine_name(hf_name: str) -> str | None:
     m = _TOWER.fullmatch(hf_name)
     if m is not None:
-        rest = m.group(1)
-        if rest in _TOWER_GLOBAL:
-            return _TOWER_GLOBAL[rest]
-        lm = _TOWER_LAYER.fullmatch(rest)
-        if lm is not None:
-            module, _, kind = lm.group(2).rpartition(".")
-            if module in _TOWER_LAYER_TENSORS and kind in ("weight", "bias"):
-                return f"v.blk.{lm.group(1)}.{_TOWER_LAYER_TENSORS[module]}.{kind}"
-        return None
+        return tower_engine_name(m.group(1))
     m = _PROJECTOR.fullmatch(hf_name)
     return _PROJECTOR_TENSORS.get(m.group(1)) if m is not None else None
 
@@ -291,11 +315,17 @@ def check_geometry(hp: VisionHParams, where: Path) -> None:
 def _check(hp: VisionHParams, tensors: Mapping[str, WeightTensor], where: Path) -> None:
     """One-line errors for tensors the recipe does not expect (a missing one, a wrong shape, an extra one)."""
     check_geometry(hp, where)
+    expected = {"mm.soft_emb_norm.weight": (hp.n_embd,), "mm.input_projection.weight": (hp.text_n_embd, hp.n_embd)}
+    check_tensors(hp, tensors, expected, where)
+
+
+def check_tensors(hp: Any, tensors: Mapping[str, WeightTensor], projector: Mapping[str, tuple[int, ...]],
+                  where: Path) -> None:
+    """One-line errors unless ``tensors`` are the SigLIP tower's of ``hp`` (``v.*``) and the ``projector``'s shapes."""
     expected = {
         "v.patch_embd.weight": (hp.n_embd, hp.patch_width), "v.patch_embd.bias": (hp.n_embd,),
         "v.position_embd.weight": (hp.n_patches, hp.n_embd), "v.post_ln.weight": (hp.n_embd,),
-        "v.post_ln.bias": (hp.n_embd,), "mm.soft_emb_norm.weight": (hp.n_embd,),
-        "mm.input_projection.weight": (hp.text_n_embd, hp.n_embd),
+        "v.post_ln.bias": (hp.n_embd,), **projector,
     }
     for il in range(hp.n_layer):
         p = f"v.blk.{il}."

@@ -25,9 +25,11 @@ from minfer.errors import FormatError, ModelError
 from minfer.formats.safetensors_file import SAFETENSORS_TYPES, SafetensorsFolder, read_json
 from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import RopeStyle
+from minfer.models import gemma3_vision, idefics3_vision
 from minfer.models.architecture import Architecture, HFArchitecture
-from minfer.models.gemma3_vision import VisionModel, is_vision_tensor, vision_from_hf
+from minfer.models.gemma3_vision import VisionModel
 from minfer.models.hparams import HParams, check_layer_count, hf_field_name, layer_indices
+from minfer.models.idefics3_vision import Idefics3VisionModel
 from minfer.models.registry import architecture_of_model_type
 from minfer.models.rope_scaling import hf_rope_parameters, rope_scaling_from_hf
 
@@ -170,7 +172,7 @@ class HFCheckpoint:
     hparams: HParams
     tensors: dict[str, WeightTensor | ExpertTensors]  # engine names
     origin: dict[str, tuple[str, Path]]  # engine name -> (HF name, file)
-    vision: VisionModel | None = None  # a vision-language folder's vision tower and projector
+    vision: VisionModel | Idefics3VisionModel | None = None  # a vision-language folder's vision tower and projector
 
     metadata_title = "config.json"
     chat_template_field = "tokenizer_config.json chat_template"
@@ -270,7 +272,9 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     assert cfg is not None
     full_cfg = cfg
     vlm = _vision_language_text_config(cfg, cfg_path)
-    if vlm is not None:  # Gemma 3 with its vision tower: the text model is configured by text_config
+    # Gemma 3 / Idefics3 with its vision tower: the text model is configured by text_config
+    vision_module = None if vlm is None else _VISION_MODULES[full_cfg["model_type"]]
+    if vlm is not None:
         cfg = vlm
     arch = get_hf_architecture(cfg, cfg_path)
     spec = arch.hf
@@ -292,7 +296,7 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     for stored_name, info in folder.infos.items():
         hf_name = stored_name
         if vlm is not None:
-            if is_vision_tensor(stored_name):
+            if vision_module.is_vision_tensor(stored_name):  # type: ignore[union-attr]
                 vision_tensors[stored_name] = (folder.tensors[stored_name], info.file)
                 continue
             hf_name = _text_model_name(stored_name)
@@ -342,7 +346,8 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
         for name, t in tensors.items():
             if name.endswith("norm.weight") and len(t.shape) == 1:
                 tensors[name] = _plus_one(t)
-    vision = None if vlm is None else vision_from_hf(full_cfg, hparams.n_embd, vision_tensors, cfg_path)
+    vision = None if vision_module is None else vision_module.vision_from_hf(full_cfg, hparams.n_embd, vision_tensors,
+                                                                             cfg_path)
     return HFCheckpoint(
         directory=directory,
         config=cfg,
@@ -357,8 +362,11 @@ def open_hf_folder(directory: str | os.PathLike[str]) -> HFCheckpoint:
     )
 
 
-# the vision-language classes whose text model minfer runs with its vision tower (models/gemma3_vision.py)
-_VISION_LANGUAGE = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
+# the vision-language classes whose text model minfer runs with its vision tower (models/gemma3_vision.py,
+# models/idefics3_vision.py: SmolVLM)
+_VISION_LANGUAGE = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text"),
+                    "idefics3": ("Idefics3ForConditionalGeneration", "llama")}
+_VISION_MODULES: dict[str, Any] = {"gemma3": gemma3_vision, "idefics3": idefics3_vision}
 
 
 def _vision_language_text_config(cfg: dict[str, Any], where: Path) -> dict[str, Any] | None:
@@ -385,7 +393,7 @@ def _text_model_name(hf_name: str) -> str:
     """A vision-language folder's text tensor under the text model's own name (``model.language_model.layers.0...``
     of transformers >= 4.52 and ``language_model.model.layers.0...`` before it -> ``model.layers.0...``)."""
     for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                       ("language_model.lm_head.", "lm_head.")):
+                       ("language_model.lm_head.", "lm_head."), ("model.text_model.", "model.")):
         if hf_name.startswith(prefix):
             return to + hf_name[len(prefix):]
     return hf_name

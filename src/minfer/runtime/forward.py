@@ -193,7 +193,7 @@ class ForwardRunner:
         if self.model.takes_images:
             inp = plan.inputs
             image_inputs(positions, images, self.model.hparams.n_embd, inp["embd_keep"], inp["embd_image"],
-                         inp["key_ends"])
+                         inp["key_ends"], getattr(getattr(self.model, "vision", None), "bidirectional", True))
         elif images:
             raise BadRequestError(f"{self.model.path} has no vision model: it cannot take images")
         with self.backend.running((n, n_out, hidden)):

@@ -1,5 +1,5 @@
-"""Vision passes: images' pixels through the vision model's graph (:mod:`minfer.models.gemma3_vision`) into the
-text model's image tokens, and where those tokens go in a prompt.
+"""Vision passes: images' pixels through the vision model's graph (:mod:`minfer.models.gemma3_vision`,
+:mod:`minfer.models.idefics3_vision`) into the text model's image tokens, and where those tokens go in a prompt.
 
 A pass runs a batch of images (one plan per image count, kept for reuse); each image's patches are a run of rows
 that attention never leaves (the graph's ``spans``), so an image's tokens are the same bits alone or in a batch.
@@ -20,12 +20,21 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.formats.images import DEFAULT_MAX_PIXELS, ImageProcessorConfig, load_image, patches, preprocess
+from minfer.formats.images import (
+    DEFAULT_MAX_PIXELS,
+    Idefics3ProcessorConfig,
+    ImageProcessorConfig,
+    load_image,
+    patches,
+    preprocess,
+    preprocess_idefics3,
+)
 from minfer.formats.tokenizer import Tokenizer
 from minfer.graph.fusion import fuse
 from minfer.graph.ir import Backend
 from minfer.graph.plan import BufferArena, Plan
 from minfer.models.gemma3_vision import VisionModel
+from minfer.models.idefics3_vision import Idefics3VisionModel
 
 MAX_PLANS = 4
 
@@ -33,7 +42,7 @@ MAX_PLANS = 4
 class VisionRunner:
     """Forward passes of a vision model on a backend: pixels ``[3, H, W]`` -> image tokens ``[T, text n_embd]``."""
 
-    def __init__(self, model: VisionModel, backend: Backend) -> None:
+    def __init__(self, model: VisionModel | Idefics3VisionModel, backend: Backend) -> None:
         self.model = model
         self.backend = backend
         self.arena = BufferArena()
@@ -134,10 +143,11 @@ def whole_images(images: Sequence[PassImage], start: int, n: int, extend: bool) 
 
 
 def image_inputs(positions: np.ndarray, images: Sequence[PassImage], n_embd: int,
-                 keep: np.ndarray, values: np.ndarray, key_ends: np.ndarray) -> None:
+                 keep: np.ndarray, values: np.ndarray, key_ends: np.ndarray, bidirectional: bool = True) -> None:
     """Fill a vision-language plan's ``embd_keep``, ``embd_image`` and ``key_ends`` inputs for a pass whose rows are
     at ``positions``: text rows keep their token's embedding and see keys up to their own position; an image's rows
-    take its tokens and see every key up to the image's last position (its tokens attend to each other both ways)."""
+    take its tokens and, with ``bidirectional`` (Gemma 3), see every key up to the image's last position (its tokens
+    attend to each other both ways), else (Idefics3) keys up to their own position, as text rows."""
     keep.fill(1.0)
     values.fill(0.0)
     key_ends[:] = positions
@@ -153,7 +163,8 @@ def image_inputs(positions: np.ndarray, images: Sequence[PassImage], n_embd: int
             raise BadRequestError("an image's tokens must be at consecutive positions of one pass")
         keep[img.first:end] = 0.0
         values[img.first:end] = img.vectors
-        key_ends[img.first:end] = span[-1]
+        if bidirectional:
+            key_ends[img.first:end] = span[-1]
 
 
 # -- images in chat messages ----------------------------------------------------------------------------------
@@ -262,47 +273,66 @@ def _base64(text: Any, where: str) -> bytes:
 
 class ImagePrompter:
     """A vision-language model's prompts with images: the rendered text's media markers expanded into each image's
-    tokens as the model's processor does (Gemma 3: ``\\n\\n<start_of_image>``, ``tokens_per_image`` placeholders,
-    ``<end_of_image>\\n\\n``), the placeholders given the image's own ids, and the images encoded (each one once:
-    the tokens of the last ``cache_size`` images are kept by a hash of their pixels)."""
+    tokens as the model's processor does (the vision model's ``image_text``: Gemma 3: ``\\n\\n<start_of_image>``,
+    ``tokens_per_image`` placeholders, ``<end_of_image>\\n\\n``; Idefics3: a run of placeholders per tile of the split
+    image, and the whole image's), each run of placeholders given its tile's own ids, and the tiles encoded (each
+    one once: the tokens of the last ``cache_size`` tiles are kept by a hash of their pixels)."""
 
-    def __init__(self, runner: VisionRunner, processor: ImageProcessorConfig, tokenizer: Tokenizer,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, cache_size: int = 32) -> None:
+    def __init__(self, runner: VisionRunner, processor: ImageProcessorConfig | Idefics3ProcessorConfig,
+                 tokenizer: Tokenizer, max_pixels: int = DEFAULT_MAX_PIXELS, cache_size: int = 32) -> None:
         self.runner = runner
         self.processor = processor
         self.tokenizer = tokenizer
         self.max_pixels = max_pixels
-        hp = runner.model.hparams
-        text = tokenizer.token_text
-        self.expansion = ("\n\n" + text(hp.boi_token_id) + text(hp.image_token_id) * hp.tokens_per_image
-                          + text(hp.eoi_token_id) + "\n\n")
         self.cache_size = cache_size
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
 
+    @property
+    def expansion(self) -> str:
+        """What an unsplit image's marker becomes."""
+        return self.runner.model.image_text(self.tokenizer.token_text)
+
     def prompt(self, text: str, images: Sequence[ImageInput]) -> tuple[list[int], list[PassImage]]:
         """The prompt ids of ``text`` (a rendered prompt holding one :data:`MEDIA_MARKER` per image, special tokens
-        included) and where each image's tokens go."""
+        included) and where each tile's tokens go (one :class:`PassImage` per run of placeholders, in order)."""
         pieces = text.split(MEDIA_MARKER)
         if len(pieces) - 1 != len(images):
             raise BadRequestError(f"the prompt holds {len(pieces) - 1} image markers for {len(images)} images "
                                   f"(is {MEDIA_MARKER!r} in a message's text?)")
-        ids = self.tokenizer.encode(self.expansion.join(pieces), add_special=False)
-        hp = self.runner.model.hparams
+        tiles = [self.tiles(img) for img in images]
+        model = self.runner.model
+        expanded = [pieces[0]]
+        for (_, rows, cols), piece in zip(tiles, pieces[1:], strict=True):
+            expanded += [model.image_text(self.tokenizer.token_text, rows, cols), piece]
+        ids = self.tokenizer.encode("".join(expanded), add_special=False)
+        hp = model.hparams
         is_image = np.asarray(ids) == hp.image_token_id
         starts = [i for i in np.flatnonzero(is_image) if i == 0 or not is_image[i - 1]]
         n = hp.tokens_per_image
-        if len(starts) != len(images) or int(is_image.sum()) != n * len(images):
+        n_tiles = sum(len(pixels) for pixels, _, _ in tiles)
+        if len(starts) != n_tiles or int(is_image.sum()) != n * n_tiles:
             raise BadRequestError(f"the prompt's text holds image placeholder tokens of its own "
                                   f"({self.tokenizer.token_text(hp.image_token_id)!r})")
         out = []
-        for start, (digest, vectors) in zip(starts, self.encode(images), strict=True):
+        encoded = self.encode_pixels([p for pixels, _, _ in tiles for p in pixels])
+        for start, (digest, vectors) in zip(starts, encoded, strict=True):
             ids[start:start + n] = [image_token_id(digest)] * n
             out.append(PassImage(int(start), vectors))
         return ids, out
 
+    def tiles(self, image: ImageInput) -> tuple[list[np.ndarray], int, int]:
+        """An image's pixels as the model's processor gives them: its tiles and their grid's (rows, cols)."""
+        decoded = load_image(image.data, image.where, self.max_pixels)
+        if isinstance(self.processor, Idefics3ProcessorConfig):
+            return preprocess_idefics3(decoded, self.processor)
+        return [preprocess(decoded, self.processor)], 0, 0
+
     def encode(self, images: Sequence[ImageInput]) -> list[tuple[bytes, np.ndarray]]:
-        """Each image's pixel hash and tokens, the images not seen lately encoded in one pass."""
-        pixels = [preprocess(load_image(img.data, img.where, self.max_pixels), self.processor) for img in images]
+        """Each image's tiles' pixel hashes and tokens, in order (one per tile: an unsplit image's one)."""
+        return self.encode_pixels([p for img in images for p in self.tiles(img)[0]])
+
+    def encode_pixels(self, pixels: Sequence[np.ndarray]) -> list[tuple[bytes, np.ndarray]]:
+        """Each tile's pixel hash and tokens, the tiles not seen lately encoded in one pass."""
         digests = [hashlib.sha256(p.tobytes()).digest() for p in pixels]
         new = {d: p for d, p in zip(digests, pixels, strict=True) if d not in self._cache}
         if new:
