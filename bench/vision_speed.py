@@ -5,6 +5,23 @@ against llama.cpp's mtmd on the same files". Random weights at real sizes: the v
 Gemma 3 4B's (SigLIP so400m, 896x896 images, 256 tokens per image, projector 1152 -> 2560); the text model is
 2560 wide (so the projector is real) but has 2 layers and the tiny fixture vocabulary (387 tokens).
 
+SmolVLM (``--shape smolvlm-256m``): a random ``Idefics3ForConditionalGeneration`` at SmolVLM-256M-Instruct's shapes:
+the vision tower SigLIP base/16 at 512 (768 wide, 12 layers, 12 heads, ffn 3072), ``scale_factor`` 4 (64 tokens per
+tile), the connector 768 * 16 -> 576; the text model SmolLM2-135M's (576 wide, 30 layers, 9 heads, 3 kv heads, ffn
+1536, rope theta 1e5, tied embeddings) with the SmolVLM fixture's tiny vocabulary (``make_smolvlm_fixture.py``) plus
+the "\\n\\n" piece mtmd looks up and the ``<row_r_col_c>`` tags up to 4 x 4; the processor at SmolVLM's settings
+(``size.longest_edge`` 2048, ``max_image_size.longest_edge`` 512, LANCZOS, splitting on): the 512x512 test image is
+resized to 2048, cut into 4 x 4 tiles plus the whole image, 17 tiles, 1088 image tokens (n_ctx 2048). Both engines
+encode all 17 tiles in ``encode``. ``--shape smolvlm-tiny``: the SmolVLM fixture's shapes (64x64 -> 2 x 2 tiles of
+32 + the whole image), for checking the pairing. The converter is run on the folder with the Hub's
+``text_config.architectures`` (``make_smolvlm_gguf.py``); llama.cpp's prompt gets minfer's text with the media
+marker alone (mtmd writes the tiles' tags, the rows' newlines and the whole image's ``"\\n\\n<fake_token_around_image>
+<global-img>"`` itself); its resize is its own LANCZOS, so its pixels, and logits, differ a little from the
+processor's.
+
+    timeout 1800 /tmp/refenv/bin/python bench/vision_speed.py --make /tmp/vsb-smolvlm --shape smolvlm-256m
+    timeout 3600 .venv/bin/python bench/vision_speed.py --run /tmp/vsb-smolvlm --threads 2 --reps 3 [--rounds 2] [--hf]
+
 Step 1, the files (reference environment: torch, transformers 5.24, Pillow; llama.cpp's own converter)::
 
     timeout 1800 /tmp/refenv/bin/python bench/vision_speed.py --make /tmp/vsb-4b --shape gemma3-4b [--outtype f16]
@@ -134,20 +151,50 @@ def shape_configs(shape: str) -> dict[str, Any]:
             "vision_use_head": False,
         }
         return {"text": text, "vision": vision, "mm_tokens": 256, "init": "scaled"}
-    raise SystemExit(f"unknown shape {shape!r} (tiny, gemma3-4b)")
+    if shape == "smolvlm-tiny":
+        sf = _script("make_smolvlm_fixture")
+        return {"family": "smolvlm", "text": dict(SMOLVLM_TINY_TEXT), "vision": {
+            "image_size": sf.TILE, "patch_size": sf.PATCH, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "intermediate_size": 64, "layer_norm_eps": 1e-6}, "scale_factor": sf.SCALE,
+            "processor": {**sf.PROCESSOR_CONFIG}, "init": "fixture", "n_ctx": N_CTX}
+    if shape == "smolvlm-256m":
+        text = {  # SmolLM2-135M's shape, as HuggingFaceTB/SmolVLM-256M-Instruct's text model
+            "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": SMOLVLM_256M_LAYERS,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 0,
+            "eos_token_id": 1, "pad_token_id": 2}
+        vision = {  # SigLIP base/16 at 512, as SmolVLM-256M's
+            "image_size": 512, "patch_size": 16, "hidden_size": 768, "num_hidden_layers": 12,
+            "num_attention_heads": 12, "intermediate_size": 3072, "layer_norm_eps": 1e-6}
+        processor = {**_script("make_smolvlm_fixture").PROCESSOR_CONFIG,
+                     "size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}}
+        # a 512x512 image: resized to 2048, 4 x 4 tiles + the whole image, 17 x 64 = 1088 image tokens
+        return {"family": "smolvlm", "text": text, "vision": vision, "scale_factor": 4, "processor": processor,
+                "init": "scaled", "n_ctx": 2048}
+    raise SystemExit(f"unknown shape {shape!r} ({', '.join(SHAPES)})")
 
 
-def init_scaled(model: Any, seed: int = 1234) -> None:
+SHAPES = ("tiny", "gemma3-4b", "smolvlm-tiny", "smolvlm-256m")
+SMOLVLM_256M_LAYERS = 30  # SmolLM2-135M's
+SMOLVLM_TINY_TEXT = {  # make_smolvlm_fixture.py's text model
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+
+
+def init_scaled(model: Any, seed: int = 1234, llama_norms: bool = False) -> None:
     """Random weights whose activations stay in range at real widths (HF's initializer_range 0.02): matrices,
     embeddings, convs N(0, 0.02); SigLIP LayerNorm gains 1 + N(0, 0.02); Gemma RMSNorm weights N(0, 0.1)
-    (it multiplies by 1 + w); biases N(0, 0.02)."""
+    (it multiplies by 1 + w), or with ``llama_norms`` (Llama's RMSNorm multiplies by w) 1 + N(0, 0.02); biases
+    N(0, 0.02)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             mean, std = 0.0, 0.02
-            if "layernorm" in name or "layer_norm" in name:
+            if "layernorm" in name or "layer_norm" in name or (llama_norms and "norm" in name
+                                                                  and not name.endswith("bias")):
                 mean = 1.0
             elif "norm" in name and not name.endswith("bias"):
                 std = 0.1
@@ -172,8 +219,116 @@ def make_image(path: Path) -> None:
     im.save(path, format="PNG")
 
 
+def smolvlm_tokenizer(hf: Path, grid: int) -> Any:
+    """The SmolVLM fixture's tokenizer (make_smolvlm_fixture.py), saved to ``hf`` with two additions: the piece
+    "\\n\\n" (byte-level "ĊĊ", merge "Ċ Ċ", at the end of the BPE vocabulary, the special tokens one id up;
+    SmolLM2's vocabulary has it, and mtmd looks it up by its text to write
+    the blank line before the whole image, so without it llama.cpp's prompt would hold an invalid id) and the
+    ``<row_r_col_c>`` tags up to ``grid`` x ``grid``."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    sf = _script("make_smolvlm_fixture")
+    tok = sf.build_tokenizer()
+    tok.save_pretrained(hf)
+    tj = json.loads((hf / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab, merges = tj["model"]["vocab"], tj["model"]["merges"]
+    n = len(vocab)  # the new piece ends the BPE vocabulary; the added tokens after it move up by one
+    vocab["ĊĊ"] = n
+    for a in tj["added_tokens"]:
+        a["id"] += a["id"] >= n
+    merges.append(["Ċ", "Ċ"] if merges and isinstance(merges[0], list) else "Ċ Ċ")
+    (hf / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(hf / "tokenizer.json"), **{
+        k: getattr(tok, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token") if getattr(tok, k)})
+    tags = [f"<row_{r}_col_{c}>" for r in range(1, grid + 1) for c in range(1, grid + 1)]
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in tags
+                    if t not in tok.get_vocab()], special_tokens=True)
+    tok.chat_template = sf.CHAT_TEMPLATE
+    assert tok("\n\n", add_special_tokens=False)["input_ids"] == [n]
+    assert all(len(tok(t, add_special_tokens=False)["input_ids"]) == 1 for t in [*sf.SPECIAL, *tags])
+    return tok
+
+
+def make_smolvlm(out: Path, shape: str, outtype: str, llama_cpp: Path) -> int:
+    """A random ``Idefics3ForConditionalGeneration`` folder at ``shape`` and llama.cpp's two GGUF files of it."""
+    import shutil
+
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, LlamaConfig
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    sf = _script("make_smolvlm_fixture")
+    sg = _script("make_smolvlm_gguf")
+    cfgs = shape_configs(shape)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = out / "hf"
+    if hf.exists():
+        shutil.rmtree(hf)
+    hf.mkdir()
+    t0 = time.perf_counter()
+    proc_cfg = cfgs["processor"]
+    tile = proc_cfg["max_image_size"]["longest_edge"]
+    grid = -(-proc_cfg["size"]["longest_edge"] // tile)
+    tok = smolvlm_tokenizer(hf, grid)
+    t = dict(cfgs["text"])
+    rope_theta = t.pop("rope_theta")
+    text = LlamaConfig(vocab_size=len(tok), rope_theta=rope_theta, **t)
+    vision = Idefics3VisionConfig(**cfgs["vision"])
+    cfg = Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                         scale_factor=cfgs["scale_factor"], image_token_id=tok.convert_tokens_to_ids("<image>"),
+                         tie_word_embeddings=text.tie_word_embeddings)
+    model = Idefics3ForConditionalGeneration(cfg).to(torch.float32)
+    if cfgs["init"] == "fixture":
+        torch.manual_seed(sf.SEED)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                mean, std = 0.0, sf.WEIGHT_STD
+                if name.endswith("bias"):
+                    std = sf.BIAS_STD
+                elif "norm" in name:
+                    mean, std = 1.0, sf.NORM_STD
+                elif "embed_tokens" in name or "position_embedding" in name:
+                    std = sf.EMBED_STD
+                p.copy_(torch.randn(p.shape) * std + mean)
+    else:
+        init_scaled(model, llama_norms=True)
+    model.eval()
+    model.save_pretrained(hf, safe_serialization=True)
+    del model
+    seq_len = (cfgs["vision"]["image_size"] // cfgs["vision"]["patch_size"] // cfgs["scale_factor"]) ** 2
+    proc = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(**proc_cfg), tokenizer=tok,
+                             chat_template=sf.CHAT_TEMPLATE, image_seq_len=seq_len)
+    proc.save_pretrained(hf)
+    proc.image_processor.save_pretrained(hf)
+    # the Hub's text_config.architectures, which the converter's text side keys on (make_smolvlm_gguf.py)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(sg.hub_config(config), indent=1) + "\n")
+    t1 = time.perf_counter()
+    text_gguf, mmproj = out / f"text-{outtype}.gguf", out / f"mmproj-{outtype}.gguf"
+    name = f"smolvlm-{shape}"
+    sg.convert(llama_cpp, hf, text_gguf, "--outtype", outtype, model_name=name)
+    sg.convert(llama_cpp, hf, mmproj, "--outtype", outtype, "--mmproj", model_name=name)
+    t2 = time.perf_counter()
+    make_image(out / IMAGE_NAME)
+    meta = {"shape": shape, "family": "smolvlm", "outtype": outtype, "text_config": cfgs["text"],
+            "vision_config": cfgs["vision"], "scale_factor": cfgs["scale_factor"], "processor": proc_cfg,
+            "tokens_per_tile": seq_len, "init": cfgs["init"], "n_ctx": cfgs["n_ctx"],
+            "hf_seconds": round(t1 - t0, 1), "convert_seconds": round(t2 - t1, 1)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            print(f"{p.relative_to(out)}: {p.stat().st_size / 1e6:.1f} MB")
+    print(f"hf folder {t1 - t0:.1f} s, conversion {t2 - t1:.1f} s")
+    return 0
+
+
 def make(out: Path, shape: str, outtype: str, llama_cpp: Path) -> int:
     import shutil
+
+    if shape.startswith("smolvlm"):
+        return make_smolvlm(out, shape, outtype, llama_cpp)
 
     import torch
     from safetensors.numpy import load_file, save_file
@@ -239,9 +394,9 @@ def make(out: Path, shape: str, outtype: str, llama_cpp: Path) -> int:
     vg.convert(llama_cpp, hf, mmproj, "--outtype", outtype, "--mmproj", *name)
     t2 = time.perf_counter()
     make_image(out / IMAGE_NAME)
-    meta = {"shape": shape, "outtype": outtype, "text_config": cfgs["text"], "vision_config": cfgs["vision"],
-            "mm_tokens_per_image": cfgs["mm_tokens"], "init": cfgs["init"], "hf_seconds": round(t1 - t0, 1),
-            "convert_seconds": round(t2 - t1, 1)}
+    meta = {"shape": shape, "family": "gemma3", "outtype": outtype, "text_config": cfgs["text"],
+            "vision_config": cfgs["vision"], "mm_tokens_per_image": cfgs["mm_tokens"], "init": cfgs["init"],
+            "hf_seconds": round(t1 - t0, 1), "convert_seconds": round(t2 - t1, 1)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     for p in sorted(out.rglob("*")):
         if p.is_file():
@@ -263,28 +418,32 @@ def _type_counts(tensors: dict[str, Any]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def _meta(d: Path) -> dict[str, Any]:
+    return json.loads((d / "meta.json").read_text()) if (d / "meta.json").is_file() else {}
+
+
 def worker_minfer(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     import minfer
-    from minfer.formats.images import load_image, preprocess
     from minfer.runtime.vision import ImageInput, extract_images
 
     d = Path(args.dir)
     image = d / IMAGE_NAME
+    n_ctx = _meta(d).get("n_ctx", N_CTX)
     t0 = time.perf_counter()
     if args.source == "hf":
-        m = minfer.load(str(d / "hf"), threads=args.threads, n_ctx=N_CTX)
+        m = minfer.load(str(d / "hf"), threads=args.threads, n_ctx=n_ctx)
     else:
         m = minfer.load(str(d / f"text-{args.outtype}.gguf"), mmproj=str(d / f"mmproj-{args.outtype}.gguf"),
-                        threads=args.threads, n_ctx=N_CTX)
+                        threads=args.threads, n_ctx=n_ctx)
     load_s = time.perf_counter() - t0
     assert m.images is not None
     prompter, runner = m.images, m.images.runner
     data = image.read_bytes()
 
-    def pixels() -> np.ndarray:
-        return preprocess(load_image(data, str(image), prompter.max_pixels), prompter.processor)
+    def pixels() -> list[np.ndarray]:  # the tiles (Gemma 3: the one image)
+        return prompter.tiles(ImageInput(data, str(image)))[0]
 
     pre = []
     for _ in range(args.reps + 1):
@@ -292,12 +451,12 @@ def worker_minfer(args: argparse.Namespace) -> dict[str, Any]:
         px = pixels()
         pre.append(time.perf_counter() - t)
     t = time.perf_counter()
-    runner.encode([px])
+    runner.encode(px)
     first_encode = time.perf_counter() - t
     enc = []
     for _ in range(args.reps):
         t = time.perf_counter()
-        runner.encode([px])
+        runner.encode(px)
         enc.append(time.perf_counter() - t)
 
     messages = [{"role": "user", "content": [{"type": "image", "path": str(image)},
@@ -319,7 +478,7 @@ def worker_minfer(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         reply = m.chat(messages, max_tokens=1, temperature=0)
         dt = time.perf_counter() - t
-        if runner.images_encoded != before + 1 or reused[n_take:] != [0]:
+        if runner.images_encoded != before + len(px) or reused[n_take:] != [0]:
             raise SystemExit(f"minfer reused work: images encoded {runner.images_encoded - before}, cached prompt "
                              f"tokens {reused[n_take:]}")
         return dt, reply
@@ -337,7 +496,7 @@ def worker_minfer(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "engine": f"minfer ({args.source})", "load": load_s, "preprocess": pre[1:], "first_preprocess": pre[0],
         "encode": enc, "first_encode": first_encode, "ttft": ttft, "first_ttft": first_ttft,
-        "prompt_text": prompt, "ids": ids_marked, "reply": reply, "n_prompt": len(ids),
+        "prompt_text": prompt, "ids": ids_marked, "reply": reply, "n_prompt": len(ids), "n_tiles": len(px),
         "weights": {"text (held)": _type_counts(m.transformer.tensors), "vision (held)": _type_counts(vision.tensors)},
         "kernels": os.environ.get("MINFER_KERNELS", "fast (default)"),
     }
@@ -354,9 +513,14 @@ def worker_llama(args: argparse.Namespace) -> dict[str, Any]:
     image = str(d / IMAGE_NAME).encode()
     prompt = Path(args.prompt_file).read_text(encoding="utf-8")
     marker = mtmd.mtmd_default_marker().decode()
-    text = prompt.replace("<__media__>", "\n\n" + marker + "\n\n")
+    meta = _meta(d)
+    if meta.get("family", "gemma3") == "gemma3":
+        text = prompt.replace("<__media__>", "\n\n" + marker + "\n\n")
+    else:  # SmolVLM: mtmd writes the tiles' tags, the rows' "\n" and the whole image's "\n\n<fake><global-img>"
+        text = prompt.replace("<__media__>", marker)
+    n_ctx = meta.get("n_ctx", N_CTX)
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(str(d / f"text-{args.outtype}.gguf"), n_ctx=N_CTX, n_threads=args.threads,
+    llm = llama_cpp.Llama(str(d / f"text-{args.outtype}.gguf"), n_ctx=n_ctx, n_threads=args.threads,
                           n_threads_batch=args.threads, n_batch=512, n_ubatch=512, verbose=False)
     p = mtmd.mtmd_context_params_default()
     p.use_gpu = False
@@ -387,12 +551,12 @@ def worker_llama(args: argparse.Namespace) -> dict[str, Any]:
         mtmd.mtmd_input_chunks_free(chunks)
         mtmd.mtmd_bitmap_free(bitmap)
 
-    def image_chunk(chunks: Any) -> Any:
-        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
-            c = mtmd.mtmd_input_chunks_get(chunks, i)
-            if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                return c
-        raise SystemExit("no image chunk")
+    def image_chunks(chunks: Any) -> list[Any]:  # one per tile (SmolVLM) or the one image (Gemma 3)
+        out = [c for c in (mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks)))
+               if mtmd.mtmd_input_chunk_get_type(c) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE]
+        if not out:
+            raise SystemExit("no image chunk")
+        return out
 
     pre = []
     for _ in range(args.reps + 1):
@@ -401,12 +565,13 @@ def worker_llama(args: argparse.Namespace) -> dict[str, Any]:
         pre.append(time.perf_counter() - t)
         free(bitmap, chunks)
     bitmap, chunks = tokenize()
-    chunk = image_chunk(chunks)
+    tiles = image_chunks(chunks)
     enc = []
     for _ in range(args.reps + 1):
         t = time.perf_counter()
-        if mtmd.mtmd_encode_chunk(ctx, chunk) != 0:
-            raise SystemExit("mtmd_encode_chunk failed")
+        for chunk in tiles:
+            if mtmd.mtmd_encode_chunk(ctx, chunk) != 0:
+                raise SystemExit("mtmd_encode_chunk failed")
         enc.append(time.perf_counter() - t)
     # the prompt's ids (-1 on the image's positions), to compare with minfer's
     ids: list[int] = []
@@ -444,7 +609,8 @@ def worker_llama(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "engine": "llama.cpp", "load": load_s, "preprocess": pre[1:], "first_preprocess": pre[0],
         "encode": enc[1:], "first_encode": enc[0], "ttft": ttft, "first_ttft": first_ttft, "ids": ids,
-        "n_prompt": len(ids), "reply": llm.detokenize([int(np.argmax(logits))]).decode("utf-8", "replace"),
+        "n_prompt": len(ids), "n_tiles": len(tiles),
+        "reply": llm.detokenize([int(np.argmax(logits))]).decode("utf-8", "replace"),
         "system_info": llama_cpp.llama_print_system_info().decode(),
         "version": llama_cpp.__version__,
     }
@@ -499,7 +665,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     d = Path(args.run)
-    meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").is_file() else {}
+    meta = _meta(d)
     log = d / "run.log"
     log.write_text("")
     engines = ["minfer-gguf", "llama"] + (["minfer-hf"] if args.hf else [])
@@ -542,8 +708,8 @@ def run(args: argparse.Namespace) -> int:
     ll = np.load(d / "logits_llama.npy")
     print()
     print(f"vision_speed: shape {meta.get('shape', '?')}, threads {args.threads}, reps {args.reps} x rounds "
-          f"{args.rounds} (times pooled), image {IMAGE_NAME} 512x512, prompt {m0['n_prompt']} tokens "
-          f"(llama.cpp {l0['n_prompt']})")
+          f"{args.rounds} (times pooled), image {IMAGE_NAME} 512x512 ({m0.get('n_tiles', 1)} tiles; llama.cpp "
+          f"{l0.get('n_tiles', 1)}), prompt {m0['n_prompt']} tokens (llama.cpp {l0['n_prompt']})")
     print(f"CPU: {cpu_summary()}")
     print(f"llama.cpp {l0['version']} system_info: {l0['system_info'].strip()}")
     print(f"minfer kernels: {m0['kernels']}")
@@ -574,7 +740,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--make", type=Path, metavar="DIR", help="write the model files and test image to DIR")
-    ap.add_argument("--shape", choices=["tiny", "gemma3-4b"], default="gemma3-4b")
+    ap.add_argument("--shape", choices=SHAPES, default="gemma3-4b")
     ap.add_argument("--outtype", choices=["f16", "f32"], default="f16", help="GGUF weight type (both files)")
     ap.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP, help="the sdist's vendor/llama.cpp (converter)")
     ap.add_argument("--run", type=Path, metavar="DIR", help="measure both engines on DIR's files")

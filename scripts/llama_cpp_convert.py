@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: args.pre
     base.ModelBase.load_hparams = staticmethod(
-        lambda folder, mistral=False: json.loads((Path(folder) / "config.json").read_text()))
+        lambda folder, mistral=False, **_: json.loads((Path(folder) / "config.json").read_text()))
     import convert_hf_to_gguf
 
     sys.argv = ["convert_hf_to_gguf.py", *rest]

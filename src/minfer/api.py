@@ -563,9 +563,9 @@ def load(
     ``lora_merge=True`` adds them into the (float) weights at load instead, at no cost per token;
     ``lora_init_without_apply=True`` loads them with scale 0.
 
-    Images (a vision-language model: Gemma 3 from an HF folder, or its text GGUF with ``mmproj``, llama.cpp's file of
-    its vision tower and projector): image parts in :meth:`Model.chat`'s messages (``{"type": "image", "path": ...}``,
-    OpenAI's ``image_url`` with a ``data:`` URL).
+    Images (a vision-language model, Gemma 3 or SmolVLM: an HF folder, or the text GGUF with ``mmproj``, llama.cpp's
+    file of its vision tower and projector): image parts in :meth:`Model.chat`'s messages
+    (``{"type": "image", "path": ...}``, OpenAI's ``image_url`` with a ``data:`` URL).
     """
     resolved = resolve_model(path)
     if is_encoder_checkpoint(resolved):

@@ -34,6 +34,7 @@ from minfer.errors import MinferError
 from minfer.runtime.chat import ChatDelta, ChatMessage, ChatOutputParser, ChatPlan, MessageBuilder, plan_chat
 from minfer.runtime.requests import Failed, Finished, Started, Token
 from minfer.runtime.sampling import TokenLogprob
+from minfer.runtime.vision import PassImage
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError, api_error, cancelled_error
 from minfer.server.jobs import Job
@@ -122,8 +123,12 @@ class ChatTurn:
                 return plan.constraint(model.tokenizer)
 
         prompt = plan.prompt + prefill
-        ids = await ctx.off_loop(model.tokenize, prompt, False, size=len(prompt))  # the template writes BOS itself
-        job = ctx.submit([ids], params, constraint=constraint)
+        placed: list[PassImage] = []
+        if req.images:  # each image's marker in the rendered prompt becomes its tokens (n choices: all see them)
+            ids, placed = await ctx.image_prompt(prompt, req.images)
+        else:
+            ids = await ctx.off_loop(model.tokenize, prompt, False, size=len(prompt))  # the template writes BOS
+        job = ctx.submit([ids], params, constraint=constraint, images=placed)
         return cls(ctx, req, plan, ids, job)
 
     def usage(self) -> dict[str, object]:

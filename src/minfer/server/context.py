@@ -21,11 +21,13 @@ from minfer.runtime.engine_loop import EngineLoop, QueueFullError
 from minfer.runtime.pooling import Pooling
 from minfer.runtime.requests import EmbeddingRequest, Event, Failed, GenerationRequest
 from minfer.runtime.speculative import resolve as resolve_speculative
+from minfer.runtime.vision import ImageInput, PassImage
 from minfer.server.access_log import note_job
 from minfer.server.errors import ApiError, api_error, cancelled_error, internal_error
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.json_body import parse_body
 from minfer.server.metrics import ServerMetrics
+from minfer.server.protocols.images import image_error_param
 from minfer.server.protocols.openai import GenerationParams
 from minfer.server.timings import timings
 
@@ -65,6 +67,7 @@ class ServerContext:
     loop: asyncio.AbstractEventLoop | None = None  # set at the app's startup
     parser_pool: Any = None  # the helper process of read_json, started by the first very large body
     _max_token_bytes: int = 0
+    # one image prompt at a time: the vision runner's plans and the image cache are not for two threads at once
 
     @classmethod
     def create(cls, model: Model, engine_loop: EngineLoop, config: ServerConfig, created: int) -> ServerContext:
@@ -131,13 +134,39 @@ class ServerContext:
         self.check_text_fits([text], param)
         return await self.off_loop(self.model.tokenize, text, add_special, size=len(text))
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model has a vision model (an HF vision-language folder, or a GGUF with ``--mmproj``)."""
+        return self.model.images is not None
+
+    async def image_prompt(self, text: str, images: Sequence[ImageInput],
+                           param: str = "messages") -> tuple[list[int], list[PassImage]]:
+        """The prompt ids of ``text`` (a rendered prompt, one media marker per image, special tokens included)
+        and where each image's tokens go (:meth:`minfer.api.Model.image_prompt`), on the engine's thread between
+        two steps: the vision passes share the backend (its kernels' threads, the thread governor) with the
+        engine's, so they never run beside one (llama-server encodes images on its one loop too). A 400 naming
+        the image's field for a bad image, or when the model takes no images; ``param``: the field named when no
+        image is to blame (a marker count that does not match)."""
+        if not self.takes_images:
+            where = images[0].where if images else param
+            raise ApiError(f"{where}: this model ({self.config.model_id}) takes no images: it has no vision model "
+                           "(serve a vision-language model, or a GGUF with --mmproj FILE)", param=where,
+                           code="images_not_supported")
+        self.check_text_fits([text], param)
+
+        try:
+            return await asyncio.wrap_future(self.engine_loop.call(lambda: self.model.image_prompt(text, images)))
+        except BadRequestError as e:
+            raise ApiError(str(e), param=image_error_param(str(e), images, param)) from None
+
     def submit(self, prompts: Sequence[list[int]], params: GenerationParams,
                constraint: Callable[[], Any] | None = None, *, ignore_eos: bool = False,
-               reuse_prefix: bool = True) -> Job:
+               reuse_prefix: bool = True, images: Sequence[PassImage] = ()) -> Job:
         """Queue ``params.n`` sequences per prompt; the job's queue receives their events. ``constraint``
         makes each sequence's constraint (default: from ``params.grammar`` / ``params.json_schema``);
         ``ignore_eos``: end-of-generation tokens do not stop them; ``reuse_prefix=False``: no cached prefix
-        is reused."""
+        is reused; ``images``: where images' tokens go in the prompt (one prompt then: every sequence sees
+        them)."""
         self.pump.loop = asyncio.get_running_loop()  # the loop exists only once the server runs
         job = Job(self.pump)
         note_job(job, sum(len(p) for p in prompts) * params.n)
@@ -155,6 +184,8 @@ class ServerContext:
                 lora = model.request_lora(params.lora)
             except BadRequestError as e:
                 raise ApiError(str(e), param="lora") from None
+            if images and len(prompts) != 1:
+                raise ApiError("images go with one prompt, not several", param="prompt")
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
                     index = len(job.choices)
@@ -168,7 +199,7 @@ class ServerContext:
                                                           constraint=c,
                                                           stop_ids=frozenset() if ignore_eos else None,
                                                           reuse_prefix=reuse_prefix, speculative=speculative,
-                                                          lora=lora))
+                                                          lora=lora, images=images))
             self.engine_loop.submit(job.requests)
         except QueueFullError as e:
             raise ApiError(str(e), status=429, type="rate_limit_error", code="queue_full",

@@ -6,7 +6,7 @@ const CURRENT = "minfer.current";
 const SETTINGS = "minfer.settings";
 
 const $ = (id) => document.getElementById(id);
-const state = {conversations: [], current: null, controller: null, modelId: null};
+const state = {conversations: [], current: null, controller: null, modelId: null, vision: false, pending: []};
 
 // ---------------------------------------------------------------------------------------------------
 // storage
@@ -112,7 +112,8 @@ function messageArticle(c, m, i) {
     actions.append(regen, copy, inspect);
     art.append(actions);
   } else {
-    body.textContent = m.content;
+    for (const url of m.images || []) body.append(el("img", {class: "thumbnail", src: url, alt: "image sent"}));
+    body.append(document.createTextNode(m.content));
     const edit = el("button", {type: "button"}, "Edit");
     edit.addEventListener("click", () => startEdit(art, i));
     art.append(el("div", {class: "actions"}, edit));
@@ -140,8 +141,9 @@ function startEdit(art, i) {
   resend.addEventListener("click", () => {
     const text = area.value.trim();
     if (!text) return;
+    const images = c.messages[i].images;
     c.messages = c.messages.slice(0, i);
-    c.messages.push({role: "user", content: text});
+    c.messages.push(images ? {role: "user", content: text, images} : {role: "user", content: text});
     save(); render(); answer(c);
   });
   cancel.addEventListener("click", render);
@@ -166,7 +168,14 @@ function requestBody(c) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({role: "system", content: system});
-  for (const m of c.messages) if (!m.error || m.content) messages.push({role: m.role, content: m.content});
+  for (const m of c.messages) {
+    if (m.error && !m.content) continue;
+    // a message's images go before its text, as OpenAI image_url parts (data: URLs)
+    const content = m.images && m.images.length
+      ? [...m.images.map((url) => ({type: "image_url", image_url: {url}})), {type: "text", text: m.content}]
+      : m.content;
+    messages.push({role: m.role, content});
+  }
   const body = {messages, stream: true, stream_options: {include_usage: true}};
   if (state.modelId) body.model = state.modelId;
   const number = (id, name, int) => {
@@ -285,10 +294,37 @@ function send() {
   const text = $("message").value.trim();
   if (!text) return;
   const c = conversation() || newConversation();
-  c.messages.push({role: "user", content: text});
+  const m = {role: "user", content: text};
+  if (state.pending.length) m.images = state.pending;
+  c.messages.push(m);
+  state.pending = [];
+  renderAttachments();
   if (c.title === "New chat") c.title = text.slice(0, 48);
   $("message").value = "";
-  save(); render(); answer(c);
+  try { save(); } catch (e) { $("status").textContent = "this conversation is too large to keep in the browser: " + e.message; }
+  render(); answer(c);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// images (a vision model: /props says so), attached with the button or pasted, sent as data: URLs
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.textContent = "";
+  state.pending.forEach((url, i) => {
+    const remove = el("button", {type: "button", "aria-label": "Remove image " + (i + 1)}, "×");
+    remove.addEventListener("click", () => { state.pending.splice(i, 1); renderAttachments(); });
+    box.append(el("span", {class: "attachment"}, el("img", {class: "thumbnail", src: url, alt: "image " + (i + 1)}), remove));
+  });
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.addEventListener("load", () => { state.pending.push(reader.result); renderAttachments(); });
+    reader.readAsDataURL(file);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -303,6 +339,15 @@ async function start() {
   $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
   $("new-chat").addEventListener("click", () => { if (!state.controller) { newConversation(); render(); $("message").focus(); } });
   for (const id of ["system", "temperature", "top-p", "max-tokens", "json-schema"]) $(id).addEventListener("change", saveSettings);
+  $("image-input").addEventListener("change", (e) => { attach(e.target.files); e.target.value = ""; });
+  $("message").addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])].filter((f) => f.type.startsWith("image/"));
+    if (state.vision && files.length) { e.preventDefault(); attach(files); }
+  });
+  apiJSON("/props").then((props) => {
+    state.vision = Boolean(props.modalities && props.modalities.vision);
+    $("attach").hidden = !state.vision;
+  }).catch(() => {});
   try {
     const models = await apiJSON("/v1/models");
     if (models.data && models.data.length) {

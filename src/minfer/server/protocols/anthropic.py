@@ -1,9 +1,9 @@
 """Anthropic's Messages API (``POST /v1/messages``) translated to and from the chat request the engine runs.
 
-The request side turns ``system`` (a string or text blocks), ``messages`` (text, ``tool_use`` and
-``tool_result`` blocks), ``tools`` (``input_schema``) and ``tool_choice`` (``auto`` / ``any`` / ``tool`` /
-``none``) into an OpenAI chat-completions body for :func:`minfer.server.protocols.openai.parse_chat`; every field
-is checked here first so a 400 names it as the caller wrote it (``messages[1].content[0].tool_use_id``).
+The request side turns ``system`` (a string or text blocks), ``messages`` (text, ``image`` (base64 sources),
+``tool_use`` and ``tool_result`` blocks), ``tools`` (``input_schema``) and ``tool_choice`` (``auto`` / ``any`` /
+``tool`` / ``none``) into an OpenAI chat-completions body for :func:`minfer.server.protocols.openai.parse_chat`;
+every field is checked here first so a 400 names it as the caller wrote it (``messages[1].content[0].tool_use_id``).
 A ``tool_result`` block becomes a ``tool`` message, a ``tool_use`` block an assistant ``tool_calls``
 entry. A last ``assistant`` message is a prefill: the reply continues it (and does not repeat it).
 
@@ -22,7 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from minfer.runtime.vision import ImageInput
 from minfer.server.errors import ApiError
+from minfer.server.protocols.images import MEDIA_MARKER, image_from_part
 from minfer.server.protocols.openai import ChatRequest
 from minfer.server.translated_chat import parse_translated_chat
 
@@ -56,8 +58,9 @@ def _text_blocks(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _messages(value: Any) -> tuple[list[tuple[dict[str, Any], str]], str]:
-    """The chat messages (each with the path it came from) and the assistant prefill, if any."""
+def _messages(value: Any, images: list[ImageInput]) -> tuple[list[tuple[dict[str, Any], str]], str]:
+    """The chat messages (each with the path it came from) and the assistant prefill, if any; the image blocks'
+    images are added to ``images`` in order, each one's place in its message's text a media marker."""
     if not isinstance(value, list) or not value:
         raise _err("must be a non-empty list of messages", "messages")
     out: list[tuple[dict[str, Any], str]] = []
@@ -112,7 +115,12 @@ def _messages(value: Any) -> tuple[list[tuple[dict[str, Any], str]], str]:
             elif kind in ("tool_use", "tool_result"):
                 raise _err(f"{kind} blocks belong in {'assistant' if kind == 'tool_use' else 'user'} messages",
                            f"{at}.type")
-            elif kind in ("image", "document", "search_result"):
+            elif kind == "image" and role == "user":
+                images.append(image_from_part(block, at))  # (a "url" source: refused, never fetched)
+                text.append(MEDIA_MARKER)
+            elif kind == "image":
+                raise _err("image blocks belong in user messages", f"{at}.type")
+            elif kind in ("document", "search_result"):
                 raise _err(f"content blocks of type {kind!r} are not supported by this server", f"{at}.type")
             else:
                 raise _err(f"'type' must be 'text', 'tool_use' or 'tool_result', got {kind!r}", f"{at}.type")
@@ -213,7 +221,8 @@ def parse_messages(body: Any, count_only: bool = False) -> MessagesRequest:
         raise _err(f"must be an integer >= 1, got {max_tokens!r}", "max_tokens")
     if body.get("messages") is None:
         raise _err("is required", "messages")
-    messages, prefill = _messages(body["messages"])
+    images: list[ImageInput] = []
+    messages, prefill = _messages(body["messages"], images)
     if body.get("system") is not None:
         messages.insert(0, ({"role": "system", "content": _text_blocks(body["system"], "system")}, "system"))
     stop = body.get("stop_sequences")
@@ -244,6 +253,7 @@ def parse_messages(body: Any, count_only: bool = False) -> MessagesRequest:
     chat_request = parse_translated_chat(chat, [where for _, where in messages], schema_field="input_schema",
                                          messages_field="messages",
                                          renames={"stop": "stop_sequences", "response_format": "output_config.format"})
+    chat_request.images = images
     return MessagesRequest(chat_request, prefill)
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from minfer.runtime.vision import PassImage
 from minfer.server.errors import ApiError
 from minfer.server.protocols.openai import GenerationParams, parse_completion
 
@@ -36,6 +37,7 @@ class NativeRequest:
     return_tokens: bool
     timings_per_token: bool
     id_slot: int
+    images: list[PassImage] = field(default_factory=list)  # where multimodal_data's images go in prompts[0]
 
 
 @dataclass

@@ -16,7 +16,8 @@ an error found there is renamed to the field the caller sent (``options.temperat
   and the template's ``enable_thinking`` (and ``reasoning_effort``) variables are set.
 - ``tool_choice`` and ``parallel_tool_calls`` (OpenAI's values) are minfer's own additions: ollama has no way to
   ask for a call.
-- ``images``: a 400 naming the field (no model minfer serves reads images yet).
+- ``images``: base64 images, put before their message's text (``/api/chat``) or the prompt (``/api/generate``,
+  not with ``raw``), as ollama renders them; a model without vision answers a 400 naming the field.
 - ``keep_alive``: checked (a number of seconds or a duration such as ``"5m"``); with one model per server
   nothing is unloaded.
 
@@ -36,7 +37,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from minfer.runtime.chat import ChatMessage
+from minfer.runtime.vision import ImageInput
 from minfer.server.errors import ApiError
+from minfer.server.protocols.images import MEDIA_MARKER, image_from_base64
 from minfer.server.protocols.openai import ChatRequest, CompletionRequest, parse_completion
 from minfer.server.translated_chat import parse_translated_chat
 
@@ -186,9 +189,14 @@ def _think(value: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     raise _err(f"must be true, false, \"low\", \"medium\" or \"high\", got {value!r}", "think")
 
 
-def _no_images(value: Any, where: str) -> None:
-    if value:
-        raise _err("this model has no vision: it cannot read images", where)
+def _images(value: Any, where: str) -> list[ImageInput]:
+    """A message's (or a prompt's) ``images``: base64 strings (a model without vision refuses them when the
+    turn starts, naming the first)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _err("must be a list of base64-encoded images", where)
+    return [image_from_base64(v, f"{where}[{k}]") for k, v in enumerate(value)]
 
 
 def _common(body: Mapping[str, Any], slot_context: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -219,14 +227,20 @@ def parse_ollama_chat(body: Any, slot_context: int) -> OllamaRequest:
     if not isinstance(messages, list) or not messages:
         raise _err("must be a non-empty list of messages", "messages")
     out: list[dict[str, Any]] = []
+    images: list[ImageInput] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, Mapping):
             raise _err("must be an object with 'role' and 'content'", where)
-        _no_images(m.get("images"), f"{where}.images")
+        mine = _images(m.get("images"), f"{where}.images")
         msg = {k: m[k] for k in ("role", "content") if k in m}
         if m.get("content") is None and not m.get("tool_calls"):
             msg["content"] = ""  # ollama lets a message leave out its content
+        if mine:  # before the message's text, as ollama puts them
+            if not isinstance(msg.get("content"), str):
+                raise _err("must be a string when the message has images", f"{where}.content")
+            msg["content"] = MEDIA_MARKER * len(mine) + msg["content"]
+            images += mine
         if isinstance(m.get("thinking"), str) and m["thinking"]:
             msg["reasoning_content"] = m["thinking"]
         if m.get("tool_calls") is not None:
@@ -247,6 +261,7 @@ def parse_ollama_chat(body: Any, slot_context: int) -> OllamaRequest:
         chat["chat_template_kwargs"] = variables
     req = parse_translated_chat(chat, [f"messages[{i}]" for i in range(len(out))], schema_field="parameters",
                                 messages_field="messages", renames=renames)
+    req.images = images
     return OllamaRequest(model, stream, received, chat=req)
 
 
@@ -270,12 +285,14 @@ def parse_ollama_generate(body: Any, slot_context: int) -> OllamaRequest:
     if body.get("context"):
         raise _err("the deprecated token context of an earlier answer is not supported (send the conversation "
                    "to /api/chat)", "context")
-    _no_images(body.get("images"), "images")
+    images = _images(body.get("images"), "images")
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _err(f"must be true or false, got {raw!r}", "raw")
     fields, renames = _common(body, slot_context)
     if raw:
+        if images:
+            raise _err("images need the chat template, which raw leaves out (send them without raw)", "images")
         if body.get("system"):
             raise _err("a system prompt needs the chat template, which raw leaves out", "system")
         try:
@@ -285,7 +302,7 @@ def parse_ollama_generate(body: Any, slot_context: int) -> OllamaRequest:
             raise _renamed(e, renames) from None
         return OllamaRequest(model, stream, received, completion=completion, want_context=True)
     messages = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + \
-        [{"role": "user", "content": prompt}]
+        [{"role": "user", "content": MEDIA_MARKER * len(images) + prompt}]  # the images before the text
     think_fields, variables = _think(body.get("think"))
     chat: dict[str, Any] = {"model": _served(model), "messages": messages, "stream": stream, **fields,
                             **think_fields}
@@ -293,6 +310,7 @@ def parse_ollama_generate(body: Any, slot_context: int) -> OllamaRequest:
         chat["chat_template_kwargs"] = variables
     origins = (["system"] if body.get("system") else []) + ["prompt"]
     req = parse_translated_chat(chat, origins, schema_field="parameters", messages_field="prompt", renames=renames)
+    req.images = images
     return OllamaRequest(model, stream, received, chat=req, want_context=True)
 
 

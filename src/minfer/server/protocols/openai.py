@@ -27,6 +27,7 @@ from minfer.runtime.chat import (
 from minfer.runtime.sampling.params import PARAMS
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative import resolve as resolve_speculative
+from minfer.runtime.vision import ImageInput, extract_images
 from minfer.server.errors import ApiError
 from minfer.server.json_body import INT64
 
@@ -63,6 +64,8 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     params: GenerationParams
     options: ChatOptions = field(default_factory=ChatOptions)
+    # the images of the messages, in order: each one's place in a message's text is a MEDIA_MARKER
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass
@@ -280,12 +283,13 @@ def parse_chat(body: Any) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list of messages", param="messages")
     try:
+        messages, images = extract_images(messages, allow_paths=False)  # (never a file of the server's)
         out = check_messages(messages)
     except BadRequestError as e:
         raise ApiError(str(e), param=_field_of(str(e))) from None
     if r.body.get("functions"):
         raise ApiError("'functions' is not supported by this server (use 'tools')", param="functions")
-    return ChatRequest(out, _generation_params(r, None, chat=True), chat_options(r.body))
+    return ChatRequest(out, _generation_params(r, None, chat=True), chat_options(r.body), images)
 
 
 def chat_options(body: Mapping[str, Any]) -> ChatOptions:

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minfer.runtime.sampling.params import PARAMS
+from minfer.runtime.vision import ImageInput
 from minfer.server.errors import ApiError
+from minfer.server.protocols.images import MEDIA_MARKER, image_from_part
 from minfer.server.protocols.openai import ChatRequest
 from minfer.server.translated_chat import parse_translated_chat
 
@@ -49,8 +51,9 @@ def _err(message: str, param: str) -> ApiError:
     return ApiError(f"{param}: {message}", param=param)
 
 
-def _text_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
-    """A message's content: a string, or a list of text parts of the given ``kinds``."""
+def _text_parts(content: Any, where: str, kinds: tuple[str, ...], images: list[ImageInput] | None = None) -> str:
+    """A message's content: a string, or a list of text parts of the given ``kinds``; with ``images``, also
+    ``input_image`` parts (a data: URL), added there in order, each one's place in the text a media marker."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -61,6 +64,10 @@ def _text_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
         if not isinstance(part, Mapping):
             raise _err("must be an object with a 'type'", p)
         kind = part.get("type")
+        if kind == "input_image" and images is not None:
+            images.append(image_from_part(part, p))
+            out.append(MEDIA_MARKER)
+            continue
         if kind not in kinds:
             unsupported = kind in ("input_image", "input_file", "input_audio")
             raise _err(f"content parts of type {kind!r} are not supported by this server" if unsupported
@@ -72,8 +79,9 @@ def _text_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
     return "".join(out)
 
 
-def _input_messages(value: Any) -> list[tuple[dict[str, Any], str]]:
-    """``input`` as chat messages, each with the path of the item it came from."""
+def _input_messages(value: Any, images: list[ImageInput]) -> list[tuple[dict[str, Any], str]]:
+    """``input`` as chat messages, each with the path of the item it came from (the user messages' images added
+    to ``images``)."""
     if isinstance(value, str):
         return [({"role": "user", "content": value}, "input")]
     if not isinstance(value, list) or not value:
@@ -93,7 +101,7 @@ def _input_messages(value: Any) -> list[tuple[dict[str, Any], str]]:
             if item.get("content") is None:
                 raise _err("'content' is required", f"{where}.content")
             kinds = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text",)
-            text = _text_parts(item["content"], f"{where}.content", kinds)
+            text = _text_parts(item["content"], f"{where}.content", kinds, images if role == "user" else None)
             out.append(({"role": "system" if role == "developer" else role, "content": text}, where))
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
@@ -212,7 +220,8 @@ def parse_responses(body: Any) -> ResponsesRequest:
                    "conversation")
     if body.get("input") is None:
         raise _err("is required", "input")
-    messages = _input_messages(body["input"])
+    images: list[ImageInput] = []
+    messages = _input_messages(body["input"], images)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -244,6 +253,7 @@ def parse_responses(body: Any) -> ResponsesRequest:
     origins = [where for _, where in messages]
     chat_request = parse_translated_chat(chat, origins, schema_field="parameters", messages_field="input",
                                          renames={"max_tokens": "max_output_tokens", "response_format": "text.format"})
+    chat_request.images = images
     return ResponsesRequest(chat_request, body, tools, choice_echo, parallel, text)
 
 

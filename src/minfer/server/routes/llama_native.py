@@ -10,7 +10,7 @@ no ``[DONE]`` after it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from functools import partial
 from typing import Any
@@ -21,9 +21,11 @@ from fastapi.responses import JSONResponse, Response
 import minfer
 from minfer.runtime.requests import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
+from minfer.runtime.vision import MEDIA_MARKER, PassImage
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
 from minfer.server.jobs import Choice, Job
+from minfer.server.protocols.images import image_from_base64
 from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
 from minfer.server.timings import timings
 
@@ -57,9 +59,44 @@ def _tokenize(ctx: ServerContext, text: str, add_special: bool) -> list[int]:
 
 
 async def native_completion(ctx: ServerContext, request: Request) -> Response:
-    """``/completion``: a native body, its prompt tokenized here (or given as ids), completed."""
+    """``/completion``: a native body, its prompt tokenized here (or given as ids), completed; with
+    ``multimodal_data`` (base64 images), the prompt text holds one media marker per image."""
     body = await ctx.read_json(request)
+    if isinstance(body, Mapping) and (body.get("multimodal_data") is not None or isinstance(body.get("prompt"),
+                                                                                          Mapping)):
+        ids, placed = await multimodal_prompt(ctx, body)
+        rest = {k: v for k, v in body.items() if k not in ("multimodal_data", "prompt")}
+        req = await ctx.off_loop(parse_native_completion, rest, tokenizer_of(ctx), [ids])
+        req.images = placed
+        return await complete(ctx, request, req)
     return await complete(ctx, request, await ctx.off_loop(parse_native_completion, body, tokenizer_of(ctx)))
+
+
+async def multimodal_prompt(ctx: ServerContext, body: Mapping[str, Any]) -> tuple[list[int], list[PassImage]]:
+    """llama-server's prompt with images: ``prompt`` a string holding one ``<__media__>`` per image of
+    ``multimodal_data`` (or ``prompt`` an object ``{"prompt_string", "multimodal_data"}``); BOS before it as
+    before a text prompt."""
+    prompt, data, where = body.get("prompt"), body.get("multimodal_data"), "multimodal_data"
+    if isinstance(prompt, Mapping):
+        if prompt.get("multimodal_data") is not None:
+            data, where = prompt["multimodal_data"], "prompt.multimodal_data"
+        prompt = prompt.get("prompt_string")
+    if not isinstance(prompt, str):
+        raise ApiError(f"'prompt' must be a string (with one {MEDIA_MARKER} per image) when it has images",
+                       param="prompt")
+    if not isinstance(data, list) or not data:
+        raise ApiError(f"'{where}' must be a non-empty list of base64-encoded images", param=where)
+    images = [image_from_base64(d, f"{where}[{k}]") for k, d in enumerate(data)]
+    markers = prompt.count(MEDIA_MARKER)
+    if markers != len(images):
+        raise ApiError(f"'prompt' holds {markers} {MEDIA_MARKER} markers for the {len(images)} images of '{where}' "
+                       "(one per image, where it goes)", param=where)
+    ids, placed = await ctx.image_prompt(prompt, images, param=where)
+    tokenizer = ctx.model.tokenizer
+    if tokenizer.add_bos and tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
+        ids = [tokenizer.bos_id, *ids]
+        placed = [PassImage(p.first + 1, p.vectors) for p in placed]
+    return ids, placed
 
 
 async def infill_completion(ctx: ServerContext, request: Request) -> Response:
@@ -135,7 +172,8 @@ def result(ctx: ServerContext, c: Choice, req: NativeRequest, prompt: list[int],
         "tokens": list(stats.tokens) if req.return_tokens and not req.params.stream else [],
         "id_slot": c.slot, "stop": True, "model": ctx.config.model_id,
         "tokens_predicted": stats.generated_tokens, "tokens_evaluated": len(prompt),
-        "generation_settings": settings(ctx, req), "prompt": ctx.model.detokenize(prompt),
+        "generation_settings": settings(ctx, req),
+        "prompt": ctx.model.detokenize([t for t in prompt if t >= 0]),  # (an image's rows have ids of their own)
         "has_new_line": "\n" in "".join(c.text), "truncated": len(prompt) + stats.generated_tokens
         >= ctx.engine_loop.slot_context, "stop_type": stop_type(c), "stopping_word": stats.stop or "",
         "tokens_cached": c.cached_tokens, "timings": timings(stats, c.cached_tokens),
@@ -148,7 +186,8 @@ def result(ctx: ServerContext, c: Choice, req: NativeRequest, prompt: list[int],
 async def complete(ctx: ServerContext, request: Request, req: NativeRequest) -> Response:
     """Run a parsed native body: one answer (a list of them for several prompts), or its ``data:`` chunks."""
     ctx.check_model(req.params.model)
-    job: Job = ctx.submit(req.prompts, req.params, ignore_eos=req.ignore_eos, reuse_prefix=req.cache_prompt)
+    job: Job = ctx.submit(req.prompts, req.params, ignore_eos=req.ignore_eos, reuse_prefix=req.cache_prompt,
+                          images=req.images)
     prompts = req.prompts
     if not req.params.stream:
         await ctx.collect(job, request)
@@ -195,7 +234,7 @@ def server_props(ctx: ServerContext) -> dict[str, Any]:
         },
         "total_slots": ctx.engine_loop.n_slots, "n_ctx": n_ctx, "model_path": str(model.path),
         "model_alias": ctx.config.model_id, "chat_template": template.source if template is not None else "",
-        "chat_template_caps": {}, "modalities": {"vision": False, "audio": False},
+        "chat_template_caps": {}, "modalities": {"vision": ctx.takes_images, "audio": False},
         "bos_token": _token(tokenizer, tokenizer.bos_id), "eos_token": _token(tokenizer, tokenizer.eos_id),
         "build_info": f"minfer {minfer.__version__}", "is_sleeping": False,
         "pooling": ctx.pooling, "fim": model.fim_tokens is not None,

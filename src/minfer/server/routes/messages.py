@@ -21,7 +21,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_messages(await ctx.read_json(request), count_only=True)
         chars = ctx.check_text_fits(m.get("content") for m in req.chat.messages if isinstance(m, dict))
         prompt = (await ctx.off_loop(ChatTurn.plan, ctx, req.chat, size=chars)).prompt + req.prefill
-        ids = await ctx.off_loop(ctx.model.tokenize, prompt, False, size=len(prompt))
+        if req.chat.images:  # each image counts its tokens (so they are made, once: the image cache keeps them)
+            ids, _ = await ctx.image_prompt(prompt, req.chat.images)
+        else:
+            ids = await ctx.off_loop(ctx.model.tokenize, prompt, False, size=len(prompt))
         return JSONResponse({"input_tokens": len(ids)})
 
     @app.post("/v1/messages")

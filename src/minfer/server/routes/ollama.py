@@ -386,6 +386,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             capabilities.append("thinking")
         if ctx.pooling != "none":
             capabilities.append("embedding")
+        if ctx.takes_images:
+            capabilities.append("vision")
         return {"modelfile": f"# served by minfer {__version__}\nFROM {model.path}\n", "parameters": parameters,
                 "template": template, "details": facts.details(),
                 "model_info": model_info(ctx.model.transformer.source.metadata), "capabilities": capabilities,

@@ -31,7 +31,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     def model_card() -> dict[str, Any]:
         hp = ctx.model.hparams
         # llama-server's meta (n_vocab, n_ctx_train, n_embd, n_params, size) and this server's own
+        # llama-server's capabilities ("multimodal": the model takes images)
+        capabilities = ["completion", *(["multimodal"] if ctx.takes_images else [])]
         return {"id": ctx.config.model_id, "object": "model", "created": ctx.created, "owned_by": "minfer",
+                "capabilities": capabilities,
                 "meta": {"architecture": hp.arch, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train,
                          "n_embd": hp.n_embd, "n_params": n_params, "size": transformer.weight_bytes,
                          "n_ctx_per_sequence": ctx.engine_loop.slot_context, "parallel": ctx.engine_loop.n_slots}}
