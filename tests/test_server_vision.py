@@ -281,3 +281,75 @@ def test_a_text_model_refuses_images_on_every_api(text_server):
                                              "n_predict": 2})
     assert r.status_code == 400 and "multimodal_data[0]" in r.json()["error"]["message"], r.text
     alive(text_server)
+
+
+# -- remote images: fetched only with --allow-image-urls -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A plain HTTP server on loopback serving the fixture's images, and a 21 MiB file at /big.png."""
+    import http.server
+    import threading
+
+    big = b"\x89PNG\r\n\x1a\n" + b"\x00" * (21 * 1024 * 1024)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(IMAGES), **kwargs)
+
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/big.png":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(big)))
+                self.end_headers()
+                self.wfile.write(big)
+                return
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url_server():
+    with ServerProcess(HF, ["--parallel", "1", "--allow-image-urls", *ARGS]) as s:
+        yield s
+
+
+def test_allow_image_urls_fetches_an_http_image(url_server, image_host, expected):
+    c = openai.OpenAI(base_url=url_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_host + "/rgb_64x64.png"}},
+                                             {"type": "text", "text": "What is it?"}]}]
+    r = c.chat.completions.create(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == expected(PNG, "What is it?")
+
+
+@pytest.mark.parametrize("path, needle", [("/missing.png", "HTTP 404"), ("/big.png", "larger than")])
+def test_allow_image_urls_refuses_what_it_cannot_fetch_within_limits(url_server, image_host, path, needle):
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_host + path}},
+                                                      {"type": "text", "text": "x"}]}], "max_tokens": 2}
+    r = httpx.post(url_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["param"] == "messages[0].content[0].image_url"
+    alive(url_server)
+
+
+def test_a_follow_up_turn_reports_the_images_tokens_as_cached(client, vlm):
+    """The second turn about the same image is answered from the cached rows: usage says the image and what precedes
+    it were cached, and the tower does not run again (the image's own ids in the prompt match the cache's)."""
+    first = oai_messages(JPEG, "Describe the picture.")
+    a = client.chat.completions.create(model="m", messages=first, max_tokens=4, temperature=0)
+    follow = [*first, {"role": "assistant", "content": a.choices[0].message.content},
+              {"role": "user", "content": "And its colours?"}]
+    b = client.chat.completions.create(model="m", messages=follow, max_tokens=4, temperature=0)
+    n_image = vlm.transformer.vision.hparams.tokens_per_image
+    assert b.usage.prompt_tokens_details.cached_tokens >= n_image
+    assert b.usage.prompt_tokens_details.cached_tokens > a.usage.prompt_tokens - 4

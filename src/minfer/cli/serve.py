@@ -84,6 +84,9 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     add_speculative_flags(srv)
     add_lora_flags(srv)
     add_mmproj_flag(srv)
+    srv.add_argument("--allow-image-urls", action="store_true",
+                     help="fetch http(s) image URLs that requests name (20 MiB and 10 s at most each); the server "
+                     "then makes requests to any address a client names: only where that is safe (SECURITY.md)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -132,7 +135,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,
                        cors_origins=parse_origins(args.cors_origins), slots=args.slots,
-                       reasoning_format=args.reasoning_format, mmproj=args.mmproj, **speculative_kwargs(args),
+                       reasoning_format=args.reasoning_format, mmproj=args.mmproj,
+                       allow_image_urls=args.allow_image_urls, **speculative_kwargs(args),
                        **lora_kwargs(args))
     if args.sleep_idle_seconds is not None and not (args.more_models or args.models_dir is not None):
         raise MinferError("--sleep-idle-seconds applies to several models (several MODELs or --models-dir)")

@@ -176,10 +176,12 @@ MEDIA_MARKER = "<__media__>"
 
 @dataclass(frozen=True)
 class ImageInput:
-    """An image of a request, as sent (the file's bytes), and where it was in the request (for errors)."""
+    """An image of a request, as sent (the file's bytes), and where it was in the request (for errors). A remote
+    image is its ``url`` alone until someone fetches it (a server started with ``--allow-image-urls``)."""
 
     data: bytes
     where: str
+    url: str | None = None
 
 
 def extract_images(messages: Sequence[Mapping[str, Any]], allow_paths: bool = False,
@@ -188,7 +190,8 @@ def extract_images(messages: Sequence[Mapping[str, Any]], allow_paths: bool = Fa
     images in order. Image parts: OpenAI's ``{"type": "image_url", "image_url": {"url": "data:..."}}``, the
     Responses API's ``{"type": "input_image", "image_url": "data:..."}``, Anthropic's ``{"type": "image",
     "source": {"type": "base64", "data": ...}}``, and transformers' ``{"type": "image", "image": bytes}`` (with
-    ``allow_paths``, the Python API's, also a file path there or as ``"path"``). Remote URLs are not fetched."""
+    ``allow_paths``, the Python API's, also a file path there or as ``"path"``). An http(s) URL is kept as the
+    image's ``url``: it is not fetched here."""
     out: list[dict[str, Any]] = []
     images: list[ImageInput] = []
     for i, m in enumerate(messages):
@@ -202,9 +205,14 @@ def extract_images(messages: Sequence[Mapping[str, Any]], allow_paths: bool = Fa
             data = _image_bytes(part, where, allow_paths) if isinstance(part, Mapping) else None
             if data is None:
                 parts.append(part)
+            elif isinstance(data, str):  # a remote URL: named by its own field
+                field = ".source.url" if isinstance(part.get("source"), Mapping) else \
+                    ".image_url" if part.get("type") in ("image_url", "input_image") else ".url"
+                images.append(ImageInput(b"", where + field, url=data))
+                parts.append({"type": "text", "text": MEDIA_MARKER})
             else:
                 path = part.get("path", part.get("image"))
-                named = isinstance(path, str | os.PathLike) and not str(path).startswith("data:")
+                named = isinstance(path, str | os.PathLike) and not str(path).startswith(("data:", "http"))
                 images.append(ImageInput(data, str(path) if named else where))
                 parts.append({"type": "text", "text": MEDIA_MARKER})
         texts = [p.get("text") if isinstance(p, Mapping) and p.get("type") == "text" else None for p in parts]
@@ -214,8 +222,8 @@ def extract_images(messages: Sequence[Mapping[str, Any]], allow_paths: bool = Fa
     return out, images
 
 
-def _image_bytes(part: Mapping[str, Any], where: str, allow_paths: bool) -> bytes | None:
-    """The bytes of an image part (None: not an image part)."""
+def _image_bytes(part: Mapping[str, Any], where: str, allow_paths: bool) -> bytes | str | None:
+    """The bytes of an image part, or its remote URL (None: not an image part)."""
     kind = part.get("type")
     if kind in ("image_url", "input_image"):
         url = part.get("image_url")
@@ -248,12 +256,12 @@ def _image_bytes(part: Mapping[str, Any], where: str, allow_paths: bool) -> byte
     raise BadRequestError(f"{where}: an image part needs 'image_url', 'image' or 'source'")
 
 
-def _from_url(url: Any, where: str) -> bytes:
+def _from_url(url: Any, where: str) -> bytes | str:
+    """A data: URL's bytes, or an http(s) URL as it is."""
     if not isinstance(url, str) or not url:
         raise BadRequestError(f"{where} must be a URL string")
     if url.startswith(("http://", "https://")):
-        raise BadRequestError(f"{where}: remote image URLs are not fetched; send the image as a data: URL "
-                              "(data:image/png;base64,...)")
+        return url
     if not url.startswith("data:"):
         raise BadRequestError(f"{where} must be a data: URL (data:image/png;base64,...), got {url[:40]!r}")
     head, sep, payload = url[5:].partition(",")
@@ -322,6 +330,9 @@ class ImagePrompter:
 
     def tiles(self, image: ImageInput) -> tuple[list[np.ndarray], int, int]:
         """An image's pixels as the model's processor gives them: its tiles and their grid's (rows, cols)."""
+        if not image.data and image.url is not None:
+            raise BadRequestError(f"{image.where}: remote image URLs are not fetched; send the image as a data: URL "
+                                  "(data:image/png;base64,...)")
         decoded = load_image(image.data, image.where, self.max_pixels)
         if isinstance(self.processor, Idefics3ProcessorConfig):
             return preprocess_idefics3(decoded, self.processor)

@@ -50,6 +50,7 @@ class ServeOptions:
     lora: list | None = None  # LoRA adapters: (path, scale) pairs
     lora_merge: bool = False  # added into the weights at load
     lora_init_without_apply: bool = False  # loaded with scale 0
+    allow_image_urls: bool = False  # fetch http(s) image URLs (SECURITY.md)
     mmproj: str | None = None  # a text GGUF's vision tower and projector (llama.cpp's mmproj file): images
 
 # uvicorn waits this much longer than --shutdown-timeout: the app cancels what is still open at the
@@ -156,7 +157,8 @@ def serve(opts: ServeOptions) -> None:
                           strict_model=opts.strict_model, pooling=pooling, normalize=opts.normalize,
                           cors_origins=opts.cors_origins, slots_endpoint=opts.slots,
                           reasoning_format=opts.reasoning_format,
-                          max_body_size=opts.max_body_size, log_format=opts.log_format)
+                          max_body_size=opts.max_body_size, log_format=opts.log_format,
+                          allow_image_urls=opts.allow_image_urls)
     access_log.configure(opts.log_format)
     errors_to_stderr()
     app = create_app(model, engine_loop, config, shutdown_timeout=0.0, start_engine_loop=False)
@@ -209,7 +211,7 @@ _PER_MODEL_FLAGS = {"parallel": "--parallel", "ctx_size": "--ctx-size", "batch_s
 _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--lookup", "lora": "--lora",
                     "lora_merge": "--lora-merge", "lora_init_without_apply": "--lora-init-without-apply",
                     "cache_disk": "--cache-disk", "strict_model": "--strict-model", "cors_origins": "--cors-origin",
-                    "slots": "--slots", "mmproj": "--mmproj"}
+                    "slots": "--slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls"}
 
 
 def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int,

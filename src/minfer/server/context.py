@@ -24,6 +24,7 @@ from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.runtime.vision import ImageInput, PassImage
 from minfer.server.access_log import note_job
 from minfer.server.errors import ApiError, api_error, cancelled_error, internal_error
+from minfer.server.image_urls import fetch_images
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.json_body import parse_body
 from minfer.server.metrics import ServerMetrics
@@ -52,6 +53,7 @@ class ServerConfig:
     slots_endpoint: bool = False  # GET /slots (llama-server's --slots)
     max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; beyond them a request is a 413
     log_format: str = "text"  # the access log: text, json or off
+    allow_image_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls; see SECURITY.md)
 
 
 @dataclass
@@ -153,7 +155,7 @@ class ServerContext:
                            "(serve a vision-language model, or a GGUF with --mmproj FILE)", param=where,
                            code="images_not_supported")
         self.check_text_fits([text], param)
-
+        images = await fetch_images(images, self.config.allow_image_urls)
         try:
             return await asyncio.wrap_future(self.engine_loop.call(lambda: self.model.image_prompt(text, images)))
         except BadRequestError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,8 @@ def image_from_part(part: Mapping[str, Any], where: str) -> ImageInput:
         raise ApiError(message, param=message.split(" ", 1)[0].rstrip(":")) from None
     if len(images) != 1:
         raise ApiError(f"{where}: not an image part", param=where)
-    return ImageInput(images[0].data, where)
+    # (a remote image is named by its URL's own field: the part's place plus ".image_url" or ".source.url")
+    return dataclasses.replace(images[0], where=images[0].where.replace(_PLACE, where))
 
 
 def image_from_base64(text: Any, where: str) -> ImageInput:
