@@ -106,6 +106,7 @@ CASES = [
     (6, 2, 20, 12, [5, 9, 3, 40]),  # widths past a multiple of 8 (V: the 8-wide columns and one by one)
     (4, 1, 8, 24, [7, 33]),  # V: 16 columns then 8
     (3, 3, 7, 5, [2, 3, 1]),  # every width below 8
+    (4, 2, 72, 72, [300, 5, 257, 2]),  # SigLIP's head width; sequences from LONG_SEQUENCE take the float GEMM
 ]
 
 
@@ -134,7 +135,7 @@ def test_large_scores_are_stable(rng):
 
 def test_a_sequence_alone_gives_the_bits_it_gives_in_a_bigger_pass(rng):
     meta = AttnMeta(0, 12, 4, 32, 32, 32**-0.5)
-    lengths = [17, 3, 64, 1, 40, 128, 9]
+    lengths = [17, 3, 64, 1, 40, 128, 9, enc.LONG_SEQUENCE + 3, 2]  # (one long sequence: the GEMM path)
     spans = _spans(lengths)
     q, k, v = _qkv(rng, len(spans), meta)
     together = _attend(q, k, v, spans, meta)  # parallel (the whole pass is much work)
@@ -148,7 +149,7 @@ def test_a_sequence_alone_gives_the_bits_it_gives_in_a_bigger_pass(rng):
 @pytest.mark.skipif(MAX_THREADS < 2, reason="needs two numba threads")
 def test_encoder_kernels_give_the_same_bits_at_any_thread_count(rng):
     meta = AttnMeta(0, 12, 12, 32, 32, 32**-0.5)
-    spans = _spans([32] * 20 + [7, 100])
+    spans = _spans([32] * 20 + [7, 100, enc.LONG_SEQUENCE + 40])
     q, k, v = _qkv(rng, len(spans), meta)
     one = at_threads(1, lambda: _attend(q, k, v, spans, meta))
     two = at_threads(2, lambda: _attend(q, k, v, spans, meta))
