@@ -115,6 +115,28 @@ def _one_line(exc: BaseException) -> str:
     return text[:200]
 
 
+def processor_fields(path: str | Path) -> tuple[dict[str, Any], str]:
+    """An HF folder's image processor fields, and the file they are in: ``preprocessor_config.json``, else the
+    ``image_processor`` entry of ``processor_config.json`` (what transformers 5 writes); a one-line
+    :class:`FormatError` naming the file otherwise."""
+    folder = Path(path)
+    file, key = folder / "preprocessor_config.json", None
+    if not file.is_file():
+        file, key = folder / "processor_config.json", "image_processor"
+        if not file.is_file():
+            raise FormatError(f"{folder}: no preprocessor_config.json or processor_config.json")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{file}: unreadable JSON ({_one_line(exc)})") from None
+    if key is not None:
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise FormatError(f"{file}: not a JSON object" if key is None else
+                          f"{file}: field 'image_processor' missing or not an object")
+    return raw, str(file)
+
+
 @dataclass(frozen=True)
 class ImageProcessorConfig:
     """The fields of an HF ``preprocessor_config.json`` that SigLIP-style processors (Gemma 3) use."""
@@ -147,24 +169,8 @@ class ImageProcessorConfig:
         ``null`` fields take the processor's defaults (``do_convert_rgb`` null means True, as
         ``Gemma3Processor`` passes it). Raises ``FormatError`` naming the file and the field.
         """
-        folder = Path(path)
-        file = folder / "preprocessor_config.json"
-        key: str | None = None
-        if not file.is_file():
-            file, key = folder / "processor_config.json", "image_processor"
-            if not file.is_file():
-                raise FormatError(f"{folder}: no preprocessor_config.json or processor_config.json")
-        try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{file}: unreadable JSON ({_one_line(exc)})") from None
-        if key is not None:
-            raw = raw.get(key) if isinstance(raw, dict) else None
-            if not isinstance(raw, dict):
-                raise FormatError(f"{file}: field 'image_processor' missing or not an object")
-        if not isinstance(raw, dict):
-            raise FormatError(f"{file}: not a JSON object")
-        return cls.from_dict(raw, str(file))
+        raw, file = processor_fields(path)
+        return cls.from_dict(raw, file)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "preprocessor_config.json") -> ImageProcessorConfig:
@@ -321,22 +327,8 @@ class Idefics3ProcessorConfig:
     def from_hf_folder(cls, path: str | Path) -> Idefics3ProcessorConfig:
         """Read ``preprocessor_config.json`` (or the ``image_processor`` entry of ``processor_config.json``); a missing
         or wrong field is a one-line :class:`FormatError` naming the file and the field."""
-        folder = Path(path)
-        file, key = folder / "preprocessor_config.json", None
-        if not file.is_file():
-            file, key = folder / "processor_config.json", "image_processor"
-            if not file.is_file():
-                raise FormatError(f"{folder}: no preprocessor_config.json or processor_config.json")
-        try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{file}: unreadable JSON ({_one_line(exc)})") from None
-        if key is not None:
-            raw = raw.get(key) if isinstance(raw, dict) else None
-        if not isinstance(raw, dict):
-            raise FormatError(f"{file}: not a JSON object" if key is None else
-                              f"{file}: field 'image_processor' missing or not an object")
-        return cls.from_dict(raw, str(file))
+        raw, file = processor_fields(path)
+        return cls.from_dict(raw, file)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "preprocessor_config.json") -> Idefics3ProcessorConfig:

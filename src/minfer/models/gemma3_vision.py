@@ -64,19 +64,16 @@ def is_vision_tensor(hf_name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class VisionHParams:
-    image_size: int  # the square the image is resized to
+class TowerHParams:
+    """A SigLIP tower's sizes (the fields every vision model here starts with) and its patch geometry."""
+
+    image_size: int  # the square an image (a tile) is resized to
     patch_size: int
     n_embd: int
     n_layer: int
     n_head: int
     n_ff: int
-    eps: float  # the tower's LayerNorms and the projector's RMSNorm
-    tokens_per_image: int
-    text_n_embd: int
-    image_token_id: int  # the placeholder token whose rows take an image's tokens
-    boi_token_id: int  # <start_of_image>
-    eoi_token_id: int  # <end_of_image>
+    eps: float  # the tower's LayerNorms (and Gemma 3's projector RMSNorm)
 
     @property
     def patches_per_side(self) -> int:
@@ -87,6 +84,23 @@ class VisionHParams:
         return self.patches_per_side ** 2
 
     @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def patch_width(self) -> int:
+        return 3 * self.patch_size ** 2
+
+
+@dataclass(frozen=True)
+class VisionHParams(TowerHParams):
+    tokens_per_image: int
+    text_n_embd: int
+    image_token_id: int  # the placeholder token whose rows take an image's tokens
+    boi_token_id: int  # <start_of_image>
+    eoi_token_id: int  # <end_of_image>
+
+    @property
     def tokens_per_side(self) -> int:
         return math.isqrt(self.tokens_per_image)
 
@@ -94,14 +108,6 @@ class VisionHParams:
     def pool(self) -> int:
         """The pooling kernel's side, in patches."""
         return self.patches_per_side // self.tokens_per_side
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def patch_width(self) -> int:
-        return 3 * self.patch_size ** 2
 
 
 class VisionModel:

@@ -35,7 +35,14 @@ from minfer.formats.images import Idefics3ProcessorConfig
 from minfer.formats.tensors import WeightTensor
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.ir import Graph
-from minfer.models.gemma3_vision import _f32, check_tensors, f32_tensor, siglip_tower, tower_engine_name
+from minfer.models.gemma3_vision import (
+    TowerHParams,
+    _f32,
+    check_tensors,
+    f32_tensor,
+    siglip_tower,
+    tower_engine_name,
+)
 
 # the HF module paths: transformers' module tree (model.vision_model.*, model.connector.*) and older folders' (no
 # "model." prefix)
@@ -53,25 +60,10 @@ def is_vision_tensor(hf_name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Idefics3HParams:
-    image_size: int  # a tile's side
-    patch_size: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_ff: int
-    eps: float  # the tower's LayerNorms
+class Idefics3HParams(TowerHParams):  # (image_size: a tile's side)
     scale_factor: int  # the pixel shuffle's window side, in patches
     text_n_embd: int
     image_token_id: int  # the placeholder token whose rows take a tile's tokens
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def n_patches(self) -> int:
-        return self.patches_per_side ** 2
 
     @property
     def tokens_per_side(self) -> int:
@@ -85,14 +77,6 @@ class Idefics3HParams:
     @property
     def pool(self) -> int:
         return self.scale_factor
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def patch_width(self) -> int:
-        return 3 * self.patch_size ** 2
 
 
 class Idefics3VisionModel:
