@@ -257,9 +257,9 @@ def test_verifying_passes_take_a_few_sizes_all_prepared_before_the_first_token()
     shapes = []
     run = runner._run
 
-    def spy(tokens, positions, output_rows, seq_ids, hidden):
+    def spy(tokens, positions, output_rows, seq_ids, hidden, images=()):
         shapes.append((len(tokens), len(tokens) if output_rows is None else len(output_rows)))
-        return run(tokens, positions, output_rows, seq_ids, hidden)
+        return run(tokens, positions, output_rows, seq_ids, hidden, images)
 
     runner._run = spy
     ids = [0, *range(5, 40)] * 2

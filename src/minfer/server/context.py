@@ -69,7 +69,6 @@ class ServerContext:
     loop: asyncio.AbstractEventLoop | None = None  # set at the app's startup
     parser_pool: Any = None  # the helper process of read_json, started by the first very large body
     _max_token_bytes: int = 0
-    # one image prompt at a time: the vision runner's plans and the image cache are not for two threads at once
 
     @classmethod
     def create(cls, model: Model, engine_loop: EngineLoop, config: ServerConfig, created: int) -> ServerContext:
