@@ -9,6 +9,14 @@ What llama-server (tools/server/server-http.cpp, its pre-routing handler) does f
 - a wrong or missing key is a 401 ``{"error": {"message": "Invalid API Key", "type": "authentication_error",
   "code": 401}}`` (minfer keeps its string code, ``invalid_api_key``, OpenAI's own);
 - ``--api-key a,b`` and ``--api-key-file`` (one a line, ``#`` comments) each give keys that all work.
+
+Checked against llama-server built from the llama-cpp-python 0.3.36 sdist, on the same fixture: the preflight
+headers above, byte for byte; the localhost echoes (and nothing for ``http://localhost.evil.com``, still a
+200); ``Authorization: k2`` without ``Bearer`` accepted. Where minfer differs on purpose: with no ``Origin``
+llama-server sends an empty ``Access-Control-Allow-Origin`` (minfer: none); with ``--cors-origins a,b`` it
+sends ``a,b`` itself to every origin, which browsers refuse (minfer: the request's origin when listed);
+``bearer`` in lower case is a 401 there (an HTTP scheme is case-insensitive: minfer takes it); a wrong
+``x-api-key`` on ``/v1/messages`` gets OpenAI's body there (minfer: Anthropic's, which its SDK reads).
 """
 
 from __future__ import annotations
