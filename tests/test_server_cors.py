@@ -26,7 +26,7 @@ import pytest
 from conftest import fixture_dir
 
 from minfer.cli import main
-from minfer.server.api_keys import read_api_key_file, server_api_keys
+from minfer.server.api_keys import read_api_key_file, resolve_api_keys, server_api_keys
 from minfer.server.cors import CorsPolicy, is_loopback_origin, parse_origins
 from minfer.testing.server_process import ServerProcess
 
@@ -73,6 +73,10 @@ def test_origin_and_key_parsing(tmp_path):
     assert read_api_key_file(keys) == ("k1", "k2")
     assert server_api_keys("a, b,", str(keys)) == ("a", "b", "k1", "k2")
     assert server_api_keys(None, None) == ()
+    # $MINFER_API_KEY (a list too) only when no flag gives keys; empty: no key, as before
+    assert resolve_api_keys((), {"MINFER_API_KEY": "x, y"}) == ("x", "y")
+    assert resolve_api_keys(("a",), {"MINFER_API_KEY": "x"}) == ("a",)
+    assert resolve_api_keys((), {"MINFER_API_KEY": ""}) == resolve_api_keys((), {}) == ()
 
 
 @pytest.mark.parametrize(("flags", "named"), [
@@ -237,3 +241,15 @@ def test_several_models_answer_cors_once_in_front(tmp_path):
         r = httpx.get(s.url + "/v1/models", headers={"Origin": "http://localhost.evil.com"}, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.slow
+def test_an_encoder_server_answers_cors_and_keys_alike():
+    with ServerProcess(fixture_dir("bert_rerank"), ["--api-key", "a,b", "--cors-origins", "localhost"]) as s:
+        r = preflight(s.url, "/v1/rerank", "http://localhost:5173")
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": "http://localhost:5173"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer b"}, timeout=30).status_code == 200
