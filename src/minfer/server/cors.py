@@ -100,8 +100,11 @@ class Cors:
             extra.append((b"access-control-expose-headers", b"Retry-After"))  # a 429's wait, readable by pages
 
         async def send_with_cors(message: Message) -> None:
-            if message["type"] == "http.response.start" and extra:
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            if message["type"] == "http.response.start":
+                # this policy is the answer's: a proxied model server's own CORS headers (the several-model
+                # router's, the sleeping server's) give way to it rather than doubling it
+                own = [(k, v) for k, v in message.get("headers", []) if not _cors_header(k, v)]
+                message = {**message, "headers": [*own, *extra]}
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
@@ -152,6 +155,11 @@ def parse_token_list(flag: str, value: str, what: str) -> str:
         if not _TOKEN.match(item):
             raise BadRequestError(f"{flag}: {item!r} is not an HTTP {what} name")
     return ", ".join(items)
+
+
+def _cors_header(name: bytes, value: bytes) -> bool:
+    name = name.lower()
+    return name.startswith(b"access-control-") or (name == b"vary" and value == b"Origin")
 
 
 def _is_origin(text: str) -> bool:
