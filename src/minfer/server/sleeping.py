@@ -43,9 +43,11 @@ class SleepingServer(ModelRouter):
         self.cached_models: bytes | None = None
         self.cached_metrics: tuple[int, bytes, str] | None = None  # status, body, content type
         self.carried: dict[str, float] = {}  # the counters' totals of the model's earlier processes
+        self.released = False  # the model's process has exited: what /props calls sleeping (llama-server's order)
 
     @property
     def sleeping(self) -> bool:
+        """Whether the model's server cannot answer now (asleep, falling asleep or waking): answer from the cache."""
         return self.default.state != LOADED
 
     def _command(self, entry: ModelEntry) -> list[str]:
@@ -76,6 +78,7 @@ class SleepingServer(ModelRouter):
 
     async def _start(self, entry: ModelEntry) -> None:
         await super()._start(entry)
+        self.released = False
         props = await self._fetch("/props")
         if props is not None and props.status_code == 200:
             self.cached_props = props.json()
@@ -88,9 +91,8 @@ class SleepingServer(ModelRouter):
             totals = await self._scrape_metrics()
             if totals is not None:
                 self.carried = totals  # the totals this process ends with carry on into the next one
-            if self.cached_props is not None:
-                self.cached_props["is_sleeping"] = True
         await super()._stop(entry)
+        self.released = True
 
     async def _fetch(self, path: str) -> httpx.Response | None:
         url = self.default.url
@@ -144,7 +146,7 @@ class SleepingServer(ModelRouter):
 
     async def _props(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.sleeping and self.cached_props is not None:
-            await self._json(send, {**self.cached_props, "is_sleeping": True})
+            await self._json(send, {**self.cached_props, "is_sleeping": self.released})
         else:
             await self._pass_through(scope, send)
 
