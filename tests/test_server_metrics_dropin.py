@@ -85,3 +85,15 @@ def test_no_metrics_answers_llama_servers_501() -> None:
         assert r.json() == {"error": {"code": 501, "type": "not_supported_error", "message":
                                       "This server does not support metrics endpoint. Start it with `--metrics`"}}
         assert httpx.get(s.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("where", [[str(MODEL), str(MODEL)], [str(MODEL), "--ray"]])
+def test_no_metrics_refused_where_a_front_serves_metrics(where: list[str]) -> None:
+    """The several-model and Ray fronts answer /metrics themselves: --no-metrics is refused there, by name."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "minfer", "serve", *where, "--no-metrics", "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--no-metrics" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

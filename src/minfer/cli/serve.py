@@ -147,6 +147,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        allow_image_urls=args.allow_image_urls, metrics=args.metrics, **speculative_kwargs(args),
                        **lora_kwargs(args))
     sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
+    if not args.metrics and (args.more_models or args.models_dir is not None or args.ray):
+        raise MinferError("--no-metrics applies to one model's own server: the several-model and --ray fronts "
+                          "serve /metrics of their own")
     if args.more_models or args.models_dir is not None:
         from minfer.server import serve_models
 

@@ -254,7 +254,8 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
 # the options of a generating server that mean nothing for an encoder's, refused when given
 _GENERATING_OPTIONS = {"ctx_size": "--ctx-size", "cache_ram": "--cache-ram", "cache_disk": "--cache-disk",
                        "cache_type": "--cache-type", "quantize": "--quantize", "draft": "--model-draft",
-                       "lookup": "--lookup", "lora": "--lora", "lora_merge": "--lora-merge", "mmproj": "--mmproj"}
+                       "lookup": "--lookup", "lora": "--lora", "lora_merge": "--lora-merge", "mmproj": "--mmproj",
+                       "metrics": "--no-metrics"}  # (the encoder's server always serves /metrics)
 
 
 def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
