@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 from minfer.cli.options import (
@@ -39,7 +40,14 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      help="with several models: most loaded at once; the least recently used idle one is unloaded "
                      "when another is needed (default: 4)")
     srv.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
-                     help="with several models: unload a model idle for S seconds (default: only to make room)")
+                     help="unload a model idle for S seconds, as llama-server: one model sleeps (its process and "
+                     "memory released; /health, /props, /v1/models and /metrics answer without waking it) and the "
+                     "next request reloads it; with several models, each unloads alone (negative: never; "
+                     "default: never for one model, only to make room for several)")
+    srv.add_argument("--metrics", dest="metrics", action="store_true", default=True,
+                     help="accepted for llama-server's command lines; a no-op: minfer always serves /metrics")
+    srv.add_argument("--no-metrics", dest="metrics", action="store_false",
+                     help="answer /metrics with 501, as llama-server started without --metrics")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8080, help="port, 0 = any free one (default: 8080)")
     srv.add_argument("-np", "--parallel", type=int, default=4,
@@ -177,17 +185,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        normalize=args.normalize, strict_model=args.strict_model,
                        slots=args.slots, **cors_kwargs(args),
                        reasoning_format=args.reasoning_format, mmproj=args.mmproj,
-                       allow_image_urls=args.allow_image_urls, **speculative_kwargs(args),
+                       allow_image_urls=args.allow_image_urls, metrics=args.metrics, **speculative_kwargs(args),
                        **lora_kwargs(args))
-    if args.sleep_idle_seconds is not None and not (args.more_models or args.models_dir is not None):
-        raise MinferError("--sleep-idle-seconds applies to several models (several MODELs or --models-dir)")
+    sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
+    if not args.metrics and (args.more_models or args.models_dir is not None or args.ray):
+        raise MinferError("--no-metrics applies to one model's own server: the several-model and --ray fronts "
+                          "serve /metrics of their own")
     if args.more_models or args.models_dir is not None:
         from minfer.server import serve_models
 
         if args.ray:
             raise MinferError("--ray serves one model: several models (or --models-dir) are not supported with it yet")
         models = ([args.model] if args.model is not None else []) + list(args.more_models)
-        serve_models(opts, models, args.models_dir, args.models_max, args.sleep_idle_seconds)
+        serve_models(opts, models, args.models_dir, args.models_max, sleep_idle)
+        return 0
+    if sleep_idle is not None:
+        from minfer.server.sleeping import serve_sleeping
+
+        if args.ray:
+            raise MinferError("--sleep-idle-seconds with --ray: Ray Serve keeps its replicas loaded; serve without "
+                              "--ray to let the model sleep")
+        if args.model is None:
+            raise MinferError("--sleep-idle-seconds needs a MODEL to serve")
+        serve_sleeping(opts, _serve_arguments(), sleep_idle)
         return 0
     if args.ray:
         from minfer.server.cluster.launch import RayOptions, parse_autoscale, serve_ray
@@ -198,6 +218,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         serve(opts)
     return 0
+
+
+def _serve_arguments() -> list[str]:
+    """This command line's arguments after ``serve``: a sleeping server's model process gets them as they are
+    (every flag, now or added later, means there what it means here), with its own address and key after them."""
+    argv = sys.argv[1:]
+    return argv[argv.index("serve") + 1:] if "serve" in argv else argv
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

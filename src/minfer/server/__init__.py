@@ -59,6 +59,7 @@ class ServeOptions:
     lora_init_without_apply: bool = False  # loaded with scale 0
     allow_image_urls: bool = False  # fetch http(s) image URLs (SECURITY.md)
     mmproj: str | None = None  # a text GGUF's vision tower and projector (llama.cpp's mmproj file): images
+    metrics: bool = True  # GET /metrics (--no-metrics: answered 501, as llama-server without --metrics)
 
 # uvicorn waits this much longer than --shutdown-timeout: the app cancels what is still open at the
 # timeout, and the cancelled answers need a moment to reach their clients (an error event, [DONE])
@@ -177,7 +178,7 @@ def serve(opts: ServeOptions) -> None:
                           cors=cors_policy(opts), slots_endpoint=opts.slots,
                           reasoning_format=opts.reasoning_format,
                           max_body_size=opts.max_body_size, log_format=opts.log_format,
-                          allow_image_urls=opts.allow_image_urls)
+                          allow_image_urls=opts.allow_image_urls, metrics_endpoint=opts.metrics)
     access_log.configure(opts.log_format)
     errors_to_stderr()
     app = create_app(model, engine_loop, config, shutdown_timeout=0.0, start_engine_loop=False)
@@ -274,7 +275,8 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
 # the options of a generating server that mean nothing for an encoder's, refused when given
 _GENERATING_OPTIONS = {"ctx_size": "--ctx-size", "cache_ram": "--cache-ram", "cache_disk": "--cache-disk",
                        "cache_type": "--cache-type", "quantize": "--quantize", "draft": "--model-draft",
-                       "lookup": "--lookup", "lora": "--lora", "lora_merge": "--lora-merge", "mmproj": "--mmproj"}
+                       "lookup": "--lookup", "lora": "--lora", "lora_merge": "--lora-merge", "mmproj": "--mmproj",
+                       "metrics": "--no-metrics"}  # (the encoder's server always serves /metrics)
 
 
 def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:

@@ -55,6 +55,7 @@ class ServerConfig:
     max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; beyond them a request is a 413
     log_format: str = "text"  # the access log: text, json or off
     allow_image_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls; see SECURITY.md)
+    metrics_endpoint: bool = True  # GET /metrics (--no-metrics: a 501, as llama-server without --metrics)
 
 
 @dataclass

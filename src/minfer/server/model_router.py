@@ -293,9 +293,7 @@ class ModelRouter:
 
     async def _start(self, entry: ModelEntry) -> None:
         started = time.perf_counter()
-        cmd = [sys.executable, "-m", "minfer", "serve", str(entry.path), "--host", "127.0.0.1", "--port", "0",
-               "--alias", entry.name, "--api-key", self.internal_key, *self.child_args]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
+        proc = await asyncio.create_subprocess_exec(*self._command(entry), stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         entry.proc = proc
         lines: list[str] = []
@@ -328,6 +326,11 @@ class ModelRouter:
         entry.url, entry.state = url, LOADED
         entry.load_seconds = time.perf_counter() - started
         print(f"minfer: loaded {entry.name} in {entry.load_seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def _command(self, entry: ModelEntry) -> list[str]:
+        """The command line of ``entry``'s own server, on a free loopback port, answering this front alone."""
+        return [sys.executable, "-m", "minfer", "serve", str(entry.path), "--host", "127.0.0.1", "--port", "0",
+                "--alias", entry.name, "--api-key", self.internal_key, *self.child_args]
 
     async def _get(self, url: str) -> int:
         assert self.client is not None

@@ -6,10 +6,18 @@ import math
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
+
+
+def metrics_disabled() -> JSONResponse:
+    """llama-server's answer to ``/metrics`` when it was started without ``--metrics`` (minfer: ``--no-metrics``),
+    its body word for word (its error bodies carry the HTTP status as ``code``)."""
+    return JSONResponse({"error": {"code": 501, "type": "not_supported_error",
+                                   "message": "This server does not support metrics endpoint. Start it with "
+                                   "`--metrics`"}}, status_code=501)
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
@@ -23,7 +31,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if not ctx.config.metrics_endpoint:
+            return metrics_disabled()
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8",
+                        headers={"Process-Start-Time-Unix": str(int(ctx.metrics.start_time))})
 
     transformer = ctx.model.transformer
     n_params = sum(int(math.prod(t.shape)) for t in transformer.tensors.values())
