@@ -21,6 +21,8 @@ sends ``a,b`` itself to every origin, which browsers refuse (minfer: the request
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from conftest import fixture_dir
@@ -253,3 +255,31 @@ def test_an_encoder_server_answers_cors_and_keys_alike():
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert r.headers["access-control-allow-origin"] == "http://localhost:5173"
         assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer b"}, timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_sleeping_server_answers_preflights_without_waking():
+    """``--sleep-idle-seconds``: the front answers CORS (its own answers while asleep included) and the key;
+    a preflight neither needs the key nor wakes the model; a woken model's answer carries the header once."""
+    args = [*BASE_ARGS, "--sleep-idle-seconds", "1", "--api-key", "a", "--cors-origins", "localhost"]
+    origin = {"Origin": "http://localhost:3000"}
+    with ServerProcess(TINY, args) as s:
+        def asleep() -> bool:
+            return httpx.get(s.url + "/props", headers={"Authorization": "Bearer a"}, timeout=30).json()["is_sleeping"]
+
+        deadline = time.monotonic() + 60
+        while not asleep():
+            assert time.monotonic() < deadline, "the server never went to sleep"
+            time.sleep(0.2)
+        r = preflight(s.url, "/v1/completions", "http://localhost:3000")
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        r = httpx.get(s.url + "/v1/models", headers=origin, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers.get_list("access-control-allow-origin") == ["http://localhost:3000"]
+        assert asleep()  # neither woke it
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                       headers={**origin, "Authorization": "Bearer a"}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.headers.get_list("access-control-allow-origin") == ["http://localhost:3000"]
+        r = httpx.get(s.url + "/health", headers={"Origin": "http://localhost.evil.com"}, timeout=30)
+        assert "access-control-allow-origin" not in r.headers
