@@ -112,9 +112,13 @@ async def infill_completion(ctx: ServerContext, request: Request) -> Response:
 
 
 def sampling_defaults(ctx: ServerContext) -> dict[str, Any]:
-    params = asdict(SamplingParams(**{**ctx.model.generation_defaults}))
+    """The sampling a request gets for what it does not set: the server's flags (--temp, --seed, ...) over the
+    model's own defaults; the seed as given (llama-server's 4294967295 without one)."""
+    config = ctx.config
+    params = asdict(SamplingParams(**{**ctx.model.generation_defaults, **config.sampling_defaults}))
     params.pop("logit_bias", None)
-    params["seed"] = 0xFFFFFFFF if params.get("seed") is None else params["seed"]
+    seed = config.default_seed if config.default_seed is not None else params.get("seed")
+    params["seed"] = 0xFFFFFFFF if seed is None else seed
     return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
 
 
@@ -126,7 +130,8 @@ def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
                        if k != "logit_bias"})
     p = req.params if req is not None else None
     params.update({
-        "n_predict": -1 if p is None or p.max_tokens is None else p.max_tokens,
+        "n_predict": (p.max_tokens if p is not None and p.max_tokens is not None
+                      else -1 if ctx.config.default_n_predict is None else ctx.config.default_n_predict),
         "stop": [] if p is None else p.stop, "stream": False if p is None else p.stream,
         "n_probs": 0 if p is None or p.logprobs is None else p.logprobs,
         "ignore_eos": False if req is None else req.ignore_eos, "n_keep": 0,
@@ -237,6 +242,7 @@ def server_props(ctx: ServerContext) -> dict[str, Any]:
         "chat_template_caps": {}, "modalities": {"vision": ctx.takes_images, "audio": False},
         "bos_token": _token(tokenizer, tokenizer.bos_id), "eos_token": _token(tokenizer, tokenizer.eos_id),
         "build_info": f"minfer {minfer.__version__}", "is_sleeping": False,
+        "endpoint_slots": ctx.config.slots_endpoint, "ui": ctx.config.ui,
         "pooling": ctx.pooling, "fim": model.fim_tokens is not None,
     }
 
