@@ -128,3 +128,92 @@ def test_server_wide_flags_are_refused_with_several_models():
 
     with pytest.raises(BadRequestError, match="--n-predict"):
         serve_models(ServeOptions(n_predict=5), ["a.gguf", "b.gguf"], None, 2)
+
+
+# -- the server-wide settings, on a real server (the tiny llama fixture: its text does not matter) ----------------
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory):
+    from conftest import fixture_dir
+
+    from minfer.testing.server_process import ServerProcess
+
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    args = ["-t", "1", "--ctx-size", "256", "--parallel", "2", "--host", "127.0.0.1,127.0.0.2",
+            "--alias", "zeta,alpha", "--tags", "t2,t1", "--temp", "1.5", "--seed", "42", "--top-k", "7",
+            "-n", "5", "--no-ui", "--verbose", "--chat-template-file", str(template), "-ngl", "99"]
+    with ServerProcess(fixture_dir("llama") / "model-f32.gguf", args) as s:
+        yield s
+
+
+@pytest.mark.slow
+def test_props_show_the_server_defaults(configured):
+    """llama-server -n 5 --temp 1.5 --seed 42 --top-k 7: /props default_generation_settings.params has n_predict 5,
+    temperature 1.5, top_k 7 and seed 42 (4294967295 only without --seed); ui false with --no-ui."""
+    import httpx
+
+    props = httpx.get(configured.url + "/props", timeout=30).json()
+    params = props["default_generation_settings"]["params"]
+    assert (params["n_predict"], params["temperature"], params["top_k"], params["seed"]) == (5, 1.5, 7, 42)
+    assert props["ui"] is False and props["model_alias"] == "alpha"
+    assert props["chat_template"] == TEMPLATE
+
+
+@pytest.mark.slow
+def test_requests_get_the_server_defaults(configured):
+    """A request without n_predict stops at -n's 5 tokens; without a seed it samples with --seed's 42, so two
+    answers at --temp 1.5 are the same; its own fields still win."""
+    import httpx
+
+    def complete(**body):
+        return httpx.post(configured.url + "/completion", json={"prompt": "hello", "ignore_eos": True, **body},
+                          timeout=60).json()
+
+    first, second = complete(), complete()
+    assert first["tokens_predicted"] == 5 and first["content"] == second["content"]
+    assert first["generation_settings"]["seed"] == 42 and first["generation_settings"]["temperature"] == 1.5
+    own = complete(n_predict=3, temperature=0.0)
+    assert own["tokens_predicted"] == 3 and own["generation_settings"]["temperature"] == 0.0
+    chat = httpx.post(configured.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["usage"]["completion_tokens"] <= 5
+
+
+@pytest.mark.slow
+def test_models_list_aliases_and_tags(configured):
+    """llama-server --alias zeta,alpha --tags t2,t1: /v1/models data[0] has id alpha (the first of the sorted set),
+    aliases [alpha, zeta], tags [t1, t2]; a request may name either alias."""
+    import httpx
+
+    card = httpx.get(configured.url + "/v1/models", timeout=30).json()["data"][0]
+    assert (card["id"], card["aliases"], card["tags"]) == ("alpha", ["alpha", "zeta"], ["t1", "t2"])
+    assert httpx.get(configured.url + "/v1/models/zeta", timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_no_ui_serves_no_page_and_every_host_answers(configured):
+    """--no-ui: / is a 404 (llama-server's answer too); --host 127.0.0.1,127.0.0.2: both addresses, one port."""
+    import httpx
+
+    assert httpx.get(configured.url + "/", timeout=30).status_code == 404
+    other = configured.url.replace("127.0.0.1", "127.0.0.2")
+    assert other != configured.url and httpx.get(other + "/health", timeout=30).status_code == 200
+
+
+@pytest.mark.slow
+def test_verbose_answers_carry_the_native_answer(configured):
+    """llama-server -v: a chat answer's __verbose is its native /completion answer, with the rendered prompt
+    (here from --chat-template-file)."""
+    import httpx
+
+    chat = httpx.post(configured.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+    verbose = chat["__verbose"]
+    assert verbose["prompt"].endswith("<user>hi>") and verbose["tokens_predicted"] == chat["usage"]["completion_tokens"]
+    assert verbose["content"] == chat["choices"][0]["message"]["content"]
+    cmpl = httpx.post(configured.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).json()
+    assert cmpl["__verbose"]["content"] == cmpl["choices"][0]["text"]

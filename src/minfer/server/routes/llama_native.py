@@ -27,6 +27,7 @@ from minfer.server.errors import ApiError
 from minfer.server.jobs import Choice, Job
 from minfer.server.protocols.images import image_from_base64
 from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
+from minfer.server.protocols.openai import GenerationParams
 from minfer.server.timings import timings
 
 
@@ -186,6 +187,17 @@ def result(ctx: ServerContext, c: Choice, req: NativeRequest, prompt: list[int],
     if req.params.logprobs is not None and not final:
         out["completion_probabilities"] = probs(ctx, c.logprobs)
     return out
+
+
+def verbose_fields(ctx: ServerContext, job: Job, params: GenerationParams, prompt: list[int]) -> dict[str, Any]:
+    """``--verbose``: an OpenAI-style answer's ``__verbose``, llama-server's native answer for its first choice
+    (the rendered prompt, the whole content, the settings, timings); nothing without the flag."""
+    if not ctx.config.verbose or not job.choices:
+        return {}
+    c = job.choices[0]
+    req = NativeRequest([prompt], params, ignore_eos=False, cache_prompt=True, return_tokens=False,
+                        timings_per_token=params.timings, id_slot=-1)
+    return {"__verbose": result(ctx, c, req, prompt, "".join(c.text), final=False)}
 
 
 async def complete(ctx: ServerContext, request: Request, req: NativeRequest) -> Response:
