@@ -43,6 +43,8 @@ def test_compare_status_headers_and_body():
                              "$.error: only in B"]
     same = Answer(200, {"content-type": "application/json"}, {"ok": 5})
     assert compare(Answer(200, {"content-type": "application/json"}, {"ok": 1}), same) == []
+    # llama-server's empty Access-Control-Allow-Origin on a request without Origin is no header
+    assert compare(Answer(200, {"access-control-allow-origin": ""}), Answer(200, {})) == []
 
 
 def test_presence_headers_and_media_types():
@@ -69,11 +71,12 @@ def test_a_failed_request_is_a_difference():
 def test_counts_and_report_by_group():
     results = [{"group": "errors", "name": "x", "status": [400, 500], "differences": ["status: 400 vs 500"]},
                {"group": "errors", "name": "y", "status": [200, 200], "differences": []},
-               {"group": "anthropic", "name": "z", "status": [200, 200], "differences": []}]
-    assert counts_by_group(results) == {"errors": (1, 2), "anthropic": (0, 1)}
+               {"group": "anthropic", "name": "z", "status": [200, 200], "differences": ["$.extra: only in B"]}]
+    assert counts_by_group(results) == {"errors": (1, 1, 2), "anthropic": (1, 0, 1)}
     text = report(results, "A", "B")
     assert "  x (400 vs 500)\n    status: 400 vs 500" in text and "y (" not in text
-    assert "errors                 1 of   2 requests differ" in text and "all                    1 of   3" in text
+    assert "errors                    1               1    2" in text
+    assert "all                       2               1    3" in text
 
 
 def test_every_probe_is_in_a_known_group_and_named_once():

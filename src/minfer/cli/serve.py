@@ -82,7 +82,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",
                      help="let browsers on ORIGIN call the API (repeatable or comma-separated; '*': any origin; "
                      "default: no CORS)")
-    srv.add_argument("--slots", action="store_true", help="serve GET /slots (each slot's state)")
+    srv.add_argument("--slots", action="store_true", default=True,
+                     help="serve GET /slots, each slot's state (default: on, as llama-server)")
     add_threads_flag(srv)
     add_cache_type_flag(srv)
     add_quantize_flag(srv)
@@ -141,7 +142,7 @@ def _add_server_default_flags(srv: argparse.ArgumentParser) -> None:
                      help="a Jinja chat template read from FILE, in place of the model's own")
     srv.add_argument("--ui", dest="ui", action=argparse.BooleanOptionalAction, default=True,
                      help="serve the chat page at / (default: on)")
-    srv.add_argument("--no-slots", dest="slots", action="store_false", help="no GET /slots (the default)")
+    srv.add_argument("--no-slots", dest="slots", action="store_false", help="no GET /slots: it answers 501")
     srv.add_argument("-v", "--verbose", action="store_true",
                      help="answers of /completion and /v1/chat/completions carry __verbose (the rendered prompt and "
                      "the whole answer), as llama-server's do")

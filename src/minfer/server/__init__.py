@@ -45,7 +45,7 @@ class ServeOptions:
     normalize: bool = True  # L2-normalise pooled embeddings (--no-normalize: off)
     strict_model: bool = False  # refuse requests naming another model
     cors_origins: tuple[str, ...] = ()  # --cors-origin: origins browsers may call from ("*": any)
-    slots: bool = False  # GET /slots
+    slots: bool = True  # GET /slots (llama-server's default; --no-slots: a 501)
     max_body_size: int = 8 * 1024 * 1024  # bytes; a larger request body is answered 413
     log_format: str = "text"  # the access log: text, json or off
     lora: list | None = None  # LoRA adapters: (path, scale) pairs
@@ -297,7 +297,7 @@ _PER_MODEL_FLAGS = {"parallel": "--parallel", "ctx_size": "--ctx-size", "batch_s
 _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--lookup", "lora": "--lora",
                     "lora_merge": "--lora-merge", "lora_init_without_apply": "--lora-init-without-apply",
                     "cache_disk": "--cache-disk", "strict_model": "--strict-model", "cors_origins": "--cors-origin",
-                    "slots": "--slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls",
+                    "slots": "--no-slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls",
                     "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
                     "tags": "--tags", "ui": "--no-ui", "verbose": "--verbose",
                     "chat_template_file": "--chat-template-file"}

@@ -160,8 +160,8 @@ def compare(a: Answer, b: Answer) -> list[str]:
     if a.error or b.error:
         return [f"request failed: A {a.error or 'ok'}, B {b.error or 'ok'}"] if a.error != b.error else []
     out = [] if a.status == b.status else [f"status: {a.status} vs {b.status}"]
-    for name in HEADERS_BY_VALUE:
-        va, vb = a.headers.get(name), b.headers.get(name)
+    for name in HEADERS_BY_VALUE:  # an empty one is none (llama-server sends an empty Allow-Origin without Origin)
+        va, vb = a.headers.get(name) or None, b.headers.get(name) or None
         if va != vb:
             out.append(f"header {name}: {va!r} vs {vb!r}")
     for name in HEADERS_BY_PRESENCE:
@@ -236,12 +236,18 @@ def run(url_a: str, url_b: str, key: str | None, probes: Sequence[Probe] = PROBE
     return results
 
 
-def counts_by_group(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
-    """Each group's (requests that differ, requests sent)."""
-    out: dict[str, tuple[int, int]] = {}
+def beyond_b_extras(differences: Sequence[str]) -> list[str]:
+    """The differences a client of A could trip on in B: all but keys only B has (B's extras)."""
+    return [d for d in differences if not d.endswith(": only in B")]
+
+
+def counts_by_group(results: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int, int]]:
+    """Each group's (requests that differ, requests that differ beyond keys only B has, requests sent)."""
+    out: dict[str, tuple[int, int, int]] = {}
     for r in results:
-        differ, total = out.get(r["group"], (0, 0))
-        out[r["group"]] = (differ + bool(r["differences"]), total + 1)
+        differ, beyond, total = out.get(r["group"], (0, 0, 0))
+        out[r["group"]] = (differ + bool(r["differences"]), beyond + bool(beyond_b_extras(r["differences"])),
+                           total + 1)
     return out
 
 
@@ -258,11 +264,15 @@ def report(results: Sequence[Mapping[str, Any]], url_a: str, url_b: str) -> str:
                 lines += [f"    {d}" for d in r["differences"]]
     lines.append("")
     counts = counts_by_group(results)
-    for group in GROUPS:
-        if group in counts:
-            lines.append(f"{group:<20} {counts[group][0]:>3} of {counts[group][1]:>3} requests differ")
-    total = sum(d for d, _ in counts.values())
-    lines.append(f"{'all':<20} {total:>3} of {len(results):>3} requests differ")
+    lines.append(f"{'group':<20} {'differ':>6} {'beyond B extras':>15} {'sent':>4}")
+    for group in [*GROUPS, "all"]:
+        if group == "all":
+            row = tuple(sum(c[i] for c in counts.values()) for i in range(3))
+        elif group in counts:
+            row = counts[group]
+        else:
+            continue
+        lines.append(f"{group:<20} {row[0]:>6} {row[1]:>15} {row[2]:>4}")
     return "\n".join(lines)
 
 
