@@ -161,6 +161,19 @@ def test_props_show_the_server_defaults(configured):
     assert (params["n_predict"], params["temperature"], params["top_k"], params["seed"]) == (5, 1.5, 7, 42)
     assert props["ui"] is False and props["model_alias"] == "alpha"
     assert props["chat_template"] == TEMPLATE
+    # llama-server's other settings, as it shows them with no draft model: fixed in minfer
+    assert params["speculative.types"] == "none" and params["max_tokens"] == 5 and params["dynatemp_range"] == 0.0
+    assert props["endpoint_slots"] is True and props["modalities"]["video"] is False
+
+
+@pytest.mark.slow
+def test_slots_are_on_by_default_with_llama_servers_fields(configured):
+    """llama-server answers /slots without --slots (its default is on); each slot has n_prompt_tokens and a list
+    next_token."""
+    import httpx
+
+    slots = httpx.get(configured.url + "/slots", timeout=30).json()
+    assert len(slots) == 2 and all(isinstance(s["next_token"], list) and s["n_prompt_tokens"] == 0 for s in slots)
 
 
 @pytest.mark.slow
@@ -191,6 +204,7 @@ def test_models_list_aliases_and_tags(configured):
 
     card = httpx.get(configured.url + "/v1/models", timeout=30).json()["data"][0]
     assert (card["id"], card["aliases"], card["tags"]) == ("alpha", ["alpha", "zeta"], ["t1", "t2"])
+    assert card["meta"]["n_ctx"] == httpx.get(configured.url + "/props", timeout=30).json()["n_ctx"]
     assert httpx.get(configured.url + "/v1/models/zeta", timeout=30).status_code == 200
 
 
