@@ -173,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        cors_origins=parse_origins(args.cors_origins), slots=args.slots,
                        reasoning_format=args.reasoning_format, mmproj=args.mmproj,
                        allow_image_urls=args.allow_image_urls, **speculative_kwargs(args),
-                       **lora_kwargs(args), sampling_defaults=sampling_kwargs(args), n_predict=args.n_predict,
+                       **lora_kwargs(args), sampling_defaults=sampling_kwargs(args) or None, n_predict=args.n_predict,
                        tags=args.tags, ui=args.ui, verbose=args.verbose, chat_template_file=args.chat_template_file)
     if args.sleep_idle_seconds is not None and not (args.more_models or args.models_dir is not None):
         raise MinferError("--sleep-idle-seconds applies to several models (several MODELs or --models-dir)")
