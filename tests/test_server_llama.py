@@ -314,7 +314,7 @@ def test_props_and_slots(tiny, tiny_path):
 
 def test_strict_model_and_no_slots(tiny_path):
     with ServerProcess(tiny_path, ["--parallel", "1", "--ctx-size", "128", "--alias", "tiny", "--strict-model",
-                                   "--no-cors"]) as s:
+                                   "--no-slots", "--no-cors"]) as s:
         r = httpx.post(s.url + "/v1/embeddings", json={"input": "x", "model": "gpt-4"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
         assert httpx.post(s.url + "/v1/embeddings", json={"input": "x", "model": "tiny"}).status_code == 200
@@ -398,7 +398,7 @@ def test_readme_curl_examples_work_as_written(smol):
     section = section[: section.index("\n### ", 10)] if "\n### " in section[10:] else section
     lines = [line.split("  #")[0] for line in section.splitlines() if line.startswith("curl ")]
     assert len(lines) >= 9
-    expected = {"/slots": 501, "/infill": 400}  # no --slots here; SmolLM2 has no FIM tokens
+    expected = {"/infill": 400}  # SmolLM2 has no FIM tokens
     for line in lines:
         args = shlex.split(line)
         url = next(a for a in args if a.startswith("localhost:8080"))

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from minfer.cli import llama_server_flags
 from minfer.cli.options import (
     add_cache_type_flag,
     add_lora_flags,
@@ -14,10 +15,12 @@ from minfer.cli.options import (
     add_speculative_flags,
     add_threads_flag,
     lora_kwargs,
+    sampling_kwargs,
     speculative_kwargs,
 )
 from minfer.errors import MinferError
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
+from minfer.runtime.sampling.params import PARAMS, flag_help
 
 
 def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
@@ -72,7 +75,9 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "comma-separated list; default: $MINFER_API_KEY, else none)")
     srv.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="keys to require, one a line ('#' lines are comments); with --api-key: either's keys")
-    srv.add_argument("--alias", default=None, help="model id reported by /v1/models (default: the file name)")
+    srv.add_argument("--alias", default=None,
+                     help="model id reported by /v1/models and /props, or several, comma-separated: the first is the "
+                     "id, all are names requests may give (default: the file name)")
     srv.add_argument("--reasoning-format", choices=["none", "deepseek"], default="deepseek",
                      help="deepseek: a chat reply's <think>...</think> goes to message.reasoning_content; "
                      "none: it stays in the content (default: deepseek)")
@@ -87,7 +92,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--no-normalize", dest="normalize", action="store_false",
                      help="do not L2-normalise pooled embeddings")
     add_cors_flags(srv)
-    srv.add_argument("--slots", action="store_true", help="serve GET /slots (each slot's state)")
+    srv.add_argument("--slots", action="store_true", default=True,
+                     help="serve GET /slots, each slot's state (default: on, as llama-server)")
     add_threads_flag(srv)
     add_cache_type_flag(srv)
     add_quantize_flag(srv)
@@ -106,6 +112,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "(default: text)")
     srv.add_argument("--max-body-size", default="8M", metavar="SIZE",
                      help="largest request body, in bytes or with K/M/G; larger ones get 413 (default: 8M)")
+    _add_server_default_flags(srv)
     ray = srv.add_argument_group("replicas on Ray Serve (pip install 'minfer[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve replicas of this server on Ray Serve behind one endpoint, routed by prompt prefix")
@@ -120,6 +127,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     ray.add_argument("--route-queue-threshold", type=int, default=2, metavar="N",
                      help="with --ray: a prefix's replica with more than N requests waiting for a slot is "
                      "passed over for the least-loaded one (default: 2)")
+    llama_server_flags.install(srv)  # last: llama-server's other spellings, and the flags minfer refuses
     srv.set_defaults(handler=cmd_serve)
 
     pull = add_parser("pull", help="download a known model into the cache",
@@ -171,10 +179,38 @@ def cors_kwargs(args: argparse.Namespace) -> dict:
             "cors_credentials": args.cors_credentials}
 
 
+def _add_server_default_flags(srv: argparse.ArgumentParser) -> None:
+    """llama-server's server-wide settings: the model as -m, the defaults of requests that do not set them, what
+    /props and /v1/models show, the chat page, the chat template."""
+    srv.add_argument("-m", "--model", dest="model_option", default=None, metavar="FILE",
+                     help="the model, as llama-server takes it (the same as the MODEL argument)")
+    srv.add_argument("--tags", default=None, metavar="TAGS",
+                     help="comma-separated tags of the model, shown in /props and /v1/models")
+    srv.add_argument("--chat-template-file", default=None, metavar="FILE",
+                     help="a Jinja chat template read from FILE, in place of the model's own")
+    srv.add_argument("--ui", dest="ui", action=argparse.BooleanOptionalAction, default=True,
+                     help="serve the chat page at / (default: on)")
+    srv.add_argument("--no-slots", dest="slots", action="store_false", help="no GET /slots: it answers 501")
+    srv.add_argument("-v", "--verbose", action="store_true",
+                     help="answers of /completion and /v1/chat/completions carry __verbose (the rendered prompt and "
+                     "the whole answer), as llama-server's do")
+    d = srv.add_argument_group("defaults of requests that do not set them (llama-server's flags)")
+    d.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=None, metavar="N",
+                   help="tokens generated at most when a request sets no max_tokens/n_predict (default: -1, until "
+                   "the end of generation or of the context)")
+    for field, param in PARAMS.items():  # None: not given, the model's own default (generation_config) then
+        how = {"action": "append"} if param.repeatable else {"type": param.check.cli_type}
+        d.add_argument(*param.flags, dest=field, default=None, metavar=param.metavar, help=flag_help(field), **how)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from minfer.server import ServeOptions, parse_size, serve
     from minfer.server.api_keys import server_api_keys
 
+    if args.model_option is not None:
+        if args.model is not None:
+            raise MinferError(f"-m/--model {args.model_option} and MODEL {args.model}: give the model once")
+        args.model = args.model_option
     opts = ServeOptions(max_body_size=parse_size(args.max_body_size), log_format=args.log_format,
                        model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
                        batch_size=args.batch_size, queue_size=args.queue_size, alias=args.alias,
@@ -186,7 +222,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        slots=args.slots, **cors_kwargs(args),
                        reasoning_format=args.reasoning_format, mmproj=args.mmproj,
                        allow_image_urls=args.allow_image_urls, metrics=args.metrics, **speculative_kwargs(args),
-                       **lora_kwargs(args))
+                       **lora_kwargs(args), sampling_defaults=sampling_kwargs(args) or None, n_predict=args.n_predict,
+                       tags=args.tags, ui=args.ui, verbose=args.verbose, chat_template_file=args.chat_template_file)
     sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
     if not args.metrics and (args.more_models or args.models_dir is not None or args.ray):
         raise MinferError("--no-metrics applies to one model's own server: the several-model and --ray fronts "

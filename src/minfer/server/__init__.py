@@ -9,6 +9,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from minfer.errors import BadRequestError
 from minfer.server.api_keys import resolve_api_keys
@@ -51,7 +52,7 @@ class ServeOptions:
     cors_methods: str = DEFAULT_METHODS
     cors_headers: str = DEFAULT_HEADERS
     cors_credentials: bool = True
-    slots: bool = False  # GET /slots
+    slots: bool = True  # GET /slots (llama-server's default; --no-slots: a 501)
     max_body_size: int = 8 * 1024 * 1024  # bytes; a larger request body is answered 413
     log_format: str = "text"  # the access log: text, json or off
     lora: list | None = None  # LoRA adapters: (path, scale) pairs
@@ -60,6 +61,13 @@ class ServeOptions:
     allow_image_urls: bool = False  # fetch http(s) image URLs (SECURITY.md)
     mmproj: str | None = None  # a text GGUF's vision tower and projector (llama.cpp's mmproj file): images
     metrics: bool = True  # GET /metrics (--no-metrics: answered 501, as llama-server without --metrics)
+    # llama-server's server-wide settings (cli/llama_server_flags.py)
+    sampling_defaults: dict | None = None  # SamplingParams fields for requests that do not set them (--temp, ...)
+    n_predict: int | None = None  # tokens at most for requests that set no max_tokens (-n; None or -1: no limit)
+    tags: str | None = None  # --tags: comma-separated, shown in /props and /v1/models
+    ui: bool = True  # the chat page at / (--no-ui: off)
+    verbose: bool = False  # answers carry __verbose (-v)
+    chat_template_file: str | None = None  # a Jinja chat template in place of the model's
 
 # uvicorn waits this much longer than --shutdown-timeout: the app cancels what is still open at the
 # timeout, and the cancelled answers need a moment to reach their clients (an error event, [DONE])
@@ -103,6 +111,78 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
         raise BadRequestError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(backlog)
     return sock
+
+
+def listening_sockets(hosts: str, port: int) -> list[socket.socket]:
+    """``--host A,B``: a listening socket on each address, all on one port (with port 0: the free one the first
+    address got)."""
+    names = split_names(hosts)
+    if not names:
+        raise BadRequestError(f"--host must name at least one address, got {hosts!r}")
+    socks = [listening_socket(names[0], port)]
+    try:
+        for name in names[1:]:
+            socks.append(listening_socket(name, socks[0].getsockname()[1]))
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def split_names(text: str | None) -> list[str]:
+    """A comma-separated flag's values (--host), blanks dropped, in the order given."""
+    if text is None:
+        return []
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def name_set(text: str | None) -> tuple[str, ...]:
+    """--alias's and --tags' values as llama-server keeps them: a sorted set (its first alias is the model's id)."""
+    return tuple(sorted(set(split_names(text))))
+
+
+def server_defaults(opts: ServeOptions) -> dict:
+    """``ServerConfig``'s request defaults from the flags: the sampling fields (checked now, so a bad --temp
+    stops the server at start), the seed apart (each request's sequences count up from it), -n."""
+    from minfer.errors import MinferError
+    from minfer.runtime.sampling.params import SamplingParams
+
+    sampling = dict(opts.sampling_defaults or {})
+    try:
+        SamplingParams(**sampling)
+    except (MinferError, ValueError, TypeError) as e:
+        raise BadRequestError(f"server sampling defaults: {e}") from None
+    seed = sampling.pop("seed", None)
+    if seed is not None and seed < 0:
+        seed = None  # llama-server's -1: a fresh seed for each request
+    n_predict = opts.n_predict
+    if n_predict is not None and n_predict < -1:
+        raise BadRequestError(f"-n/--n-predict must be -1 (no limit) or >= 0, got {n_predict}")
+    return {"sampling_defaults": sampling, "default_seed": seed,
+            "default_n_predict": None if n_predict is None or n_predict < 0 else n_predict}
+
+
+def read_chat_template(path: str, tokenizer: object) -> object:
+    """``--chat-template-file``: the Jinja template in ``path``, with the tokenizer's BOS/EOS texts."""
+    from minfer.errors import FormatError
+    from minfer.formats.chat_template import ChatTemplate
+
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise BadRequestError(f"--chat-template-file {path}: {e.strerror}") from None
+    tok: Any = tokenizer
+    bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+    eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+    try:
+        return ChatTemplate(source, bos, eos)
+    except FormatError as e:
+        raise BadRequestError(f"--chat-template-file {path}: {e}") from None
 
 
 def parse_size(text: str) -> int:
@@ -149,6 +229,7 @@ def serve(opts: ServeOptions) -> None:
                               f"got {opts.log_format!r}")
     if not opts.shutdown_timeout >= 0:
         raise BadRequestError(f"--shutdown-timeout must be >= 0 seconds, got {opts.shutdown_timeout}")
+    defaults = server_defaults(opts)  # bad values stop the server before the model loads
     from minfer.models.bert import is_encoder_checkpoint
     from minfer.pull import resolve_model
 
@@ -164,6 +245,8 @@ def serve(opts: ServeOptions) -> None:
                  draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative, lora=opts.lora,
                  lora_merge=opts.lora_merge, lora_init_without_apply=opts.lora_init_without_apply,
                  mmproj=opts.mmproj)
+    if opts.chat_template_file is not None:
+        model.chat_template = read_chat_template(opts.chat_template_file, model.tokenizer)
     engine_loop = EngineLoop(model.engine, max_queue=opts.queue_size)  # load warmed the engine up
     # Everything loaded so far lives as long as the server. Measured at 8 clients: collections took 95 ms of
     # a 10 s run, 1.7 ms each, landing inside decode steps; frozen, 16 ms.
@@ -173,18 +256,20 @@ def serve(opts: ServeOptions) -> None:
         raise BadRequestError(f"--pooling rank: {model.path} is a generating model; reranking needs a cross-encoder "
                               "(a *ForSequenceClassification checkpoint)")
     pooling = check_pooling(opts.pooling) if opts.pooling is not None else model.pooling  # a bad one fails now
-    config = ServerConfig(model_id=opts.alias or Path(model.path).name, api_keys=api_keys,
+    aliases = name_set(opts.alias)
+    config = ServerConfig(model_id=aliases[0] if aliases else Path(model.path).name, api_keys=api_keys,
                           strict_model=opts.strict_model, pooling=pooling, normalize=opts.normalize,
                           cors=cors_policy(opts), slots_endpoint=opts.slots,
                           reasoning_format=opts.reasoning_format,
                           max_body_size=opts.max_body_size, log_format=opts.log_format,
-                          allow_image_urls=opts.allow_image_urls, metrics_endpoint=opts.metrics)
+                          allow_image_urls=opts.allow_image_urls, metrics_endpoint=opts.metrics,
+                          aliases=aliases, tags=name_set(opts.tags), ui=opts.ui, verbose=opts.verbose, **defaults)
     access_log.configure(opts.log_format)
     errors_to_stderr()
     app = create_app(model, engine_loop, config, shutdown_timeout=0.0, start_engine_loop=False)
 
-    sock = listening_socket(opts.host, opts.port)
-    host, port = sock.getsockname()[:2]
+    socks = listening_sockets(opts.host, opts.port)
+    host, port = socks[0].getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
 
@@ -202,7 +287,7 @@ def serve(opts: ServeOptions) -> None:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     def serve_http() -> None:
         try:
-            server.run(sockets=[sock])
+            server.run(sockets=socks)
         finally:
             engine_loop.stop(0.0)  # also when uvicorn could not start: the main thread must not wait forever
 
@@ -211,8 +296,9 @@ def serve(opts: ServeOptions) -> None:
         http.start()
         layout = (f"sharing {engine_loop.kv.n_ctx} tokens" if engine_loop.kv.unified
                   else f"of {engine_loop.slot_context} tokens")
-        print(f"minfer: serving {config.model_id} on http://{host}:{port} ({opts.parallel} parallel sequences "
-              f"{layout}, {model.threads} threads){with_keys(api_keys)}",
+        also = "".join(f" and http://{_url_host(s.getsockname()[0])}:{s.getsockname()[1]}" for s in socks[1:])
+        print(f"minfer: serving {config.model_id} on http://{_url_host(host)}:{port}{also} ({opts.parallel} "
+              f"parallel sequences {layout}, {model.threads} threads){with_keys(api_keys)}",
               file=sys.stderr, flush=True)
         engine_loop.run()  # returns once the app's lifespan has stopped the engine loop
         http.join()
@@ -231,7 +317,10 @@ _PER_MODEL_FLAGS = {"parallel": "--parallel", "ctx_size": "--ctx-size", "batch_s
 _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--lookup", "lora": "--lora",
                     "lora_merge": "--lora-merge", "lora_init_without_apply": "--lora-init-without-apply",
                     "cache_disk": "--cache-disk", "strict_model": "--strict-model",
-                    "slots": "--slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls"}
+                    "slots": "--no-slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls",
+                    "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
+                    "tags": "--tags", "ui": "--no-ui", "verbose": "--verbose",
+                    "chat_template_file": "--chat-template-file"}
 
 
 def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int,
@@ -260,8 +349,8 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
     child_args.append("--no-cors")  # the front answers CORS for all of them (else each answer has it twice)
     router = ModelRouter(entries, child_args, models_max, api_keys, opts.max_body_size, sleep_idle)
     errors_to_stderr()
-    sock = listening_socket(opts.host, opts.port)
-    host, port = sock.getsockname()[:2]
+    socks = listening_sockets(opts.host, opts.port)
+    host, port = socks[0].getsockname()[:2]
     app = with_cors(router, cors_policy(opts))  # the preflight answered before the router's key check
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
@@ -269,14 +358,16 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
     print(f"minfer: serving {len(entries)} models on http://{host}:{port} (at most {models_max} loaded at once, "
           f"each loaded on its first request: {names}){with_keys(api_keys)}",
           file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
+    server.run(sockets=socks)
 
 
 # the options of a generating server that mean nothing for an encoder's, refused when given
 _GENERATING_OPTIONS = {"ctx_size": "--ctx-size", "cache_ram": "--cache-ram", "cache_disk": "--cache-disk",
                        "cache_type": "--cache-type", "quantize": "--quantize", "draft": "--model-draft",
                        "lookup": "--lookup", "lora": "--lora", "lora_merge": "--lora-merge", "mmproj": "--mmproj",
-                       "metrics": "--no-metrics"}  # (the encoder's server always serves /metrics)
+                       "metrics": "--no-metrics",  # (the encoder's server always serves /metrics)
+                       "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
+                       "ui": "--no-ui", "verbose": "--verbose", "chat_template_file": "--chat-template-file"}
 
 
 def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
@@ -305,18 +396,20 @@ def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
     loop = EncoderLoop(encoder.runner, max_queue=opts.queue_size)
     keep_for_process(collect=True)
     api_keys = resolve_api_keys(opts.api_keys)
-    config = ServerConfig(model_id=opts.alias or Path(encoder.path).name, api_keys=api_keys,
+    aliases = name_set(opts.alias)
+    config = ServerConfig(model_id=aliases[0] if aliases else Path(encoder.path).name, api_keys=api_keys,
                           strict_model=opts.strict_model, normalize=opts.normalize, cors=cors_policy(opts),
-                          max_body_size=opts.max_body_size, log_format=opts.log_format)
+                          max_body_size=opts.max_body_size, log_format=opts.log_format, aliases=aliases,
+                          tags=name_set(opts.tags))
     access_log.configure(opts.log_format)
     errors_to_stderr()
     app = create_encoder_app(encoder, loop, config, pooling=pooling)
-    sock = listening_socket(opts.host, opts.port)
-    host, port = sock.getsockname()[:2]
+    socks = listening_sockets(opts.host, opts.port)
+    host, port = socks[0].getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
     what = "embeddings and reranking" if encoder.can_rerank else "embeddings"
     print(f"minfer: serving {config.model_id} on http://{host}:{port} ({what}, {encoder.pooling} pooling, up to "
           f"{encoder.max_length} tokens per input, {encoder.threads} threads){with_keys(api_keys)}",
           file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
+    server.run(sockets=socks)

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,6 +56,14 @@ class ServerConfig:
     log_format: str = "text"  # the access log: text, json or off
     allow_image_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls; see SECURITY.md)
     metrics_endpoint: bool = True  # GET /metrics (--no-metrics: a 501, as llama-server without --metrics)
+    # llama-server's server-wide settings: the defaults of requests that do not set them (--temp, --seed, -n)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)  # SamplingParams fields, the seed apart
+    default_seed: int | None = None  # --seed: a request's sequences count up from it, as from a request's own
+    default_n_predict: int | None = None  # -n: tokens at most when a request sets none (None: no limit)
+    aliases: tuple[str, ...] = ()  # --alias's names (the first is model_id)
+    tags: tuple[str, ...] = ()  # --tags
+    ui: bool = True  # the chat page at /
+    verbose: bool = False  # answers carry __verbose (-v)
 
 
 @dataclass
@@ -82,7 +90,7 @@ class ServerContext:
         cached = (lambda: (cache.nbytes, len(cache), cache.restored)) if cache is not None else lambda: (0, 0, 0)
         metrics = ServerMetrics(loop.load, loop.cells_in_use, cells_total, lambda: runner.plans_built,
                                 lambda: (kv.blocks_in_use, kv.blocks_shared), kv.n_blocks - 1, cached)
-        names = {config.model_id, str(model.path), Path(model.path).name, Path(model.path).stem}
+        names = {config.model_id, *config.aliases, str(model.path), Path(model.path).name, Path(model.path).stem}
         tok = model.tokenizer
         longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=1)
         return cls(model, engine_loop, config, metrics, EventPump(), created, names, _max_token_bytes=max(longest, 1))
@@ -192,12 +200,14 @@ class ServerContext:
             for p, ids in enumerate(prompts):
                 for j in range(params.n):
                     index = len(job.choices)
-                    seed = None if params.seed is None else params.seed + j
-                    sampler = model.sampler(**params.sampling, seed=seed)
+                    first = params.seed if params.seed is not None else self.config.default_seed
+                    seed = None if first is None else first + j
+                    sampler = model.sampler(**{**self.config.sampling_defaults, **params.sampling}, seed=seed)
                     c = constraint() if constraint is not None else model.constraint(params.grammar,
                                                                                       params.json_schema)
                     job.choices.append(Choice(index, p))
-                    job.requests.append(GenerationRequest(ids, sampler, params.max_tokens, job.emitter(index),
+                    max_tokens = params.max_tokens if params.max_tokens is not None else self.config.default_n_predict
+                    job.requests.append(GenerationRequest(ids, sampler, max_tokens, job.emitter(index),
                                                           stop=params.stop, logprobs=params.logprobs,
                                                           constraint=c,
                                                           stop_ids=frozenset() if ignore_eos else None,

@@ -21,6 +21,7 @@ from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnEvent, TurnFinished
 from minfer.server.context import ServerContext, sse
 from minfer.server.errors import ApiError
 from minfer.server.protocols.openai import parse_chat
+from minfer.server.routes.llama_native import verbose_fields
 
 
 def chat_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -65,6 +66,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                              "logprobs": chat_logprobs(ctx, c.logprobs) if want_logprobs else None,
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": turn.usage(), **ctx.timings(turn.job, params),
+                **verbose_fields(ctx, turn.job, params, turn.prompt_ids),
             })
         extra = {"usage": None} if params.include_usage else {}
 

@@ -15,6 +15,7 @@ from minfer.runtime.sampling import TokenLogprob
 from minfer.server.context import ServerContext, finish_reason
 from minfer.server.jobs import Choice
 from minfer.server.protocols.openai import parse_completion
+from minfer.server.routes.llama_native import verbose_fields
 
 
 def completion_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -49,7 +50,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 choices.append({"index": c.index, "text": head + "".join(c.text), "logprobs": lp,
                                 "finish_reason": finish_reason(c)})
             return JSONResponse({**base, "object": "text_completion", "choices": choices,
-                                 "usage": ctx.usage(job, prompts), **ctx.timings(job, params)})
+                                 "usage": ctx.usage(job, prompts), **ctx.timings(job, params),
+                                 **verbose_fields(ctx, job, params, prompts[0])})
         extra = {"usage": None} if params.include_usage else {}
         offsets = [len(echo[c.prompt_index]) for c in job.choices]
 

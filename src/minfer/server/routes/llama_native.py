@@ -27,6 +27,7 @@ from minfer.server.errors import ApiError
 from minfer.server.jobs import Choice, Job
 from minfer.server.protocols.images import image_from_base64
 from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
+from minfer.server.protocols.openai import GenerationParams
 from minfer.server.timings import timings
 
 
@@ -112,9 +113,13 @@ async def infill_completion(ctx: ServerContext, request: Request) -> Response:
 
 
 def sampling_defaults(ctx: ServerContext) -> dict[str, Any]:
-    params = asdict(SamplingParams(**{**ctx.model.generation_defaults}))
+    """The sampling a request gets for what it does not set: the server's flags (--temp, --seed, ...) over the
+    model's own defaults; the seed as given (llama-server's 4294967295 without one)."""
+    config = ctx.config
+    params = asdict(SamplingParams(**{**ctx.model.generation_defaults, **config.sampling_defaults}))
     params.pop("logit_bias", None)
-    params["seed"] = 0xFFFFFFFF if params.get("seed") is None else params["seed"]
+    seed = config.default_seed if config.default_seed is not None else params.get("seed")
+    params["seed"] = 0xFFFFFFFF if seed is None else seed
     return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
 
 
@@ -126,7 +131,8 @@ def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
                        if k != "logit_bias"})
     p = req.params if req is not None else None
     params.update({
-        "n_predict": -1 if p is None or p.max_tokens is None else p.max_tokens,
+        "n_predict": (p.max_tokens if p is not None and p.max_tokens is not None
+                      else -1 if ctx.config.default_n_predict is None else ctx.config.default_n_predict),
         "stop": [] if p is None else p.stop, "stream": False if p is None else p.stream,
         "n_probs": 0 if p is None or p.logprobs is None else p.logprobs,
         "ignore_eos": False if req is None else req.ignore_eos, "n_keep": 0,
@@ -134,7 +140,25 @@ def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
         "timings_per_token": False if req is None else req.timings_per_token, "n_ctx": ctx.engine_loop.slot_context,
         "model": ctx.config.model_id, "lora": _lora_settings(ctx, p),
     })
+    params["max_tokens"] = params["n_predict"]
+    params.update(_LLAMA_SETTINGS)
+    params["reasoning_format"] = ctx.config.reasoning_format
+    params["speculative.types"] = _SPECULATIVE_TYPES[ctx.model.engine.speculative.mode]
     return params
+
+
+# minfer's speculative modes by llama-server's names for them
+_SPECULATIVE_TYPES = {"off": "none", "draft": "draft-simple", "lookup": "ngram-simple"}
+
+
+# llama-server's generation settings that are fixed in minfer: off (adaptive-p, dynamic temperature, backend
+# sampling, discarding), or its only behaviour (the content as answered, no generation prompt of the server's own)
+_LLAMA_SETTINGS: dict[str, Any] = {
+    "adaptive_target": -1.0, "adaptive_decay": 0.9, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+    "backend_sampling": False, "n_discard": 0, "post_sampling_probs": False, "chat_format": "Content-only",
+    "generation_prompt": "", "reasoning_in_content": False, "grammar_lazy": False, "grammar_triggers": [],
+    "preserved_tokens": [],
+}
 
 
 def _lora_settings(ctx: ServerContext, p: Any) -> list[dict[str, Any]]:
@@ -181,6 +205,17 @@ def result(ctx: ServerContext, c: Choice, req: NativeRequest, prompt: list[int],
     if req.params.logprobs is not None and not final:
         out["completion_probabilities"] = probs(ctx, c.logprobs)
     return out
+
+
+def verbose_fields(ctx: ServerContext, job: Job, params: GenerationParams, prompt: list[int]) -> dict[str, Any]:
+    """``--verbose``: an OpenAI-style answer's ``__verbose``, llama-server's native answer for its first choice
+    (the rendered prompt, the whole content, the settings, timings); nothing without the flag."""
+    if not ctx.config.verbose or not job.choices:
+        return {}
+    c = job.choices[0]
+    req = NativeRequest([prompt], params, ignore_eos=False, cache_prompt=True, return_tokens=False,
+                        timings_per_token=params.timings, id_slot=-1)
+    return {"__verbose": result(ctx, c, req, prompt, "".join(c.text), final=False)}
 
 
 async def complete(ctx: ServerContext, request: Request, req: NativeRequest) -> Response:
@@ -234,9 +269,11 @@ def server_props(ctx: ServerContext) -> dict[str, Any]:
         },
         "total_slots": ctx.engine_loop.n_slots, "n_ctx": n_ctx, "model_path": str(model.path),
         "model_alias": ctx.config.model_id, "chat_template": template.source if template is not None else "",
-        "chat_template_caps": {}, "modalities": {"vision": ctx.takes_images, "audio": False},
+        "chat_template_caps": {}, "modalities": {"vision": ctx.takes_images, "video": False, "audio": False},
+        "media_marker": MEDIA_MARKER, "endpoint_props": False, "ui_settings": {}, "cors_proxy_enabled": False,
         "bos_token": _token(tokenizer, tokenizer.bos_id), "eos_token": _token(tokenizer, tokenizer.eos_id),
         "build_info": f"minfer {minfer.__version__}", "is_sleeping": False,
+        "endpoint_slots": ctx.config.slots_endpoint, "ui": ctx.config.ui,
         "pooling": ctx.pooling, "fim": model.fim_tokens is not None,
     }
 
@@ -255,13 +292,18 @@ def slots_answer(ctx: ServerContext) -> Response:
     for s in range(engine_loop.n_slots):
         run = running.get(s)
         stats = run.request.stats if run is not None else None
+        n_prompt = len(run.request.prompt_ids) if run is not None else 0
+        processed = stats.prompt_tokens if stats is not None else 0
         out.append({
             "id": s, "id_task": -1, "n_ctx": n_ctx, "speculative": False, "is_processing": run is not None,
+            "n_prompt_tokens": n_prompt, "n_prompt_tokens_processed": processed,
+            "n_prompt_tokens_cache": max(n_prompt - processed, 0),
             "params": settings(ctx, None), "n_cached": len(engine_loop.kv.tokens(s)),
             "kv_blocks": engine_loop.kv.n_blocks_held(s),
             "preempted": stats.preempted if stats is not None else 0,
-            "next_token": {"has_next_token": run is not None, "has_new_line": False, "n_remain": -1,
-                           "n_decoded": stats.generated_tokens if stats is not None else 0},
+            # llama-server's list: one entry per sequence the slot decodes
+            "next_token": [{"has_next_token": run is not None, "has_new_line": False, "n_remain": -1,
+                            "n_decoded": stats.generated_tokens if stats is not None else 0}],
         })
     return JSONResponse(out)
 

@@ -50,7 +50,8 @@ def register_pages(app: FastAPI, chat: bool = True, key_required: bool = False) 
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
-    register_pages(app, chat=True, key_required=bool(ctx.config.api_keys))
+    if ctx.config.ui:  # --no-ui: no chat page (llama-server then answers / with 404)
+        register_pages(app, chat=True, key_required=bool(ctx.config.api_keys))
 
 
 def register_encoder_page(app: FastAPI, key_required: bool = False) -> None:

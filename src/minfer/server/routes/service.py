@@ -46,8 +46,11 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         capabilities = ["completion", *(["multimodal"] if ctx.takes_images else [])]
         return {"id": ctx.config.model_id, "object": "model", "created": ctx.created, "owned_by": "minfer",
                 "capabilities": capabilities,
+                # llama-server's --alias names and --tags, each a sorted list ([] without the flag)
+                "aliases": list(ctx.config.aliases or (ctx.config.model_id,)), "tags": list(ctx.config.tags),
                 "meta": {"architecture": hp.arch, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train,
-                         "n_embd": hp.n_embd, "n_params": n_params, "size": transformer.weight_bytes,
+                         "n_embd": hp.n_embd, "n_ctx": ctx.engine_loop.slot_context, "n_params": n_params,
+                         "size": transformer.weight_bytes,
                          "n_ctx_per_sequence": ctx.engine_loop.slot_context, "parallel": ctx.engine_loop.n_slots}}
 
     @app.get("/v1/models")
