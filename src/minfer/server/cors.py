@@ -95,8 +95,9 @@ class Cors:
             await self._preflight(send, extra, request_headers.get(b"access-control-request-headers"))
             return
         if allowed is not None:
-            if self.policy.credentials and allowed != ANY_ORIGIN:
-                extra.append((b"access-control-allow-credentials", b"true"))
+            # No Access-Control-Allow-Credentials here, as llama-server: the preflight says it, but without it
+            # on the answer a browser keeps a credentialed (cookie) answer from the page. With any origin echoed,
+            # that is what stops a page reading what a cookie-authenticating proxy in front would let through.
             extra.append((b"access-control-expose-headers", b"Retry-After"))  # a 429's wait, readable by pages
 
         async def send_with_cors(message: Message) -> None:
