@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,7 +296,12 @@ class MessageBuilder:
     :attr:`message` is the message as it stands, complete after :meth:`finish`.
     """
 
-    def __init__(self, model_id: str, input_tokens: int) -> None:
+    def __init__(self, model_id: str, input_tokens: int, cached_tokens: Callable[[], int] = lambda: 0) -> None:
+        """``cached_tokens``: how many of the prompt's tokens the prefix cache served, asked when the message
+        starts and when it finishes (known once the sequence has its slot): Anthropic's
+        ``cache_read_input_tokens``, and ``input_tokens`` counts the rest, as Anthropic and llama-server do."""
+        self.prompt_tokens = input_tokens
+        self.cached_tokens = cached_tokens
         self.message: dict[str, Any] = {
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_id,
             "content": [], "stop_reason": None, "stop_sequence": None,
@@ -305,7 +310,12 @@ class MessageBuilder:
         self.open: dict[str, Any] | None = None  # the block being streamed
         self.json: list[str] = []  # the open tool_use block's input, as its fragments came
 
+    def _count_cache(self) -> None:
+        cached = self.cached_tokens()
+        self.message["usage"].update(input_tokens=self.prompt_tokens - cached, cache_read_input_tokens=cached)
+
     def start(self) -> list[dict[str, Any]]:
+        self._count_cache()
         return [{"type": "message_start", "message": json.loads(json.dumps(self.message))}, {"type": "ping"}]
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
@@ -358,20 +368,15 @@ class MessageBuilder:
         return [{"type": "content_block_delta", "index": len(self.message["content"]) - 1,
                  "delta": {"type": "input_json_delta", "partial_json": delta}}]
 
-    def finish(self, finish_reason: str, stop: str | None, output_tokens: int,
-               cached_tokens: int = 0) -> list[dict[str, Any]]:
-        """``finish_reason`` as chat says it; ``stop`` the stop sequence that ended the reply, if one did;
-        ``cached_tokens``: the prompt tokens served from the prefix cache, Anthropic's
-        ``cache_read_input_tokens`` (``input_tokens`` then counts the rest, as Anthropic and llama-server do)."""
+    def finish(self, finish_reason: str, stop: str | None, output_tokens: int) -> list[dict[str, Any]]:
+        """``finish_reason`` as chat says it; ``stop`` the stop sequence that ended the reply, if one did."""
         events = self._close()
         reason = "stop_sequence" if stop is not None and finish_reason == "stop" else \
             STOP_REASONS.get(finish_reason, "end_turn")
         self.message["stop_reason"] = reason
         self.message["stop_sequence"] = stop if reason == "stop_sequence" else None
+        self._count_cache()
         usage = self.message["usage"]
-        if cached_tokens:
-            usage["input_tokens"] -= cached_tokens
-            usage["cache_read_input_tokens"] = cached_tokens
         usage["output_tokens"] = output_tokens
         events.append({"type": "message_delta",
                        "delta": {"stop_reason": reason, "stop_sequence": self.message["stop_sequence"]},

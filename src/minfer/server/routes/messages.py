@@ -25,12 +25,12 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     async def messages(request: Request) -> Response:
         req = parse_messages(await ctx.read_json(request))
         turn = await ChatTurn.start(ctx, req.chat, prefill=req.prefill)
-        builder = MessageBuilder(ctx.config.model_id, len(turn.prompt_ids))
+        builder = MessageBuilder(ctx.config.model_id, len(turn.prompt_ids), lambda: turn.job.choices[0].cached_tokens)
 
         def finish(reason: str) -> Events:
-            choice = turn.job.choices[0]
-            assert choice.stats is not None
-            return builder.finish(reason, choice.stats.stop, choice.stats.generated_tokens, choice.cached_tokens)
+            stats = turn.job.choices[0].stats
+            assert stats is not None
+            return builder.finish(reason, stats.stop, stats.generated_tokens)
 
         if not req.chat.params.stream:
             choice = (await turn.result(request))[0]
