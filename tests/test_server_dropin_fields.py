@@ -191,6 +191,17 @@ def test_prompt_object_is_its_prompt_string():
         native_prompts({"prompt_string": 3}, tokenize)
 
 
+def test_prompt_objects_in_a_list_on_completion(tiny):
+    """Through the server: a list of ``{"prompt_string"}`` objects is one prompt each, as their strings are."""
+    body = {"n_predict": 3, "temperature": 0}
+    plain = post(tiny, "/completion", {**body, "prompt": "The fox"}).json()
+    objects = post(tiny, "/completion", {**body, "prompt": [{"prompt_string": "The fox"}]})
+    assert objects.status_code == 200, objects.text
+    assert objects.json()["content"] == plain["content"]
+    bad = post(tiny, "/completion", {**body, "prompt": [{"prompt_string": 5}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
 # -- 9. Anthropic ----------------------------------------------------------------------------------------
 
 
