@@ -106,6 +106,7 @@ def test_continue_final_message(tiny):
     assert r.json()["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
     counted = post(tiny, "/v1/chat/completions/input_tokens", body).json()["input_tokens"]
     assert counted == len(ids)
+    assert post(tiny, "/apply-template", body).json()["prompt"] == prompt
     # a last message that is not the assistant's has nothing to continue; false alone is not honoured here
     r = post(tiny, "/v1/chat/completions", {**body, "messages": messages[:1]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
