@@ -17,6 +17,7 @@ import openai
 import pytest
 from conftest import derive_gguf, fixture_dir
 
+import minfer
 from minfer.server.protocols.llama import native_prompts
 from minfer.testing.server_process import ServerProcess
 
@@ -201,6 +202,24 @@ def test_prompt_objects_in_a_list_on_completion(tiny):
     assert objects.json()["content"] == plain["content"]
     bad = post(tiny, "/completion", {**body, "prompt": [{"prompt_string": 5}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    alone = post(tiny, "/completion", {**body, "prompt": {"prompt_string": "The fox"}})  # not in a list
+    assert alone.status_code == 200, alone.text
+    assert alone.json()["content"] == plain["content"]
+
+
+def test_ignore_eos_shows_its_ban_in_generation_settings(tiny):
+    """llama-server adds the end-of-generation tokens at -inf to the request's ``logit_bias`` under ``ignore_eos``
+    and lists them in ``generation_settings.logit_bias`` as ``{"bias": null, "token": id}`` (-inf is JSON's
+    null), after the request's own biases."""
+    body = {"prompt": "The fox", "n_predict": 2, "temperature": 0, "logit_bias": [[7, 1.5]]}
+    plain = post(tiny, "/completion", body).json()["generation_settings"]
+    assert plain["ignore_eos"] is False and plain["logit_bias"] == [{"bias": 1.5, "token": 7}]
+    banned = post(tiny, "/completion", {**body, "ignore_eos": True}).json()["generation_settings"]
+    eog = minfer.load(fixture_dir("llama") / "model-f32.gguf").tokenizer.eog_ids
+    assert banned["ignore_eos"] is True and banned["logit_bias"][0] == {"bias": 1.5, "token": 7}
+    bans = banned["logit_bias"][1:]
+    assert bans and all(b["bias"] is None for b in bans)
+    assert {b["token"] for b in bans} == set(eog)
 
 
 # -- 9. Anthropic ----------------------------------------------------------------------------------------
