@@ -224,7 +224,7 @@ def test_prefix_reuse_reports_cached_tokens(server, client, local):
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens", ">= 0"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n", "between 1 and 16"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, None, "top_k"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"": 1}}, "logit_bias", "token ids"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, None, "99999999"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs", "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},

@@ -170,11 +170,14 @@ def test_messages_create_is_the_chat_answer(oai, claude):
     text, finish, usage = chat_answer(oai, TERSE, 24)
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
     assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[finish]
-    assert m.usage.input_tokens == usage.prompt_tokens and m.usage.output_tokens == usage.completion_tokens
+    # as Anthropic and llama-server count: input_tokens the prompt tokens not read from the prefix cache (the
+    # chat answer just before shares this prompt), cache_read_input_tokens the rest
+    prompt_tokens = m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    assert prompt_tokens == usage.prompt_tokens and m.usage.output_tokens == usage.completion_tokens
     assert m.role == "assistant" and m.type == "message" and m.model == "smollm2"
     counted = claude.messages.count_tokens(model="smollm2", system="You are terse.",
                                            messages=[{"role": "user", "content": QUESTION}])
-    assert counted.input_tokens == m.usage.input_tokens
+    assert counted.input_tokens == prompt_tokens
 
 
 def test_messages_stream_events_and_the_stream_helper(claude):
@@ -194,7 +197,10 @@ def test_messages_stream_events_and_the_stream_helper(claude):
     assert streamed == final.content[0].text == text and "Paris" in text
     assert final.stop_reason == events[-2].delta.stop_reason
     assert final.usage.output_tokens == events[-2].usage.output_tokens
-    assert final.usage.input_tokens == events[0].message.usage.input_tokens
+    # (the second request reads from the cache what the first left there: the split differs, the sum does not)
+    start = events[0].message.usage
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        start.input_tokens + start.cache_read_input_tokens
 
 
 def test_messages_stop_sequence_and_prefill(claude):

@@ -18,7 +18,16 @@ class ModelError(MinferError):
 
 
 class ContextOverflowError(MinferError):
-    """A position does not fit in the context (position >= n_ctx)."""
+    """A position does not fit in the context (position >= n_ctx). ``n_prompt_tokens`` and ``n_ctx``: the
+    counts, where the raiser knows them (the server's 400 reports them as llama-server does)."""
+
+    def __init__(self, message: str, n_prompt_tokens: int | None = None, n_ctx: int | None = None) -> None:
+        super().__init__(message)
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+    def __reduce__(self) -> object:  # whole across a process boundary
+        return (ContextOverflowError, (str(self), self.n_prompt_tokens, self.n_ctx))
 
 
 class BadRequestError(MinferError):

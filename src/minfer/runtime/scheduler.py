@@ -154,7 +154,8 @@ class Scheduler:
         if len(prompt) > self.slots.capacity:
             per_sequence = " tokens per sequence" if self.slots.n_slots > 1 and not self.kv.unified else ""
             raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}"
+                f"the prompt has {len(prompt)} tokens, more than the context of {self.slots.capacity}{per_sequence}",
+                n_prompt_tokens=len(prompt), n_ctx=self.slots.capacity,
             )
         if isinstance(request, GenerationRequest) and request.speculative is not None:
             self.check_speculative(request.speculative)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import Request
 
@@ -40,7 +41,7 @@ from minfer.server.errors import ApiError, api_error, cancelled_error
 from minfer.server.jobs import Job
 from minfer.server.protocols.openai import ChatRequest
 
-__all__ = ["ChatTurn", "TurnChoice", "TurnStarted", "TurnDelta", "TurnFinished", "TurnEvent"]
+__all__ = ["bias_tokens", "ChatTurn", "TurnChoice", "TurnStarted", "TurnDelta", "TurnFinished", "TurnEvent"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class TurnChoice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+def bias_tokens(ctx: ServerContext, text: str) -> list[int]:
+    """The tokens a ``logit_bias`` text key biases: its tokens with no BOS and no special tokens read from it,
+    as llama-server tokenizes it."""
+    return ctx.model.tokenizer.encode(text, False, False)
+
+
 class ChatTurn:
     """A submitted chat request (see the module docstring)."""
 
@@ -103,6 +110,18 @@ class ChatTurn:
             raise api_error(e) from None
 
     @classmethod
+    async def count_prompt(cls, ctx: ServerContext, req: ChatRequest, prefill: str = "") -> int:
+        """The tokens ``req``'s rendered prompt takes, images included, nothing submitted (the token-count
+        endpoints: llama-server's ``/chat/completions/input_tokens``, Anthropic's ``count_tokens``)."""
+        chars = ctx.check_text_fits(m.get("content") for m in req.messages if isinstance(m, dict))
+        prompt = (await ctx.off_loop(cls.plan, ctx, req, size=chars)).prompt + (prefill or req.prefill)
+        if req.images:  # each image counts its tokens (so they are made, once: the image cache keeps them)
+            ids, _ = await ctx.image_prompt(prompt, req.images)
+        else:
+            ids = await ctx.off_loop(ctx.model.tokenize, prompt, False, size=len(prompt))
+        return len(ids)
+
+    @classmethod
     async def start(cls, ctx: ServerContext, req: ChatRequest, prefill: str = "") -> ChatTurn:
         """Render, tokenize and submit ``req``; ApiError (400, 429) when that fails. ``prefill``: text
         the reply starts with (Anthropic's last assistant message), put after the rendered prompt; the
@@ -113,6 +132,7 @@ class ChatTurn:
         # a prompt that cannot fit is refused before the template renders it and the tokenizer reads it
         chars = ctx.check_text_fits(m.get("content") for m in req.messages if isinstance(m, dict))
         plan = await ctx.off_loop(cls.plan, ctx, req, size=chars)
+        params.resolve_text_bias(partial(bias_tokens, ctx))
         constraint = None
         if plan.grammar is not None:
             if params.grammar is not None or params.json_schema is not None:
@@ -122,7 +142,7 @@ class ChatTurn:
             def constraint():  # type: ignore[no-untyped-def]
                 return plan.constraint(model.tokenizer)
 
-        prompt = plan.prompt + prefill
+        prompt = plan.prompt + (prefill or req.prefill)
         placed: list[PassImage] = []
         if req.images:  # each image's marker in the rendered prompt becomes its tokens (n choices: all see them)
             ids, placed = await ctx.image_prompt(prompt, req.images)

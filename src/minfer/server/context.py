@@ -24,7 +24,7 @@ from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.runtime.vision import ImageInput, PassImage
 from minfer.server.access_log import note_job
 from minfer.server.cors import CorsPolicy
-from minfer.server.errors import ApiError, api_error, cancelled_error, internal_error
+from minfer.server.errors import ApiError, api_error, cancelled_error, context_overflow, internal_error
 from minfer.server.image_urls import fetch_images
 from minfer.server.jobs import Choice, EventPump, Job
 from minfer.server.json_body import parse_body
@@ -136,8 +136,8 @@ class ServerContext:
         least = chars // self._max_token_bytes
         context = self.engine_loop.slot_context
         if least > context:
-            raise ApiError(f"the prompt has {chars} characters, at least {least} tokens: more than the context "
-                           f"of {context} tokens per sequence", param=param, code="context_length_exceeded")
+            raise context_overflow(f"the prompt has {chars} characters, at least {least} tokens: more than the "
+                                   f"context of {context} tokens per sequence", least, context, param)
         return chars
 
     async def tokenize(self, text: str, add_special: bool, param: str = "prompt") -> list[int]:

@@ -31,7 +31,7 @@ class ApiError(Exception):
 
     def __init__(
         self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: Mapping[str, str] | None = None,
+        code: str | None = None, headers: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -40,12 +40,22 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self.extra = dict(extra or {})  # more fields of the error object (a context overflow's token counts)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
     def __reduce__(self) -> Any:  # whole across a process boundary (bodies parsed in a helper process)
-        return (ApiError, (self.message, self.status, self.type, self.param, self.code, self.headers))
+        return (ApiError, (self.message, self.status, self.type, self.param, self.code, self.headers, self.extra))
+
+
+def context_overflow(message: str, n_prompt_tokens: int, n_ctx: int, param: str | None = "messages") -> ApiError:
+    """A prompt longer than a sequence's context: llama-server's 400 of type ``exceed_context_size_error``,
+    whose error object also carries ``n_prompt_tokens`` and ``n_ctx`` (clients read them to trim the prompt);
+    ``code`` stays OpenAI's ``context_length_exceeded``."""
+    return ApiError(message, type="exceed_context_size_error", param=param, code="context_length_exceeded",
+                    extra={"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx})
 
 # the paths whose errors are Anthropic's {"type": "error", "error": {"type", "message"}} bodies
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -101,6 +111,8 @@ def api_error(e: BaseException) -> ApiError:
     if isinstance(e, ShuttingDownError):
         return ApiError(str(e), status=503, type="server_error", code="shutting_down")
     if isinstance(e, ContextOverflowError):
+        if e.n_prompt_tokens is not None and e.n_ctx is not None:
+            return context_overflow(str(e), e.n_prompt_tokens, e.n_ctx)
         return ApiError(str(e), code="context_length_exceeded", param="messages")
     if isinstance(e, BadRequestError | MinferError):
         return ApiError(str(e))

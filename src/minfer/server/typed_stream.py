@@ -57,10 +57,13 @@ def feed_message(builder: Builder, message: ChatMessage) -> None:
 
 async def turn_events(turn: ChatTurn, builder: Builder, finish: Callable[[str], Events]) -> AsyncIterator[Events]:
     """A streamed turn as the builder's events: its start, each delta, then what ``finish`` (given the
-    finish reason) adds; one batch per batch of the turn's events."""
-    yield builder.start()
+    finish reason) adds; one batch per batch of the turn's events. The start goes with the first batch (the
+    sequence has its slot then, so the start's usage can say how much of the prompt the cache served, as
+    llama-server's does)."""
+    started = False
     async for batch in turn.batches():
-        out: Events = []
+        out: Events = [] if started else builder.start()
+        started = True
         for ev in batch:
             if isinstance(ev, TurnDelta) and ev.delta is not None:
                 out += feed_delta(builder, ev.delta)

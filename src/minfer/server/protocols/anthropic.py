@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,31 @@ def _text_blocks(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+def _tool_result_content(content: Any, where: str, images: list[ImageInput]) -> str:
+    """A ``tool_result``'s content: a string, or text and ``image`` blocks (a screenshot tool's answer); each
+    image's place in the text is a media marker, its image added to ``images`` (a model without vision
+    answers a 400 naming the block when the prompt is made)."""
+    if not isinstance(content, list):
+        return _text_blocks(content, where)
+    parts = []
+    for j, block in enumerate(content):
+        if isinstance(block, Mapping) and block.get("type") == "image":
+            images.append(image_from_part(block, f"{where}[{j}]"))
+            parts.append(MEDIA_MARKER)
+        else:
+            parts.append(_text_block(block, f"{where}[{j}]"))
+    return "".join(parts)
+
+
+def _text_block(block: Any, where: str) -> str:
+    if not isinstance(block, Mapping) or block.get("type") != "text":
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        raise _err(f"only text and image blocks are supported here, got {kind!r}", where)
+    if not isinstance(block.get("text"), str):
+        raise _err("'text' must be a string", f"{where}.text")
+    return block["text"]
+
+
 def _messages(value: Any, images: list[ImageInput]) -> tuple[list[tuple[dict[str, Any], str]], str]:
     """The chat messages (each with the path it came from) and the assistant prefill, if any; the image blocks'
     images are added to ``images`` in order, each one's place in its message's text a media marker."""
@@ -81,6 +106,9 @@ def _messages(value: Any, images: list[ImageInput]) -> tuple[list[tuple[dict[str
         text: list[str] = []
         calls: list[dict[str, Any]] = []
         results: list[tuple[dict[str, Any], str]] = []
+        # the tool results come before the message's own text once translated: their images first too
+        result_images: list[ImageInput] = []
+        text_images: list[ImageInput] = []
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
             if not isinstance(block, Mapping):
@@ -106,7 +134,7 @@ def _messages(value: Any, images: list[ImageInput]) -> tuple[list[tuple[dict[str
                 if not isinstance(tid, str) or tid not in tool_uses:
                     raise _err(f"names no tool_use block of an earlier assistant message: {tid!r}",
                                f"{at}.tool_use_id")
-                result = _text_blocks(block.get("content", ""), f"{at}.content")
+                result = _tool_result_content(block.get("content", ""), f"{at}.content", result_images)
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 results.append(({"role": "tool", "tool_call_id": tid, "content": result}, at))
@@ -116,7 +144,7 @@ def _messages(value: Any, images: list[ImageInput]) -> tuple[list[tuple[dict[str
                 raise _err(f"{kind} blocks belong in {'assistant' if kind == 'tool_use' else 'user'} messages",
                            f"{at}.type")
             elif kind == "image" and role == "user":
-                images.append(image_from_part(block, at))  # (a "url" source: refused, never fetched)
+                text_images.append(image_from_part(block, at))  # (a "url" source: refused, never fetched)
                 text.append(MEDIA_MARKER)
             elif kind == "image":
                 raise _err("image blocks belong in user messages", f"{at}.type")
@@ -125,6 +153,7 @@ def _messages(value: Any, images: list[ImageInput]) -> tuple[list[tuple[dict[str
             else:
                 raise _err(f"'type' must be 'text', 'tool_use' or 'tool_result', got {kind!r}", f"{at}.type")
         out.extend(results)  # the tool results answer the previous turn's calls, before any new text
+        images += result_images + text_images
         if calls:
             out.append(({"role": "assistant", "content": "".join(text), "tool_calls": calls}, where))
         elif text or not results:
@@ -267,16 +296,26 @@ class MessageBuilder:
     :attr:`message` is the message as it stands, complete after :meth:`finish`.
     """
 
-    def __init__(self, model_id: str, input_tokens: int) -> None:
+    def __init__(self, model_id: str, input_tokens: int, cached_tokens: Callable[[], int] = lambda: 0) -> None:
+        """``cached_tokens``: how many of the prompt's tokens the prefix cache served, asked when the message
+        starts and when it finishes (known once the sequence has its slot): Anthropic's
+        ``cache_read_input_tokens``, and ``input_tokens`` counts the rest, as Anthropic and llama-server do."""
+        self.prompt_tokens = input_tokens
+        self.cached_tokens = cached_tokens
         self.message: dict[str, Any] = {
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_id,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+            "usage": {"input_tokens": input_tokens, "cache_read_input_tokens": 0, "output_tokens": 0},
         }
         self.open: dict[str, Any] | None = None  # the block being streamed
         self.json: list[str] = []  # the open tool_use block's input, as its fragments came
 
+    def _count_cache(self) -> None:
+        cached = self.cached_tokens()
+        self.message["usage"].update(input_tokens=self.prompt_tokens - cached, cache_read_input_tokens=cached)
+
     def start(self) -> list[dict[str, Any]]:
+        self._count_cache()
         return [{"type": "message_start", "message": json.loads(json.dumps(self.message))}, {"type": "ping"}]
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
@@ -336,11 +375,12 @@ class MessageBuilder:
             STOP_REASONS.get(finish_reason, "end_turn")
         self.message["stop_reason"] = reason
         self.message["stop_sequence"] = stop if reason == "stop_sequence" else None
+        self._count_cache()
         usage = self.message["usage"]
         usage["output_tokens"] = output_tokens
         events.append({"type": "message_delta",
                        "delta": {"stop_reason": reason, "stop_sequence": self.message["stop_sequence"]},
-                       "usage": {"output_tokens": output_tokens}})
+                       "usage": dict(usage)})
         events.append({"type": "message_stop"})
         return events
 

@@ -26,7 +26,8 @@ def _is_token(t: Any) -> bool:
 
 
 def embedding_inputs(value: Any, field: str) -> list[str | list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of such lists; never empty."""
+    """A string, a list of strings, a list of token ids, or a list of such lists (an item may also be
+    ``{"content": [content parts]}``); never empty."""
     if value is None:
         raise ApiError(f"'{field}' is required", param=field)
     if isinstance(value, str):
@@ -46,13 +47,39 @@ def embedding_inputs(value: Any, field: str) -> list[str | list[int]]:
             if not item:
                 raise ApiError(f"'{field}[{i}]' is an empty string (nothing to embed)", param=field)
             out.append(item)
+        elif isinstance(item, Mapping) and "content" in item:
+            out.append(_content_parts(item["content"], f"{field}[{i}].content"))
         elif isinstance(item, list) and all(_is_token(t) for t in item):
             if not item:
                 raise ApiError(f"'{field}[{i}]' is an empty list of token ids", param=field)
             out.append(list(item))
         else:
-            raise ApiError(f"'{field}[{i}]' must be a string or a list of token ids, got {item!r:.60}", param=field)
+            raise ApiError(f"'{field}[{i}]' must be a string, a list of token ids or {{\"content\": [parts]}}, got "
+                           f"{item!r:.60}", param=field)
     return out
+
+
+def _content_parts(parts: Any, where: str) -> str:
+    """An input item given as OpenAI content parts (``{"content": [{"type": "text", "text": ...}, ...]}``, as
+    llama-server also takes it): their texts joined, embedded as that one string. Only text parts: this
+    server embeds no images."""
+    if isinstance(parts, str):
+        parts = [{"type": "text", "text": parts}]
+    if not isinstance(parts, list) or not parts:
+        raise ApiError(f"'{where}' must be a non-empty list of content parts", param=where)
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text":
+            raise ApiError(f"'{where}[{j}]' must be a text part ({{\"type\": \"text\", \"text\": ...}}): "
+                           f"embeddings take text only, got type {kind!r}", param=f"{where}[{j}]")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(f"'{where}[{j}].text' must be a string", param=f"{where}[{j}].text")
+        texts.append(part["text"])
+    text = "".join(texts)
+    if not text:
+        raise ApiError(f"'{where}' has no text (nothing to embed)", param=where)
+    return text
 
 
 def parse_embeddings(body: Any, native: bool = False) -> EmbeddingsRequest:

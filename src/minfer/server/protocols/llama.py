@@ -53,11 +53,23 @@ def _is_token(t: Any) -> bool:
 
 
 def native_prompts(prompt: Any, tokenize: Callable[[str, bool], list[int]]) -> list[list[int]]:
-    """``prompt`` as llama-server takes it: a string, token ids, tokens and strings mixed, or a list of
-    those (several prompts). ``tokenize(text, add_special)``: BOS goes before a prompt that starts with text."""
+    """``prompt`` as llama-server takes it: a string, token ids, tokens and strings mixed, an object
+    ``{"prompt_string": ...}``, or a list of those (several prompts). ``tokenize(text, add_special)``: BOS
+    goes before a prompt that starts with text."""
 
     def one(p: Any, i: int | None) -> list[int] | None:
         where = "'prompt'" if i is None else f"'prompt[{i}]'"
+        if isinstance(p, Mapping) and "prompt_string" in p:
+            # llama-server's {"prompt_string": ..., "multimodal_data": [...]}; its images are placed by the
+            # route (llama_native.multimodal_prompt) before this sees it, so here it is text only
+            if p.get("multimodal_data"):
+                raise ApiError(f"{where}: images in a prompt object go with one prompt, not several",
+                               param="prompt")
+            text = p["prompt_string"]
+            if not isinstance(text, str) and not (isinstance(text, list) and text):
+                raise ApiError(f"{where}.prompt_string must be a string or a list of token ids and strings, got "
+                               f"{text!r:.60}", param="prompt")
+            return one(text, 0 if i is None else i)
         if isinstance(p, str):
             return tokenize(p, True)
         if isinstance(p, list) and p and all(_is_token(x) or isinstance(x, str) for x in p) and (
@@ -90,17 +102,19 @@ def native_prompts(prompt: Any, tokenize: Callable[[str, bool], list[int]]) -> l
 def _logit_bias(bias: Any, tokenize: Callable[[str, bool], list[int]]) -> tuple[dict[str, float], set[int]]:
     """llama-server's ``[[token or text, bias or false], ...]`` (or an OpenAI-style object): the finite
     biases, and the tokens ``false`` bans."""
-    if isinstance(bias, Mapping):
-        return dict(bias), set()
-    if not isinstance(bias, list):
+    if isinstance(bias, Mapping):  # {"15043": 1.0} or {"hello": -100}: a key of digits is a token id
+        pairs: list[Any] = [[int(k) if isinstance(k, str) and k.isdigit() else k, v] for k, v in bias.items()]
+    elif isinstance(bias, list):
+        pairs = bias
+    else:
         raise ApiError("'logit_bias' must be a list of [token, bias] pairs or an object", param="logit_bias")
     out: dict[str, float] = {}
     banned: set[int] = set()
-    for pair in bias:
+    for pair in pairs:
         if not isinstance(pair, list) or len(pair) != 2:
             raise ApiError(f"'logit_bias' entries must be [token, bias] pairs, got {pair!r:.60}", param="logit_bias")
         key, value = pair
-        ids = tokenize(key, False) if isinstance(key, str) else [key] if _is_token(key) else None
+        ids = tokenize(key, False) if isinstance(key, str) and key else [key] if _is_token(key) else None
         if ids is None:
             raise ApiError(f"'logit_bias' tokens must be ids or text, got {key!r:.60}", param="logit_bias")
         for t in ids:

@@ -11,7 +11,7 @@ API reports it. Sampling fields that OpenAI does not have but llama.cpp's server
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,21 @@ class GenerationParams:
     timings: bool = False  # llama-server's timings_per_token: answer with its "timings" object too
     speculative: Any = None  # None: the server's; a mode name or an object of SpeculativeSettings fields
     lora: list[dict[str, Any]] | None = None  # llama-server's [{"id", "scale"}]; None: the server's default scales
+    # logit_bias entries given as text: each of the text's tokens gets the bias (-inf: banned), once the route
+    # tokenizes them (resolve_text_bias)
+    logit_bias_text: list[tuple[str, float]] = field(default_factory=list)
+
+    def resolve_text_bias(self, tokenize: Callable[[str], list[int]]) -> None:
+        """Move the text entries of ``logit_bias`` into ``sampling["logit_bias"]``, by their tokens (llama-server
+        tokenizes such a key without special tokens and biases every token of it)."""
+        if not self.logit_bias_text:
+            return
+        bias = dict(self.sampling.get("logit_bias", {}))
+        for text, value in self.logit_bias_text:
+            for token in tokenize(text):
+                bias[token] = value
+        self.sampling["logit_bias"] = bias
+        self.logit_bias_text = []
 
 
 @dataclass
@@ -66,6 +81,8 @@ class ChatRequest:
     options: ChatOptions = field(default_factory=ChatOptions)
     # the images of the messages, in order: each one's place in a message's text is a MEDIA_MARKER
     images: list[ImageInput] = field(default_factory=list)
+    # continue_final_message: the text of the last assistant message, which the reply continues (not repeats)
+    prefill: str = ""
 
 
 @dataclass
@@ -156,8 +173,9 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
 
     sampling = _sampling_fields(r)
     bias = r.get("logit_bias")
+    bias_text: list[tuple[str, float]] = []
     if bias is not None:
-        sampling["logit_bias"] = _logit_bias(bias)
+        sampling["logit_bias"], bias_text = _logit_bias(bias)
 
     if chat:
         want = r.boolean("logprobs")
@@ -182,7 +200,7 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
             raise ApiError(str(e), param="speculative") from None
     return GenerationParams(model, max_tokens, n, stream, include_usage, stop, seed, sampling, logprobs, grammar,
                             json_schema, timings=r.boolean("timings_per_token"), speculative=speculative,
-                            lora=_lora(r.get("lora")))
+                            lora=_lora(r.get("lora")), logit_bias_text=bias_text)
 
 
 def _lora(value: Any) -> list[dict[str, Any]] | None:
@@ -218,22 +236,56 @@ def _sampling_fields(r: _Reader) -> dict[str, Any]:
     return sampling
 
 
-def _logit_bias(bias: Any) -> dict[int, float]:
-    if not isinstance(bias, Mapping):
-        raise ApiError("'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise ApiError(f"'logit_bias' keys must be token ids, got {_short_text(key)}", param="logit_bias") from None
-        if not 0 <= token < INT64 // 2:
-            raise ApiError(f"'logit_bias' keys must be token ids, got {_short_text(key)}", param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
-            raise ApiError(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
-                           param="logit_bias")
-        out[token] = float(value)
-    return out
+def _logit_bias(bias: Any) -> tuple[dict[int, float], list[tuple[str, float]]]:
+    """``logit_bias`` as OpenAI writes it (``{"15043": -100}``) or as llama-server also takes it: text keys
+    (``{"hello": -100}``), a list of ``[token id or text, bias]`` pairs, and ``false`` for a bias that bans the
+    token. Returns the biases by token id and the ones by text (tokenized by the route); a bad entry is a 400
+    (llama-server skips it silently)."""
+    if isinstance(bias, Mapping):
+        pairs = list(bias.items())
+    elif isinstance(bias, list):
+        pairs = []
+        for i, pair in enumerate(bias):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ApiError(f"'logit_bias[{i}]' must be a [token, bias] pair, got {_short_text(pair)}",
+                               param="logit_bias")
+            pairs.append((pair[0], pair[1]))
+    else:
+        raise ApiError("'logit_bias' must be an object mapping tokens to biases or a list of [token, bias] pairs",
+                       param="logit_bias")
+    by_id: dict[int, float] = {}
+    by_text: list[tuple[str, float]] = []
+    for key, value in pairs:
+        if value is False:
+            amount = -math.inf  # llama-server's ban
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise ApiError(f"'logit_bias' values must be numbers in [-100, 100] or false, got {value!r} for "
+                           f"token {_short_text(key)}", param="logit_bias")
+        else:
+            amount = float(value)
+        token = _token_key(key)
+        if token is not None:
+            by_id[token] = amount
+        elif isinstance(key, str) and key:
+            by_text.append((key, amount))
+        else:
+            raise ApiError(f"'logit_bias' keys must be token ids or text, got {_short_text(key)}", param="logit_bias")
+    return by_id, by_text
+
+
+def _token_key(key: Any) -> int | None:
+    """A token id given as an integer or as a string of digits; None for text. A negative or huge id is a 400."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        token = key
+    elif isinstance(key, str) and key.strip().lstrip("+-").isdigit():
+        token = int(key)
+    else:
+        return None
+    if not 0 <= token < INT64 // 2:
+        raise ApiError(f"'logit_bias' keys must be token ids, got {_short_text(key)}", param="logit_bias")
+    return token
 
 
 def _short_text(key: Any) -> str:
@@ -256,6 +308,10 @@ def _response_format(fmt: Any) -> Any:
             return True
         _check_schema(schema, "response_format.schema")
         return dict(schema) or True
+    if kind == "json_schema" and fmt.get("json_schema") is None and fmt.get("schema") is not None:
+        # the schema directly under response_format (llama-server's clients send it so)
+        _check_schema(fmt["schema"], "response_format.schema")
+        return dict(fmt["schema"]) or True
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
@@ -289,7 +345,28 @@ def parse_chat(body: Any) -> ChatRequest:
         raise ApiError(str(e), param=_field_of(str(e))) from None
     if r.body.get("functions"):
         raise ApiError("'functions' is not supported by this server (use 'tools')", param="functions")
-    return ChatRequest(out, _generation_params(r, None, chat=True), chat_options(r.body), images)
+    out, prefill = _continuation(r, out)
+    return ChatRequest(out, _generation_params(r, None, chat=True), chat_options(r.body), images, prefill)
+
+
+def _continuation(r: _Reader, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``continue_final_message`` / ``add_generation_prompt`` (vLLM's and llama-server's fields): the reply
+    continues the last assistant message, which then needs ``add_generation_prompt`` false (both true is
+    llama-server's 400). The messages before it are rendered with the assistant turn opened, its text after."""
+    cont, gen = r.boolean("continue_final_message"), r.boolean("add_generation_prompt", True)
+    if cont and gen:
+        raise ApiError("Cannot set both add_generation_prompt and continue_final_message to true.",
+                       param="continue_final_message")
+    if not cont and not gen:
+        raise ApiError("'add_generation_prompt': false is supported only with 'continue_final_message': true "
+                       "(this server always opens the assistant's turn)", param="add_generation_prompt")
+    if not cont:
+        return messages, ""
+    last = messages[-1]
+    if last["role"] != "assistant" or not isinstance(last.get("content"), str) or last.get("tool_calls"):
+        raise ApiError("'continue_final_message' needs a last message from the assistant with text content "
+                       "(and no tool calls) to continue", param="continue_final_message")
+    return messages[:-1], last["content"]
 
 
 def chat_options(body: Mapping[str, Any]) -> ChatOptions:

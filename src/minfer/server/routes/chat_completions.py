@@ -1,4 +1,5 @@
-"""OpenAI's ``POST /v1/chat/completions``, whole or streamed: a formatter of :mod:`minfer.server.chat_turn`.
+"""OpenAI's ``POST /v1/chat/completions``, whole or streamed: a formatter of :mod:`minfer.server.chat_turn`;
+``POST /v1/chat/completions/input_tokens``: the prompt's token count, nothing generated.
 
 A reply's tool calls are ``message.tool_calls`` (streamed as ``delta.tool_calls[i]``: the id, type and
 name first, then fragments of ``function.arguments``), its reasoning ``message.reasoning_content``
@@ -50,6 +51,14 @@ def delta_body(event: TurnDelta) -> dict[str, Any]:
 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/v1/chat/completions/input_tokens")
+    async def input_tokens(request: Request) -> Response:
+        """llama-server's count of a chat request's prompt tokens: ``{"input_tokens": N, "object":
+        "response.input_tokens"}``, nothing generated (also ``/chat/completions/input_tokens``, the alias)."""
+        req = parse_chat(await ctx.read_json(request))
+        ctx.check_model(req.params.model)
+        return JSONResponse({"input_tokens": await ChatTurn.count_prompt(ctx, req), "object": "response.input_tokens"})
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_chat(await ctx.read_json(request))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minfer.runtime.requests import Event, Finished, Started, Token
 from minfer.runtime.sampling import TokenLogprob
+from minfer.server.chat_turn import bias_tokens
 from minfer.server.context import ServerContext, finish_reason
 from minfer.server.jobs import Choice
 from minfer.server.protocols.openai import parse_completion
@@ -36,6 +38,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         req = parse_completion(await ctx.read_json(request))
         params = req.params
         ctx.check_model(params.model)
+        params.resolve_text_bias(partial(bias_tokens, ctx))
         prompts = [await ctx.tokenize(p, add_special=True) if isinstance(p, str) else p for p in req.prompts]
         echo = [(p if isinstance(p, str) else model.detokenize(p)) if req.echo else "" for p in req.prompts]
         job = ctx.submit(prompts, params)

@@ -9,6 +9,7 @@ no ``[DONE]`` after it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -63,8 +64,10 @@ async def native_completion(ctx: ServerContext, request: Request) -> Response:
     """``/completion``: a native body, its prompt tokenized here (or given as ids), completed; with
     ``multimodal_data`` (base64 images), the prompt text holds one media marker per image."""
     body = await ctx.read_json(request)
-    if isinstance(body, Mapping) and (body.get("multimodal_data") is not None or isinstance(body.get("prompt"),
-                                                                                          Mapping)):
+    # the images' branch only with images: a prompt object without them ({"prompt_string": ...}) is a text prompt
+    prompt = body.get("prompt") if isinstance(body, Mapping) else None
+    if isinstance(body, Mapping) and (body.get("multimodal_data") is not None or (
+            isinstance(prompt, Mapping) and prompt.get("multimodal_data") is not None)):
         ids, placed = await multimodal_prompt(ctx, body)
         rest = {k: v for k, v in body.items() if k not in ("multimodal_data", "prompt")}
         req = await ctx.off_loop(parse_native_completion, rest, tokenizer_of(ctx), [ids])
@@ -140,11 +143,23 @@ def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
         "timings_per_token": False if req is None else req.timings_per_token, "n_ctx": ctx.engine_loop.slot_context,
         "model": ctx.config.model_id, "lora": _lora_settings(ctx, p),
     })
+    params["logit_bias"] = _logit_bias_settings(ctx, req)
     params["max_tokens"] = params["n_predict"]
     params.update(_LLAMA_SETTINGS)
     params["reasoning_format"] = ctx.config.reasoning_format
     params["speculative.types"] = _SPECULATIVE_TYPES[ctx.model.engine.speculative.mode]
     return params
+
+
+def _logit_bias_settings(ctx: ServerContext, req: NativeRequest | None) -> list[dict[str, Any]]:
+    """The request's biases as llama-server lists them, ``[{"bias", "token"}]``, with ``ignore_eos``'s ban of the
+    end-of-generation tokens among them (as llama-server adds it); a ban's -inf is JSON's null, as there."""
+    if req is None:
+        return []
+    bias = {int(t): float(b) for t, b in (req.params.sampling.get("logit_bias") or {}).items()}
+    if req.ignore_eos:
+        bias.update(dict.fromkeys(sorted(ctx.model.tokenizer.eog_ids), -math.inf))
+    return [{"bias": None if math.isinf(b) and b < 0 else b, "token": t} for t, b in bias.items()]
 
 
 # minfer's speculative modes by llama-server's names for them

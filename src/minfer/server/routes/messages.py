@@ -19,19 +19,13 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         req = parse_messages(await ctx.read_json(request), count_only=True)
-        chars = ctx.check_text_fits(m.get("content") for m in req.chat.messages if isinstance(m, dict))
-        prompt = (await ctx.off_loop(ChatTurn.plan, ctx, req.chat, size=chars)).prompt + req.prefill
-        if req.chat.images:  # each image counts its tokens (so they are made, once: the image cache keeps them)
-            ids, _ = await ctx.image_prompt(prompt, req.chat.images)
-        else:
-            ids = await ctx.off_loop(ctx.model.tokenize, prompt, False, size=len(prompt))
-        return JSONResponse({"input_tokens": len(ids)})
+        return JSONResponse({"input_tokens": await ChatTurn.count_prompt(ctx, req.chat, req.prefill)})
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         req = parse_messages(await ctx.read_json(request))
         turn = await ChatTurn.start(ctx, req.chat, prefill=req.prefill)
-        builder = MessageBuilder(ctx.config.model_id, len(turn.prompt_ids))
+        builder = MessageBuilder(ctx.config.model_id, len(turn.prompt_ids), lambda: turn.job.choices[0].cached_tokens)
 
         def finish(reason: str) -> Events:
             stats = turn.job.choices[0].stats

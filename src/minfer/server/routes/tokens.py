@@ -67,4 +67,5 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/apply-template")
     async def apply_template(request: Request) -> dict[str, Any]:
         req = parse_chat(await ctx.read_json(request))
-        return {"prompt": ctx.model.render_chat(req.messages)}
+        # continue_final_message: the last assistant message's text after the opened turn, as the reply sees it
+        return {"prompt": ctx.model.render_chat(req.messages) + req.prefill}
