@@ -156,26 +156,38 @@ def test_a_model_name_with_a_slash_inside_the_id(server):
     assert replay(server, conv_id).status_code == 404
 
 
+def cancelled(server) -> float:
+    return server.metric("minfer_sequences_finished_total", 'reason="cancelled"')
+
+
+def wait_cancelled(server, count: float) -> None:
+    deadline = time.monotonic() + 10
+    while cancelled(server) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled(server) == count
+
+
 @slow
 def test_delete_stops_the_generation_and_forgets_the_session(server):
     body = {**CHAT, "max_tokens": 3800, "ignore_eos": True}
+    before = cancelled(server)
     stream_then_drop(server, body, "del-1", n_events=2)
     time.sleep(0.3)
     assert busy_slots(server) == 1, "the generation goes on after the client left"
     assert lookup(server, ["del-1"])[0]["is_done"] is False
+    assert cancelled(server) == before
     r = httpx.delete(server.url + "/v1/stream", params={"conv_id": "del-1"}, timeout=10)
     assert r.status_code == 204 and r.content == b""
     assert replay(server, "del-1").status_code == 404
     assert lookup(server, ["del-1"]) == []
-    deadline = time.monotonic() + 10
-    while busy_slots(server) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert busy_slots(server) == 0, "DELETE frees the slot"
+    wait_cancelled(server, before + 1)  # stopped, not run to its end
+    assert busy_slots(server) == 0
 
 
 @slow
 def test_a_reader_following_a_live_stream_ends_when_it_is_deleted(server):
     body = {**CHAT, "max_tokens": 3800, "ignore_eos": True}
+    before = cancelled(server)
     stream_then_drop(server, body, "del-2", n_events=2)
     with httpx.stream("GET", server.url + "/v1/stream", params={"conv_id": "del-2"}, timeout=60) as r:
         assert r.status_code == 200
@@ -186,18 +198,17 @@ def test_a_reader_following_a_live_stream_ends_when_it_is_deleted(server):
         got += b"".join(chunks)
     # it ended with the DELETE, not at the generation's natural end (which sends [DONE])
     assert not got.endswith(b"data: [DONE]\n\n")
+    wait_cancelled(server, before + 1)
 
 
 @slow
 def test_a_new_request_on_the_same_id_replaces_the_old_session(server):
     body = {**CHAT, "max_tokens": 3800, "ignore_eos": True}
+    before = cancelled(server)
     stream_then_drop(server, body, "same-1", n_events=2)
     whole = stream_whole(server, CHAT, "same-1")
     assert replay(server, "same-1").content == whole
-    deadline = time.monotonic() + 10
-    while busy_slots(server) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert busy_slots(server) == 0, "the replaced generation was stopped"
+    wait_cancelled(server, before + 1)  # the replaced generation was stopped (llama-server cancels it too)
 
 
 @slow
@@ -255,6 +266,28 @@ def test_bad_lookup_bodies(server, body):
     r = httpx.post(server.url + "/v1/streams/lookup", content=body, timeout=10)
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@slow
+def test_the_routes_want_the_key_and_shutdown_stops_streams_nobody_reads(tmp_path):
+    """With --api-key the stream routes want it (llama-server: 401 too); SIGTERM with a generation running on
+    for a client that left: the server exits cleanly."""
+    model = derive_gguf(fixture_dir("llama") / "model-f32.gguf", tmp_path / "tiny.gguf",
+                        {"tokenizer.chat_template": TEMPLATE})
+    with ServerProcess(model, ["--ctx-size", "4096", "--api-key", "k", "--slots"]) as s:
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(s.url + "/v1/stream", params={"conv_id": "x"}, timeout=10).status_code == 401
+        assert httpx.post(s.url + "/v1/streams/lookup", json={"conversation_ids": []}, timeout=10).status_code == 401
+        assert httpx.delete(s.url + "/v1/stream", params={"conv_id": "x"}, timeout=10).status_code == 401
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3800, "ignore_eos": True},
+                          headers={"X-Conversation-Id": "k-1", **auth}, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_raw())
+        found = httpx.post(s.url + "/v1/streams/lookup", json={"conversation_ids": ["k-1"]}, headers=auth,
+                           timeout=10).json()
+        assert found and found[0]["is_done"] is False
+        s.terminate()
+        assert s.wait(20) == 0
 
 
 # -- the buffer and the registry on their own -------------------------------------------------------

@@ -81,9 +81,9 @@ def create_app(
         if start_engine_loop:
             engine_loop.start()
         yield
-        stream_sessions.cancel_all()  # generations that outlived their clients stop with the server
         # uvicorn has waited for open requests (--shutdown-timeout); what is left gets cancelled
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.stop, shutdown_timeout)
+        stream_sessions.cancel_all()  # and the resumable streams that outlived their clients with it
         if ctx.parser_pool is not None:
             ctx.parser_pool.shutdown(cancel_futures=True)
 

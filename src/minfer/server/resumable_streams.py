@@ -338,8 +338,22 @@ def _offset_param(request: Request) -> int:
     return int(raw)
 
 
+# the OpenAPI document's view of the routes (they read their query and body themselves, to answer llama-server's
+# errors in its order: a missing id, an unknown id, then a bad offset)
+_CONV_ID = {"name": "conv_id", "in": "query", "required": True, "schema": {"type": "string", "minLength": 1},
+            "description": "the request's X-Conversation-Id"}
+_FROM = {"name": "from", "in": "query", "required": False, "schema": {"type": "string", "pattern": "^[0-9]+$"},
+         "description": "the byte offset to replay from (default 0)"}
+_EVENT_STREAM = {200: {"description": "the stream's bytes from the offset, then its live bytes",
+                       "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+_LOOKUP_BODY = {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["conversation_ids"],
+    "properties": {"conversation_ids": {"type": "array", "items": {"type": "string"}}}}}}}
+
+
 def register(app: FastAPI, sessions: StreamSessions) -> None:
-    @app.get("/v1/stream")
+    @app.get("/v1/stream", responses=_EVENT_STREAM, response_class=StreamingResponse,
+             openapi_extra={"parameters": [_CONV_ID, _FROM]})
     async def read_stream(request: Request) -> Response:
         conv_id = _conv_id_param(request)
         session = sessions.get(conv_id)
@@ -358,7 +372,7 @@ def register(app: FastAPI, sessions: StreamSessions) -> None:
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/streams/lookup")
+    @app.post("/v1/streams/lookup", openapi_extra={"requestBody": _LOOKUP_BODY})
     async def lookup_streams(request: Request) -> JSONResponse:
         try:
             body: Any = await request.json()
@@ -371,7 +385,7 @@ def register(app: FastAPI, sessions: StreamSessions) -> None:
                               "started_at": int(s.started_at), "completed_at": int(s.completed_at or 0)}
                              for s in sessions.lookup([i for i in ids if i])])
 
-    @app.delete("/v1/stream", status_code=204)
+    @app.delete("/v1/stream", status_code=204, response_class=Response, openapi_extra={"parameters": [_CONV_ID]})
     async def stop_stream(request: Request) -> Response:
         sessions.cancel(_conv_id_param(request))
         return Response(status_code=204)
