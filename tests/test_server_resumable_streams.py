@@ -115,6 +115,9 @@ def test_replay_from_zero_is_the_stream_byte_for_byte(server):
         assert r.content == whole
     # and from any offset: the tail from there
     assert replay(server, "whole-1", 100).content == whole[100:]
+    # past the end of a finished stream: nothing (llama-server: 200, empty)
+    r = replay(server, "whole-1", len(whole) + 100)
+    assert r.status_code == 200 and r.content == b""
 
 
 @slow
@@ -223,12 +226,16 @@ def test_whole_answers_and_errors_leave_no_session(server):
 
 
 @slow
-def test_native_completion_and_unprefixed_chat_streams_are_kept(server):
+def test_native_completion_unprefixed_chat_and_messages_streams_are_kept(server):
     whole = stream_whole(server, {"prompt": "Once", "stream": True, "n_predict": 8, "temperature": 0},
                          "native-1", path="/completion")
     assert replay(server, "native-1").content == whole
     whole = stream_whole(server, CHAT, "bare-1", path="/chat/completions")
     assert replay(server, "bare-1").content == whole
+    messages = {"model": MODEL, "max_tokens": 8, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": "Hi"}]}
+    whole = stream_whole(server, messages, "anthropic-1", path="/v1/messages")
+    assert whole.startswith(b"event: message_start") and replay(server, "anthropic-1").content == whole
 
 
 @slow
