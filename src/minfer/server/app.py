@@ -32,6 +32,8 @@ from minfer.server.cors import with_cors
 from minfer.server.errors import install_error_handlers
 from minfer.server.middleware import AuthAndCount, CatchAll
 from minfer.server.openapi import document_errors
+from minfer.server.resumable_streams import StreamSessions, StreamTee
+from minfer.server.resumable_streams import register as register_resumable_streams
 from minfer.server.routes import (
     chat_completions,
     completions,
@@ -72,6 +74,7 @@ def create_app(
     ``start_engine_loop`` is False (the caller runs ``engine_loop.run()`` on a thread of its choice)."""
     ctx = ServerContext.create(model, engine_loop, config, created=int(time.time()))
     engine_loop.metrics = replace(ctx.metrics.batch_hooks(), after_events=ctx.pump.flush)
+    stream_sessions = StreamSessions()  # X-Conversation-Id streams, resumable after a dropped connection
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -81,6 +84,7 @@ def create_app(
         yield
         # uvicorn has waited for open requests (--shutdown-timeout); what is left gets cancelled
         await asyncio.get_running_loop().run_in_executor(None, engine_loop.stop, shutdown_timeout)
+        stream_sessions.cancel_all()  # and the resumable streams that outlived their clients with it
         if ctx.parser_pool is not None:
             ctx.parser_pool.shutdown(cancel_futures=True)
 
@@ -88,10 +92,11 @@ def create_app(
     install_error_handlers(app)  # (Anthropic's error bodies under /v1/messages: errors.error_response)
     for group in ROUTE_GROUPS:
         group.register(app, ctx)
+    register_resumable_streams(app, stream_sessions)
     document_errors(app)
     endpoints = {path for route in app.routes if "{" not in (path := getattr(route, "path", "{"))}
-    counted = AuthAndCount(app, config.api_keys, ctx.metrics, endpoints, max_body_size=config.max_body_size,
-                           log_format=config.log_format)
+    counted = AuthAndCount(StreamTee(app, stream_sessions), config.api_keys, ctx.metrics, endpoints,
+                           max_body_size=config.max_body_size, log_format=config.log_format)
     # outside in: the catch-all for 500s, CORS (a preflight is answered before the key check), the
-    # /v1-less aliases, the key check, body cap and access log
+    # /v1-less aliases, the key check, body cap and access log, then the resumable streams' tee
     return MinferApp(CatchAll(with_cors(V1Alias(counted, app.routes), config.cors)), ctx)
