@@ -145,8 +145,8 @@ FLAGS: tuple[LlamaFlag, ...] = (
     _f("--host --port", True, "same"),
     _f("--reuse-port", False, "refused", "minfer listens on its socket alone"),
     _f("--path", True, "refused", "minfer's chat page is built in (--no-ui turns it off)"),
-    _f("--cors-origins --cors-methods --cors-headers --api-key-file", True, "refused", _PENDING),
-    _f("--cors-credentials --no-cors-credentials", False, "refused", _PENDING),
+    _f("--cors-origins --cors-methods --cors-headers --api-key-file", True, "same"),
+    _f("--cors-credentials --no-cors-credentials", False, "same"),
     _f("--metrics", False, "same"),
     _f("--api-prefix", True, "refused", "minfer serves its paths at the root (and under /v1)"),
     _f("--ui-config --webui-config --ui-config-file --webui-config-file --tools --tools-runtime --mcp-servers-config "

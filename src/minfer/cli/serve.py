@@ -70,7 +70,11 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      help="most tokens one forward pass evaluates (default: 512)")
     srv.add_argument("--queue-size", type=int, default=64,
                      help="requests that may wait for a free sequence; beyond it: 429 (default: 64)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $MINFER_API_KEY)")
+    srv.add_argument("--api-key", default=None, metavar="KEY[,KEY...]",
+                     help="require one of these keys, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (a "
+                     "comma-separated list; default: $MINFER_API_KEY, else none)")
+    srv.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="keys to require, one a line ('#' lines are comments); with --api-key: either's keys")
     srv.add_argument("--alias", default=None,
                      help="model id reported by /v1/models and /props, or several, comma-separated: the first is the "
                      "id, all are names requests may give (default: the file name)")
@@ -87,9 +91,7 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "without a classification head")
     srv.add_argument("--no-normalize", dest="normalize", action="store_false",
                      help="do not L2-normalise pooled embeddings")
-    srv.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",
-                     help="let browsers on ORIGIN call the API (repeatable or comma-separated; '*': any origin; "
-                     "default: no CORS)")
+    add_cors_flags(srv)
     srv.add_argument("--slots", action="store_true", default=True,
                      help="serve GET /slots, each slot's state (default: on, as llama-server)")
     add_threads_flag(srv)
@@ -139,6 +141,44 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     pull.set_defaults(handler=cmd_pull)
 
 
+def add_cors_flags(srv: argparse.ArgumentParser) -> None:
+    """llama-server's CORS flags (see minfer.server.cors; SECURITY.md says what the default allows)."""
+    srv.add_argument("--cors-origins", "--cors-origin", dest="cors_origins", action="append", default=None,
+                     metavar="ORIGINS",
+                     help="browser pages that may call the API: '*' (any, the default, as llama-server), "
+                     "'localhost' (loopback pages only), or origins such as https://app.example (comma-separated, "
+                     "repeatable)")
+    srv.add_argument("--no-cors", action="store_true",
+                     help="no CORS headers at all, and an OPTIONS request is routed like any other (browser pages "
+                     "from other origins cannot call the API)")
+    srv.add_argument("--cors-methods", default=None, metavar="METHODS",
+                     help="a preflight's Access-Control-Allow-Methods (default: 'GET, POST, DELETE, OPTIONS')")
+    srv.add_argument("--cors-headers", default=None, metavar="HEADERS",
+                     help="a preflight's Access-Control-Allow-Headers (default: '*', and the headers it asks for)")
+    srv.add_argument("--cors-credentials", action=argparse.BooleanOptionalAction, default=True,
+                     help="a preflight's Access-Control-Allow-Credentials; with '*' origins and credentials on, "
+                     "the request's Origin is echoed, off: '*' is sent (default: on)")
+
+
+def cors_kwargs(args: argparse.Namespace) -> dict:
+    """The ServeOptions fields of the CORS flags; a bad value or a contradiction is a one-line error."""
+    from minfer.server.cors import ANY_ORIGIN, DEFAULT_HEADERS, DEFAULT_METHODS, parse_origins, parse_token_list
+
+    if args.no_cors:
+        given = [flag for flag, value in (("--cors-origins", args.cors_origins), ("--cors-methods", args.cors_methods),
+                                          ("--cors-headers", args.cors_headers)) if value is not None]
+        if given or not args.cors_credentials:
+            raise MinferError(f"--no-cors turns CORS off: {', '.join(given) or '--no-cors-credentials'} cannot apply")
+        return {"cors_origins": ()}
+    methods, headers = args.cors_methods, args.cors_headers
+    return {"cors_origins": parse_origins(args.cors_origins) if args.cors_origins is not None else (ANY_ORIGIN,),
+            "cors_methods": parse_token_list("--cors-methods", methods, "method") if methods is not None
+            else DEFAULT_METHODS,
+            "cors_headers": parse_token_list("--cors-headers", headers, "header") if headers is not None
+            else DEFAULT_HEADERS,
+            "cors_credentials": args.cors_credentials}
+
+
 def _add_server_default_flags(srv: argparse.ArgumentParser) -> None:
     """llama-server's server-wide settings: the model as -m, the defaults of requests that do not set them, what
     /props and /v1/models show, the chat page, the chat template."""
@@ -165,7 +205,7 @@ def _add_server_default_flags(srv: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minfer.server import ServeOptions, parse_size, serve
-    from minfer.server.cors import parse_origins
+    from minfer.server.api_keys import server_api_keys
 
     if args.model_option is not None:
         if args.model is not None:
@@ -173,12 +213,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_option
     opts = ServeOptions(max_body_size=parse_size(args.max_body_size), log_format=args.log_format,
                        model=args.model, host=args.host, port=args.port, parallel=args.parallel, ctx_size=args.n_ctx,
-                       batch_size=args.batch_size, queue_size=args.queue_size, api_key=args.api_key, alias=args.alias,
+                       batch_size=args.batch_size, queue_size=args.queue_size, alias=args.alias,
+                       api_keys=server_api_keys(args.api_key, args.api_key_file),
                        cache_ram=args.cache_ram, cache_disk=args.cache_disk, cache_disk_size=args.cache_disk_size,
                        threads=args.threads, cache_type=args.cache_type, shutdown_timeout=args.shutdown_timeout,
                        log_level=args.log_level, quantize=args.quantize, pooling=args.pooling,
                        normalize=args.normalize, strict_model=args.strict_model,
-                       cors_origins=parse_origins(args.cors_origins), slots=args.slots,
+                       slots=args.slots, **cors_kwargs(args),
                        reasoning_format=args.reasoning_format, mmproj=args.mmproj,
                        allow_image_urls=args.allow_image_urls, metrics=args.metrics, **speculative_kwargs(args),
                        **lora_kwargs(args), sampling_defaults=sampling_kwargs(args) or None, n_predict=args.n_predict,

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from minfer.errors import BadRequestError
+from minfer.server.api_keys import resolve_api_keys
+from minfer.server.cors import ANY_ORIGIN, DEFAULT_HEADERS, DEFAULT_METHODS, CorsPolicy, with_cors
 
 DEFAULT_PARALLEL = 4
 MAX_PLANS = 48  # batch shapes whose prepared plans the server keeps
@@ -29,7 +31,7 @@ class ServeOptions:
     cache_disk_size: int = 4096  # MiB of blocks the folder holds for this model
     batch_size: int = 512
     queue_size: int = 64
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # --api-key / --api-key-file; empty: $MINFER_API_KEY's, else none
     alias: str | None = None
     threads: int | None = None
     kernels: str | None = None
@@ -44,7 +46,12 @@ class ServeOptions:
     pooling: str | None = None  # embeddings: mean / cls / last / none; None: the model's (GGUF pooling_type, else mean)
     normalize: bool = True  # L2-normalise pooled embeddings (--no-normalize: off)
     strict_model: bool = False  # refuse requests naming another model
-    cors_origins: tuple[str, ...] = ()  # --cors-origin: origins browsers may call from ("*": any)
+    # CORS as llama-server (minfer.server.cors): "*" echoes any page's origin; "localhost": loopback pages; or
+    # a list. Empty (--no-cors): no CORS headers, and an OPTIONS is routed like any request
+    cors_origins: tuple[str, ...] = (ANY_ORIGIN,)
+    cors_methods: str = DEFAULT_METHODS
+    cors_headers: str = DEFAULT_HEADERS
+    cors_credentials: bool = True
     slots: bool = True  # GET /slots (llama-server's default; --no-slots: a 501)
     max_body_size: int = 8 * 1024 * 1024  # bytes; a larger request body is answered 413
     log_format: str = "text"  # the access log: text, json or off
@@ -65,6 +72,18 @@ class ServeOptions:
 # uvicorn waits this much longer than --shutdown-timeout: the app cancels what is still open at the
 # timeout, and the cancelled answers need a moment to reach their clients (an error event, [DONE])
 SHUTDOWN_GRACE_SECONDS = 2.0
+
+
+def cors_policy(opts: ServeOptions) -> CorsPolicy | None:
+    """The server's CORS (None: --no-cors, no CORS headers at all)."""
+    if not opts.cors_origins:
+        return None
+    return CorsPolicy(opts.cors_origins, opts.cors_methods, opts.cors_headers, opts.cors_credentials)
+
+
+def with_keys(api_keys: tuple[str, ...]) -> str:
+    """The startup line's note of the keys."""
+    return "" if not api_keys else " with an API key" if len(api_keys) == 1 else f" with {len(api_keys)} API keys"
 
 
 def errors_to_stderr() -> None:
@@ -232,15 +251,15 @@ def serve(opts: ServeOptions) -> None:
     # Everything loaded so far lives as long as the server. Measured at 8 clients: collections took 95 ms of
     # a 10 s run, 1.7 ms each, landing inside decode steps; frozen, 16 ms.
     keep_for_process(collect=True)
-    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    api_keys = resolve_api_keys(opts.api_keys)
     if opts.pooling == "rank":
         raise BadRequestError(f"--pooling rank: {model.path} is a generating model; reranking needs a cross-encoder "
                               "(a *ForSequenceClassification checkpoint)")
     pooling = check_pooling(opts.pooling) if opts.pooling is not None else model.pooling  # a bad one fails now
     aliases = name_set(opts.alias)
-    config = ServerConfig(model_id=aliases[0] if aliases else Path(model.path).name, api_key=api_key,
+    config = ServerConfig(model_id=aliases[0] if aliases else Path(model.path).name, api_keys=api_keys,
                           strict_model=opts.strict_model, pooling=pooling, normalize=opts.normalize,
-                          cors_origins=opts.cors_origins, slots_endpoint=opts.slots,
+                          cors=cors_policy(opts), slots_endpoint=opts.slots,
                           reasoning_format=opts.reasoning_format,
                           max_body_size=opts.max_body_size, log_format=opts.log_format,
                           allow_image_urls=opts.allow_image_urls, metrics_endpoint=opts.metrics,
@@ -279,7 +298,7 @@ def serve(opts: ServeOptions) -> None:
                   else f"of {engine_loop.slot_context} tokens")
         also = "".join(f" and http://{_url_host(s.getsockname()[0])}:{s.getsockname()[1]}" for s in socks[1:])
         print(f"minfer: serving {config.model_id} on http://{_url_host(host)}:{port}{also} ({opts.parallel} "
-              f"parallel sequences {layout}, {model.threads} threads){' with an API key' if api_key else ''}",
+              f"parallel sequences {layout}, {model.threads} threads){with_keys(api_keys)}",
               file=sys.stderr, flush=True)
         engine_loop.run()  # returns once the app's lifespan has stopped the engine loop
         http.join()
@@ -297,7 +316,7 @@ _PER_MODEL_FLAGS = {"parallel": "--parallel", "ctx_size": "--ctx-size", "batch_s
 # the options that name or shape one model, refused with several
 _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--lookup", "lora": "--lora",
                     "lora_merge": "--lora-merge", "lora_init_without_apply": "--lora-init-without-apply",
-                    "cache_disk": "--cache-disk", "strict_model": "--strict-model", "cors_origins": "--cors-origin",
+                    "cache_disk": "--cache-disk", "strict_model": "--strict-model",
                     "slots": "--no-slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls",
                     "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
                     "tags": "--tags", "ui": "--no-ui", "verbose": "--verbose",
@@ -326,16 +345,18 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
             child_args += [flag, str(value)]
     if not opts.normalize:
         child_args.append("--no-normalize")
-    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
-    router = ModelRouter(entries, child_args, models_max, api_key, opts.max_body_size, sleep_idle)
+    api_keys = resolve_api_keys(opts.api_keys)
+    child_args.append("--no-cors")  # the front answers CORS for all of them (else each answer has it twice)
+    router = ModelRouter(entries, child_args, models_max, api_keys, opts.max_body_size, sleep_idle)
     errors_to_stderr()
     socks = listening_sockets(opts.host, opts.port)
     host, port = socks[0].getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(router, log_level=opts.log_level, access_log=False, http=http_protocol(),
+    app = with_cors(router, cors_policy(opts))  # the preflight answered before the router's key check
+    server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
     names = ", ".join(e.name for e in entries)
     print(f"minfer: serving {len(entries)} models on http://{host}:{port} (at most {models_max} loaded at once, "
-          f"each loaded on its first request: {names}){' with an API key' if api_key else ''}",
+          f"each loaded on its first request: {names}){with_keys(api_keys)}",
           file=sys.stderr, flush=True)
     server.run(sockets=socks)
 
@@ -374,10 +395,10 @@ def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
         pooling = None
     loop = EncoderLoop(encoder.runner, max_queue=opts.queue_size)
     keep_for_process(collect=True)
-    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    api_keys = resolve_api_keys(opts.api_keys)
     aliases = name_set(opts.alias)
-    config = ServerConfig(model_id=aliases[0] if aliases else Path(encoder.path).name, api_key=api_key,
-                          strict_model=opts.strict_model, normalize=opts.normalize, cors_origins=opts.cors_origins,
+    config = ServerConfig(model_id=aliases[0] if aliases else Path(encoder.path).name, api_keys=api_keys,
+                          strict_model=opts.strict_model, normalize=opts.normalize, cors=cors_policy(opts),
                           max_body_size=opts.max_body_size, log_format=opts.log_format, aliases=aliases,
                           tags=name_set(opts.tags))
     access_log.configure(opts.log_format)
@@ -389,6 +410,6 @@ def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
     what = "embeddings and reranking" if encoder.can_rerank else "embeddings"
     print(f"minfer: serving {config.model_id} on http://{host}:{port} ({what}, {encoder.pooling} pooling, up to "
-          f"{encoder.max_length} tokens per input, {encoder.threads} threads){' with an API key' if api_key else ''}",
+          f"{encoder.max_length} tokens per input, {encoder.threads} threads){with_keys(api_keys)}",
           file=sys.stderr, flush=True)
     server.run(sockets=socks)

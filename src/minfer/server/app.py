@@ -4,7 +4,8 @@ probes), each registered with the :class:`~minfer.server.context.ServerContext` 
 
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` (the handlers of
 :mod:`minfer.server.errors` and the middleware of :mod:`minfer.server.middleware` apply it to every route);
-with an API key configured, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``.
+with API keys configured, every endpoint but ``/health`` wants one (``Authorization: Bearer <key>``), and a
+CORS preflight (any ``OPTIONS``) is answered before that check (:mod:`minfer.server.cors`).
 
 Request handlers run on the event loop: they parse, render the chat template, tokenize (large inputs on a
 worker thread) and submit sequences to the engine thread, whose events come back through an
@@ -94,8 +95,8 @@ def create_app(
     register_resumable_streams(app, stream_sessions)
     document_errors(app)
     endpoints = {path for route in app.routes if "{" not in (path := getattr(route, "path", "{"))}
-    counted = AuthAndCount(StreamTee(app, stream_sessions), config.api_key, ctx.metrics, endpoints,
+    counted = AuthAndCount(StreamTee(app, stream_sessions), config.api_keys, ctx.metrics, endpoints,
                            max_body_size=config.max_body_size, log_format=config.log_format)
     # outside in: the catch-all for 500s, CORS (a preflight is answered before the key check), the
     # /v1-less aliases, the key check, body cap and access log, then the resumable streams' tee
-    return MinferApp(CatchAll(with_cors(V1Alias(counted, app.routes), config.cors_origins)), ctx)
+    return MinferApp(CatchAll(with_cors(V1Alias(counted, app.routes), config.cors)), ctx)

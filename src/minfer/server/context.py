@@ -23,6 +23,7 @@ from minfer.runtime.requests import EmbeddingRequest, Event, Failed, GenerationR
 from minfer.runtime.speculative import resolve as resolve_speculative
 from minfer.runtime.vision import ImageInput, PassImage
 from minfer.server.access_log import note_job
+from minfer.server.cors import CorsPolicy
 from minfer.server.errors import ApiError, api_error, cancelled_error, context_overflow, internal_error
 from minfer.server.image_urls import fetch_images
 from minfer.server.jobs import Choice, EventPump, Job
@@ -43,13 +44,13 @@ log = logging.getLogger("minfer.server")
 @dataclass(frozen=True)
 class ServerConfig:
     model_id: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # a request may use any of them; empty: no key wanted
     retry_after_seconds: int = 1
     reasoning_format: str = "deepseek"  # how chat replies' <think> blocks are answered (--reasoning-format)
     strict_model: bool = False  # refuse a request's "model" unless it names this model (else any name is fine)
     pooling: Pooling | None = None  # embeddings' pooling; None: the model's own (GGUF pooling_type, else mean)
     normalize: bool = True  # L2-normalise pooled embeddings
-    cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); empty: no CORS headers
+    cors: CorsPolicy | None = None  # which browser pages may call the server; None: no CORS headers
     slots_endpoint: bool = False  # GET /slots (llama-server's --slots)
     max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; beyond them a request is a 413
     log_format: str = "text"  # the access log: text, json or off

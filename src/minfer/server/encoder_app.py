@@ -92,7 +92,7 @@ def create_encoder_app(encoder: Encoder, loop: EncoderLoop, config: ServerConfig
     install_error_handlers(app)
     from minfer.server.routes.page import register_encoder_page
 
-    register_encoder_page(app, key_required=config.api_key is not None)  # the page at /
+    register_encoder_page(app, key_required=bool(config.api_keys))  # the page at /
 
     async def body_of(request: Request) -> Any:
         raw = await request.body()
@@ -271,6 +271,6 @@ def create_encoder_app(encoder: Encoder, loop: EncoderLoop, config: ServerConfig
         app.post(path)(not_generating)
 
     endpoints = {path for route in app.routes if "{" not in (path := getattr(route, "path", "{"))}
-    counted = AuthAndCount(app, config.api_key, metrics, endpoints,  # type: ignore[arg-type]
+    counted = AuthAndCount(app, config.api_keys, metrics, endpoints,  # type: ignore[arg-type]
                            max_body_size=config.max_body_size, log_format=config.log_format)
-    return CatchAll(with_cors(V1Alias(counted, app.routes), config.cors_origins))
+    return CatchAll(with_cors(V1Alias(counted, app.routes), config.cors))

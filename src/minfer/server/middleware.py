@@ -4,7 +4,8 @@
   with a 500 OpenAI error body when the response has not started (never a traceback to the client);
 - :class:`AuthAndCount`: the access log line, the request counter, the body-size cap (``Content-Length``
   beyond it is a 413 before a byte is read; a chunked body is cut off, and answered 413, once it passes the
-  cap) and the API key check.
+  cap) and the API key check (any of the server's keys, as ``Authorization: Bearer <key>``, a bare
+  ``Authorization: <key>`` as llama-server takes it, or Anthropic's ``x-api-key``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from minfer.server.context import DEFAULT_MAX_BODY_SIZE
 from minfer.server.errors import ApiError, error_response, internal_error
 from minfer.server.metrics import ServerMetrics
 
-OPEN_PATHS = frozenset({"/health"})  # answered without the key (load balancers probe them)
+OPEN_PATHS = frozenset({"/health", "/v1/health"})  # answered without the key (load balancers probe them)
 # the pages and their static files load without the key: they ask for it once and send it on API calls
 OPEN_PAGE_PATHS = frozenset({"/", "/trace", "/favicon.ico"})
 OPEN_PAGE_PREFIX = "/static/"
@@ -61,10 +62,10 @@ class CatchAll:
 
 
 class AuthAndCount:
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, endpoints: Collection[str],
+    def __init__(self, app: ASGIApp, api_keys: Collection[str], metrics: ServerMetrics, endpoints: Collection[str],
                  max_body_size: int = DEFAULT_MAX_BODY_SIZE, log_format: str = "text") -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_keys = tuple(api_keys)  # empty: no key wanted
         self.metrics = metrics
         self.endpoints = frozenset(endpoints)  # the metric's label: a known route's path, else "other"
         self.max_body_size = max_body_size
@@ -87,7 +88,7 @@ class AuthAndCount:
             await send(message)
 
         try:
-            if self.api_key is not None and not _open(path) and not has_key(scope, self.api_key):
+            if self.api_keys and not _open(path) and not has_key(scope, self.api_keys):
                 await error_response(missing_key_error(), path)(scope, receive, counting_send)
                 return
             size = self._content_length(scope)
@@ -128,23 +129,33 @@ class AuthAndCount:
 
 
 def missing_key_error() -> ApiError:
-    return ApiError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
-                    status=401, code="invalid_api_key")
+    """llama-server's 401: ``Invalid API Key``, type ``authentication_error`` (its ``code`` is the status, 401;
+    minfer's codes are strings, and this one is OpenAI's own for the case)."""
+    return ApiError("Invalid API Key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')", status=401,
+                    type="authentication_error", code="invalid_api_key")
 
 
-def has_key(scope: Scope, api_key: str) -> bool:
-    """Whether the request carries ``api_key`` (also the Ray front's check of its own routes)."""
-    expected = api_key.encode()
+def has_key(scope: Scope, api_keys: Collection[str]) -> bool:
+    """Whether the request carries one of ``api_keys`` (also the Ray front's and the model router's check)."""
+    # bytes, not str: compare_digest refuses non-ASCII strings (a TypeError, a 500)
+    expected = [k.encode() for k in api_keys]
     for name, value in scope.get("headers", []):
         if name == b"authorization":
             scheme, _, key = value.partition(b" ")
-            # bytes, not str: compare_digest refuses non-ASCII strings (a TypeError, a 500)
-            if scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), expected):
+            # "Bearer <key>", or the bare key (llama-server takes an Authorization without a scheme too)
+            if _one_of(key.strip() if scheme.lower() == b"bearer" else value.strip(), expected):
                 return True
         # Anthropic's clients send the key as x-api-key (the Messages API); any route takes either header
-        elif name == b"x-api-key" and secrets.compare_digest(value.strip(), expected):
+        elif name == b"x-api-key" and _one_of(value.strip(), expected):
             return True
     return False
+
+
+def _one_of(given: bytes, expected: list[bytes]) -> bool:
+    found = False
+    for key in expected:  # every key compared, in constant time each: the time says nothing of which matched
+        found |= secrets.compare_digest(given, key)
+    return found
 
 
 def _open(path: str) -> bool:

@@ -99,7 +99,7 @@ def model_entries(models: list[str], models_dir: str | None) -> list[ModelEntry]
 class ModelRouter:
     """The ASGI app of a several-model server (see the module docstring)."""
 
-    def __init__(self, entries: list[ModelEntry], child_args: list[str], models_max: int, api_key: str | None,
+    def __init__(self, entries: list[ModelEntry], child_args: list[str], models_max: int, api_keys: tuple[str, ...],
                  max_body_size: int, sleep_idle: float | None = None) -> None:
         if models_max < 1:
             raise BadRequestError(f"--models-max must be >= 1, got {models_max}")
@@ -110,7 +110,7 @@ class ModelRouter:
         self.default = entries[0]
         self.child_args = child_args
         self.models_max = models_max
-        self.api_key = api_key
+        self.api_keys = api_keys  # any one opens the front; empty: no key wanted
         self.internal_key = secrets.token_hex(16)  # the children answer only this front
         self.max_body_size = max_body_size
         self.created = int(time.time())
@@ -128,7 +128,7 @@ class ModelRouter:
             return
         path, method = scope["path"], scope["method"]
         try:
-            if self.api_key is not None and path != "/health" and not has_key(scope, self.api_key):
+            if self.api_keys and path != "/health" and not has_key(scope, self.api_keys):
                 raise missing_key_error()
             own = self._own_route(method, path)
             if own is not None:

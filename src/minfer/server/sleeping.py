@@ -34,9 +34,9 @@ _MODELS_PATHS = ("/v1/models", "/models")
 class SleepingServer(ModelRouter):
     """The ASGI app of a one-model server that sleeps when idle (see the module docstring)."""
 
-    def __init__(self, entry: ModelEntry, arguments: list[str], api_key: str | None, max_body_size: int,
+    def __init__(self, entry: ModelEntry, arguments: list[str], api_keys: tuple[str, ...], max_body_size: int,
                  sleep_idle: float) -> None:
-        super().__init__([entry], [], 1, api_key, max_body_size, sleep_idle)
+        super().__init__([entry], [], 1, api_keys, max_body_size, sleep_idle)
         self.arguments = arguments  # this server's own command line after `serve`
         self.start_time = int(time.time())
         self.cached_props: dict[str, Any] | None = None
@@ -178,25 +178,29 @@ class SleepingServer(ModelRouter):
 def serve_sleeping(opts: Any, arguments: list[str], sleep_idle: float) -> None:
     """Serve ``opts.model`` (a :class:`~minfer.server.ServeOptions`), sleeping once idle ``sleep_idle`` seconds,
     until SIGINT/SIGTERM; ``arguments``: the command line after ``serve``, which the model's server gets."""
-    import os
 
     import uvicorn
 
     from minfer.pull import resolve_model
-    from minfer.server import SHUTDOWN_GRACE_SECONDS, errors_to_stderr, listening_socket
+    from minfer.server import SHUTDOWN_GRACE_SECONDS, cors_policy, errors_to_stderr, listening_socket, with_keys
+    from minfer.server.api_keys import resolve_api_keys
+    from minfer.server.cors import with_cors
     from minfer.server.http_protocols import http_protocol
 
     path = Path(resolve_model(opts.model))
     name = opts.alias or path.name
-    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
-    app = SleepingServer(ModelEntry(name, path), arguments, api_key, opts.max_body_size, sleep_idle)
+    api_keys = resolve_api_keys(opts.api_keys)
+    server_app = SleepingServer(ModelEntry(name, path), arguments, api_keys, opts.max_body_size, sleep_idle)
+    # CORS here, in front: a preflight is answered without the key and without waking the model, and the
+    # answers given while it sleeps carry the headers too (the model's server's own give way to these)
+    app = with_cors(server_app, cors_policy(opts))
     errors_to_stderr()
     sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
     print(f"minfer: serving {name} on http://{host}:{port} (sleeping after {sleep_idle:g} idle seconds; this "
-          f"process holds {_rss_mib():.0f} MiB before the model loads){' with an API key' if api_key else ''}",
+          f"process holds {_rss_mib():.0f} MiB before the model loads){with_keys(api_keys)}",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
 

@@ -30,7 +30,8 @@ def options_to_json(opts: ServeOptions) -> str:
 
 def options_from_json(text: str) -> ServeOptions:
     fields: dict[str, Any] = json.loads(text)
-    fields["cors_origins"] = tuple(fields.get("cors_origins") or ())
+    for name in ("cors_origins", "api_keys"):  # tuples came back as JSON lists
+        fields[name] = tuple(fields.get(name) or ())
     if fields.get("lora") is not None:  # (path, scale) pairs came back as JSON lists
         fields["lora"] = [(path, scale) for path, scale in fields["lora"]]
     return ServeOptions(**fields)

@@ -52,7 +52,7 @@ STARTING, READY, DEAD = "starting", "ready", "dead"
 
 @dataclass(frozen=True)
 class FrontConfig:
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any one opens the front (and the replicas, which check the same)
     max_body_size: int = 8 * 1024 * 1024
     policy: str = "prefix"  # prefix, least-loaded or random (to measure what affinity buys)
     queue_threshold: int = 2  # requests waiting beyond a replica's slots past which its prefixes go elsewhere
@@ -140,7 +140,7 @@ class Front:
         if path == "/health":
             await self._health(send)
         elif path == "/metrics":
-            if self.config.api_key is not None and not has_key(scope, self.config.api_key):
+            if self.config.api_keys and not has_key(scope, self.config.api_keys):
                 await error_response(missing_key_error())(scope, receive, send)
                 return
             await self._metrics(send)
@@ -251,7 +251,7 @@ class Front:
 
     async def _metrics(self, send: Send) -> None:
         assert self.client is not None
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        headers = {"Authorization": f"Bearer {self.config.api_keys[0]}"} if self.config.api_keys else {}
 
         async def scrape(r: Replica) -> tuple[str, str | None]:
             try:

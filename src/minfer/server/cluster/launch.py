@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass, replace
 
 from minfer.errors import BadRequestError
-from minfer.server import ServeOptions, errors_to_stderr, listening_socket
+from minfer.server import ServeOptions, errors_to_stderr, listening_socket, with_keys
+from minfer.server.api_keys import resolve_api_keys
 from minfer.server.cluster.front import Front, FrontConfig
 from minfer.server.cluster.prefix import POLICIES
 
@@ -86,10 +87,10 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
     keys = PromptKeys.from_model(model_path)
     most = ray_opts.autoscale[1] if ray_opts.autoscale else ray_opts.replicas
     threads = opts.threads or max(1, (os.cpu_count() or 1) // most)
-    api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
+    api_keys = resolve_api_keys(opts.api_keys)
     # the replicas' access logs are off: the front writes one line per request, with the replica that answered
     replica_opts = replace(opts, model=str(model_path) if ray_opts.address is None else opts.model, threads=threads,
-                           api_key=api_key, log_format="off")
+                           api_keys=api_keys, log_format="off")
 
     sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
@@ -116,7 +117,7 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
         deployed = threading.Thread(target=_deploy, args=(serve, app, app_name), name="minfer-deploy", daemon=True)
         deployed.start()  # the front answers /health (replicas starting) while they load
 
-        config = FrontConfig(api_key=api_key, max_body_size=opts.max_body_size, policy=ray_opts.route_policy,
+        config = FrontConfig(api_keys=api_keys, max_body_size=opts.max_body_size, policy=ray_opts.route_policy,
                              queue_threshold=ray_opts.queue_threshold, log_format=opts.log_format)
         access_log.configure(opts.log_format)
         front = Front(config, registry.entries, registry.forget, keys)
@@ -129,7 +130,7 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
         where = "a local Ray cluster" if started_cluster else f"the Ray cluster at {ray_opts.address}"
         print(f"minfer: serving {opts.alias or model_path.name} on http://{host}:{port} ({how} on {where}, "
               f"{threads} threads and {opts.parallel} parallel sequences each, {ray_opts.route_policy} routing)"
-              f"{' with an API key' if api_key else ''}", file=sys.stderr, flush=True)
+              f"{with_keys(api_keys)}", file=sys.stderr, flush=True)
         server.run(sockets=[sock])  # until SIGINT/SIGTERM (uvicorn's handlers, on this main thread)
     finally:
         try:

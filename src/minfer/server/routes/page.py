@@ -51,7 +51,7 @@ def register_pages(app: FastAPI, chat: bool = True, key_required: bool = False) 
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
     if ctx.config.ui:  # --no-ui: no chat page (llama-server then answers / with 404)
-        register_pages(app, chat=True, key_required=ctx.config.api_key is not None)
+        register_pages(app, chat=True, key_required=bool(ctx.config.api_keys))
 
 
 def register_encoder_page(app: FastAPI, key_required: bool = False) -> None:
