@@ -14,13 +14,19 @@ library), and a slot id outside the slots (9, -1) is a 400 (llama-server acted o
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import fixture_dir
+from conftest import drive, fixture_dir
 
+import minfer
+from minfer.errors import BadRequestError
+from minfer.runtime.engine import EngineConfig, build_engine
+from minfer.runtime.requests import GenerationRequest, Started
 from minfer.runtime.session_file import load_session, save_session
+from minfer.runtime.slot_file import SlotBusyError
 from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -247,3 +253,80 @@ def test_slot_save_path_must_be_a_folder(tmp_path):
     with pytest.raises(RuntimeError, match="--slot-save-path"):
         with ServerProcess(MODEL, ["--slot-save-path", str(not_a_folder)], startup_timeout=120):
             pass
+
+
+# -- a model that takes images ------------------------------------------------------------------------
+
+VISION = Path(__file__).parent / "fixtures" / "gemma3_vision"
+
+
+def test_a_slot_holding_an_image_is_saved_and_restored(tmp_path):
+    """An image's rows have negative ids (its digest): they are saved as they are, and the same image in the
+    same prompt reuses them after a restore."""
+    png = base64.b64encode((VISION / "images" / "rgb_64x64.png").read_bytes()).decode()
+    body = {"prompt": "<start_of_turn>user\n<__media__>Describe.<end_of_turn>\n<start_of_turn>model\n",
+            "multimodal_data": [png], "n_predict": 6, "temperature": 0}
+    args = ["--parallel", "1", "--ctx-size", "1024", "--batch-size", "64", "--mmproj",
+            str(VISION / "gguf" / "mmproj-f32.gguf"), "--slot-save-path", str(tmp_path)]
+    with ServerProcess(VISION / "gguf" / "model-f32.gguf", args) as s:
+        first = post(s, "/completion", body).json()
+        saved = post(s, "/slots/0?action=save", {"filename": "image.bin"}).json()
+        assert min(load_session(tmp_path / "image.bin").tokens) < -1  # the image's rows
+        assert post(s, "/slots/0?action=erase").json()["n_erased"] == saved["n_saved"]
+        assert post(s, "/slots/0?action=restore", {"filename": "image.bin"}).json()["n_restored"] == saved["n_saved"]
+        again = post(s, "/completion", body).json()
+        assert again["timings"]["cache_n"] == again["tokens_evaluated"] - 1
+        assert again["content"] == first["content"]
+
+
+# -- the engine's side ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return minfer.load(MODEL, n_ctx=256, threads=1)
+
+
+def _engine(tiny, n_ctx: int):
+    config = EngineConfig(n_slots=2, batch_size=16, end_of_context="length")
+    return build_engine(tiny.transformer, tiny.backend, tiny.tokenizer, n_ctx, tiny.cache_type, config)
+
+
+def _greedy(tiny, prompt, n):
+    return GenerationRequest(prompt, tiny.sampler(temperature=0), n, stop_ids=frozenset())
+
+
+def test_a_busy_slot_waits_and_a_bad_one_is_refused(tiny, tmp_path):
+    engine = _engine(tiny, 256)
+    request = _greedy(tiny, list(range(1, 40)), 4)
+    request.emit = lambda event: None
+    engine.add(request)
+    slot = engine.running[0].slot
+    for act in (lambda: engine.save_slot(slot, tmp_path / "x.bin"), lambda: engine.erase_slot(slot),
+                lambda: engine.restore_slot(slot, tmp_path / "x.bin")):
+        with pytest.raises(SlotBusyError):
+            act()
+    with pytest.raises(BadRequestError, match="slot 2 does not exist"):
+        engine.erase_slot(2)
+    while engine.running:
+        engine.step()
+    assert engine.save_slot(slot, tmp_path / "x.bin")[0] == len(engine.kv.tokens(slot)) > 0
+
+
+def test_a_restore_into_a_full_unified_cache_takes_idle_slots_blocks(tiny, tmp_path):
+    """128 positions (4 blocks) in all: 100 tokens are saved and erased, 100 others then fill the pool; restoring
+    the first into the other slot takes the idle one's blocks, and the request that follows reuses them."""
+    engine = _engine(tiny, 128)
+    first, second = [1 + i % 50 for i in range(100)], [60 + i % 40 for i in range(100)]
+    drive(engine, [_greedy(tiny, first, 4)])
+    slot = next(s for s in range(2) if engine.kv.tokens(s))
+    n, _ = engine.save_slot(slot, tmp_path / "first.bin")
+    engine.erase_slot(slot)
+    drive(engine, [_greedy(tiny, second, 4)])
+    holder = next(s for s in range(2) if engine.kv.tokens(s))
+    assert engine.kv.blocks_free == 0
+    assert engine.restore_slot(1 - holder, tmp_path / "first.bin")[0] == n
+    assert engine.kv.tokens(holder) == []  # gave its blocks way
+    assert engine.kv.tokens(1 - holder)[:100] == first
+    events = drive(engine, [_greedy(tiny, first, 4)])
+    assert next(e.cached_tokens for e in events[0] if isinstance(e, Started)) == 99

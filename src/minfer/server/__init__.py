@@ -306,8 +306,8 @@ _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--l
                     "slots": "--no-slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls",
                     "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
                     "tags": "--tags", "ui": "--no-ui", "verbose": "--verbose",
-                    "chat_template_file": "--chat-template-file", "slot_save_path": "--slot-save-path",
-                    "cache_idle_slots": "--no-cache-idle-slots"}
+                    "chat_template_file": "--chat-template-file",
+                    "slot_save_path": "--slot-save-path"}  # (a slot action names no model to route it by)
 
 
 def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int,
@@ -332,6 +332,8 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
             child_args += [flag, str(value)]
     if not opts.normalize:
         child_args.append("--no-normalize")
+    if not opts.cache_idle_slots:
+        child_args.append("--no-cache-idle-slots")
     api_key = opts.api_key or os.environ.get("MINFER_API_KEY") or None
     router = ModelRouter(entries, child_args, models_max, api_key, opts.max_body_size, sleep_idle)
     errors_to_stderr()
