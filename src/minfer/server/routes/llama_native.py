@@ -51,8 +51,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         return slots_answer(ctx)
 
     @app.post("/slots/{id_slot}")
-    async def slots_action(id_slot: str, request: Request) -> Response:
-        return await slot_action(ctx, request, id_slot)
+    async def slots_action(id_slot: str, request: Request, action: str = "") -> Response:
+        return await slot_action(ctx, request, id_slot, action)
 
 
 def tokenizer_of(ctx: ServerContext) -> Callable[[str, bool], list[int]]:

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from minfer.errors import MinferError
+from minfer.errors import BadRequestError, ContextOverflowError, FormatError, MinferError
 from minfer.runtime.slot_file import SlotBusyError
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
@@ -75,48 +75,61 @@ def slot_id(ctx: ServerContext, text: str) -> int:
     return slot
 
 
-async def slot_action(ctx: ServerContext, request: Request, id_slot: str) -> Response:
+async def slot_action(ctx: ServerContext, request: Request, id_slot: str, action: str) -> Response:
+    """Run ``action`` (save, restore or erase) on slot ``id_slot`` as its path gave them."""
     folder = ctx.config.slot_save_path
     if folder is None:
         return not_supported()
     slot = slot_id(ctx, id_slot)
-    action = request.query_params.get("action")
     if action not in ACTIONS:
         raise ApiError(f"Invalid action {action!r}: one of {', '.join(ACTIONS)}", param="action")
     engine = ctx.engine_loop.engine
     if action == "erase":
-        n = await _on_engine(ctx, request, lambda: engine.erase_slot(slot), None)
+        n, _ = await _on_engine(ctx, request, lambda: engine.erase_slot(slot), action, None)
         return JSONResponse({"id_slot": slot, "n_erased": n})
     body = await ctx.read_json(request)
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object with 'filename'", param="filename")
     filename = check_filename(body.get("filename"))
     path = os.path.join(folder, filename)
-    t0 = time.perf_counter()
     if action == "save":
-        n, nbytes = await _on_engine(ctx, request, lambda: engine.save_slot(slot, path), (path, filename))
+        (n, nbytes), ms = await _on_engine(ctx, request, lambda: engine.save_slot(slot, path), action,
+                                           (path, filename))
         return JSONResponse({"id_slot": slot, "filename": filename, "n_saved": n, "n_written": nbytes,
-                             "timings": {"save_ms": (time.perf_counter() - t0) * 1000.0}})
-    n, nbytes = await _on_engine(ctx, request, lambda: engine.restore_slot(slot, path), (path, filename))
+                             "timings": {"save_ms": ms}})
+    (n, nbytes), ms = await _on_engine(ctx, request, lambda: engine.restore_slot(slot, path), action,
+                                       (path, filename))
     return JSONResponse({"id_slot": slot, "filename": filename, "n_restored": n, "n_read": nbytes,
-                         "timings": {"restore_ms": (time.perf_counter() - t0) * 1000.0}})
+                         "timings": {"restore_ms": ms}})
 
 
-async def _on_engine(ctx: ServerContext, request: Request, fn: Callable[[], Any],
-                     shown: tuple[str, str] | None) -> Any:
+def _timed(fn: Callable[[], Any]) -> Callable[[], tuple[Any, float]]:
+    def run() -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t0) * 1000.0
+
+    return run
+
+
+async def _on_engine(ctx: ServerContext, request: Request, fn: Callable[[], Any], action: str,
+                     shown: tuple[str, str] | None) -> tuple[Any, float]:
     """``fn()`` on the engine's thread between two steps, once its slot is free (a busy slot: looked at again
-    every few ms while the client waits). A file's error names the file as the client gave it (``shown``: the
-    path and its name), never the server's folder."""
+    every few ms while the client waits), and the milliseconds it took (not the wait). A file's error names
+    the file as the client gave it (``shown``: the path and its name), never the server's folder."""
     while True:
         try:
-            return await asyncio.wrap_future(ctx.engine_loop.call(fn))
+            return await asyncio.wrap_future(ctx.engine_loop.call(_timed(fn)))
         except SlotBusyError:
             if await request.is_disconnected():
                 raise ApiError("the client went away while the slot was busy", status=408) from None
             await asyncio.sleep(BUSY_POLL_SECONDS)
-        except MinferError as e:
+        except (FormatError, BadRequestError, ContextOverflowError) as e:  # the file, or no room for it
             message = str(e) if shown is None else str(e).replace(shown[0], shown[1])
-            if type(e) is MinferError:  # the file could not be written or read (disk full, permissions)
-                raise ApiError(f"Unable to save or restore the slot: {message}", status=500,
-                               type="server_error") from None
             raise ApiError(message, param=None if shown is None else "filename") from None
+        except MinferError as e:
+            if type(e) is not MinferError:  # (shutting down: answered as such)
+                raise
+            message = str(e) if shown is None else str(e).replace(shown[0], shown[1])
+            # the file could not be written or read (a full disk, permissions), as llama-server's 500
+            raise ApiError(f"Unable to {action} the slot: {message}", status=500, type="server_error") from None
