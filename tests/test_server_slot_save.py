@@ -15,6 +15,7 @@ library), and a slot id outside the slots (9, -1) is a 400 (llama-server acted o
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import httpx
@@ -95,11 +96,26 @@ def test_save_erase_restore_then_the_prompt_is_cached(server, folder):
     assert again["content"] == first["content"]
 
 
+def test_a_busy_slot_is_saved_once_its_request_is_done(server):
+    """Saved while a stream generates in it: the answer waits for the end (llama-server defers the task), so
+    the file holds the whole sequence, not the part generated so far."""
+    body = {"prompt": "A long story begins here", "n_predict": 120, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/completion", json=body, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(lines)[6:])
+        saved = post(server, f"/slots/{first['id_slot']}?action=save", {"filename": "busy.bin"}).json()
+        last = [json.loads(line[6:]) for line in lines][-1]
+    assert last["stop"] is True
+    # every prompt token and every generated one but the last (never evaluated) are in the file
+    assert saved["n_saved"] == last["tokens_evaluated"] + last["tokens_predicted"] - 1
+
+
 def test_erase_forgets_the_prompt(server):
-    prompt = "A prompt that is erased from its slot is evaluated again from its first token."
+    prompt = "Zebras: a prompt that is erased from its slot is evaluated again from its first token."
     first = complete(server, prompt)
     assert post(server, f"/slots/{first['id_slot']}?action=erase").status_code == 200
-    # the other slot may hold an older prompt sharing the first token (BOS) at most
+    # (the other slot holds an older prompt, sharing the first token, BOS, at most)
     assert complete(server, prompt)["timings"]["cache_n"] <= 1
 
 
