@@ -38,9 +38,11 @@ ANSWERING_501 = {"/api/delete", "/api/copy", "/api/create", "/api/push"}
 
 
 @pytest.fixture(scope="module")
-def running_server():
+def running_server(tmp_path_factory):
     model = fixture_dir("gemma3") / "model-f32.gguf"
-    with ServerProcess(model, ["--parallel", "2", "--ctx-size", "128", "--log-format", "off", "--slots"]) as s:
+    slots = tmp_path_factory.mktemp("slots")  # POST /slots/{id}'s files (without it: every action a 501)
+    with ServerProcess(model, ["--parallel", "2", "--ctx-size", "128", "--log-format", "off", "--slots",
+                               "--slot-save-path", str(slots)]) as s:
         yield s
 
 

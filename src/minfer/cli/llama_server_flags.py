@@ -81,7 +81,7 @@ FLAGS: tuple[LlamaFlag, ...] = (
     _f("-kvu --kv-unified", False, "ignored", "minfer's KV cache is unified already: all sequences share --ctx-size"),
     _f("-no-kvu --no-kv-unified --kv-unified-per-slot", False, "refused",
        "minfer's sequences share one KV cache (each gets its own context only with --draft)"),
-    _f("--cache-idle-slots --no-cache-idle-slots", False, "refused", _PENDING),
+    _f("--cache-idle-slots --no-cache-idle-slots", False, "same"),
     _f("-fa --flash-attn", True, "ignored", "minfer's attention is its own kernel; the choice does not apply"),
     _f("--perf --no-perf", False, "ignored", "minfer always reports timings"),
     _f("-e --escape --no-escape -sp --special", False, "refused", "these shape a prompt given on the command line; "
@@ -169,7 +169,8 @@ FLAGS: tuple[LlamaFlag, ...] = (
     _f("--cache-reuse", True, "refused", "minfer reuses prefixes only, not chunks shifted in the cache"),
     _f("--props", False, "refused", "minfer's /props is read-only"),
     _f("--slots --no-slots", False, "same"),
-    _f("--slot-save-path --media-path --models-preset", True, "refused", _PENDING),
+    _f("--slot-save-path", True, "same"),
+    _f("--media-path --models-preset", True, "refused", _PENDING),
     _f("--models-dir --models-max --sleep-idle-seconds", True, "same"),
     _f("--models-autoload", False, "ignored", "minfer always loads a model on its first request"),
     _f("--no-models-autoload", False, "refused", "minfer always loads a model on its first request"),

@@ -66,6 +66,16 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "written atomically, read back only when their checksum and model match")
     srv.add_argument("--cache-disk-size", type=int, default=4096, metavar="MiB",
                      help="most bytes of blocks --cache-disk holds for this model (default: 4096)")
+    srv.add_argument("--cache-idle-slots", dest="cache_idle_slots", action=argparse.BooleanOptionalAction,
+                     default=True,
+                     help="a free slot whose cached prompt gives way to running requests keeps its blocks in "
+                     "--cache-ram (or --cache-disk), where its conversation finds them when it returns; "
+                     "--no-cache-idle-slots drops them (a slot's prompt overwritten by a new one is kept either "
+                     "way) (default: on, as llama-server; without --cache-ram/--cache-disk nothing is kept)")
+    srv.add_argument("--slot-save-path", default=None, metavar="DIR",
+                     help="a folder for POST /slots/{id}?action=save|restore: a slot's cached tokens and KV cells "
+                     "saved to a file there and read back (checksummed, refused when from another model) "
+                     "(default: none, those actions answer 501)")
     srv.add_argument("-b", "--batch-size", type=int, default=512,
                      help="most tokens one forward pass evaluates (default: 512)")
     srv.add_argument("--queue-size", type=int, default=64,
@@ -223,7 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        reasoning_format=args.reasoning_format, mmproj=args.mmproj,
                        allow_image_urls=args.allow_image_urls, metrics=args.metrics, **speculative_kwargs(args),
                        **lora_kwargs(args), sampling_defaults=sampling_kwargs(args) or None, n_predict=args.n_predict,
-                       tags=args.tags, ui=args.ui, verbose=args.verbose, chat_template_file=args.chat_template_file)
+                       tags=args.tags, ui=args.ui, verbose=args.verbose, chat_template_file=args.chat_template_file,
+                       slot_save_path=args.slot_save_path, cache_idle_slots=args.cache_idle_slots)
     sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
     if not args.metrics and (args.more_models or args.models_dir is not None or args.ray):
         raise MinferError("--no-metrics applies to one model's own server: the several-model and --ray fronts "

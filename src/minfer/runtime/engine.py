@@ -51,6 +51,7 @@ from minfer.runtime.sampling import compile_jobs as sampling_compile_jobs
 from minfer.runtime.sampling import sample_batch
 from minfer.runtime.scheduler import EndOfContext, Running, Scheduler
 from minfer.runtime.sequence import TokenStep
+from minfer.runtime.slot_file import load_slot, save_slot
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative.draft_model import DraftModel
 
@@ -78,6 +79,7 @@ class Engine:
         draft: DraftModel | None = None,
         prompt_cache: PromptCache | None = None,
         measure_costs: bool = True,
+        cache_idle_slots: bool = True,
     ) -> None:
         if batch_size is not None and batch_size < 1:
             raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
@@ -86,7 +88,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.scheduler = Scheduler(runner, tokenizer, batch_size, end_of_context, hooks, speculative, draft,
-                                   prompt_cache, measure_costs)
+                                   prompt_cache, measure_costs, cache_idle_slots)
         self.slots = self.scheduler.slots
 
     # -- what the scheduler holds, as callers read it ----------------------------------------------
@@ -142,6 +144,33 @@ class Engine:
     def cells_in_use(self) -> int:
         """KV cache positions held by running sequences."""
         return self.scheduler.cells_in_use()
+
+    # -- a free slot's contents (llama-server's /slots actions; on the engine's thread, between steps) ----
+
+    def _slot_fingerprint(self) -> str:
+        return cells_fingerprint(self.runner.model, self.kv.cache_type)
+
+    def save_slot(self, slot: int, path: str | os.PathLike[str]) -> tuple[int, int]:
+        """Write free slot ``slot``'s tokens and cells to ``path`` (atomically): (tokens, bytes) written.
+        :class:`~minfer.runtime.slot_file.SlotBusyError` while a request holds it."""
+        state = self.slots.state(slot)
+        return len(state.tokens), save_slot(path, state, self._slot_fingerprint(), self.kv.cache_type,
+                                            self.slots.capacity)
+
+    def restore_slot(self, slot: int, path: str | os.PathLike[str]) -> tuple[int, int]:
+        """Free slot ``slot`` holds what ``path`` holds (a prompt starting with those tokens reuses them), once
+        every part of the file checked out: (tokens, bytes) read."""
+        kv = self.kv
+        layout = [(layer.k.shape[1:], layer.k.dtype, layer.v.shape[1:], layer.v.dtype) for layer in kv.layers]
+        self.slots.state(slot)  # (a bad or busy slot is refused before the file is read)
+        state, nbytes = load_slot(path, self._slot_fingerprint(), kv.cache_type, self.slots.capacity,
+                                  self.runner.model.hparams.n_vocab, layout, len(self.runner.lora_scales))
+        self.slots.restore(slot, state)
+        return len(state.tokens), nbytes
+
+    def erase_slot(self, slot: int) -> int:
+        """Free slot ``slot`` forgets its tokens: how many it held."""
+        return self.slots.erase(slot)
 
     def run(self, request: GenerationRequest) -> Iterator[TokenStep]:
         """Add ``request`` now, then (as the result is iterated) step the engine on the calling thread
@@ -292,6 +321,9 @@ class EngineConfig:
     # speculation's pass costs: measured on the passes that run ("measured"), or the prior alone ("prior":
     # the same drafts whatever else loads the machine; MINFER_PASS_COSTS sets the default)
     pass_costs: str = field(default_factory=lambda: os.environ.get("MINFER_PASS_COSTS", "measured"))
+    # a free slot whose blocks give way to running sequences keeps them in the prompt cache (llama-server's
+    # --cache-idle-slots; needs cache_ram or cache_disk)
+    cache_idle_slots: bool = True
 
 
 def build_engine(
@@ -333,4 +365,5 @@ def build_engine(
             disk = DiskBlocks(config.cache_disk, config.cache_disk_bytes, cells_fingerprint(model, kv.cache_type))
         prompt_cache = PromptCache(config.cache_ram, disk)
     return Engine(runner, tokenizer, config.batch_size, config.end_of_context, speculative=speculative, draft=draft,
-                  prompt_cache=prompt_cache, measure_costs=config.pass_costs == "measured")
+                  prompt_cache=prompt_cache, measure_costs=config.pass_costs == "measured",
+                  cache_idle_slots=config.cache_idle_slots)

@@ -98,6 +98,7 @@ class Scheduler:
         draft: DraftModel | None = None,
         prompt_cache: PromptCache | None = None,
         measure_costs: bool = True,
+        cache_idle_slots: bool = True,
     ) -> None:
         kv = runner.kv
         self.pad_seq: int | None = None  # the cache's scratch sequence that padding tokens go to
@@ -105,7 +106,8 @@ class Scheduler:
             if kv.n_seq < 2:
                 raise BadRequestError("a padded engine needs a cache with a scratch sequence (slots_kv_cache)")
             self.pad_seq = kv.n_seq - 1
-        self.slots = Slots(runner, kv.n_seq if self.pad_seq is None else self.pad_seq, prompt_cache)
+        self.slots = Slots(runner, kv.n_seq if self.pad_seq is None else self.pad_seq, prompt_cache,
+                           cache_idle_slots)
         self.kv = kv
         self.tokenizer = tokenizer
         self.n_vocab = runner.model.hparams.n_vocab

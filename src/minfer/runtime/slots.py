@@ -7,7 +7,12 @@ evaluates only the rest of its prompt (positions are data: the reused rows stay 
 tokens are reused only under the LoRA adapter scales they were computed with. With a
 :class:`~minfer.runtime.prompt_cache.PromptCache` (``--cache-ram``), the full blocks a slot's new request
 is about to overwrite, or that give way to running sequences, are copied there first, and a prompt that
-starts with blocks held there gets their cells back instead of evaluating them.
+starts with blocks held there gets their cells back instead of evaluating them. A free slot whose blocks give
+way to running sequences (a unified cache that runs short) is kept there too, unless ``cache_idle_slots`` is
+off (llama-server's ``--no-cache-idle-slots``): its tokens are then dropped.
+
+A free slot's tokens and cells can be read out and put back whole (:meth:`Slots.state`,
+:meth:`Slots.restore`: llama-server's slot save and restore) or forgotten (:meth:`Slots.erase`).
 
 An engine that pads its batches to a few shapes keeps one more sequence than it has slots: the scratch
 sequence its padding tokens write to, which nothing reads (see :func:`~minfer.runtime.kv_cache.slots_kv_cache`).
@@ -24,12 +29,14 @@ from minfer.errors import BadRequestError, ContextOverflowError
 from minfer.runtime.forward import ForwardRunner
 from minfer.runtime.kv_cache import KV_BLOCK, KVCache, common_prefix
 from minfer.runtime.prompt_cache import PromptCache, block_names
+from minfer.runtime.slot_file import SlotBusyError, SlotState
 
 
 class Slots:
     """Which of the first ``n_slots`` sequences of ``runner.kv`` are taken, and by what they were left."""
 
-    def __init__(self, runner: ForwardRunner, n_slots: int, prompt_cache: PromptCache | None = None) -> None:
+    def __init__(self, runner: ForwardRunner, n_slots: int, prompt_cache: PromptCache | None = None,
+                 cache_idle_slots: bool = True) -> None:
         if not 1 <= n_slots <= runner.kv.n_seq:
             raise BadRequestError(f"{n_slots} slots do not fit in a cache of {runner.kv.n_seq} sequences")
         self.runner = runner
@@ -40,6 +47,7 @@ class Slots:
         # slot -> the adapter scales its cached K/V were computed with
         self._lora: dict[int, np.ndarray] = {s: runner.lora_scales for s in range(n_slots)}
         self.prompt_cache = prompt_cache
+        self.cache_idle_slots = cache_idle_slots  # free slots' blocks that give way go to the prompt cache
 
     @property
     def capacity(self) -> int:
@@ -120,12 +128,53 @@ class Slots:
         for slot in sorted((s for s in range(self.n_slots) if s not in self._busy), key=self._free_since.__getitem__):
             if self.kv.blocks_free >= n_blocks:
                 return
-            self._save(slot, 0)
+            if self.cache_idle_slots:
+                self._save(slot, 0)
             self.kv.truncate(slot, 0)
 
     def save(self, slot: int) -> None:
         """Copy ``slot``'s full blocks into the prompt cache (if there is one): it is about to lose them."""
         self._save(slot, 0)
+
+    # -- a free slot's contents, whole (llama-server's /slots actions) ---------------------------------
+
+    def _free_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise BadRequestError(f"slot {slot} does not exist (this server has slots 0..{self.n_slots - 1})")
+        if slot in self._busy:
+            raise SlotBusyError(f"slot {slot} is processing a request")
+
+    def state(self, slot: int) -> SlotState:
+        """What free slot ``slot`` holds: its tokens, their cells (copies) and the adapter scales of both."""
+        self._free_slot(slot)
+        tokens = self.kv.tokens(slot)
+        return SlotState(tokens, self.kv.read(slot, len(tokens)), self._lora[slot].copy())
+
+    def erase(self, slot: int) -> int:
+        """Free slot ``slot`` forgets its tokens (its blocks go back to the pool); how many it held."""
+        self._free_slot(slot)
+        n = len(self.kv.tokens(slot))
+        self.kv.truncate(slot, 0)
+        return n
+
+    def restore(self, slot: int, state: SlotState) -> None:
+        """Free slot ``slot`` holds ``state`` (checked to fit a slot) in place of what it held, which goes to the
+        prompt cache as when a new prompt takes the slot. On a unified cache, free slots' blocks give way
+        when the pool is short; a refusal when that is not enough leaves the slot empty."""
+        self._free_slot(slot)
+        n = len(state.tokens)
+        self._save(slot, 0)
+        self.kv.truncate(slot, 0)
+        need = -(-n // KV_BLOCK)
+        if self.kv.blocks_free < need:
+            self.reclaim(need)
+        if self.kv.blocks_free < need:
+            raise ContextOverflowError(f"no room in the KV cache for {n} tokens: running requests hold "
+                                       f"{self.kv.blocks_in_use} of its {self.kv.n_blocks - 1} blocks")
+        self.kv.write(slot, state.cells)
+        if n:
+            self.kv.record(slot, np.arange(n), np.asarray(state.tokens))
+        self._lora[slot] = np.asarray(state.lora, np.float32)
 
     # -- the prompt cache ----------------------------------------------------------------------------
 

@@ -68,6 +68,8 @@ class ServeOptions:
     ui: bool = True  # the chat page at / (--no-ui: off)
     verbose: bool = False  # answers carry __verbose (-v)
     chat_template_file: str | None = None  # a Jinja chat template in place of the model's
+    slot_save_path: str | None = None  # --slot-save-path: the folder slots are saved to and restored from
+    cache_idle_slots: bool = True  # --no-cache-idle-slots: free slots' blocks that give way are not kept in --cache-ram
 
 # uvicorn waits this much longer than --shutdown-timeout: the app cancels what is still open at the
 # timeout, and the cancelled answers need a moment to reach their clients (an error event, [DONE])
@@ -229,6 +231,8 @@ def serve(opts: ServeOptions) -> None:
                               f"got {opts.log_format!r}")
     if not opts.shutdown_timeout >= 0:
         raise BadRequestError(f"--shutdown-timeout must be >= 0 seconds, got {opts.shutdown_timeout}")
+    if opts.slot_save_path is not None and not os.path.isdir(opts.slot_save_path):
+        raise BadRequestError(f"--slot-save-path {opts.slot_save_path!r} is not a folder")
     defaults = server_defaults(opts)  # bad values stop the server before the model loads
     from minfer.models.bert import is_encoder_checkpoint
     from minfer.pull import resolve_model
@@ -239,7 +243,7 @@ def serve(opts: ServeOptions) -> None:
         return
     engine_config = EngineConfig(n_slots=opts.parallel, batch_size=opts.batch_size, end_of_context="length",
                                  max_plans=MAX_PLANS, cache_ram=opts.cache_ram * 2**20, cache_disk=opts.cache_disk,
-                                 cache_disk_bytes=opts.cache_disk_size * 2**20)
+                                 cache_disk_bytes=opts.cache_disk_size * 2**20, cache_idle_slots=opts.cache_idle_slots)
     model = load(opts.model, n_ctx=opts.ctx_size, threads=opts.threads, kernels=opts.kernels,
                  cache_type=opts.cache_type, quantize=opts.quantize, engine_config=engine_config,
                  draft=opts.draft, lookup=opts.lookup, speculative=opts.speculative, lora=opts.lora,
@@ -263,7 +267,8 @@ def serve(opts: ServeOptions) -> None:
                           reasoning_format=opts.reasoning_format,
                           max_body_size=opts.max_body_size, log_format=opts.log_format,
                           allow_image_urls=opts.allow_image_urls, metrics_endpoint=opts.metrics,
-                          aliases=aliases, tags=name_set(opts.tags), ui=opts.ui, verbose=opts.verbose, **defaults)
+                          aliases=aliases, tags=name_set(opts.tags), ui=opts.ui, verbose=opts.verbose,
+                          slot_save_path=opts.slot_save_path, **defaults)
     access_log.configure(opts.log_format)
     errors_to_stderr()
     app = create_app(model, engine_loop, config, shutdown_timeout=0.0, start_engine_loop=False)
@@ -320,7 +325,8 @@ _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--l
                     "slots": "--no-slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls",
                     "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
                     "tags": "--tags", "ui": "--no-ui", "verbose": "--verbose",
-                    "chat_template_file": "--chat-template-file"}
+                    "chat_template_file": "--chat-template-file",
+                    "slot_save_path": "--slot-save-path"}  # (a slot action names no model to route it by)
 
 
 def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int,
@@ -345,6 +351,8 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
             child_args += [flag, str(value)]
     if not opts.normalize:
         child_args.append("--no-normalize")
+    if not opts.cache_idle_slots:
+        child_args.append("--no-cache-idle-slots")
     api_keys = resolve_api_keys(opts.api_keys)
     child_args.append("--no-cors")  # the front answers CORS for all of them (else each answer has it twice)
     router = ModelRouter(entries, child_args, models_max, api_keys, opts.max_body_size, sleep_idle)
@@ -367,7 +375,8 @@ _GENERATING_OPTIONS = {"ctx_size": "--ctx-size", "cache_ram": "--cache-ram", "ca
                        "lookup": "--lookup", "lora": "--lora", "lora_merge": "--lora-merge", "mmproj": "--mmproj",
                        "metrics": "--no-metrics",  # (the encoder's server always serves /metrics)
                        "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
-                       "ui": "--no-ui", "verbose": "--verbose", "chat_template_file": "--chat-template-file"}
+                       "ui": "--no-ui", "verbose": "--verbose", "chat_template_file": "--chat-template-file",
+                       "slot_save_path": "--slot-save-path", "cache_idle_slots": "--no-cache-idle-slots"}
 
 
 def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:

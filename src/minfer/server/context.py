@@ -64,6 +64,7 @@ class ServerConfig:
     tags: tuple[str, ...] = ()  # --tags
     ui: bool = True  # the chat page at /
     verbose: bool = False  # answers carry __verbose (-v)
+    slot_save_path: str | None = None  # the folder of POST /slots/{id}?action=save|restore (None: those answer 501)
 
 
 @dataclass

@@ -68,6 +68,8 @@ _MESSAGE = {
 }
 
 REQUEST_BODIES: dict[str, dict[str, Any]] = {
+    # action=save|restore: the file, a plain name under --slot-save-path (erase reads no body)
+    "/slots/{id_slot}": {"type": "object", "properties": {"filename": {"type": "string", "minLength": 1}}},
     "/v1/chat/completions": {
         "type": "object", "required": ["messages"],
         "properties": {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}, **_nullable(_SAMPLING)},
@@ -88,6 +90,9 @@ REQUEST_BODIES: dict[str, dict[str, Any]] = {
 
 # answers only some routes give, beyond ERROR_STATUSES
 EXTRA_STATUSES: dict[str, dict[str, str]] = {"/slots": {"501": "the server was started without --slots"},
+                                             "/slots/{id_slot}": {
+                                                 "501": "the server was started without --slot-save-path",
+                                                 "500": "the slot file could not be written or read (the disk)"},
                                              **{f"/api/{what}": {"501": "minfer keeps no model store"}
                                                 for what in ("delete", "copy", "create", "push")}}
 

@@ -1,4 +1,5 @@
-"""llama-server's native endpoints: ``POST /completion``, ``POST /infill``, ``GET /props``, ``GET /slots``.
+"""llama-server's native endpoints: ``POST /completion``, ``POST /infill``, ``GET /props``, ``GET /slots``,
+``POST /slots/{id}?action=...`` (:mod:`~minfer.server.routes.slot_actions`).
 
 Shapes as llama.cpp's ``tools/server`` answers them: a completion's ``content``, ``tokens``, ``stop``,
 ``id_slot``, ``stop_type`` / ``stopping_word``, ``tokens_predicted`` / ``tokens_evaluated`` /
@@ -29,6 +30,7 @@ from minfer.server.jobs import Choice, Job
 from minfer.server.protocols.images import image_from_base64
 from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
 from minfer.server.protocols.openai import GenerationParams
+from minfer.server.routes.slot_actions import slot_action
 from minfer.server.timings import timings
 
 
@@ -48,6 +50,10 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/slots")
     async def slots() -> Response:
         return slots_answer(ctx)
+
+    @app.post("/slots/{id_slot}")
+    async def slots_action(id_slot: str, request: Request, action: str = "") -> Response:
+        return await slot_action(ctx, request, id_slot, action)
 
 
 def tokenizer_of(ctx: ServerContext) -> Callable[[str, bool], list[int]]:
