@@ -14,7 +14,10 @@ import time
 import httpx
 import pytest
 from conftest import derive_gguf, fixture_dir
+from fastapi import FastAPI
 
+from minfer.server.routes.vertex import register as register_vertex
+from minfer.server.routes.vertex import request_format
 from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -27,10 +30,13 @@ TIMINGS_KEYS = {"cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prom
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny llama with a chat template, four slots, ``/slots`` on."""
+    """The tiny llama with a chat template, four slots, ``/slots`` on, Vertex AI's prediction route on (at
+    ``/vertex/predict``, its health route at ``/vertex/health``)."""
     path = derive_gguf(fixture_dir("llama") / "model-f32.gguf", tmp_path_factory.mktemp("stream") / "tiny.gguf",
                        {"tokenizer.chat_template": CHATML})
-    with ServerProcess(path, ["--parallel", "4", "--ctx-size", "1024", "--batch-size", "32", "--slots"]) as s:
+    env = {"AIP_MODE": "PREDICTION", "AIP_PREDICT_ROUTE": "vertex/predict", "AIP_HEALTH_ROUTE": "/vertex/health"}
+    with ServerProcess(path, ["--parallel", "4", "--ctx-size", "16384", "--batch-size", "32", "--slots"],
+                       env=env) as s:
         yield s
 
 
@@ -205,3 +211,143 @@ def test_post_sampling_probs_leaves_the_sampled_tokens_as_they_were(tiny):
 def test_post_sampling_probs_must_be_a_boolean(tiny):
     r = post(tiny, "/completion", {"prompt": "x", "n_predict": 1, "n_probs": 1, "post_sampling_probs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs"
+
+
+# -- Vertex AI's /predict ----------------------------------------------------------------------------
+
+
+def test_request_format_is_the_camel_case_path():
+    """llama-server's names: the path without ``/v1``, ``/``, ``-`` and ``_`` starting a capital."""
+    assert request_format("/v1/chat/completions") == "chatCompletions"
+    assert request_format("/apply-template") == "applyTemplate"
+    assert request_format("/completion") == "completion"
+    assert request_format("/v1/models/{model}") == "models"
+    assert request_format("/health") == "health"
+
+
+def test_predict_route_only_in_prediction_mode():
+    """llama-server registers it only with ``AIP_MODE=PREDICTION``; one of its own routes as
+    ``AIP_PREDICT_ROUTE`` stops it."""
+    app = FastAPI()
+    app.add_api_route("/health", lambda: {"status": "ok"})
+    register_vertex(app, None, {})  # type: ignore[arg-type]
+    assert "/predict" not in {r.path for r in app.routes}
+    with pytest.raises(ValueError, match="AIP_PREDICT_ROUTE"):
+        register_vertex(app, None, {"AIP_MODE": "PREDICTION", "AIP_PREDICT_ROUTE": "health"})  # type: ignore[arg-type]
+
+
+def test_predict_dispatches_each_instance_to_its_endpoint(tiny):
+    """llama-server (``AIP_MODE=PREDICTION``): ``{"predictions": [...]}``, one per instance in order, each the
+    endpoint's own answer (``completions``: ``/v1/completions``'s ``text_completion``; ``/completion``: the
+    native answer, not streamed though the instance asked; ``health``: ``{"status": "ok"}``); an instance's
+    error in its place: ``{"error": {"code": 400, "message": "no handler registered for @requestFormat: nope",
+    "type": "invalid_request_error"}}``, "each instance must include a string @requestFormat", "each instance
+    must be a JSON object"."""
+    instances = [
+        {"@requestFormat": "completions", "prompt": "hello", "max_tokens": 2, "temperature": 0},
+        {"@requestFormat": "/completion", "prompt": "hello", "n_predict": 2, "temperature": 0, "stream": True},
+        {"@requestFormat": "chatCompletions", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        {"@requestFormat": "health"},
+        {"@requestFormat": "nope"},
+        {"prompt": "x"},
+        5,
+        {"@requestFormat": "completion", "prompt": "x", "n_predict": "many"},
+    ]
+    r = post(tiny, "/vertex/predict", {"instances": instances, "parameters": {}})
+    assert r.status_code == 200, r.text
+    p = r.json()["predictions"]
+    assert len(p) == len(instances)
+    assert p[0]["object"] == "text_completion"
+    assert p[1]["stop"] is True and p[1]["content"] == p[0]["choices"][0]["text"]
+    assert p[2]["object"] == "chat.completion"
+    assert p[3]["status"] == "ok"  # (minfer's /health says more than llama-server's)
+    assert p[4]["error"]["message"] == "no handler registered for @requestFormat: nope"
+    assert p[4]["error"]["type"] == "invalid_request_error"
+    assert "@requestFormat" in p[5]["error"]["message"]
+    assert p[6]["error"]["message"] == "each instance must be a JSON object"
+    assert p[7]["error"]["param"] == "n_predict"
+    assert httpx.get(tiny.url + "/vertex/health").json()["status"] == "ok"
+
+
+def test_predict_refuses_a_body_without_instances(tiny):
+    """llama-server: 400 "request body must include an array field named instances"; over 128 instances, 400."""
+    r = post(tiny, "/vertex/predict", {"inputs": []})
+    assert r.status_code == 400 and "instances" in r.json()["error"]["message"]
+    r = post(tiny, "/vertex/predict", {"instances": [{}] * 129})
+    assert r.status_code == 400 and "128" in r.json()["error"]["message"]
+    r = post(tiny, "/vertex/predict", [1])
+    assert r.status_code == 400
+
+
+# -- guards ------------------------------------------------------------------------------------------
+
+
+def idle(server) -> bool:
+    return not any(s["is_processing"] for s in httpx.get(server.url + "/slots", timeout=10).json())
+
+
+def test_a_stream_cancelled_midway_frees_its_slot(tiny):
+    """The client leaves after two chunks of a long generation (4000 tokens, seconds of the tiny model): its slot
+    is idle soon after (``/slots``)."""
+    with httpx.stream("POST", tiny.url + "/completion", json={"prompt": "cancel me", "n_predict": 4000,
+                                                             "ignore_eos": True, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()  # kept: the iterator, once dropped, closes the response
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got == 2:
+                break
+        assert not idle(tiny)  # still generating when the client leaves
+    deadline = time.monotonic() + 20
+    while not idle(tiny):
+        assert time.monotonic() < deadline, "the cancelled stream still holds its slot"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/completion", {"prompt": "same answer", "n_predict": 8}),
+    ("/v1/completions", {"prompt": "same answer", "max_tokens": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "same answer"}], "max_tokens": 8}),
+])
+def test_streamed_and_whole_answers_agree_at_temperature_0(tiny, path, body):
+    """Content and (``/completion``'s ``tokens``, the others' logprob tokens) the same, whole or streamed."""
+    body = {**body, "temperature": 0}
+    if path == "/completion":
+        whole = post(tiny, path, {**body, "return_tokens": True}).json()
+        chunks = stream(tiny, path, body)
+        assert "".join(c["content"] for c in chunks) == whole["content"]
+        assert [t for c in chunks if not c["stop"] for t in c["tokens"]] == whole["tokens"]
+        return
+    chat = path.endswith("chat/completions")
+    extra = {"logprobs": True} if chat else {"logprobs": 0}
+    whole = post(tiny, path, {**body, **extra}).json()["choices"][0]
+    chunks = [c["choices"][0] for c in stream(tiny, path, {**body, **extra}) if c["choices"]]
+    if chat:
+        text = "".join(c["delta"].get("content") or "" for c in chunks)
+        assert text == whole["message"]["content"]
+        streamed = [x["token"] for c in chunks if c["logprobs"] for x in c["logprobs"]["content"]]
+        assert streamed == [x["token"] for x in whole["logprobs"]["content"]]
+    else:
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        streamed = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert streamed == whole["logprobs"]["tokens"]
+
+
+def test_each_request_keeps_its_own_n_predict_in_a_shared_batch(tiny):
+    """Four requests sent at once (``--parallel 4``) with limits 1, 3, 6 and 10: each generates its own."""
+    limits = [1, 3, 6, 10]
+    results: dict[int, dict] = {}
+    barrier = threading.Barrier(len(limits))
+
+    def run(n: int) -> None:
+        barrier.wait()
+        results[n] = post(tiny, "/completion", {"prompt": f"request {n}", "n_predict": n, "ignore_eos": True,
+                                                "temperature": 0}).json()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in limits]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for n in limits:
+        assert results[n]["tokens_predicted"] == n and results[n]["stop_type"] == "limit", n
