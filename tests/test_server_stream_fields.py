@@ -12,10 +12,12 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from conftest import derive_gguf, fixture_dir
 from fastapi import FastAPI
 
+from minfer.runtime.sampling import Sampler, SamplingParams
 from minfer.server.routes.vertex import register as register_vertex
 from minfer.server.routes.vertex import request_format
 from minfer.testing.server_process import ServerProcess
@@ -211,6 +213,47 @@ def test_post_sampling_probs_leaves_the_sampled_tokens_as_they_were(tiny):
 def test_post_sampling_probs_must_be_a_boolean(tiny):
     r = post(tiny, "/completion", {"prompt": "x", "n_predict": 1, "n_probs": 1, "post_sampling_probs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs"
+
+
+def test_chain_logprobs_are_the_kept_candidates_renormalised():
+    """The sampler's report of the draw's distribution: top_k 2 of four tokens keeps two, their probabilities
+    the softmax over those two (temperature 1); the model's report is over the whole vocabulary."""
+    logits = np.array([0.0, 2.0, 1.0, -1.0], dtype=np.float32)
+    s = Sampler(SamplingParams(top_k=2, top_p=1.0, min_p=0.0, temperature=1.0, seed=1))
+    kept = np.exp([2.0, 1.0]) / np.exp([2.0, 1.0]).sum()
+    lp = s.chain_logprobs(logits, 2, n_top=3)
+    assert [t for t, _ in lp.top_logprobs] == [1, 2]  # fewer than n_top: what the chain kept
+    assert np.allclose([np.exp(v) for _, v in lp.top_logprobs], kept)
+    assert np.isclose(np.exp(lp.logprob), kept[1])
+    assert s.token_logprobs(logits, 2, 3).logprob < lp.logprob  # reports_chain off: the model's
+    s.reports_chain = True
+    assert s.token_logprobs(logits, 2, 3) == lp
+    assert s.chain_logprobs(logits, 0, 2).logprob == -np.inf  # a token the chain dropped
+
+
+def test_chain_logprobs_leave_xtc_draws_as_they_were():
+    """Asking for the chain's distribution does not move XTC's random stream: the tokens drawn are the same."""
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(30, 50)).astype(np.float32)
+    params = SamplingParams(xtc_probability=0.5, xtc_threshold=0.05, seed=3)
+    plain, asked = Sampler(params), Sampler(params)
+    a, b = [], []
+    for row in rows:
+        a.append(plain.sample(row))
+        b.append(asked.sample(row))
+        asked.chain_logprobs(row, b[-1], 3)
+    assert a == b
+
+
+def test_post_sampling_probs_on_chat(tiny):
+    """llama-server: chat's ``logprobs.content`` items have ``prob`` and ``top_probs`` with
+    ``post_sampling_probs``."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3,
+            "top_k": 2, "post_sampling_probs": True, "seed": 5}
+    content = post(tiny, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    for x in content:
+        assert set(x) == {"token", "prob", "bytes", "top_probs"} and len(x["top_probs"]) <= 2
+        assert math.isclose(sum(t["prob"] for t in x["top_probs"]), 1.0, rel_tol=1e-6)
 
 
 # -- Vertex AI's /predict ----------------------------------------------------------------------------
