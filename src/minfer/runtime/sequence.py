@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from minfer.errors import BadRequestError
-from minfer.runtime.sampling import Sampler, TokenLogprob, token_logprobs
+from minfer.runtime.sampling import Sampler, TokenLogprob
 from minfer.runtime.sampling.logprobs import check_n_top
 from minfer.runtime.speculative import verify
 from minfer.runtime.speculative.draft import Draft
@@ -120,7 +120,7 @@ class Continuation:
         lp = None
         if self.logprobs is not None:
             check_n_top(self.logprobs, logits.shape[-1])
-            lp = token_logprobs(logits, token, self.logprobs)
+            lp = self.sampler.token_logprobs(logits, token, self.logprobs)
         return self._take(token, lp)
 
     def step(self, logits: np.ndarray) -> TokenStep | None:
@@ -144,7 +144,7 @@ class Continuation:
         else:
             token, accepted = verify.accept_or_resample(self.sampler.distribution(logits), draft, q,
                                                         self.sampler.draw_rng)
-        lp = None if self.logprobs is None else token_logprobs(logits, token, self.logprobs)
+        lp = None if self.logprobs is None else self.sampler.token_logprobs(logits, token, self.logprobs)
         return self._take(token, lp), accepted
 
     def verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[TokenStep | None], int]:

@@ -47,12 +47,13 @@ from minfer.server.routes import (
     service,
     tokens,
     trace,
+    vertex,
 )
 
 __all__ = ["MinferApp", "ServerConfig", "create_app"]
 
 ROUTE_GROUPS = (service, chat_completions, completions, embeddings, tokens, llama_native, lora_adapters, responses,
-                messages, ollama, page, trace)
+                messages, ollama, page, trace, vertex)  # vertex last: its /predict dispatches to the others
 
 
 class MinferApp:

@@ -204,6 +204,7 @@ class ServerContext:
                     first = params.seed if params.seed is not None else self.config.default_seed
                     seed = None if first is None else first + j
                     sampler = model.sampler(**{**self.config.sampling_defaults, **params.sampling}, seed=seed)
+                    sampler.reports_chain = params.post_sampling_probs  # logprobs of the chain's distribution
                     c = constraint() if constraint is not None else model.constraint(params.grammar,
                                                                                       params.json_schema)
                     job.choices.append(Choice(index, p))
@@ -283,7 +284,7 @@ class ServerContext:
             if c.cancelled:
                 raise cancelled_error()
 
-    def stream(self, job: Job, chunk: Callable[[Choice, Event | None], dict[str, Any] | None],
+    def stream(self, job: Job, chunk: Callable[[Choice, Event | None], dict[str, Any] | list[dict[str, Any]] | None],
                final_usage: Callable[[], dict[str, Any]] | None, done: bool = True) -> StreamingResponse:
         """Server-sent events: ``chunk`` turns each event into a body (or None to send nothing), then the
         usage chunk when asked, then ``[DONE]`` (unless ``done`` is False: llama-server's native streams
@@ -306,8 +307,8 @@ class ServerContext:
                             yield b"".join(out) + sse(e.body()) + (b"data: [DONE]\n\n" if done else b"")
                             return
                         body = chunk(c, event)
-                        if body is not None:
-                            out.append(sse(body))
+                        # a list: several chunks for one event (llama-server's prompt progress before a token)
+                        out.extend(sse(b) for b in (body if isinstance(body, list) else [body]) if b is not None)
                         if job.done or job.events.empty():
                             break
                         item = job.events.get_nowait()

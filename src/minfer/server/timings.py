@@ -25,3 +25,19 @@ def timings(stats: GenerationStats, cached_tokens: int) -> dict[str, Any]:
         "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
         "predicted_per_second": 1000.0 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0,
     }
+
+
+def running_timings(live: GenerationStats, n_prompt: int, n_generated: int, cached_tokens: int) -> dict[str, Any]:
+    """``timings`` of a sequence still generating (a streamed chunk's, with ``timings_per_token``): the
+    engine's times so far (``live``, the sequence's stats as the engine thread updates them) over the
+    ``n_generated`` tokens sent so far."""
+    snapshot = GenerationStats(prompt_tokens=n_prompt, generated_tokens=n_generated,
+                               prefill_seconds=live.prefill_seconds,
+                               decode_seconds=live.decode_seconds if n_generated > 1 else 0.0)
+    return timings(snapshot, cached_tokens)
+
+
+def prompt_progress(total: int, cached: int, processed: int, started: float, now: float) -> dict[str, Any]:
+    """llama-server's ``prompt_progress`` (``return_progress``): the prompt's tokens, those the cache served,
+    those in the slot so far (the cached ones included), and the milliseconds since the request (whole)."""
+    return {"total": total, "cache": cached, "processed": processed, "time_ms": int((now - started) * 1000.0)}

@@ -89,6 +89,9 @@ class Sampler:
         elif not applies[route]:
             raise BadRequestError(f"route {route!r} does not apply to the chain {self.describe()}")
         self.route: Route = route
+        # what ``token_logprobs`` reports: the model's distribution (OpenAI's logprobs), or with this set the
+        # chain's, the one the draw chose from (llama-server's post_sampling_probs); off, it costs nothing
+        self.reports_chain = False
         self._chain = chain if route == "compiled" else None
         self._processors: list[Step] = processors if route == "greedy" and processors is not None else []
         # a compiled row the kernel leaves (logits that fail a check) goes through the fused steps, which raise
@@ -206,12 +209,39 @@ class Sampler:
         ids = np.arange(len(cand)) if cand.ids is None else cand.ids
         return ids.copy(), cand.probs()
 
+    def token_logprobs(self, logits: np.ndarray, token: int, n_top: int = 0) -> TokenLogprob:
+        """``token``'s log-probability and the ``n_top`` most likely tokens: of the model's distribution
+        (:func:`.logprobs.token_logprobs`), or with ``reports_chain`` of the chain's (``chain_logprobs``).
+        Call it before ``accept(token)``: the chain's penalties read the history ``sample`` saw."""
+        if self.reports_chain:
+            return self.chain_logprobs(logits, token, n_top)
+        return token_logprobs(logits, token, n_top)
+
+    def chain_logprobs(self, logits: np.ndarray, token: int, n_top: int = 0) -> TokenLogprob:
+        """The distribution the draw chose ``token`` from (every step but the pick, renormalised over the
+        candidates kept), as log-probabilities: ``token``'s and the ``n_top`` most likely kept tokens' (fewer
+        where the chain kept fewer; none with probability 0). XTC's random stream is put back afterwards,
+        so asking changes no later draw (its coin here is the next one, not the one ``sample`` used)."""
+        check_n_top(n_top, len(logits))
+        xtc = self._state.xtc_rng.bit_generator.state
+        try:
+            ids, probs = self.distribution(logits)
+        finally:
+            self._state.xtc_rng.bit_generator.state = xtc
+        with np.errstate(divide="ignore"):
+            logs = np.log(probs.astype(np.float64))
+        where = np.flatnonzero(ids == token)
+        own = float(logs[where[0]]) if len(where) else -np.inf
+        top = tuple((int(i), float(lp)) for i, p, lp in zip(ids[:n_top], probs[:n_top], logs[:n_top], strict=True)
+                    if p > 0)
+        return TokenLogprob(int(token), own, top)
+
     def sample_with_logprobs(self, logits: np.ndarray, n_top: int = 0) -> tuple[int, TokenLogprob]:
         """The next token and its log-probability with the ``n_top`` most likely alternatives."""
         x = checked_logits(logits)
         check_n_top(n_top, len(x))
         token = self.sample(x)
-        return token, token_logprobs(x, token, n_top)
+        return token, self.token_logprobs(x, token, n_top)
 
 
 def _argmax_processors(steps: Sequence[Step]) -> list[Step] | None:

@@ -23,8 +23,8 @@ _NATIVE_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "response_for
                  "response_format.json_schema": "json_schema", "n": "n_cmpl", "prompt": "prompt"}
 # native fields with no counterpart here: refused unless they hold their default
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "dynatemp_range": 0.0, "n_indent": 0, "t_max_predict_ms": 0, "post_sampling_probs": False,
-    "n_discard": 0, "n_cache_reuse": 0, "response_fields": [], "return_progress": False,
+    "dynatemp_range": 0.0, "n_indent": 0, "t_max_predict_ms": 0,
+    "n_discard": 0, "n_cache_reuse": 0, "response_fields": [],
 }
 
 

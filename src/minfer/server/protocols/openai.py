@@ -52,6 +52,10 @@ class GenerationParams:
     grammar: str | None
     json_schema: Any  # None, True (any JSON object) or a schema dict
     timings: bool = False  # llama-server's timings_per_token: answer with its "timings" object too
+    # llama-server's post_sampling_probs: the log-probabilities reported are the sampler chain's (answered as
+    # probabilities, "prob" / "top_probs"), not the model's
+    post_sampling_probs: bool = False
+    return_progress: bool = False  # llama-server's: a stream sends prompt_progress chunks before the tokens
     speculative: Any = None  # None: the server's; a mode name or an object of SpeculativeSettings fields
     lora: list[dict[str, Any]] | None = None  # llama-server's [{"id", "scale"}]; None: the server's default scales
     # logit_bias entries given as text: each of the text's tokens gets the bias (-inf: banned), once the route
@@ -199,7 +203,9 @@ def _generation_params(r: _Reader, default_max_tokens: int | None, chat: bool) -
         except BadRequestError as e:
             raise ApiError(str(e), param="speculative") from None
     return GenerationParams(model, max_tokens, n, stream, include_usage, stop, seed, sampling, logprobs, grammar,
-                            json_schema, timings=r.boolean("timings_per_token"), speculative=speculative,
+                            json_schema, timings=r.boolean("timings_per_token"),
+                            post_sampling_probs=r.boolean("post_sampling_probs"),
+                            return_progress=r.boolean("return_progress"), speculative=speculative,
                             lora=_lora(r.get("lora")), logit_bias_text=bias_text)
 
 

@@ -8,6 +8,7 @@ name first, then fragments of ``function.arguments``), its reasoning ``message.r
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -23,15 +24,20 @@ from minfer.server.context import ServerContext, sse
 from minfer.server.errors import ApiError
 from minfer.server.protocols.openai import parse_chat
 from minfer.server.routes.llama_native import verbose_fields
+from minfer.server.stream_extras import StreamExtras
 
 
-def chat_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob], post_sampling: bool = False) -> dict[str, Any]:
+    """``logprobs.content``: each token's ``logprob`` and ``top_logprobs``; with ``post_sampling`` (llama-server's
+    ``post_sampling_probs``: the items hold the sampler chain's log-probabilities) ``prob`` and ``top_probs``."""
     tokenizer = ctx.model.tokenizer
+    value, top = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
 
     def entry(token: int, lp: float) -> dict[str, Any]:
-        return {"token": ctx.token_text(token), "logprob": lp, "bytes": list(tokenizer.token_bytes(token))}
+        return {"token": ctx.token_text(token), value: math.exp(lp) if post_sampling else lp,
+                "bytes": list(tokenizer.token_bytes(token))}
 
-    return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top_logprobs]}
+    return {"content": [{**entry(x.token, x.logprob), top: [entry(t, v) for t, v in x.top_logprobs]}
                         for x in items]}
 
 
@@ -67,38 +73,49 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": now, "model": ctx.config.model_id, "system_fingerprint": "minfer"}
         want_logprobs = params.logprobs is not None
+        post_sampling = params.post_sampling_probs
         if not params.stream:
             choices = await turn.result(request)
             return JSONResponse({
                 **base, "object": "chat.completion",
                 "choices": [{"index": c.index, "message": c.message.to_openai(),
-                             "logprobs": chat_logprobs(ctx, c.logprobs) if want_logprobs else None,
+                             "logprobs": chat_logprobs(ctx, c.logprobs, post_sampling) if want_logprobs else None,
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": turn.usage(), **ctx.timings(turn.job, params),
                 **verbose_fields(ctx, turn.job, params, turn.prompt_ids),
             })
         extra = {"usage": None} if params.include_usage else {}
 
-        def chunk(event: TurnEvent) -> dict[str, Any]:
-            lp = None
+        extras = StreamExtras(turn.job, params, lambda c: len(turn.prompt_ids))
+
+        def body_of(choice: dict[str, Any], **fields: Any) -> dict[str, Any]:
+            return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra, **fields}
+
+        def role(index: int, content: str | None) -> dict[str, Any]:
+            return {"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+                    "finish_reason": None}
+
+        def chunks(event: TurnEvent) -> list[dict[str, Any]]:
+            c = turn.job.choices[event.index]
             if isinstance(event, TurnStarted):
-                choice = {"index": event.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}
-            elif isinstance(event, TurnDelta):
-                if want_logprobs and event.logprobs:
-                    lp = chat_logprobs(ctx, event.logprobs)
+                # with return_progress the role chunk waits for the prompt's progress (llama-server's order)
+                progress = extras.on_start(c)
+                return [body_of(role(event.index, ""))] if progress is None else [
+                    body_of(role(event.index, None), **progress)]
+            if isinstance(event, TurnDelta):
+                out = [] if (progress := extras.before_token(c)) is None else [
+                    body_of(role(event.index, None), **progress), body_of(role(event.index, ""))]
+                lp = chat_logprobs(ctx, event.logprobs, post_sampling) if want_logprobs and event.logprobs else None
                 choice = {"index": event.index, "delta": delta_body(event), "logprobs": lp, "finish_reason": None}
-            else:
-                assert isinstance(event, TurnFinished)
-                choice = {"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}
-                return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra,
-                        **ctx.timings(turn.job, params, turn.job.choices[event.index])}
-            return {**base, "object": "chat.completion.chunk", "choices": [choice], **extra}
+                return [*out, body_of(choice, **extras.timings(c))]
+            assert isinstance(event, TurnFinished)
+            choice = {"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}
+            return [body_of(choice, **ctx.timings(turn.job, params, c))]
 
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for batch in turn.batches():
-                    yield b"".join(sse(chunk(e)) for e in batch)
+                    yield b"".join(sse(b) for e in batch for b in chunks(e))
             except ApiError as e:
                 yield sse(e.body())
                 return

@@ -18,6 +18,7 @@ from minfer.server.context import ServerContext, finish_reason
 from minfer.server.jobs import Choice
 from minfer.server.protocols.openai import parse_completion
 from minfer.server.routes.llama_native import verbose_fields
+from minfer.server.stream_extras import StreamExtras
 
 
 def completion_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -58,27 +59,35 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         extra = {"usage": None} if params.include_usage else {}
         offsets = [len(echo[c.prompt_index]) for c in job.choices]
 
-        def chunk(c: Choice, event: Event | None) -> dict[str, Any] | None:
+        extras = StreamExtras(job, params, lambda c: len(prompts[c.prompt_index]))
+
+        def body(choice: dict[str, Any], **fields: Any) -> dict[str, Any]:
+            return {**base, "object": "text_completion", "choices": [choice], **extra, **fields}
+
+        def empty(c: Choice) -> dict[str, Any]:
+            return {"index": c.index, "text": "", "logprobs": None, "finish_reason": None}
+
+        def chunk(c: Choice, event: Event | None) -> list[dict[str, Any]] | dict[str, Any] | None:
             if isinstance(event, Started):
-                if not echo[c.prompt_index]:
-                    return None
-                choice = {"index": c.index, "text": echo[c.prompt_index], "logprobs": None, "finish_reason": None}
-            elif isinstance(event, Token):
+                out = [] if (progress := extras.on_start(c)) is None else [body(empty(c), **progress)]
+                if echo[c.prompt_index]:
+                    out.append(body({**empty(c), "text": echo[c.prompt_index]}))
+                return out
+            if isinstance(event, Token):
                 step = event.step
                 if not step.text and step.logprob is None:
                     return None
+                out = [] if (progress := extras.before_token(c)) is None else [body(empty(c), **progress)]
                 lp = None
                 if step.logprob is not None:
                     lp = completion_logprobs(ctx, [step.logprob], offsets[c.index])
                 offsets[c.index] += len(step.text)
                 choice = {"index": c.index, "text": step.text, "logprobs": lp, "finish_reason": None}
-            elif isinstance(event, Finished):
+                return [*out, body(choice, **extras.timings(c))]
+            if isinstance(event, Finished):
                 choice = {"index": c.index, "text": "", "logprobs": None, "finish_reason": finish_reason(c)}
-                return {**base, "object": "text_completion", "choices": [choice], **extra,
-                        **ctx.timings(job, params, c)}
-            else:
-                return None
-            return {**base, "object": "text_completion", "choices": [choice], **extra}
+                return body(choice, **ctx.timings(job, params, c))
+            return None
 
         def final() -> dict[str, Any]:
             return {**base, "object": "text_completion", "choices": [], "usage": ctx.usage(job, prompts)}

@@ -11,7 +11,6 @@ no ``[DONE]`` after it.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from functools import partial
@@ -31,6 +30,7 @@ from minfer.server.protocols.images import image_from_base64
 from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
 from minfer.server.protocols.openai import GenerationParams
 from minfer.server.routes.slot_actions import slot_action
+from minfer.server.stream_extras import StreamExtras
 from minfer.server.timings import timings
 
 
@@ -152,6 +152,7 @@ def settings(ctx: ServerContext, req: NativeRequest | None) -> dict[str, Any]:
     params["logit_bias"] = _logit_bias_settings(ctx, req)
     params["max_tokens"] = params["n_predict"]
     params.update(_LLAMA_SETTINGS)
+    params["post_sampling_probs"] = False if p is None else p.post_sampling_probs
     params["reasoning_format"] = ctx.config.reasoning_format
     params["speculative.types"] = _SPECULATIVE_TYPES[ctx.model.engine.speculative.mode]
     return params
@@ -176,7 +177,7 @@ _SPECULATIVE_TYPES = {"off": "none", "draft": "draft-simple", "lookup": "ngram-s
 # sampling, discarding), or its only behaviour (the content as answered, no generation prompt of the server's own)
 _LLAMA_SETTINGS: dict[str, Any] = {
     "adaptive_target": -1.0, "adaptive_decay": 0.9, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
-    "backend_sampling": False, "n_discard": 0, "post_sampling_probs": False, "chat_format": "Content-only",
+    "backend_sampling": False, "n_discard": 0, "chat_format": "Content-only",
     "generation_prompt": "", "reasoning_in_content": False, "grammar_lazy": False, "grammar_triggers": [],
     "preserved_tokens": [],
 }
@@ -191,14 +192,18 @@ def _lora_settings(ctx: ServerContext, p: Any) -> list[dict[str, Any]]:
     return [{"id": k, "scale": v} for k, v in enumerate(ctx.model.request_lora(p.lora) or [])]
 
 
-def probs(ctx: ServerContext, items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+def probs(ctx: ServerContext, items: Sequence[TokenLogprob], post_sampling: bool = False) -> list[dict[str, Any]]:
+    """llama-server's ``completion_probabilities``: each token's ``logprob`` and ``top_logprobs``; with
+    ``post_sampling`` (its ``post_sampling_probs``: the items hold the sampler chain's log-probabilities)
+    plain probabilities, ``prob`` and ``top_probs``."""
     tokenizer = ctx.model.tokenizer
+    value, top = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
 
     def entry(token: int, lp: float) -> dict[str, Any]:
         return {"id": token, "token": ctx.token_text(token), "bytes": list(tokenizer.token_bytes(token)),
-                "logprob": lp}
+                value: math.exp(lp) if post_sampling else lp}
 
-    return [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top_logprobs]} for x in items]
+    return [{**entry(x.token, x.logprob), top: [entry(t, v) for t, v in x.top_logprobs]} for x in items]
 
 
 def stop_type(c: Choice) -> str:
@@ -224,7 +229,7 @@ def result(ctx: ServerContext, c: Choice, req: NativeRequest, prompt: list[int],
         "tokens_cached": c.cached_tokens, "timings": timings(stats, c.cached_tokens),
     }
     if req.params.logprobs is not None and not final:
-        out["completion_probabilities"] = probs(ctx, c.logprobs)
+        out["completion_probabilities"] = probs(ctx, c.logprobs, req.params.post_sampling_probs)
     return out
 
 
@@ -250,28 +255,30 @@ async def complete(ctx: ServerContext, request: Request, req: NativeRequest) -> 
         results = [result(ctx, c, req, prompts[c.prompt_index], "".join(c.text), final=False) for c in job.choices]
         return JSONResponse(results[0] if len(results) == 1 else results)
 
-    def chunk(c: Choice, event: Event | None) -> dict[str, Any] | None:
+    extras = StreamExtras(job, req.params, lambda c: len(prompts[c.prompt_index]))
+
+    def head(c: Choice, content: str, tokens: list[int]) -> dict[str, Any]:
+        return {"index": c.index, "content": content, "tokens": tokens, "stop": False, "id_slot": c.slot,
+                "tokens_predicted": len(c.text), "tokens_evaluated": len(prompts[c.prompt_index])}
+
+    def chunk(c: Choice, event: Event | None) -> list[dict[str, Any]] | dict[str, Any] | None:
+        if isinstance(event, Started):
+            progress = extras.on_start(c)
+            return None if progress is None else {**head(c, "", []), **progress}
         if isinstance(event, Token):
             step = event.step
             if not step.text and step.token is None:
                 return None
-            out: dict[str, Any] = {
-                "index": c.index, "content": step.text, "tokens": [] if step.token is None else [step.token],
-                "stop": False, "id_slot": c.slot, "tokens_predicted": len(c.text),
-                "tokens_evaluated": len(prompts[c.prompt_index]),
-            }
+            out = [] if (progress := extras.before_token(c)) is None else [
+                {**head(c, "", []), "tokens_predicted": len(c.text) - 1, **progress}]
+            body = {**head(c, step.text, [] if step.token is None else [step.token]), **extras.timings(c)}
             if step.logprob is not None:
-                out["completion_probabilities"] = probs(ctx, [step.logprob])
-            if req.timings_per_token and c.stats is None:
-                out["timings"] = _running_timings(c, len(prompts[c.prompt_index]), t0)
-            return out
+                body["completion_probabilities"] = probs(ctx, [step.logprob], req.params.post_sampling_probs)
+            return [*out, body]
         if isinstance(event, Finished):
             return result(ctx, c, req, prompts[c.prompt_index], "", final=True)
-        if isinstance(event, Started):
-            return None
         return None
 
-    t0 = time.perf_counter()
     return ctx.stream(job, chunk, None, done=False)
 
 
@@ -331,11 +338,3 @@ def slots_answer(ctx: ServerContext) -> Response:
 
 def _token(tokenizer: Any, token: int | None) -> str:
     return "" if token is None else tokenizer.token_bytes(token).decode("utf-8", errors="replace")
-
-
-def _running_timings(c: Choice, n_prompt: int, t0: float) -> dict[str, Any]:
-    """Timings so far of a streamed sequence (``timings_per_token``): wall-clock since the request, by tokens."""
-    elapsed = (time.perf_counter() - t0) * 1000.0
-    n = len(c.text)
-    return {"cache_n": c.cached_tokens, "prompt_n": n_prompt - c.cached_tokens, "predicted_n": n,
-            "predicted_ms": elapsed, "predicted_per_second": 1000.0 * n / elapsed if elapsed > 0 else 0.0}
