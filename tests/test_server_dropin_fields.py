@@ -288,3 +288,25 @@ def test_embedding_input_as_content_parts_is_the_joined_text(tiny):
                                                                      "add_special": True}).json()["tokens"])
     bad = post(tiny, "/v1/embeddings", {"input": [{"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[0].content[0]"
+
+
+# -- /props and /v1/models: what llama-server says of the model --------------------------------------------
+
+
+def test_props_and_models_describe_the_file_as_llama_server_does(tiny):
+    """llama-server on this file: ``/props`` ``model_ftype`` "all F32" (``general.file_type`` 0), ``endpoint_metrics``
+    and ``chat_template_caps`` (ChatML: string content and a system role, no tools); ``/v1/models`` has a
+    ``models`` list (ollama's listing shape) beside ``data``, whose ``meta`` has ``vocab_type`` 2 (byte-level BPE)
+    and ``ftype``."""
+    props = httpx.get(tiny.url + "/props", timeout=30).json()
+    assert props["model_ftype"] == "all F32" and props["endpoint_metrics"] is True
+    caps = props["chat_template_caps"]
+    assert caps["supports_string_content"] and caps["supports_system_role"]
+    assert not caps["supports_tools"] and not caps["supports_tool_calls"] and not caps["supports_typed_content"]
+    for path in ("/v1/models", "/models"):
+        listing = httpx.get(tiny.url + path, timeout=30).json()
+        card = listing["data"][0]
+        assert card["meta"]["vocab_type"] == 2 and card["meta"]["ftype"] == "all F32"
+        (entry,) = listing["models"]
+        assert entry["name"] == entry["model"] == card["id"] and entry["capabilities"] == ["completion"]
+        assert entry["details"]["format"] == "gguf" and entry["details"]["quantization_level"] == "all F32"

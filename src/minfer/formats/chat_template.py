@@ -245,6 +245,16 @@ class ChatTemplate:
             self._typed = not shows(probe) and shows([{"type": "text", "text": probe}])
         return self._typed
 
+    def probe(self, messages: list[dict[str, Any]], **variables: Any) -> str | None:
+        """The template rendered on ``messages`` as they are (unvalidated, no generation prompt), or None when it
+        fails on them: what capability probes (:mod:`minfer.formats.chat_template_caps`) read."""
+        # tools and documents stay undefined unless given, as llama.cpp's probes leave them
+        base = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_generation_prompt": False}
+        try:
+            return self._template.render(**{**base, **variables, "messages": messages})
+        except Exception:  # noqa: BLE001 - a template that fails on a probe lacks what it probes
+            return None
+
     @property
     def takes_tools(self) -> bool:
         """Whether the template renders tool definitions (its source reads the ``tools`` variable)."""

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import minfer
+from minfer.formats.chat_template_caps import template_caps
 from minfer.runtime.requests import Event, Finished, Started, Token
 from minfer.runtime.sampling import SamplingParams, TokenLogprob
 from minfer.runtime.vision import MEDIA_MARKER, PassImage
@@ -29,6 +30,7 @@ from minfer.server.jobs import Choice, Job
 from minfer.server.protocols.images import image_from_base64
 from minfer.server.protocols.llama import NativeRequest, parse_infill, parse_native_completion
 from minfer.server.protocols.openai import GenerationParams
+from minfer.server.routes.service import model_ftype
 from minfer.server.routes.slot_actions import slot_action
 from minfer.server.stream_extras import StreamExtras
 from minfer.server.timings import timings
@@ -297,7 +299,9 @@ def server_props(ctx: ServerContext) -> dict[str, Any]:
         },
         "total_slots": ctx.engine_loop.n_slots, "n_ctx": n_ctx, "model_path": str(model.path),
         "model_alias": ctx.config.model_id, "chat_template": template.source if template is not None else "",
-        "chat_template_caps": {}, "modalities": {"vision": ctx.takes_images, "video": False, "audio": False},
+        "chat_template_caps": template_caps(template) if template is not None else {},
+        "model_ftype": model_ftype(ctx), "endpoint_metrics": ctx.config.metrics_endpoint,
+        "modalities": {"vision": ctx.takes_images, "video": False, "audio": False},
         "media_marker": MEDIA_MARKER, "endpoint_props": False, "ui_settings": {}, "cors_proxy_enabled": False,
         "bos_token": _token(tokenizer, tokenizer.bos_id), "eos_token": _token(tokenizer, tokenizer.eos_id),
         "build_info": f"minfer {minfer.__version__}", "is_sleeping": False,

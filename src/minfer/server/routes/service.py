@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from minfer.formats.file_types import ftype_name, vocab_type
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
 
@@ -38,6 +39,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     transformer = ctx.model.transformer
     n_params = sum(int(math.prod(t.shape)) for t in transformer.tensors.values())
+    ftype = model_ftype(ctx)
 
     def model_card() -> dict[str, Any]:
         hp = ctx.model.hparams
@@ -48,14 +50,26 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 "capabilities": capabilities,
                 # llama-server's --alias names and --tags, each a sorted list ([] without the flag)
                 "aliases": list(ctx.config.aliases or (ctx.config.model_id,)), "tags": list(ctx.config.tags),
-                "meta": {"architecture": hp.arch, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train,
+                "meta": {"architecture": hp.arch, "vocab_type": vocab_type(ctx.model.tokenizer.model),
+                         "ftype": ftype, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train,
                          "n_embd": hp.n_embd, "n_ctx": ctx.engine_loop.slot_context, "n_params": n_params,
                          "size": transformer.weight_bytes,
                          "n_ctx_per_sequence": ctx.engine_loop.slot_context, "parallel": ctx.engine_loop.n_slots}}
 
+    def listing() -> dict[str, Any]:
+        """llama-server's ``models`` list beside OpenAI's ``data`` (ollama's listing shape, whose fields llama-server
+        leaves empty where minfer fills them in: the family and the file type)."""
+        hp, card = ctx.model.hparams, model_card()
+        return {"name": card["id"], "model": card["id"], "modified_at": "", "size": "", "digest": "", "type": "model",
+                "description": "", "tags": list(ctx.config.tags) or [""], "capabilities": card["capabilities"],
+                "parameters": "", "details": {"parent_model": "",
+                                              "format": "gguf" if ctx.model.path.is_file() else "safetensors",
+                                              "family": hp.arch, "families": [hp.arch], "parameter_size": "",
+                                              "quantization_level": ftype}}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"models": [listing()], "object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str) -> dict[str, Any]:
@@ -63,3 +77,11 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             raise ApiError(f"the model {model_id!r} does not exist (this server has {ctx.config.model_id!r})",
                            status=404, type="not_found_error", param="model", code="model_not_found")
         return model_card()
+
+
+def model_ftype(ctx: ServerContext) -> str:
+    """llama.cpp's name of the served file's type (``Q4_K - Medium``), as ``/props`` and ``/v1/models`` show it."""
+    transformer = ctx.model.transformer
+    matrices = [(t.ggml_type.name, int(t.nbytes)) for t in transformer.tensors.values()
+                if len(t.shape) >= 2 and hasattr(t, "ggml_type")]
+    return ftype_name(transformer.metadata, matrices)
