@@ -132,7 +132,11 @@ def test_server_wide_flags_are_refused_with_several_models():
 
 # -- the server-wide settings, on a real server (the tiny llama fixture: its text does not matter) ----------------
 
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+TEMPLATE = ("{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}"
+            "{% if reasoning_effort is defined %}[effort={{ reasoning_effort }}]{% endif %}"
+            "{% if custom is defined %}[custom={{ custom }}]{% endif %}"
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +149,9 @@ def configured(tmp_path_factory):
     template.write_text(TEMPLATE)
     args = ["-t", "1", "--ctx-size", "256", "--parallel", "2", "--host", "127.0.0.1,127.0.0.2",
             "--alias", "zeta,alpha", "--tags", "t2,t1", "--temp", "1.5", "--seed", "42", "--top-k", "7",
-            "-n", "5", "--no-ui", "--verbose", "--chat-template-file", str(template), "-ngl", "99"]
+            "-n", "5", "--no-ui", "--verbose", "--chat-template-file", str(template), "-ngl", "99",
+            "--chat-template-kwargs", '{"custom": "x", "enable_thinking": true}', "--reasoning", "off",
+            "--reasoning-effort", "low"]
     with ServerProcess(fixture_dir("llama") / "model-f32.gguf", args) as s:
         yield s
 
@@ -231,3 +237,35 @@ def test_verbose_answers_carry_the_native_answer(configured):
     assert verbose["content"] == chat["choices"][0]["message"]["content"]
     cmpl = httpx.post(configured.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).json()
     assert cmpl["__verbose"]["content"] == cmpl["choices"][0]["text"]
+
+
+def test_the_chat_templates_variables_default_to_the_servers(configured):
+    """llama-server's --chat-template-kwargs, then --reasoning off (enable_thinking false, over the kwargs' true) and
+    --reasoning-effort: every render gets them (the prompt of /apply-template and of a chat answer), and a
+    request's own chat_template_kwargs win."""
+    import httpx
+
+    hi = [{"role": "user", "content": "hi"}]
+    default = httpx.post(configured.url + "/apply-template", json={"messages": hi}, timeout=60).json()["prompt"]
+    assert default == "[think=False][effort=low][custom=x]<user>hi>"
+    chat = httpx.post(configured.url + "/v1/chat/completions", json={"messages": hi, "max_tokens": 1},
+                      timeout=60).json()
+    assert chat["__verbose"]["prompt"] == default
+    own = httpx.post(configured.url + "/apply-template", timeout=60,
+                     json={"messages": hi, "chat_template_kwargs": {"enable_thinking": True, "custom": "y"}})
+    assert own.json()["prompt"] == "[think=True][effort=low][custom=y]<user>hi>"
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--reasoning", "maybe"], "--reasoning must be on, off or auto"),
+    (["--reasoning-budget", "100"], "--reasoning-budget 100: minfer has no thinking budget"),
+    (["--chat-template-kwargs", "{oops"], "--chat-template-kwargs is not valid JSON"),
+    (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
+])
+def test_bad_template_flags_are_one_line_errors(flags, error):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "minfer", "serve", "no-such-model.gguf", *flags], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and error in r.stderr and "Traceback" not in r.stderr

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from minfer.cli import llama_server_flags
 from minfer.cli.options import (
@@ -204,6 +206,20 @@ def _add_server_default_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("-v", "--verbose", action="store_true",
                      help="answers of /completion and /v1/chat/completions carry __verbose (the rendered prompt and "
                      "the whole answer), as llama-server's do")
+    t = srv.add_argument_group("the chat template's variables, for requests that do not set them in "
+                               "chat_template_kwargs (llama-server's flags)")
+    t.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="a JSON object of variables, e.g. '{\"enable_thinking\": false}'")
+    t.add_argument("-rea", "--reasoning", default=None, metavar="on|off|auto",
+                   help="on / off: enable_thinking true / false; auto: the template's own default (default: auto)")
+    t.add_argument("--reasoning-effort", default=None, metavar="LEVEL",
+                   help="reasoning_effort for templates that read it (minimal, low, medium, high, ...); default: "
+                   "the template's own")
+    t.add_argument("--reasoning-preserve", dest="reasoning_preserve", action=argparse.BooleanOptionalAction,
+                   default=None, help="preserve_reasoning: keep earlier turns' reasoning in the prompt, for templates "
+                   "that read it (default: the template's own)")
+    t.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="thinking tokens at most: minfer has no thinking budget, so only -1 (unrestricted) is taken")
     d = srv.add_argument_group("defaults of requests that do not set them (llama-server's flags)")
     d.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=None, metavar="N",
                    help="tokens generated at most when a request sets no max_tokens/n_predict (default: -1, until "
@@ -211,6 +227,37 @@ def _add_server_default_flags(srv: argparse.ArgumentParser) -> None:
     for field, param in PARAMS.items():  # None: not given, the model's own default (generation_config) then
         how = {"action": "append"} if param.repeatable else {"type": param.check.cli_type}
         d.add_argument(*param.flags, dest=field, default=None, metavar=param.metavar, help=flag_help(field), **how)
+
+
+_TRUTHY, _FALSEY, _AUTO = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0"), ("auto", "-1")
+
+
+def template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The chat template's server-wide variables from llama-server's flags: --chat-template-kwargs, then what
+    --reasoning, --reasoning-effort and --reasoning-preserve set over it (as llama-server applies them)."""
+    kwargs: dict[str, Any] = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise MinferError(f"--chat-template-kwargs is not valid JSON: {e.msg} at character {e.pos}") from None
+        if not isinstance(kwargs, dict):
+            raise MinferError("--chat-template-kwargs must be a JSON object of the template's variables, got "
+                              f"{type(kwargs).__name__}")
+    if args.reasoning is not None:
+        value = args.reasoning.lower()
+        if value in _TRUTHY or value in _FALSEY:
+            kwargs["enable_thinking"] = value in _TRUTHY
+        elif value not in _AUTO:
+            raise MinferError(f"--reasoning must be on, off or auto, got {args.reasoning!r}")
+    if args.reasoning_effort is not None and args.reasoning_effort != "default":
+        kwargs["reasoning_effort"] = args.reasoning_effort
+    if args.reasoning_preserve is not None:
+        kwargs["preserve_reasoning"] = args.reasoning_preserve
+    if args.reasoning_budget != -1:
+        raise MinferError(f"--reasoning-budget {args.reasoning_budget}: minfer has no thinking budget; only -1 "
+                          "(unrestricted) is taken (end thinking with --reasoning off)")
+    return kwargs
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -234,7 +281,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        allow_image_urls=args.allow_image_urls, metrics=args.metrics, **speculative_kwargs(args),
                        **lora_kwargs(args), sampling_defaults=sampling_kwargs(args) or None, n_predict=args.n_predict,
                        tags=args.tags, ui=args.ui, verbose=args.verbose, chat_template_file=args.chat_template_file,
-                       slot_save_path=args.slot_save_path, cache_idle_slots=args.cache_idle_slots)
+                       slot_save_path=args.slot_save_path, cache_idle_slots=args.cache_idle_slots,
+                       chat_template_kwargs=template_kwargs(args) or None)
     sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
     if not args.metrics and (args.more_models or args.models_dir is not None or args.ray):
         raise MinferError("--no-metrics applies to one model's own server: the several-model and --ray fronts "

@@ -102,6 +102,9 @@ class ChatTurn:
         options = req.options
         if options.reasoning_format is None:
             options = dataclasses.replace(options, reasoning_format=ctx.config.reasoning_format)
+        if ctx.config.chat_template_kwargs:  # the server's defaults, under what the request sets
+            options = dataclasses.replace(options, template_kwargs={**ctx.config.chat_template_kwargs,
+                                                                    **options.template_kwargs})
         if model.chat_template is None:
             raise ApiError(f"{model.path} has no chat template, so it cannot answer chat requests")
         try:

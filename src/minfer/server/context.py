@@ -65,6 +65,9 @@ class ServerConfig:
     ui: bool = True  # the chat page at /
     verbose: bool = False  # answers carry __verbose (-v)
     slot_save_path: str | None = None  # the folder of POST /slots/{id}?action=save|restore (None: those answer 501)
+    # variables every chat template render gets unless the request's chat_template_kwargs sets them (llama-server's
+    # --chat-template-kwargs, --reasoning on|off, --reasoning-effort, --reasoning-preserve)
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from minfer.server.chat_turn import ChatTurn
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
 from minfer.server.protocols.openai import parse_chat
@@ -67,5 +68,6 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/apply-template")
     async def apply_template(request: Request) -> dict[str, Any]:
         req = parse_chat(await ctx.read_json(request))
+        # the prompt a chat request renders: its tools and chat_template_kwargs over the server's defaults;
         # continue_final_message: the last assistant message's text after the opened turn, as the reply sees it
-        return {"prompt": ctx.model.render_chat(req.messages) + req.prefill}
+        return {"prompt": ChatTurn.plan(ctx, req).prompt + req.prefill}
