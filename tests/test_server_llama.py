@@ -376,9 +376,10 @@ def test_smollm2_apply_template_infill_and_chat_without_v1(smol):
     assert minfer.__version__ in httpx.get(smol.url + "/props").json()["build_info"]
 
 
-def test_timings_when_asked_on_the_openai_routes(tiny):
+def test_timings_on_the_openai_routes(tiny):
+    """llama-server answers every ``/v1/completions`` with ``timings``, asked for (``timings_per_token``) or not."""
     body = {"prompt": "The fox", "max_tokens": 5, "temperature": 0}
-    assert "timings" not in post(tiny, "/v1/completions", body).json()
+    assert post(tiny, "/v1/completions", body).json()["timings"]["predicted_n"] == 5
     t = post(tiny, "/v1/completions", {**body, "timings_per_token": True}).json()["timings"]
     n_prompt = len(httpx.post(tiny.url + "/tokenize", json={"content": "The fox", "add_special": True},
                               headers=AUTH).json()["tokens"])

@@ -247,12 +247,12 @@ def test_chain_logprobs_leave_xtc_draws_as_they_were():
 
 def test_post_sampling_probs_on_chat(tiny):
     """llama-server: chat's ``logprobs.content`` items have ``prob`` and ``top_probs`` with
-    ``post_sampling_probs``."""
+    ``post_sampling_probs`` (and each token's ``id``)."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3,
             "top_k": 2, "post_sampling_probs": True, "seed": 5}
     content = post(tiny, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
     for x in content:
-        assert set(x) == {"token", "prob", "bytes", "top_probs"} and len(x["top_probs"]) <= 2
+        assert set(x) == {"id", "token", "prob", "bytes", "top_probs"} and len(x["top_probs"]) <= 2
         assert math.isclose(sum(t["prob"] for t in x["top_probs"]), 1.0, rel_tol=1e-6)
 
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from minfer.runtime.sequence import GenerationStats
+from minfer.server.jobs import Choice
 
 
 def timings(stats: GenerationStats, cached_tokens: int) -> dict[str, Any]:
     """``prompt_n`` counts the prompt tokens evaluated (not those reused from the cache, ``cache_n``);
-    ``predicted_ms`` runs from the first generated token to the last, as llama-server measures it."""
+    ``predicted_ms`` runs from the first generated token to the last, as llama-server measures it. With speculative
+    decoding (tokens drafted) also ``draft_n`` and ``draft_n_accepted``, as llama-server adds them."""
     prompt_n = max(stats.prompt_tokens - cached_tokens, 0)
     prompt_ms = stats.prefill_seconds * 1000.0
     predicted_n = stats.generated_tokens
     predicted_ms = stats.decode_seconds * 1000.0
-    return {
+    out: dict[str, Any] = {
         "cache_n": cached_tokens,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
@@ -25,6 +27,17 @@ def timings(stats: GenerationStats, cached_tokens: int) -> dict[str, Any]:
         "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
         "predicted_per_second": 1000.0 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0,
     }
+    if stats.drafted_tokens > 0:
+        out |= {"draft_n": stats.drafted_tokens, "draft_n_accepted": stats.accepted_tokens}
+    return out
+
+
+def answer_timings(choice: Choice) -> dict[str, Any]:
+    """``{"timings": ...}`` of a finished choice, as llama-server puts on every OpenAI answer (the whole one, or a
+    stream's last event) whether or not ``timings_per_token`` was asked; nothing for a choice that never ran."""
+    if choice.stats is None:
+        return {}
+    return {"timings": timings(choice.stats, choice.cached_tokens)}
 
 
 def running_timings(live: GenerationStats, n_prompt: int, n_generated: int, cached_tokens: int) -> dict[str, Any]:

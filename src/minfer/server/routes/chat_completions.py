@@ -25,17 +25,20 @@ from minfer.server.errors import ApiError
 from minfer.server.protocols.openai import parse_chat
 from minfer.server.routes.llama_native import verbose_fields
 from minfer.server.stream_extras import StreamExtras
+from minfer.server.timings import answer_timings
 
 
 def chat_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob], post_sampling: bool = False) -> dict[str, Any]:
     """``logprobs.content``: each token's ``logprob`` and ``top_logprobs``; with ``post_sampling`` (llama-server's
-    ``post_sampling_probs``: the items hold the sampler chain's log-probabilities) ``prob`` and ``top_probs``."""
+    ``post_sampling_probs``: the items hold the sampler chain's log-probabilities) ``prob`` and ``top_probs``.
+    Each entry, and each of its alternatives, also has the token's ``id``, as llama-server's do."""
     tokenizer = ctx.model.tokenizer
     value, top = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
 
     def entry(token: int, lp: float) -> dict[str, Any]:
-        return {"token": ctx.token_text(token), value: math.exp(lp) if post_sampling else lp,
-                "bytes": list(tokenizer.token_bytes(token))}
+        # llama-server's order: its "id" (the token id, beyond OpenAI's fields) first, then token, bytes, value
+        return {"id": token, "token": ctx.token_text(token), "bytes": list(tokenizer.token_bytes(token)),
+                value: math.exp(lp) if post_sampling else lp}
 
     return {"content": [{**entry(x.token, x.logprob), top: [entry(t, v) for t, v in x.top_logprobs]}
                         for x in items]}
@@ -81,10 +84,13 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 "choices": [{"index": c.index, "message": c.message.to_openai(),
                              "logprobs": chat_logprobs(ctx, c.logprobs, post_sampling) if want_logprobs else None,
                              "finish_reason": c.finish_reason} for c in choices],
-                "usage": turn.usage(), **ctx.timings(turn.job, params),
+                "usage": turn.usage(), **answer_timings(turn.job.choices[0]),
                 **verbose_fields(ctx, turn.job, params, turn.prompt_ids),
             })
         extra = {"usage": None} if params.include_usage else {}
+        # llama-server puts the finished choice's timings on its last event: the usage chunk when there is one
+        # (one choice: one usage chunk), else the finish chunk
+        timings_on_usage = params.include_usage and len(turn.job.choices) == 1
 
         extras = StreamExtras(turn.job, params, lambda c: len(turn.prompt_ids))
 
@@ -110,7 +116,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 return [*out, body_of(choice, **extras.timings(c))]
             assert isinstance(event, TurnFinished)
             choice = {"index": event.index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}
-            return [body_of(choice, **ctx.timings(turn.job, params, c))]
+            return [body_of(choice, **({} if timings_on_usage else answer_timings(c)))]
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -120,7 +126,8 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 yield sse(e.body())
                 return
             if params.include_usage:
-                yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": turn.usage()})
+                last = answer_timings(turn.job.choices[0]) if timings_on_usage else {}
+                yield sse({**base, "object": "chat.completion.chunk", "choices": [], "usage": turn.usage(), **last})
             yield b"data: [DONE]\n\n"
 
         return ctx.event_stream(body())

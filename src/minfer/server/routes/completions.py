@@ -19,6 +19,7 @@ from minfer.server.jobs import Choice
 from minfer.server.protocols.openai import parse_completion
 from minfer.server.routes.llama_native import verbose_fields
 from minfer.server.stream_extras import StreamExtras
+from minfer.server.timings import answer_timings
 
 
 def completion_logprobs(ctx: ServerContext, items: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 choices.append({"index": c.index, "text": head + "".join(c.text), "logprobs": lp,
                                 "finish_reason": finish_reason(c)})
             return JSONResponse({**base, "object": "text_completion", "choices": choices,
-                                 "usage": ctx.usage(job, prompts), **ctx.timings(job, params),
+                                 "usage": ctx.usage(job, prompts), **answer_timings(job.choices[0]),
                                  **verbose_fields(ctx, job, params, prompts[0])})
         extra = {"usage": None} if params.include_usage else {}
         offsets = [len(echo[c.prompt_index]) for c in job.choices]
@@ -86,7 +87,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
                 return [*out, body(choice, **extras.timings(c))]
             if isinstance(event, Finished):
                 choice = {"index": c.index, "text": "", "logprobs": None, "finish_reason": finish_reason(c)}
-                return body(choice, **ctx.timings(job, params, c))
+                return body(choice, **answer_timings(c))  # llama-server's last event carries them
             return None
 
         def final() -> dict[str, Any]:
