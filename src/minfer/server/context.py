@@ -31,7 +31,6 @@ from minfer.server.json_body import parse_body
 from minfer.server.metrics import ServerMetrics
 from minfer.server.protocols.images import image_error_param
 from minfer.server.protocols.openai import GenerationParams
-from minfer.server.timings import timings
 
 T = TypeVar("T")
 DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
@@ -345,14 +344,6 @@ class ServerContext:
         cached = sum(next(c.cached_tokens for c in job.choices if c.prompt_index == i) for i in range(len(prompts)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def timings(self, job: Job, params: GenerationParams, choice: Choice | None = None) -> dict[str, Any]:
-        """``{"timings": ...}``, llama-server's timings of ``choice`` (default: the job's first sequence),
-        when the request asked for them (``timings_per_token``); else nothing."""
-        c = choice or job.choices[0]
-        if not params.timings or c.stats is None:
-            return {}
-        return {"timings": timings(c.stats, c.cached_tokens)}
 
     def token_text(self, token: int) -> str:
         return self.model.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
