@@ -192,7 +192,8 @@ def test_completion_with_multimodal_data(server, vlm):
 
 def test_props_models_and_show_say_whether_the_model_takes_images(server, text_server):
     assert httpx.get(server.url + "/props").json()["modalities"] == {"vision": True, "video": False, "audio": False}
-    assert httpx.get(text_server.url + "/props").json()["modalities"] == {"vision": False, "video": False, "audio": False}
+    no_images = {"vision": False, "video": False, "audio": False}
+    assert httpx.get(text_server.url + "/props").json()["modalities"] == no_images
     assert "multimodal" in httpx.get(server.url + "/v1/models").json()["data"][0]["capabilities"]
     assert "multimodal" not in httpx.get(text_server.url + "/v1/models").json()["data"][0]["capabilities"]
     name = httpx.get(text_server.url + "/api/tags").json()["models"][0]["model"]
