@@ -111,23 +111,51 @@ def test_load_and_unload_routes(one_at_a_time):
     assert httpx.post(url + "/models/load", json={}).status_code == 400
 
 
-def test_two_models_stream_at_once_and_each_is_its_solo_text(models_dir, solo):
+@pytest.fixture(scope="module")
+def both_loaded(models_dir):
     # two positional files (named by their stems: llama, gemma3), both loaded at once
     with ServerProcess(models_dir / "llama.gguf", [str(models_dir / "gemma3.gguf"), "--models-max", "2",
                                                    "--ctx-size", "256"]) as s:
-        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        texts: dict[str, str] = {}
+        yield s
 
-        def stream(name: str) -> None:
-            parts = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
-            texts[name] = "".join(p.choices[0].text for p in parts if p.choices)
 
-        threads = [threading.Thread(target=stream, args=(n,)) for n in ("llama", "gemma3")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert texts == solo
+def test_two_models_stream_at_once_and_each_is_its_solo_text(both_loaded, solo):
+    client = OpenAI(base_url=both_loaded.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    texts: dict[str, str] = {}
+
+    def stream(name: str) -> None:
+        parts = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+        texts[name] = "".join(p.choices[0].text for p in parts if p.choices)
+
+    threads = [threading.Thread(target=stream, args=(n,)) for n in ("llama", "gemma3")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert texts == solo
+
+
+def test_resumable_streams_go_to_the_model_that_holds_them(both_loaded):
+    """As llama-server's router: a stream sent with X-Conversation-Id is kept by its model's server, and GET /v1/stream,
+    /v1/streams/lookup and DELETE /v1/stream reach that server alone (the other model's has no such stream)."""
+    url, streamed = both_loaded.url, {}
+    for name in ("llama", "gemma3"):
+        with httpx.stream("POST", url + "/v1/completions", headers={"X-Conversation-Id": f"c-{name}"}, timeout=300,
+                          json={"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                "stream": True}) as r:
+            streamed[name] = b"".join(r.iter_raw())
+    for name in ("llama", "gemma3"):
+        replay = httpx.get(url + "/v1/stream", params={"conv_id": f"c-{name}", "from": 0}, timeout=60)
+        assert replay.status_code == 200 and replay.content == streamed[name]
+    found = httpx.post(url + "/v1/streams/lookup", json={"conversation_ids": ["c-llama", "c-gemma3", "c-none"]},
+                       timeout=60).json()
+    assert sorted(s["conversation_id"] for s in found) == ["c-gemma3", "c-llama"] and all(s["is_done"] for s in found)
+    assert httpx.delete(url + "/v1/stream", params={"conv_id": "c-llama"}, timeout=60).status_code == 204
+    gone = httpx.get(url + "/v1/stream", params={"conv_id": "c-llama"}, timeout=60)
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(url + "/v1/stream", params={"conv_id": "c-gemma3"}, timeout=60).content == streamed["gemma3"]
+    assert httpx.get(url + "/v1/stream", timeout=60).status_code == 400
+    assert httpx.post(url + "/v1/streams/lookup", json={"conversation_ids": "c-llama"}, timeout=60).status_code == 400
 
 
 def test_one_model_flags_are_refused_with_several(models_dir):

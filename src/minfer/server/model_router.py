@@ -26,6 +26,7 @@ import math
 import secrets
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -96,6 +97,9 @@ def model_entries(models: list[str], models_dir: str | None) -> list[ModelEntry]
     return [ModelEntry(name, path) for name, path in names.items()]
 
 
+MAX_CONVERSATIONS = 4096  # streams' ids whose model the front remembers (each a few dozen bytes)
+
+
 class ModelRouter:
     """The ASGI app of a several-model server (see the module docstring)."""
 
@@ -115,6 +119,9 @@ class ModelRouter:
         self.max_body_size = max_body_size
         self.created = int(time.time())
         self.client: httpx.AsyncClient | None = None
+        # a stream's X-Conversation-Id -> the model whose server holds it (llama-server's router keeps this map):
+        # GET and DELETE /v1/stream and /v1/streams/lookup go to that server alone; the oldest ids go first
+        self.conversations: OrderedDict[str, str] = OrderedDict()
         self._changed = asyncio.Condition()  # a model finished a request, loaded or unloaded
         self._loading = asyncio.Lock()  # one model loads (or is chosen for eviction) at a time
 
@@ -157,7 +164,9 @@ class ModelRouter:
         routes = {("GET", "/v1/models"): self._models, ("GET", "/models"): self._models,
                   ("POST", "/models/load"): self._load_route, ("POST", "/models/unload"): self._unload_route,
                   ("GET", "/api/tags"): self._tags, ("GET", "/api/ps"): self._ps,
-                  ("GET", "/api/version"): self._version, ("GET", "/health"): self._health}
+                  ("GET", "/api/version"): self._version, ("GET", "/health"): self._health,
+                  ("GET", "/v1/stream"): self._stream_route, ("DELETE", "/v1/stream"): self._stream_route,
+                  ("POST", "/v1/streams/lookup"): self._streams_lookup}
         return routes.get((method, path))
 
     async def _json(self, send: Send, body: Any, status: int = 200) -> None:
@@ -207,6 +216,72 @@ class ModelRouter:
             await self._changed.wait_for(lambda: entry.active == 0)
         await self._stop(entry)
         await self._json(send, {"success": True})
+
+    # -- resumable streams: to the model whose server holds them ----------------------------------
+
+    def _stream_owner(self, conv_id: str) -> ModelEntry | None:
+        """The loaded model whose server streams ``conv_id`` (also as llama-server's ``<id>::<model>`` keys)."""
+        for key, name in reversed(self.conversations.items()):
+            if key == conv_id or key.startswith(f"{conv_id}::"):
+                entry = self.entries[name]
+                return entry if entry.state == LOADED else None
+        return None
+
+    async def _stream_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/stream`` (a replay) and ``DELETE /v1/stream`` (a stop), forwarded to the stream's model. Its
+        model unloaded took the stream with it: a GET is a 404, a DELETE has nothing left to stop (204)."""
+        conv_id = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("conv_id") or [""])[0]
+        if not conv_id:
+            raise ApiError("missing conversation id: send it as the 'conv_id' query parameter", param="conv_id")
+        owner = self._stream_owner(conv_id)
+        if scope["method"] == "DELETE":
+            for key in [k for k in self.conversations if k == conv_id or k.startswith(f"{conv_id}::")]:
+                del self.conversations[key]
+        if owner is None:
+            if scope["method"] == "DELETE":
+                await send({"type": "http.response.start", "status": 204, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            raise ApiError("stream not found or expired", status=404, type="not_found_error", param="conv_id")
+        await self._proxy_to(owner, scope, b"", receive, send)
+
+    async def _streams_lookup(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/streams/lookup``: each id asked of the server of its model, the sessions together."""
+        try:
+            body = json.loads(await _read_body(receive, self.max_body_size))
+        except ClientGone:
+            return
+        except ValueError as e:
+            raise ApiError(f"invalid body: {e}") from None
+        ids = body.get("conversation_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ApiError("'conversation_ids' must be a list of strings", param="conversation_ids")
+        by_owner: dict[str, list[str]] = {}
+        for conv_id in dict.fromkeys(i for i in ids if i):
+            owner = self._stream_owner(conv_id)
+            if owner is not None:
+                by_owner.setdefault(owner.name, []).append(conv_id)
+        sessions: list[Any] = []
+        assert self.client is not None
+        for name, owned in by_owner.items():
+            entry = self.entries[name]
+            if entry.url is None:
+                continue
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await self.client.post(entry.url + "/v1/streams/lookup", json={"conversation_ids": owned},
+                                           headers={"authorization": f"Bearer {self.internal_key}"}, timeout=10)
+                if r.status_code == 200 and isinstance(r.json(), list):
+                    sessions += r.json()
+        await self._json(send, sessions)
+
+    def _remember_conversation(self, scope: Scope, entry: ModelEntry) -> None:
+        for name, value in scope["headers"]:
+            if name.lower() == b"x-conversation-id" and value:
+                conv_id = value.decode("latin-1")
+                self.conversations.pop(conv_id, None)
+                self.conversations[conv_id] = entry.name
+                while len(self.conversations) > MAX_CONVERSATIONS:
+                    self.conversations.popitem(last=False)
 
     # -- choosing and loading models -------------------------------------------------------------
 
@@ -373,6 +448,13 @@ class ModelRouter:
         keep = _keep_alive_of(body)
         if keep is not None:
             entry.keep_alive = keep  # ollama's: it holds for this model from this request on
+        if scope["method"] == "POST":
+            self._remember_conversation(scope, entry)
+        await self._proxy_to(entry, scope, body, receive, send)
+
+    async def _proxy_to(self, entry: ModelEntry, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """The request forwarded to ``entry``'s server (loaded first if need be), its answer streamed back; the
+        client leaving closes the upstream request, which cancels its sequences."""
         url = await self.acquire(entry)
         forward = asyncio.ensure_future(self._forward(url, scope, body, send))
         gone = asyncio.ensure_future(_wait_disconnect(receive))
