@@ -261,6 +261,7 @@ def test_the_chat_templates_variables_default_to_the_servers(configured):
     (["--reasoning-budget", "100"], "--reasoning-budget 100: minfer has no thinking budget"),
     (["--chat-template-kwargs", "{oops"], "--chat-template-kwargs is not valid JSON"),
     (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs must be a JSON object"),
+    (["--media-path", "/no/such/folder"], "--media-path '/no/such/folder' is not a folder"),
 ])
 def test_bad_template_flags_are_one_line_errors(flags, error):
     import subprocess

@@ -319,8 +319,12 @@ def image_host():
 
 
 @pytest.fixture(scope="module")
-def url_server():
-    with ServerProcess(HF, ["--parallel", "1", "--allow-image-urls", *ARGS]) as s:
+def url_server(tmp_path_factory):
+    media = tmp_path_factory.mktemp("media")  # --media-path: the fixture's images, and a link out of the folder
+    (media / "pics").mkdir()
+    (media / "pics" / "rgb.png").write_bytes(PNG)
+    (media / "escape.png").symlink_to(IMAGES / "rgb_64x64.png")
+    with ServerProcess(HF, ["--parallel", "1", "--allow-image-urls", "--media-path", str(media), *ARGS]) as s:
         yield s
 
 
@@ -341,6 +345,40 @@ def test_allow_image_urls_refuses_what_it_cannot_fetch_within_limits(url_server,
     error = r.json()["error"]
     assert needle in error["message"] and error["param"] == "messages[0].content[0].image_url"
     alive(url_server)
+
+
+def file_url_body(url: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is it?"}]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+def test_media_path_reads_file_urls_inside_it(url_server, expected):
+    """llama-server's --media-path: ``file://`` + a path relative to the folder is read from it (here in a subfolder)
+    and answers as the same image sent inline."""
+    r = httpx.post(url_server.url + "/v1/chat/completions", json=file_url_body("file://pics/rgb.png"), timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == expected(PNG, "What is it?")
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("file://../x.png", "not allowed"), ("file:///etc/passwd", "not allowed"), ("file://escape.png", "out of"),
+    ("file://pics", "not a regular file"), ("file://nothing.png", "does not exist"),
+])
+def test_media_path_refuses_paths_out_of_it(url_server, url, needle):
+    """llama-server refuses '..' and absolute paths (fs_validate_filename); minfer also refuses a symlink that leads
+    out of the folder, and names the field."""
+    r = httpx.post(url_server.url + "/v1/chat/completions", json=file_url_body(url), timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["param"] == "messages[0].content[0].image_url"
+
+
+def test_file_urls_without_media_path_are_refused(server):
+    """llama-server: "file:// URLs are not allowed unless --media-path is specified"."""
+    r = httpx.post(server.url + "/v1/chat/completions", json=file_url_body("file://rgb_64x64.png"), timeout=60)
+    assert r.status_code == 400 and "--media-path" in r.json()["error"]["message"]
+    alive(server)
 
 
 def test_a_follow_up_turn_reports_the_images_tokens_as_cached(client, vlm):

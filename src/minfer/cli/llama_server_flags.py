@@ -47,7 +47,6 @@ _NO_GPU = "minfer runs on the CPU: there is no device to offload to"
 _NO_PIN = "minfer does not pin its threads to CPUs or change their priority"
 _NO_DOWNLOAD = "minfer serve downloads no models (give a file or folder, or a known name: see minfer pull)"
 _ROPE = "minfer reads RoPE scaling from the model file; it cannot be overridden"
-_PENDING = "not supported by this minfer yet"
 _DRAFT_OWN = "minfer's draft model shares the target's threads and cache settings"
 
 FLAGS: tuple[LlamaFlag, ...] = (
@@ -170,7 +169,9 @@ FLAGS: tuple[LlamaFlag, ...] = (
     _f("--props", False, "refused", "minfer's /props is read-only"),
     _f("--slots --no-slots", False, "same"),
     _f("--slot-save-path", True, "same"),
-    _f("--media-path --models-preset", True, "refused", _PENDING),
+    _f("--media-path", True, "same"),
+    _f("--models-preset", True, "refused", "minfer's several models take their flags from the command line (no "
+       "preset file)"),
     _f("--models-dir --models-max --sleep-idle-seconds", True, "same"),
     _f("--models-autoload", False, "ignored", "minfer always loads a model on its first request"),
     _f("--no-models-autoload", False, "refused", "minfer always loads a model on its first request"),

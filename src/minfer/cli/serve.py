@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,9 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--allow-image-urls", action="store_true",
                      help="fetch http(s) image URLs that requests name (20 MiB and 10 s at most each); the server "
                      "then makes requests to any address a client names: only where that is safe (SECURITY.md)")
+    srv.add_argument("--media-path", default=None, metavar="DIR",
+                     help="read file:// image URLs that requests name from DIR (paths relative to it, never out of "
+                     "it); default: file:// URLs are refused")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds open requests get to finish on SIGINT/SIGTERM before they are cancelled (30)")
     srv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -260,6 +264,12 @@ def template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _media_path(folder: str | None) -> str | None:
+    if folder is not None and not os.path.isdir(folder):
+        raise MinferError(f"--media-path {folder!r} is not a folder")
+    return folder
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from minfer.server import ServeOptions, parse_size, serve
     from minfer.server.api_keys import server_api_keys
@@ -282,7 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        **lora_kwargs(args), sampling_defaults=sampling_kwargs(args) or None, n_predict=args.n_predict,
                        tags=args.tags, ui=args.ui, verbose=args.verbose, chat_template_file=args.chat_template_file,
                        slot_save_path=args.slot_save_path, cache_idle_slots=args.cache_idle_slots,
-                       chat_template_kwargs=template_kwargs(args) or None)
+                       chat_template_kwargs=template_kwargs(args) or None, media_path=_media_path(args.media_path))
     sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
     if not args.metrics and (args.more_models or args.models_dir is not None or args.ray):
         raise MinferError("--no-metrics applies to one model's own server: the several-model and --ray fronts "

@@ -245,7 +245,9 @@ def _image_bytes(part: Mapping[str, Any], where: str, allow_paths: bool) -> byte
             continue
         if isinstance(value, bytes | bytearray):
             return bytes(value)
-        if isinstance(value, str) and value.startswith(("data:", "http://", "https://")):
+        if isinstance(value, str) and value.startswith("file://") and allow_paths:
+            value = value.removeprefix("file://")  # the Python API reads paths: a file URL is one
+        if isinstance(value, str) and value.startswith(("data:", "http://", "https://", "file://")):
             return _from_url(value, f"{where}.{key}")
         if isinstance(value, str | os.PathLike) and allow_paths:
             try:
@@ -257,10 +259,10 @@ def _image_bytes(part: Mapping[str, Any], where: str, allow_paths: bool) -> byte
 
 
 def _from_url(url: Any, where: str) -> bytes | str:
-    """A data: URL's bytes, or an http(s) URL as it is."""
+    """A data: URL's bytes, or an http(s) or file:// URL as it is (a server fetches or reads it, if it may)."""
     if not isinstance(url, str) or not url:
         raise BadRequestError(f"{where} must be a URL string")
-    if url.startswith(("http://", "https://")):
+    if url.startswith(("http://", "https://", "file://")):
         return url
     if not url.startswith("data:"):
         raise BadRequestError(f"{where} must be a data: URL (data:image/png;base64,...), got {url[:40]!r}")

@@ -69,6 +69,7 @@ class ServeOptions:
     verbose: bool = False  # answers carry __verbose (-v)
     chat_template_file: str | None = None  # a Jinja chat template in place of the model's
     chat_template_kwargs: dict | None = None  # the chat template's variables requests do not set (--reasoning, ...)
+    media_path: str | None = None  # file:// image URLs are read from this folder (--media-path)
     slot_save_path: str | None = None  # --slot-save-path: the folder slots are saved to and restored from
     cache_idle_slots: bool = True  # --no-cache-idle-slots: free slots' blocks that give way are not kept in --cache-ram
 
@@ -270,6 +271,7 @@ def serve(opts: ServeOptions) -> None:
                           allow_image_urls=opts.allow_image_urls, metrics_endpoint=opts.metrics,
                           aliases=aliases, tags=name_set(opts.tags), ui=opts.ui, verbose=opts.verbose,
                           slot_save_path=opts.slot_save_path, chat_template_kwargs=opts.chat_template_kwargs or {},
+                          media_path=opts.media_path,
                           **defaults)
     access_log.configure(opts.log_format)
     errors_to_stderr()
@@ -329,6 +331,7 @@ _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--l
                     "tags": "--tags", "ui": "--no-ui", "verbose": "--verbose",
                     "chat_template_file": "--chat-template-file",
                     "chat_template_kwargs": "the chat template's defaults (--chat-template-kwargs, --reasoning, ...)",
+                    "media_path": "--media-path",
                     "slot_save_path": "--slot-save-path"}  # (a slot action names no model to route it by)
 
 
@@ -380,7 +383,7 @@ _GENERATING_OPTIONS = {"ctx_size": "--ctx-size", "cache_ram": "--cache-ram", "ca
                        "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
                        "ui": "--no-ui", "verbose": "--verbose", "chat_template_file": "--chat-template-file",
                        "slot_save_path": "--slot-save-path", "cache_idle_slots": "--no-cache-idle-slots",
-                       "chat_template_kwargs": "--chat-template-kwargs, --reasoning, ..."}
+                       "chat_template_kwargs": "--chat-template-kwargs, --reasoning, ...", "media_path": "--media-path"}
 
 
 def _serve_encoder(opts: ServeOptions, path: str | os.PathLike[str]) -> None:

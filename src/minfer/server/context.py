@@ -67,6 +67,7 @@ class ServerConfig:
     # variables every chat template render gets unless the request's chat_template_kwargs sets them (llama-server's
     # --chat-template-kwargs, --reasoning on|off, --reasoning-effort, --reasoning-preserve)
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    media_path: str | None = None  # the folder file:// image URLs are read from (--media-path; None: refused)
 
 
 @dataclass
@@ -167,7 +168,7 @@ class ServerContext:
                            "(serve a vision-language model, or a GGUF with --mmproj FILE)", param=where,
                            code="images_not_supported")
         self.check_text_fits([text], param)
-        images = await fetch_images(images, self.config.allow_image_urls)
+        images = await fetch_images(images, self.config.allow_image_urls, media_path=self.config.media_path)
         try:
             return await asyncio.wrap_future(self.engine_loop.call(lambda: self.model.image_prompt(text, images)))
         except BadRequestError as e:
