@@ -192,3 +192,38 @@ def tokens_of(events) -> list[int]:
     from minfer.runtime.requests import Token
 
     return [e.step.token for e in events if isinstance(e, Token) and e.step.token is not None]
+
+
+def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, drop: tuple[str, ...] = (),
+                 tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """``src`` with metadata ``kv`` replaced (strings), keys and tensors in ``drop`` left out and ``tensors``
+    replaced or added (as F32): the mmproj tests' broken and altered files."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    kv, tensors = dict(kv or {}), dict(tensors or {})
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in kv or key in drop:
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    for key, value in kv.items():
+        w.add_string(key, value)
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        if t.name in tensors:
+            w.add_tensor(t.name, np.ascontiguousarray(tensors[t.name], np.float32))
+        else:
+            data = np.asarray(t.data)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    for name in sorted(set(tensors) - {t.name for t in reader.tensors}):
+        w.add_tensor(name, np.ascontiguousarray(tensors[name], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
