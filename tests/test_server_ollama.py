@@ -163,6 +163,18 @@ def test_generate_runs_the_template_with_the_system_prompt(client, openai_client
 def test_an_empty_generate_loads_the_model(client, name):
     r = client.generate(model=name)
     assert r.done and r.done_reason == "load" and r.response == ""
+    r = client.chat(model=name, messages=[])  # ollama's other load request: no messages
+    assert r.done and r.done_reason == "load" and r.message.role == "assistant" and not r.message.content
+
+
+def test_an_unload_request_says_this_server_keeps_its_model(client, name):
+    """ollama's unload request (no prompt or no messages, keep_alive 0) on a one-model server started without
+    --keep-alive or --sleep-idle-seconds: it cannot unload, and says how to start one that can."""
+    for call in (lambda: client.generate(model=name, keep_alive=0), lambda: client.chat(model=name, keep_alive=0)):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 400 and "--keep-alive" in e.value.error
+    assert client.generate(model=name, keep_alive="5m").done_reason == "load"
 
 
 def test_format_json_gives_json(client, name):
@@ -212,7 +224,7 @@ def test_an_unknown_model_is_a_404(client):
     ({"keep_alive": "soon"}, "keep_alive: must be"),
     ({"think": "very"}, "think: must be"),
     ({"messages": [{"role": "user", "content": "x", "images": ["aGVsbG8="]}]}, "no vision"),
-    ({"messages": []}, "messages: must be a non-empty list"),
+    ({"messages": "hi"}, "messages: must be a non-empty list"),
     ({"tools": [{"type": "function"}]}, "tools"),
 ])
 def test_bad_chat_bodies_are_400s_naming_the_field(server, name, extra, needle):

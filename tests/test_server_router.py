@@ -185,3 +185,20 @@ def test_keep_alive_and_sleep_idle_unload_a_model(models_dir, solo):
         time.sleep(4)
         assert states(s.url) == {"gemma3": "unloaded", "llama": "loaded"}
         assert client.generate(model="gemma3", prompt=PROMPT, raw=True, options=options).response == solo["gemma3"]
+
+
+def test_ollama_s_unload_request_unloads_without_loading(one_at_a_time):
+    """ollama's unload request (no prompt or no messages, keep_alive 0): the model unloads, and one that is not
+    loaded is not loaded for it; the load request (no prompt, no keep_alive 0) loads it."""
+    client = ollama.Client(host=one_at_a_time.url)
+    loaded = client.generate(model="llama")
+    assert loaded.done_reason == "load" and states(one_at_a_time.url) == {"llama": "loaded", "gemma3": "unloaded"}
+    r = client.generate(model="gemma3:latest", keep_alive=0)
+    assert (r.model, r.done, r.done_reason) == ("gemma3:latest", True, "unload")
+    assert states(one_at_a_time.url) == {"llama": "loaded", "gemma3": "unloaded"}
+    r = client.chat(model="llama", messages=[], keep_alive="0s")
+    assert (r.done_reason, r.message.role) == ("unload", "assistant")
+    assert states(one_at_a_time.url) == {"llama": "unloaded", "gemma3": "unloaded"}
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="nope", keep_alive=0)
+    assert e.value.status_code == 404

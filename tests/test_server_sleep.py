@@ -127,3 +127,48 @@ def test_no_metrics_while_sleeping() -> None:
         wait_asleep(s.url)
         r = httpx.get(s.url + "/metrics")
         assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_keep_alive_flag_and_ollama_unload_requests() -> None:
+    """``--keep-alive -1`` (ollama's OLLAMA_KEEP_ALIVE): one model that never sleeps by itself but unloads on
+    ollama's unload request (no prompt or no messages, keep_alive 0), without loading first, answered with
+    ``done_reason`` "unload" as ollama's; the load requests answer "load"; a request's keep_alive 0 unloads the model
+    once answered, and the next request (without one) gets the server's default back (never)."""
+    import ollama
+
+    with ServerProcess(MODEL, ["--keep-alive", "-1", "--ctx-size", "256"], health_timeout=300) as s:
+        client = ollama.Client(host=s.url)
+        options = {"temperature": 0, "num_predict": 8}
+        text = client.generate(model="m", prompt="The quick brown fox", raw=True, options=options).response
+        time.sleep(IDLE)
+        assert not is_sleeping(s.url) and len(children(s.proc.pid)) == 1
+        assert client.ps().models[0].expires_at.year > 2200  # nothing unloads it by itself
+        assert "unloaded on request only" in "".join(s.log)
+
+        unloaded = client.generate(model="m", keep_alive=0)
+        assert (unloaded.done, unloaded.done_reason, unloaded.response) == (True, "unload", "")
+        wait_asleep(s.url, timeout=30)  # at once, or (as ollama's) once the requests still counted on it end
+        assert children(s.proc.pid) == []
+        again = client.chat(model="m", messages=[], keep_alive=0)  # asleep already: nothing is loaded for it
+        assert again.done_reason == "unload" and again.message.role == "assistant"
+        assert is_sleeping(s.url) and children(s.proc.pid) == []
+
+        loaded = client.chat(model="m", messages=[])  # ollama's load request wakes it
+        assert (loaded.done, loaded.done_reason) == (True, "load") and not is_sleeping(s.url)
+        assert client.generate(model="m", prompt="The quick brown fox", raw=True, options=options,
+                               keep_alive=0).response == text
+        wait_asleep(s.url, timeout=30)  # keep_alive 0 on a generation: unloaded once it was answered
+        assert client.generate(model="m", prompt="The quick brown fox", raw=True, options=options).response == text
+        time.sleep(IDLE)
+        assert not is_sleeping(s.url)  # no keep_alive: the server's default again (never)
+
+
+def test_keep_alive_flag_errors() -> None:
+    import subprocess
+    import sys
+
+    for flags, said in ((["--keep-alive", "soon"], "--keep-alive must be a number of seconds or a duration"),
+                        (["--keep-alive", "5m", "--sleep-idle-seconds", "3"], "give one")):
+        r = subprocess.run([sys.executable, "-m", "minfer", "serve", str(MODEL), *flags], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr

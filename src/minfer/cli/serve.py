@@ -50,6 +50,12 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "memory released; /health, /props, /v1/models and /metrics answer without waking it) and the "
                      "next request reloads it; with several models, each unloads alone (negative: never; "
                      "default: never for one model, only to make room for several)")
+    srv.add_argument("--keep-alive", default=None, metavar="DURATION",
+                     help="ollama's default keep-alive (its OLLAMA_KEEP_ALIVE): a model idle this long unloads, in "
+                     "seconds or a duration such as 5m (negative: never by itself). Requests' keep_alive set it per "
+                     "model, and ollama's unload request (no prompt, keep_alive 0) unloads at once. A one-model "
+                     "server given this (or --sleep-idle-seconds) runs its model in a process of its own, which "
+                     "it can unload; without either it keeps its model loaded for its life")
     srv.add_argument("--metrics", dest="metrics", action="store_true", default=True,
                      help="accepted for llama-server's command lines; a no-op: minfer always serves /metrics")
     srv.add_argument("--no-metrics", dest="metrics", action="store_false",
@@ -294,6 +300,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        slot_save_path=args.slot_save_path, cache_idle_slots=args.cache_idle_slots,
                        chat_template_kwargs=template_kwargs(args) or None, media_path=_media_path(args.media_path))
     sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
+    if args.keep_alive is not None:
+        if args.sleep_idle_seconds is not None:
+            raise MinferError("--keep-alive and --sleep-idle-seconds both set how long an idle model stays loaded: "
+                              "give one")
+        sleep_idle = _keep_alive_flag(args.keep_alive)
     if not args.metrics and (args.more_models or args.models_dir is not None or args.ray):
         raise MinferError("--no-metrics applies to one model's own server: the several-model and --ray fronts "
                           "serve /metrics of their own")
@@ -324,6 +335,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         serve(opts)
     return 0
+
+
+def _keep_alive_flag(text: str) -> float:
+    """``--keep-alive``'s seconds (``math.inf`` for a negative one), read as a request's ``keep_alive`` is."""
+    from minfer.server.errors import ApiError
+    from minfer.server.protocols.ollama import keep_alive_seconds
+
+    try:
+        seconds = keep_alive_seconds(text)
+    except ApiError:
+        raise MinferError(f"--keep-alive must be a number of seconds or a duration such as 5m, got {text!r}") from None
+    assert seconds is not None
+    return seconds
 
 
 def _serve_arguments() -> list[str]:

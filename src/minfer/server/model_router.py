@@ -445,12 +445,29 @@ class ModelRouter:
         except ClientGone:
             return
         entry = self.find(_model_of(scope, body) or self.default.name, scope["path"])
-        keep = _keep_alive_of(body)
-        if keep is not None:
-            entry.keep_alive = keep  # ollama's: it holds for this model from this request on
         if scope["method"] == "POST":
+            parsed = _json_object(body)
+            if _load_request(scope["path"], parsed) == "unload":
+                await self._unload_on_request(entry)
+                await self._json(send, _unload_answer(scope["path"], parsed))
+                return
+            # ollama's: each request to a model sets how long it stays loaded once idle, the server's default
+            # when it gives none (a bad one is left to the model's server, which answers its 400)
+            entry.keep_alive = _keep_alive_of(parsed)
             self._remember_conversation(scope, entry)
         await self._proxy_to(entry, scope, body, receive, send)
+
+    async def _unload_on_request(self, entry: ModelEntry) -> None:
+        """ollama's unload request (no prompt, ``keep_alive`` 0): ``entry`` unloads now, or once its running
+        requests finish, without loading it first."""
+        if entry.state == LOADING:
+            await entry.ready.wait()
+        if entry.state != LOADED:
+            return
+        if entry.active == 0:
+            await self._stop(entry)
+        else:
+            entry.keep_alive = 0.0  # release() unloads it when its last request ends
 
     async def _proxy_to(self, entry: ModelEntry, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """The request forwarded to ``entry``'s server (loaded first if need be), its answer streamed back; the
@@ -511,16 +528,43 @@ def _model_of(scope: Scope, body: bytes) -> str | None:
     return values[0] if values else None
 
 
-def _keep_alive_of(body: bytes) -> float | None:
-    """A body's ``keep_alive`` in seconds (a bad one is left to the model's server, which answers its 400)."""
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """A body that is a JSON object, else None (the model's server answers what is wrong with it)."""
+    if body[:1] != b"{":
+        return None
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(body)
+        return parsed if isinstance(parsed, dict) else None
+    return None
+
+
+def _keep_alive_of(body: dict[str, Any] | None) -> float | None:
+    """A body's ``keep_alive`` in seconds; None without one, or with a bad one (its model's server answers the
+    400)."""
     from minfer.server.protocols.ollama import keep_alive_seconds
 
-    if body[:1] != b"{" or b"keep_alive" not in body:
+    if body is None:
         return None
-    with contextlib.suppress(ValueError, ApiError):
-        parsed = json.loads(body)
-        return keep_alive_seconds(parsed.get("keep_alive")) if isinstance(parsed, dict) else None
+    with contextlib.suppress(ApiError):
+        return keep_alive_seconds(body.get("keep_alive"))
     return None
+
+
+def _load_request(path: str, body: dict[str, Any] | None) -> str | None:
+    """ollama's load (``"load"``) and unload (``"unload"``) requests; None for others and for a bad keep_alive."""
+    from minfer.server.protocols.ollama import load_request
+
+    if path not in ("/api/generate", "/api/chat"):
+        return None
+    with contextlib.suppress(ApiError):
+        return load_request(path, body)
+    return None
+
+
+def _unload_answer(path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    from minfer.server.protocols.ollama import load_answer
+
+    return load_answer(path, str((body or {}).get("model", "")), "unload")
 
 
 def _listing(entry: ModelEntry) -> dict[str, Any]:

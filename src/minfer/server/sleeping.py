@@ -16,6 +16,7 @@ main thread (see the router's docstring), which the model's own server has.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -52,8 +53,8 @@ class SleepingServer(ModelRouter):
 
     def _command(self, entry: ModelEntry) -> list[str]:
         # the flags given here, then the model server's own address, key, and no sleeping of its own (-1)
-        return [sys.executable, "-m", "minfer", "serve", *self.arguments, "--host", "127.0.0.1", "--port", "0",
-                "--api-key", self.internal_key, "--sleep-idle-seconds", "-1"]
+        return [sys.executable, "-m", "minfer", "serve", *_without_keep_alive(self.arguments), "--host", "127.0.0.1",
+                "--port", "0", "--api-key", self.internal_key, "--sleep-idle-seconds", "-1"]
 
     def find(self, name: str, path: str = "") -> ModelEntry:
         return self.default  # one model: any name reaches it (its server refuses others under --strict-model)
@@ -175,6 +176,20 @@ class SleepingServer(ModelRouter):
         await send({"type": "http.response.body", "body": body})
 
 
+def _without_keep_alive(arguments: list[str]) -> list[str]:
+    """``arguments`` less ``--keep-alive`` (which would make the model's server a sleeping front of its own)."""
+    out: list[str] = []
+    skip = False
+    for arg in arguments:
+        if skip:
+            skip = False
+        elif arg == "--keep-alive":
+            skip = True
+        elif not arg.startswith("--keep-alive="):
+            out.append(arg)
+    return out
+
+
 def serve_sleeping(opts: Any, arguments: list[str], sleep_idle: float) -> None:
     """Serve ``opts.model`` (a :class:`~minfer.server.ServeOptions`), sleeping once idle ``sleep_idle`` seconds,
     until SIGINT/SIGTERM; ``arguments``: the command line after ``serve``, which the model's server gets."""
@@ -199,7 +214,8 @@ def serve_sleeping(opts: Any, arguments: list[str], sleep_idle: float) -> None:
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level, access_log=False, http=http_protocol(),
                                            timeout_graceful_shutdown=opts.shutdown_timeout + SHUTDOWN_GRACE_SECONDS))
-    print(f"minfer: serving {name} on http://{host}:{port} (sleeping after {sleep_idle:g} idle seconds; this "
+    idle = "unloaded on request only" if sleep_idle == math.inf else f"sleeping after {sleep_idle:g} idle seconds"
+    print(f"minfer: serving {name} on http://{host}:{port} ({idle}; this "
           f"process holds {_rss_mib():.0f} MiB before the model loads){with_keys(api_keys)}",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])

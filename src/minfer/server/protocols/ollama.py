@@ -18,8 +18,12 @@ an error found there is renamed to the field the caller sent (``options.temperat
   ask for a call.
 - ``images``: base64 images, put before their message's text (``/api/chat``) or the prompt (``/api/generate``,
   not with ``raw``), as ollama renders them; a model without vision answers a 400 naming the field.
-- ``keep_alive``: checked (a number of seconds or a duration such as ``"5m"``); with one model per server
-  nothing is unloaded.
+- ``keep_alive``: a number of seconds or a duration such as ``"5m"`` (negative: for ever). A server that can
+  unload its models (several models, or one with ``--keep-alive`` or ``--sleep-idle-seconds``) unloads a model
+  once idle that long, and at once for an empty prompt or empty messages with ``keep_alive`` 0 (ollama's unload
+  request, ``done_reason`` ``"unload"``). A one-model server started without either keeps its model loaded for
+  its life: there the unload request is a 400 saying how to start it, and other requests' ``keep_alive`` change
+  nothing.
 
 The answer side writes ollama's objects: ``created_at`` in RFC 3339, the durations in nanoseconds, and
 ``done_reason``.
@@ -123,6 +127,31 @@ def keep_alive_seconds(value: Any) -> float | None:
 
 def check_keep_alive(value: Any) -> None:
     keep_alive_seconds(value)
+
+
+def load_request(path: str, body: Any) -> str | None:
+    """ollama's requests that only load or unload a model, as ollama tells them: ``/api/generate`` without a
+    prompt and ``/api/chat`` without messages are ``"unload"`` when their ``keep_alive`` is 0, else ``"load"``;
+    None for any other request. A bad ``keep_alive`` is a 400 naming it."""
+    if not isinstance(body, Mapping):
+        return None
+    if path == "/api/generate":
+        if body.get("prompt"):
+            return None
+        if keep_alive_seconds(body.get("keep_alive")) == 0:
+            return "unload"
+        return None if body.get("raw") else "load"
+    if path == "/api/chat" and not body.get("messages"):
+        return "unload" if keep_alive_seconds(body.get("keep_alive")) == 0 else "load"
+    return None
+
+
+def load_answer(path: str, model: str, reason: str) -> dict[str, Any]:
+    """The answer to a :func:`load_request`: done at once, with ``done_reason`` ``reason``."""
+    done = {"model": model, "created_at": now_rfc3339()}
+    if path == "/api/chat":
+        return {**done, "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": reason}
+    return {**done, "response": "", "done": True, "done_reason": reason}
 
 
 def _options(body: Mapping[str, Any], slot_context: int) -> dict[str, Any]:

@@ -40,8 +40,9 @@ from minfer.server.errors import ApiError, api_error, cancelled_error
 from minfer.server.jobs import Job
 from minfer.server.protocols.ollama import (
     OllamaRequest,
-    check_keep_alive,
     durations,
+    load_answer,
+    load_request,
     now_rfc3339,
     ollama_message,
     parse_embed,
@@ -293,23 +294,37 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
         return _stream(errors_as_lines(lines()))
 
+    def load_or_unload(path: str, body: Any) -> Response | None:
+        """ollama's load and unload requests (an empty prompt or no messages), answered at once: this server's one
+        model is loaded for its life, so loading is done already and unloading cannot be (a front that can unload,
+        --keep-alive or --sleep-idle-seconds, answers those itself and never sends them here)."""
+        reason = load_request(path, body)
+        if reason is None:
+            return None
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise ApiError("model: is required (a model name)", param="model")
+        check_model(name)
+        if reason == "unload":
+            raise ApiError("keep_alive: 0 asks to unload the model, and this server keeps its one model loaded for "
+                           "its life: start it with --keep-alive or --sleep-idle-seconds to unload it on request",
+                           param="keep_alive")
+        return JSONResponse(load_answer(path, name, reason))
+
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
         body = await ctx.read_json(request)
+        answered = load_or_unload("/api/chat", body)
+        if answered is not None:
+            return answered
         return await chat_answer(request, parse_ollama_chat(body, ctx.engine_loop.slot_context), generate=False)
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
         body = await ctx.read_json(request)
-        if isinstance(body, dict) and not body.get("prompt") and not body.get("raw"):
-            # ollama's way to load a model: an empty prompt answers at once, done_reason "load"
-            check_keep_alive(body.get("keep_alive"))
-            name = body.get("model")
-            if not isinstance(name, str) or not name:
-                raise ApiError("model: is required (a model name)", param="model")
-            check_model(name)
-            done = {"model": name, "created_at": now_rfc3339(), "response": "", "done": True, "done_reason": "load"}
-            return JSONResponse(done)
+        answered = load_or_unload("/api/generate", body)
+        if answered is not None:
+            return answered
         req = parse_ollama_generate(body, ctx.engine_loop.slot_context)
         if req.completion is not None:
             return await raw_answer(request, req)
