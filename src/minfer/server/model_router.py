@@ -14,6 +14,13 @@ shapes), ollama's ``GET /api/tags``, ``/api/ps`` and ``/api/version``, and ``/he
 to the model its body's ``model`` names (or ``?model=``; without one, the first model), answered by that model's
 own server: the same routes, bodies and errors as a one-model server. ``NAME:latest`` and ``NAME.gguf`` are
 ``NAME``. An unknown name is a 404 listing the names there are.
+
+``GET /metrics`` is the front's own: every loaded model's ``/metrics`` with a ``model="NAME"`` label on each sample
+(each family's HELP and TYPE once), and the front's gauges (``minfer_models_loaded``, ``minfer_model_loaded{model}``,
+``minfer_model_load_seconds{model}``, ``minfer_model_loads_total{model}``); ``?model=NAME``: that model's alone,
+labelled. An unloaded model's counters went with its process: it shows in the front's gauges only, and its counters
+start again from 0 when it loads again (a counter reset to Prometheus' ``rate()``). ``/api/tags`` and ``/api/ps``
+give each model's sha256 digest, as its own server does, computed once per file (path, size, modification time).
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import Receive, Scope, Send
 
 from minfer.errors import BadRequestError
 from minfer.server.cluster.front import HOP_HEADERS, ClientGone, _read_body, _wait_disconnect, stream_error
+from minfer.server.cluster.metrics_merge import merge
 from minfer.server.errors import ApiError, error_response
 from minfer.server.middleware import has_key, missing_key_error
 
@@ -45,6 +55,8 @@ log = logging.getLogger("minfer.server")
 
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
 START_TIMEOUT = 600.0  # seconds a model's process may take to load and answer /health
+SCRAPE_TIMEOUT = 5.0  # seconds a model's server may take to answer the front's /metrics (else it is left out)
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the model servers' (Prometheus text 0.0.4)
 
 
 @dataclass
@@ -58,7 +70,8 @@ class ModelEntry:
     proc: asyncio.subprocess.Process | None = None
     active: int = 0  # requests being answered (a stream counts until its last byte)
     last_used: float = 0.0
-    load_seconds: float | None = None
+    load_seconds: float | None = None  # the last load's
+    loads: int = 0  # times it loaded since the front started
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     keep_alive: float | None = None  # seconds it stays loaded once idle (ollama's keep_alive); None: the server's
     idle_timer: asyncio.Task[None] | None = None
@@ -124,6 +137,11 @@ class ModelRouter:
         self.conversations: OrderedDict[str, str] = OrderedDict()
         self._changed = asyncio.Condition()  # a model finished a request, loaded or unloaded
         self._loading = asyncio.Lock()  # one model loads (or is chosen for eviction) at a time
+        # each model file's sha256 (ollama's digest), by path: the file's (size, mtime_ns) it was computed for and
+        # the task computing it (shared by the requests that arrive meanwhile)
+        self._digests: dict[Path, tuple[tuple[int, int], asyncio.Task[str]]] = {}
+        self.metrics_registry = CollectorRegistry()  # the front's own families, read from the entries at each scrape
+        self.metrics_registry.register(FrontMetrics(self.entries))
 
     # -- ASGI ------------------------------------------------------------------------------------
 
@@ -166,7 +184,7 @@ class ModelRouter:
                   ("GET", "/api/tags"): self._tags, ("GET", "/api/ps"): self._ps,
                   ("GET", "/api/version"): self._version, ("GET", "/health"): self._health,
                   ("GET", "/v1/stream"): self._stream_route, ("DELETE", "/v1/stream"): self._stream_route,
-                  ("POST", "/v1/streams/lookup"): self._streams_lookup}
+                  ("POST", "/v1/streams/lookup"): self._streams_lookup, ("GET", "/metrics"): self._metrics}
         return routes.get((method, path))
 
     async def _json(self, send: Send, body: Any, status: int = 200) -> None:
@@ -178,8 +196,18 @@ class ModelRouter:
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._json(send, {"object": "list", "data": [e.card(self.created) for e in self.entries.values()]})
 
+    async def _raw(self, send: Send, status: int, body: bytes, content_type: str,
+                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
+                                *(headers or [])]})
+        await send({"type": "http.response.body", "body": body})
+
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._json(send, {"status": "ok", "models": {e.name: e.state for e in self.entries.values()}})
+        # "models": each one's state (as before); "models_detail": also the requests it is answering now
+        detail = [{"model": e.name, "status": e.state, "active": e.active} for e in self.entries.values()]
+        await self._json(send, {"status": "ok", "models": {e.name: e.state for e in self.entries.values()},
+                                "models_detail": detail})
 
     async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
         from minfer.server.routes.ollama import OLLAMA_API_VERSION
@@ -187,12 +215,80 @@ class ModelRouter:
         await self._json(send, {"version": OLLAMA_API_VERSION})
 
     async def _tags(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._json(send, {"models": [_listing(e) for e in self.entries.values()]})
+        await self._json(send, {"models": await self._listings(list(self.entries.values()))})
 
     async def _ps(self, scope: Scope, receive: Receive, send: Send) -> None:
-        running = [{**_listing(e), "expires_at": self._expires_at(e), "size_vram": 0}
-                   for e in self.entries.values() if e.state == LOADED]
+        loaded = [e for e in self.entries.values() if e.state == LOADED]
+        running = [{**listing, "expires_at": self._expires_at(e), "size_vram": 0}
+                   for e, listing in zip(loaded, await self._listings(loaded), strict=True)]
         await self._json(send, {"models": running})
+
+    async def _listings(self, entries: list[ModelEntry]) -> list[dict[str, Any]]:
+        """ollama's listings of ``entries``, with their digests (hashed concurrently, on worker threads)."""
+        digests = await asyncio.gather(*(self.digest(e.path) for e in entries))
+        return [{**_listing(e), "digest": d} for e, d in zip(entries, digests, strict=True)]
+
+    async def digest(self, path: Path) -> str:
+        """The sha256 a model's own server gives as its ``digest``, computed on a worker thread once per file
+        identity (its size and modification time; of a folder, its files'): a file replaced is hashed again."""
+        from minfer.server.routes.ollama import model_sha256
+
+        try:
+            identity = await asyncio.to_thread(_file_identity, path)
+        except OSError:
+            return ""  # the file is gone: its own server could not answer either
+        known = self._digests.get(path)
+        if known is None or known[0] != identity:
+            known = (identity, asyncio.ensure_future(asyncio.to_thread(model_sha256, path)))
+            self._digests[path] = known
+        try:
+            return await asyncio.shield(known[1])  # a client leaving does not cancel the hashing others wait on
+        except OSError:
+            self._digests.pop(path, None)
+            return ""
+
+    # -- /metrics: each loaded model's, labelled, and the front's own ------------------------------
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        name = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model") or [""])[0]
+        if name:
+            await self._model_metrics(self.find(name, scope["path"]), send)
+            return
+        loaded = [e for e in self.entries.values() if e.state == LOADED]
+        answers = await asyncio.gather(*(self._scrape(e) for e in loaded))
+        good = {e.name: r for e, r in zip(loaded, answers, strict=True) if r is not None and r.status_code == 200}
+        content_type = next((r.headers.get("content-type", "") for r in good.values()), "") or METRICS_CONTENT_TYPE
+        body = merge({n: r.text for n, r in good.items()}, label="model", total=None).encode()
+        await self._raw(send, 200, body + generate_latest(self.metrics_registry), content_type)
+
+    async def _model_metrics(self, entry: ModelEntry, send: Send) -> None:
+        """``GET /metrics?model=NAME``: that model's own (loaded first if need be, as any request naming it),
+        each sample labelled with its name; its server's error as it is."""
+        await self.acquire(entry)
+        try:
+            response = await self._scrape(entry)
+        finally:
+            self.release(entry)
+        if response is None:
+            raise ApiError(f"the server of model {entry.name!r} did not answer /metrics", status=503,
+                           type="server_error", code="model_unavailable")
+        content_type = response.headers.get("content-type", METRICS_CONTENT_TYPE)
+        body = response.content
+        if response.status_code == 200:
+            body = merge({entry.name: response.text}, label="model", total=None).encode()
+        await self._raw(send, response.status_code, body, content_type)
+
+    async def _scrape(self, entry: ModelEntry) -> httpx.Response | None:
+        """``entry``'s server's ``/metrics`` (None when it did not answer in time, or is not loaded). A probe, not
+        a use: it neither loads the model nor keeps it loaded."""
+        url = entry.url
+        if url is None or self.client is None:
+            return None
+        try:
+            return await self.client.get(url + "/metrics", timeout=SCRAPE_TIMEOUT,
+                                         headers={"authorization": f"Bearer {self.internal_key}"})
+        except httpx.HTTPError:
+            return None
 
     async def _named(self, receive: Receive, scope: Scope) -> ModelEntry:
         try:
@@ -400,6 +496,7 @@ class ModelRouter:
         asyncio.ensure_future(self._echo(entry.name, proc))
         entry.url, entry.state = url, LOADED
         entry.load_seconds = time.perf_counter() - started
+        entry.loads += 1
         print(f"minfer: loaded {entry.name} in {entry.load_seconds:.1f} s", file=sys.stderr, flush=True)
 
     def _command(self, entry: ModelEntry) -> list[str]:
@@ -567,8 +664,46 @@ def _unload_answer(path: str, body: dict[str, Any] | None) -> dict[str, Any]:
     return load_answer(path, str((body or {}).get("model", "")), "unload")
 
 
+class FrontMetrics:
+    """The several-model front's own Prometheus families (a prometheus_client collector), read from its models
+    at each scrape."""
+
+    def __init__(self, entries: dict[str, ModelEntry]) -> None:
+        self.entries = entries
+
+    def collect(self) -> list[Metric]:
+        entries = list(self.entries.values())
+        configured = GaugeMetricFamily("minfer_models_configured", "models this server can load",
+                                       value=len(entries))
+        n_loaded = GaugeMetricFamily("minfer_models_loaded", "models loaded now (a process each)",
+                                     value=sum(e.state == LOADED for e in entries))
+        loaded = GaugeMetricFamily("minfer_model_loaded", "1 while the model is loaded, else 0", labels=["model"])
+        active = GaugeMetricFamily("minfer_model_requests_active", "requests the model is answering now",
+                                   labels=["model"])
+        seconds = GaugeMetricFamily("minfer_model_load_seconds", "how long the model's last load took",
+                                    labels=["model"])
+        loads = CounterMetricFamily("minfer_model_loads", "times the model was loaded", labels=["model"])
+        for e in entries:
+            loaded.add_metric([e.name], float(e.state == LOADED))
+            active.add_metric([e.name], e.active)
+            loads.add_metric([e.name], e.loads)
+            if e.load_seconds is not None:
+                seconds.add_metric([e.name], e.load_seconds)
+        return [configured, n_loaded, loaded, active, seconds, loads]
+
+
+def _file_identity(path: Path) -> tuple[int, int]:
+    """A model file's (size, mtime_ns); a folder's: its files' summed sizes and latest mtime_ns."""
+    if path.is_file():
+        st = path.stat()
+        return st.st_size, st.st_mtime_ns
+    stats = [p.stat() for p in path.rglob("*") if p.is_file()]
+    return sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0)
+
+
 def _listing(entry: ModelEntry) -> dict[str, Any]:
-    """ollama's listing of a configured model, from its file alone (loaded or not)."""
+    """ollama's listing of a configured model, from its file alone (loaded or not); its digest is added by
+    :meth:`ModelRouter.digest`."""
     from minfer.models.bert import gguf_architecture
     from minfer.server.routes.ollama import modified_at, ollama_name
 

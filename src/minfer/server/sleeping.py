@@ -168,13 +168,6 @@ class SleepingServer(ModelRouter):
         await self._raw(send, status, body, content_type,
                         [(b"process-start-time-unix", str(self.start_time).encode())] if status == 200 else [])
 
-    async def _raw(self, send: Send, status: int, body: bytes, content_type: str,
-                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
-                                *(headers or [])]})
-        await send({"type": "http.response.body", "body": body})
-
 
 def _without_keep_alive(arguments: list[str]) -> list[str]:
     """``arguments`` less ``--keep-alive`` (which would make the model's server a sleeping front of its own)."""

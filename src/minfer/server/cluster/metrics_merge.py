@@ -1,57 +1,58 @@
-"""One ``/metrics`` for a set of replicas: each replica's Prometheus text with a ``replica`` label added
-to every sample, and their sum under ``replica="all"`` where a sum means something (counters, gauges of
-load and memory, histogram buckets; not start times or limits)."""
+"""One ``/metrics`` for a set of servers: each one's Prometheus text with a label naming it added to every sample
+(the Ray front's ``replica``, the several-model front's ``model``), each family's HELP and TYPE once, and for
+replicas their sum under ``replica="all"`` where a sum means something (counters, gauges of load and memory,
+histogram buckets; not start times or limits)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 NOT_SUMMED = frozenset({"process_start_time_seconds", "process_max_fds"})
 ALL = "all"
 
 
-def merge(texts: Mapping[str, str]) -> str:
-    """``texts``: each replica's ``/metrics`` body by replica id."""
-    families: dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]] = {}
-    for replica, text in sorted(texts.items()):
-        for family in text_string_to_metric_families(text):
-            entry = families.setdefault(family.name, (family.type, family.documentation, []))
+def merge(texts: Mapping[str, str], label: str = "replica", total: str | None = ALL) -> str:
+    """``texts``: each server's ``/metrics`` body by its id, which becomes its samples' ``label``; ``total``: the
+    label value of the sums (None: no sums). A text that does not parse is left out (its server is skipped). Written
+    by prometheus_client, as the servers write theirs (a counter's HELP and TYPE name its ``_total``)."""
+    families: dict[str, Metric] = {}
+    for server, text in sorted(texts.items()):
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for family in parsed:
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             for s in family.samples:
-                entry[2].append((s.name, {**s.labels, "replica": replica}, s.value))
-    out: list[str] = []
-    for name, (kind, doc, samples) in families.items():
-        out.append(f"# HELP {name} {_escape_help(doc)}")
-        out.append(f"# TYPE {name} {kind}")
-        sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        for sample, labels, value in samples:
-            out.append(_line(sample, labels, value))
-            if name not in NOT_SUMMED and not sample.endswith("_created"):
-                key = (sample, tuple(sorted((k, v) for k, v in labels.items() if k != "replica")))
-                sums[key] = sums.get(key, 0.0) + value
-        for (sample, labels), value in sums.items():
-            out.append(_line(sample, {**dict(labels), "replica": ALL}, value))
-    return "\n".join(out) + "\n" if out else ""
+                merged.add_sample(s.name, {**s.labels, label: server}, s.value)
+    if total is not None:
+        for name, metric in families.items():
+            if name not in NOT_SUMMED:
+                _add_sums(metric, label, total)
+    return generate_latest(_Families(families.values())).decode()
 
 
-def _line(name: str, labels: dict[str, str], value: float) -> str:
-    body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return f"{name}{{{body}}} {_number(value)}"
+def _add_sums(metric: Metric, label: str, total: str) -> None:
+    """Each sample summed over the servers, under ``label=total`` (not ``*_created``: a time, not an amount)."""
+    sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for s in metric.samples:
+        if not s.name.endswith("_created"):
+            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != label)))
+            sums[key] = sums.get(key, 0.0) + s.value
+    for (sample, labels), value in sums.items():
+        metric.add_sample(sample, {**dict(labels), label: total}, value)
 
 
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+class _Families(Collector):
+    """Ready families, for ``generate_latest``."""
 
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+    def collect(self) -> Iterable[Metric]:
+        return self.families

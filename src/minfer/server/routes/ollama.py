@@ -114,7 +114,7 @@ class ModelFacts:
         worker thread the first time it is asked for."""
         async with self._lock:
             if self._digest is None:
-                self._digest = await asyncio.to_thread(_sha256_of, self.path)
+                self._digest = await asyncio.to_thread(model_sha256, self.path)
         return self._digest
 
     async def listing(self) -> dict[str, Any]:
@@ -138,7 +138,8 @@ def model_name(body: Any) -> str:
     return name
 
 
-def _sha256_of(path: Path) -> str:
+def model_sha256(path: Path) -> str:
+    """ollama's ``digest`` of a model: its file's sha256 (of a folder: of its files' names and sha256s, sorted)."""
     if path.is_file():
         return sha256_file(path)
     h = hashlib.sha256()
