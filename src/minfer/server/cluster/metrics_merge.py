@@ -1,6 +1,7 @@
 """One ``/metrics`` for a set of replicas: each replica's Prometheus text with a ``replica`` label added
-to every sample, and their sum under ``replica="all"`` where a sum means something (counters, gauges of
-load and memory, histogram buckets; not start times or limits)."""
+to every sample (and a ``model`` label with several models), and their sum under ``replica="all"`` (one per
+model) where a sum means something (counters, gauges of load and memory, histogram buckets; not start times
+or limits)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ NOT_SUMMED = frozenset({"process_start_time_seconds", "process_max_fds"})
 ALL = "all"
 
 
-def merge(texts: Mapping[str, str]) -> str:
-    """``texts``: each replica's ``/metrics`` body by replica id."""
+def merge(texts: Mapping[str, str], labels: Mapping[str, Mapping[str, str]] | None = None) -> str:
+    """``texts``: each replica's ``/metrics`` body by replica id; ``labels``: more labels for each replica's
+    samples (its ``model``, with several), which its ``replica="all"`` sum keeps."""
     families: dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]] = {}
     for replica, text in sorted(texts.items()):
+        extra = dict((labels or {}).get(replica, {}))
         for family in text_string_to_metric_families(text):
             entry = families.setdefault(family.name, (family.type, family.documentation, []))
             for s in family.samples:
-                entry[2].append((s.name, {**s.labels, "replica": replica}, s.value))
+                entry[2].append((s.name, {**s.labels, **extra, "replica": replica}, s.value))
     out: list[str] = []
     for name, (kind, doc, samples) in families.items():
         out.append(f"# HELP {name} {_escape_help(doc)}")
