@@ -110,18 +110,19 @@ def test_models_health_and_metrics_are_per_model(cluster, record_property):
         samples = [line for line in text.splitlines() if line.startswith("minfer_generated_tokens_total{")
                    and f'model="{name}"' in line and f'replica="{rid}"' in line]
         assert samples and float(samples[0].split()[-1]) > 0, text
-    # the engines' resident memory, for docs/scaling.md's arithmetic
+    # resident memory of each engine and of the Ray replica actor that started it, for docs/scaling.md
     for name, group in health["models"].items():
-        rss = _rss_mib(group["replicas"][0]["pid"])
-        record_property(f"{name}_replica_rss_mib", rss)
-        print(f"\n{name} replica engine RSS: {rss:.0f} MiB")
+        engine = group["replicas"][0]["pid"]
+        actor = int(_status(engine)["PPid"])
+        for who, pid in (("engine", engine), ("actor", actor)):
+            rss = int(_status(pid)["VmRSS"].split()[0]) / 1024
+            record_property(f"{name}_{who}_rss_mib", rss)
+            print(f"\n{name} replica {who} (pid {pid}) RSS: {rss:.0f} MiB")
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 
 @pytest.mark.parametrize("flag", [["--models-max", "2"], ["--sleep-idle-seconds", "60"]])
