@@ -111,18 +111,28 @@ def test_models_health_and_metrics_are_per_model(cluster, record_property):
                    and f'model="{name}"' in line and f'replica="{rid}"' in line]
         assert samples and float(samples[0].split()[-1]) > 0, text
     # resident memory of each engine and of the Ray replica actor that started it, for docs/scaling.md
+    replicas = set()
     for name, group in health["models"].items():
         engine = group["replicas"][0]["pid"]
         actor = int(_status(engine)["PPid"])
+        replicas |= {engine, actor}
         for who, pid in (("engine", engine), ("actor", actor)):
-            rss = int(_status(pid)["VmRSS"].split()[0]) / 1024
-            record_property(f"{name}_{who}_rss_mib", rss)
-            print(f"\n{name} replica {who} (pid {pid}) RSS: {rss:.0f} MiB")
+            record_property(f"{name}_{who}_rss_mib", _rss_mib(pid))
+            print(f"\n{name} replica {who} (pid {pid}) RSS: {_rss_mib(pid):.0f} MiB")
+    ray_own = sum(_rss_mib(pid) for pid in ray_processes() - replicas)
+    print(f"Ray's own processes (GCS, raylet, Serve's controller, ...) RSS in all: {ray_own:.0f} MiB")
 
 
 def _status(pid: int) -> dict[str, str]:
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        return int(_status(pid).get("VmRSS", "0 kB").split()[0]) / 1024
+    except OSError:  # (a Ray worker that ended meanwhile)
+        return 0.0
 
 
 @pytest.mark.parametrize("flag", [["--models-max", "2"], ["--sleep-idle-seconds", "60"]])
