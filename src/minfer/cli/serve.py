@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minfer.cli import llama_server_flags
 from minfer.cli.options import (
@@ -25,6 +25,11 @@ from minfer.errors import MinferError
 from minfer.pull import DEFAULT_MODEL, KNOWN_MODELS
 from minfer.runtime.sampling.params import PARAMS, flag_help
 
+if TYPE_CHECKING:
+    from minfer.server import ServeOptions
+
+DEFAULT_MODELS_MAX = 4  # several models without --ray: most loaded at once
+
 
 def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``serve`` and ``pull`` (``add_parser``: the ``add_parser`` of the subcommands action)."""
@@ -34,7 +39,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      "/tokenize, /detokenize, /apply-template, /props, /embedding, /slots), /health and /metrics; "
                      "the chat page at / and the trace explorer at /trace, ollama's /api/*. With several models (or "
                      "--models-dir): each loaded on its first request, at most --models-max at once. With --ray: "
-                     "replicas on Ray Serve behind one endpoint.")
+                     "replicas on Ray Serve behind one endpoint (with several models, --replicas of each, all "
+                     "loaded at start).")
     srv.add_argument("model", nargs="?", default=None,
                      help=f"GGUF file, HF model folder or known model name (default: {DEFAULT_MODEL})")
     srv.add_argument("more_models", nargs="*", metavar="MODEL",
@@ -42,9 +48,9 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--models-dir", default=None, metavar="DIR",
                      help="serve every GGUF file and model folder in DIR (named by file stem or folder name), each "
                      "loaded on its first request")
-    srv.add_argument("--models-max", type=int, default=4, metavar="N",
+    srv.add_argument("--models-max", type=int, default=None, metavar="N",
                      help="with several models: most loaded at once; the least recently used idle one is unloaded "
-                     "when another is needed (default: 4)")
+                     f"when another is needed (default: {DEFAULT_MODELS_MAX}; not with --ray, which loads them all)")
     srv.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
                      help="unload a model idle for S seconds, as llama-server: one model sleeps (its process and "
                      "memory released; /health, /props, /v1/models and /metrics answer without waking it) and the "
@@ -138,9 +144,11 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     ray = srv.add_argument_group("replicas on Ray Serve (pip install 'minfer[ray]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve replicas of this server on Ray Serve behind one endpoint, routed by prompt prefix")
-    ray.add_argument("--replicas", type=int, default=2, help="with --ray: replicas (default: 2)")
+    ray.add_argument("--replicas", type=int, default=2,
+                     help="with --ray: replicas, of each model when there are several (default: 2)")
     ray.add_argument("--autoscale", default=None, metavar="MIN:MAX",
-                     help="with --ray: let Ray Serve scale the replicas between MIN and MAX by load")
+                     help="with --ray: let Ray Serve scale the replicas between MIN and MAX by load (each model's "
+                     "on its own)")
     ray.add_argument("--ray-address", default=None, metavar="ADDRESS",
                      help="with --ray: join this Ray cluster ('auto', host:6379); default: start a local one")
     ray.add_argument("--route-policy", choices=["prefix", "least-loaded", "random"], default="prefix",
@@ -311,10 +319,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.more_models or args.models_dir is not None:
         from minfer.server import serve_models
 
-        if args.ray:
-            raise MinferError("--ray serves one model: several models (or --models-dir) are not supported with it yet")
         models = ([args.model] if args.model is not None else []) + list(args.more_models)
-        serve_models(opts, models, args.models_dir, args.models_max, sleep_idle)
+        if args.ray:
+            for flag, value in (("--models-max", args.models_max), ("--sleep-idle-seconds", args.sleep_idle_seconds)):
+                if value is not None:
+                    raise MinferError(f"{flag} with --ray: every model's replicas stay loaded; serve without --ray "
+                                      "to load models on demand")
+            _serve_ray(args, opts, models)
+            return 0
+        models_max = DEFAULT_MODELS_MAX if args.models_max is None else args.models_max
+        serve_models(opts, models, args.models_dir, models_max, sleep_idle)
         return 0
     if sleep_idle is not None:
         from minfer.server.sleeping import serve_sleeping
@@ -327,11 +341,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_sleeping(opts, _serve_arguments(), sleep_idle)
         return 0
     if args.ray:
-        from minfer.server.cluster.launch import RayOptions, parse_autoscale, serve_ray
-
-        serve_ray(opts, RayOptions(replicas=args.replicas, address=args.ray_address,
-                                   autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
-                                   route_policy=args.route_policy, queue_threshold=args.route_queue_threshold))
+        _serve_ray(args, opts, [])
     else:
         serve(opts)
     return 0
@@ -348,6 +358,16 @@ def _keep_alive_flag(text: str) -> float:
         raise MinferError(f"--keep-alive must be a number of seconds or a duration such as 5m, got {text!r}") from None
     assert seconds is not None
     return seconds
+
+
+def _serve_ray(args: argparse.Namespace, opts: ServeOptions, models: list[str]) -> None:
+    """``--ray``: one model's replicas, or (``models``, ``--models-dir``) each model's."""
+    from minfer.server.cluster.launch import RayOptions, parse_autoscale, serve_ray
+
+    serve_ray(opts, RayOptions(replicas=args.replicas, address=args.ray_address,
+                               autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
+                               route_policy=args.route_policy, queue_threshold=args.route_queue_threshold),
+              models, args.models_dir)
 
 
 def _serve_arguments() -> list[str]:

@@ -335,6 +335,14 @@ _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--l
                     "slot_save_path": "--slot-save-path"}  # (a slot action names no model to route it by)
 
 
+def refuse_one_model_flags(opts: ServeOptions) -> None:
+    """Several models (with or without --ray): the options that name or shape one model are refused."""
+    defaults = ServeOptions()
+    given = [flag for name, flag in _ONE_MODEL_FLAGS.items() if getattr(opts, name) != getattr(defaults, name)]
+    if given:
+        raise BadRequestError(f"{', '.join(given)} apply to one model: serve it alone to use them")
+
+
 def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int,
                  sleep_idle: float | None = None) -> None:
     """Serve several models behind one address (:mod:`minfer.server.model_router`) until SIGINT/SIGTERM."""
@@ -343,10 +351,8 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
     from minfer.server.http_protocols import http_protocol
     from minfer.server.model_router import ModelRouter, model_entries
 
+    refuse_one_model_flags(opts)
     defaults = ServeOptions()
-    given = [flag for name, flag in _ONE_MODEL_FLAGS.items() if getattr(opts, name) != getattr(defaults, name)]
-    if given:
-        raise BadRequestError(f"{', '.join(given)} apply to one model: serve it alone to use them")
     entries = model_entries(models, models_dir)
     if not entries:
         raise BadRequestError("no model to serve: give model files or folders, or --models-dir DIR")

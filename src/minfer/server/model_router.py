@@ -50,6 +50,8 @@ from minfer.server.cluster.front import HOP_HEADERS, ClientGone, _read_body, _wa
 from minfer.server.cluster.metrics_merge import merge
 from minfer.server.errors import ApiError, error_response
 from minfer.server.middleware import has_key, missing_key_error
+from minfer.server.model_names import find_model
+from minfer.server.model_names import model_of as _model_of
 
 log = logging.getLogger("minfer.server")
 
@@ -382,11 +384,7 @@ class ModelRouter:
     # -- choosing and loading models -------------------------------------------------------------
 
     def find(self, name: str, path: str = "") -> ModelEntry:
-        for candidate in (name, name.removesuffix(":latest"), name.removesuffix(".gguf")):
-            if candidate in self.entries:
-                return self.entries[candidate]
-        raise ApiError(f"model {name!r} not found (this server has {', '.join(sorted(self.entries))})",
-                       status=404, type="not_found_error", param="model", code="model_not_found")
+        return find_model(self.entries, name)
 
     async def acquire(self, entry: ModelEntry) -> str:
         """The URL of ``entry``'s server, loading it first if need be (after making room); counts a request on it
@@ -611,18 +609,6 @@ class ModelRouter:
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(response.aclose())
-
-
-def _model_of(scope: Scope, body: bytes) -> str | None:
-    """The model a request names: its JSON body's ``model`` (ollama's older ``name``), else ``?model=``."""
-    if body[:1] == b"{":
-        with contextlib.suppress(ValueError):
-            parsed = json.loads(body)
-            name = parsed.get("model", parsed.get("name")) if isinstance(parsed, dict) else None
-            if isinstance(name, str) and name:
-                return name
-    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model")
-    return values[0] if values else None
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -6,6 +6,12 @@ a ``registry`` callable).
 bytes out, to the replica the :class:`~.prefix.PrefixRouter` picks: each replica runs the single-process
 server, so routes, errors, the API key, the body cap and streaming are that server's own.
 
+Several models: each has its own group of replicas and its own router. A request goes to the group of the
+model it names (its body's ``model``, else ``?model=``, else the first model; an unknown name is a 404
+listing the names), then to a replica of that group as above. ``/v1/models`` (and ``/models``) lists the
+models, ``/health`` groups the replicas by model and ``/metrics`` labels each sample with its ``model`` too.
+With one model every name goes to it and those routes are the replica's own.
+
 Faults: a replica that cannot be reached, or that dies before its answer has started (a non-streamed
 answer before its last byte, a stream before its first event), is marked dead and the request is sent
 to another one. A stream already under way when its replica dies ends with the endpoint's own error
@@ -20,7 +26,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +41,7 @@ from minfer.server.cluster.routing_key import PromptKeys
 from minfer.server.context import OFF_LOOP_BYTES, sse
 from minfer.server.errors import ApiError, anthropic_error_body, error_response
 from minfer.server.middleware import has_key, missing_key_error
+from minfer.server.model_names import find_model, model_of
 from minfer.server.typed_stream import sse_event
 
 log = logging.getLogger("minfer.server")
@@ -64,6 +71,7 @@ class FrontConfig:
 @dataclass
 class Replica:
     id: str
+    model: str = ""  # the name of the model it serves (its group)
     pid: int | None = None
     url: str | None = None
     node: str | None = None
@@ -76,8 +84,8 @@ class Replica:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)  # what forwards to it (cancelled when it dies)
 
     def card(self) -> dict[str, Any]:
-        return {"id": self.id, "pid": self.pid, "state": self.state, "url": self.url, "node": self.node,
-                "slots": self.slots, "in_flight": self.in_flight, "slots_running": self.running,
+        return {"id": self.id, "model": self.model, "pid": self.pid, "state": self.state, "url": self.url,
+                "node": self.node, "slots": self.slots, "in_flight": self.in_flight, "slots_running": self.running,
                 "slots_waiting": self.waiting}
 
 
@@ -113,15 +121,20 @@ class FrontMetrics:
 
 class Front:
     """The ASGI app (see the module docstring). ``registry()`` (called on a thread) returns the replicas'
-    entries ``{"id", "pid", "url", "node", "slots", "state", "beat"}``; ``forget(id)`` drops a dead one."""
+    entries ``{"id", "model", "pid", "url", "node", "slots", "state", "beat"}``; ``forget(id)`` drops a dead
+    one. ``models``: each model's name and the keys its prompts are routed by (None: no prefix routing), the
+    first the default; an entry without a known ``model`` is the first model's."""
 
     def __init__(self, config: FrontConfig, registry: Callable[[], list[dict[str, Any]]],
-                 forget: Callable[[str], None] = lambda _id: None, keys: PromptKeys | None = None) -> None:
+                 forget: Callable[[str], None] = lambda _id: None,
+                 models: Mapping[str, PromptKeys | None] | None = None) -> None:
         self.config = config
         self.registry = registry
         self.forget = forget
-        self.keys = keys
-        self.router = PrefixRouter(config.policy, config.queue_threshold)
+        self.models = dict(models or {"model": None})
+        self.default = next(iter(self.models))
+        self.routers = {name: PrefixRouter(config.policy, config.queue_threshold) for name in self.models}
+        self.created = int(time.time())
         self.metrics = FrontMetrics()
         self.replicas: dict[str, Replica] = {}
         self.client: httpx.AsyncClient | None = None
@@ -139,6 +152,11 @@ class Front:
         path = scope["path"]
         if path == "/health":
             await self._health(send)
+        elif len(self.models) > 1 and path in ("/v1/models", "/models") and scope["method"] == "GET":
+            if self.config.api_keys and not has_key(scope, self.config.api_keys):
+                await error_response(missing_key_error())(scope, receive, send)
+                return
+            await _send_json(send, 200, self.model_list())
         elif path == "/metrics":
             if self.config.api_keys and not has_key(scope, self.config.api_keys):
                 await error_response(missing_key_error())(scope, receive, send)
@@ -194,7 +212,8 @@ class Front:
             seen.add(rid)
             r = self.replicas.get(rid)
             if r is None:
-                r = self.replicas[rid] = Replica(rid)
+                model = e.get("model")
+                r = self.replicas[rid] = Replica(rid, model if model in self.models else self.default)
             r.pid, r.url, r.node, r.slots = e.get("pid"), e.get("url"), e.get("node"), int(e.get("slots") or 1)
             if r.state == DEAD:
                 if r.died_at is not None and now - r.died_at > DEAD_KEPT_SECONDS:
@@ -229,21 +248,33 @@ class Front:
             return
         log.warning("replica %s (pid %s) is dead", r.id, r.pid)
         r.state, r.died_at = DEAD, time.time()
-        self.router.forget(r.id)
+        self.routers[r.model].forget(r.id)
         for task in list(r.tasks):
             task.cancel(REPLICA_DEAD)
 
-    def ready(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.state == READY]
+    def ready(self, model: str | None = None) -> list[Replica]:
+        """The ready replicas (of ``model`` alone, when given)."""
+        return [r for r in self.replicas.values() if r.state == READY and model in (None, r.model)]
 
     # -- own routes ------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        ready = self.ready()
-        status = "ok" if ready else STARTING if any(r.state == STARTING for r in self.replicas.values()) else \
-            "unavailable"
-        return {"status": status, "replicas": [r.card() for r in sorted(self.replicas.values(), key=lambda r: r.id)],
-                "slots_running": sum(r.running for r in ready), "slots_waiting": sum(r.waiting for r in ready)}
+        """The replicas' states; with several models also grouped by model, ``ok`` once each has a ready one."""
+        body = _health_of(list(self.replicas.values()))
+        if len(self.models) > 1:
+            groups = {name: _health_of([r for r in self.replicas.values() if r.model == name])
+                      for name in self.models}
+            statuses = {g["status"] for g in groups.values()}
+            body["status"] = "ok" if statuses == {"ok"} else STARTING if STARTING in statuses else "unavailable"
+            body["models"] = groups
+        return body
+
+    def model_list(self) -> dict[str, Any]:
+        """``/v1/models`` of several models: each with its ready replicas and, as llama-server's router, a status."""
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "minfer",
+             "replicas": len(self.ready(name)), "status": {"value": "loaded" if self.ready(name) else "loading"}}
+            for name in self.models]}
 
     async def _health(self, send: Send) -> None:
         body = self.health()
@@ -261,6 +292,7 @@ class Front:
                 return r.id, None
 
         texts = {rid: text for rid, text in await asyncio.gather(*(scrape(r) for r in self.ready())) if text}
+        labels = {rid: {"model": self.replicas[rid].model} for rid in texts} if len(self.models) > 1 else None
         m = self.metrics
         for r in self.replicas.values():
             m.in_flight.labels(r.id).set(r.in_flight)
@@ -268,7 +300,7 @@ class Front:
             m.replicas.labels(state).set(sum(1 for r in self.replicas.values() if r.state == state))
         keyed = m.keyed._value.get()
         m.hit_ratio.set(m.hits._value.get() / keyed if keyed else 0.0)
-        body = merge(texts).encode() + generate_latest(m.registry)
+        body = merge(texts, extra_labels=labels).encode() + generate_latest(m.registry)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
                                 (b"content-length", str(len(body)).encode())]})
@@ -282,9 +314,16 @@ class Front:
         except ClientGone:
             return
         path = scope["path"]
+        try:
+            if len(self.models) > 1 and self.config.api_keys and not has_key(scope, self.config.api_keys):
+                raise missing_key_error()  # before the model's name is looked up: no names for a keyless client
+            model = self.model_named(scope, body)
+        except ApiError as e:
+            await error_response(e, path)(scope, _no_receive, send)
+            return
         hashes: list[bytes] = []
-        if self.keys is not None and scope["method"] == "POST":
-            keys = self.keys
+        keys = self.models[model]
+        if keys is not None and scope["method"] == "POST":
             hashes = keys.key(path, body) if len(body) <= OFF_LOOP_BYTES else \
                 await asyncio.to_thread(keys.key, path, body)
         record = {"status": 0, "replica": None}
@@ -296,7 +335,7 @@ class Front:
             await send(message)
 
         t0 = time.perf_counter()
-        forward = asyncio.ensure_future(self._route(scope, body, hashes, noting_send))
+        forward = asyncio.ensure_future(self._route(scope, body, model, hashes, noting_send))
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -312,14 +351,21 @@ class Front:
         if forward.done() and not forward.cancelled() and forward.exception() is not None:
             raise forward.exception()  # type: ignore[misc]
 
-    async def _route(self, scope: Scope, body: bytes, hashes: list[bytes], send: Send) -> None:
+    def model_named(self, scope: Scope, body: bytes) -> str:
+        """The model whose replicas answer the request (one model: that one, whatever the name)."""
+        if len(self.models) == 1:
+            return self.default
+        name = model_of(scope, body)
+        return self.default if name is None else find_model({n: n for n in self.models}, name)
+
+    async def _route(self, scope: Scope, body: bytes, model: str, hashes: list[bytes], send: Send) -> None:
         path = scope["path"]
         deadline = time.monotonic() + self.config.ready_wait
         tried: set[str] = set()
         attempts = 0
         while True:
-            loads = {r.id: ReplicaLoad(r.in_flight, r.slots) for r in self.ready() if r.id not in tried}
-            decision = self.router.choose(hashes, loads) if attempts < self.config.max_attempts else None
+            loads = {r.id: ReplicaLoad(r.in_flight, r.slots) for r in self.ready(model) if r.id not in tried}
+            decision = self.routers[model].choose(hashes, loads) if attempts < self.config.max_attempts else None
             if decision is None:
                 if attempts < self.config.max_attempts and time.monotonic() < deadline:
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -409,6 +455,13 @@ class Front:
         finally:
             replica.in_flight -= 1
             replica.tasks.discard(task)
+
+
+def _health_of(replicas: list[Replica]) -> dict[str, Any]:
+    ready = [r for r in replicas if r.state == READY]
+    status = "ok" if ready else STARTING if any(r.state == STARTING for r in replicas) else "unavailable"
+    return {"status": status, "replicas": [r.card() for r in sorted(replicas, key=lambda r: r.id)],
+            "slots_running": sum(r.running for r in ready), "slots_waiting": sum(r.waiting for r in ready)}
 
 
 def access_line(scope: Scope, status: int, replica: str | None, seconds: float, fmt: str) -> str:

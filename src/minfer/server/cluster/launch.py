@@ -1,7 +1,11 @@
 """``minfer serve MODEL --ray``: join (``--ray-address``) or start a Ray cluster, deploy the replicas on Ray
 Serve, and serve the front (:mod:`.front`) on ``--host``/``--port`` until SIGINT/SIGTERM; then the
 replicas stop (each engine finishes its open requests within ``--shutdown-timeout``) and a cluster
-started here is shut down."""
+started here is shut down.
+
+Several models (``minfer serve A B --ray``, ``--models-dir DIR --ray``): a Serve application of its own for
+each, with ``--replicas`` (or ``--autoscale``) replicas, all loaded at start; the front routes by model first.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import sys
 import threading
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from minfer.errors import BadRequestError
 from minfer.server import ServeOptions, errors_to_stderr, listening_socket, with_keys
@@ -51,6 +56,34 @@ def check(opts: ServeOptions, ray_opts: RayOptions) -> None:
         raise BadRequestError(f"--parallel must be >= 1, got {opts.parallel}")
 
 
+@dataclass(frozen=True)
+class RayModel:
+    """One model's group of replicas: its name (the front's, and the replicas' ``--alias`` with several), the
+    file the front reads its tokenizer from, and what each replica is told to load."""
+
+    name: str
+    path: Path
+    ref: str | None  # None: the default model, which a replica on a joined cluster resolves on its node
+
+
+def ray_models(opts: ServeOptions, ray_opts: RayOptions, models: list[str],
+               models_dir: str | None) -> list[RayModel]:
+    """The models to serve: ``opts.model`` alone, or several (as the several-model server names them). A
+    replica on a joined cluster resolves a known name itself; a file's path must be the same on every node."""
+    from minfer.pull import resolve_model
+    from minfer.server import refuse_one_model_flags
+    from minfer.server.model_router import model_entries
+
+    if not models and models_dir is None:
+        path = Path(resolve_model(opts.model))  # pulled here once; replicas on other nodes resolve the same name
+        return [RayModel(opts.alias or path.name, path, str(path) if ray_opts.address is None else opts.model)]
+    refuse_one_model_flags(opts)
+    entries = model_entries(models, models_dir)
+    if not entries:
+        raise BadRequestError("no model to serve: give model files or folders, or --models-dir DIR")
+    return [RayModel(e.name, e.path, str(e.path)) for e in entries]
+
+
 def replica_scaling(ray_opts: RayOptions, parallel: int) -> dict[str, object]:
     """The deployment's replica count, or its autoscaling between ``--autoscale``'s bounds on the engines'
     own load (``parallel`` sequences each is the target)."""
@@ -64,8 +97,9 @@ def replica_scaling(ray_opts: RayOptions, parallel: int) -> dict[str, object]:
                    "policy_kwargs": {"target": float(parallel)}}}}
 
 
-def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
-    """See the module docstring."""
+def serve_ray(opts: ServeOptions, ray_opts: RayOptions, models: list[str] | None = None,
+              models_dir: str | None = None) -> None:
+    """See the module docstring (``models``/``models_dir``: several models, as ``serve_models`` takes them)."""
     check(opts, ray_opts)
     try:
         import ray
@@ -75,7 +109,6 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
             from None
     import uvicorn
 
-    from minfer.pull import resolve_model
     from minfer.server import access_log
     from minfer.server.cluster.engine_process import options_to_json
     from minfer.server.cluster.replica import MinferReplica, Registry
@@ -83,14 +116,15 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
     from minfer.server.http_protocols import http_protocol
     from minfer.server.middleware import CatchAll
 
-    model_path = resolve_model(opts.model)  # pulled here once; replicas on other nodes resolve the same name
-    keys = PromptKeys.from_model(model_path)
-    most = ray_opts.autoscale[1] if ray_opts.autoscale else ray_opts.replicas
+    served = ray_models(opts, ray_opts, models or [], models_dir)
+    several = len(served) > 1 or models_dir is not None
+    keys = {m.name: PromptKeys.from_model(m.path) for m in served}
+    most = (ray_opts.autoscale[1] if ray_opts.autoscale else ray_opts.replicas) * len(served)
     threads = opts.threads or max(1, (os.cpu_count() or 1) // most)
     api_keys = resolve_api_keys(opts.api_keys)
     # the replicas' access logs are off: the front writes one line per request, with the replica that answered
-    replica_opts = replace(opts, model=str(model_path) if ray_opts.address is None else opts.model, threads=threads,
-                           api_keys=api_keys, log_format="off")
+    replica_opts = {m.name: replace(opts, model=m.ref, threads=threads, api_keys=api_keys, log_format="off",
+                                    alias=m.name if several else opts.alias) for m in served}
 
     sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
@@ -105,7 +139,8 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
         ray.init(address=ray_opts.address, namespace="minfer", configure_logging=False)
     run = uuid.uuid4().hex[:8]
     registry = Registry(run)
-    app_name = f"minfer-{run}"
+    # one application per model (each its own deployment, replicas and autoscaling)
+    app_names = {m.name: f"minfer-{run}" + (f"-{i}" if several else "") for i, m in enumerate(served)}
     try:
         serve.start(proxy_location="Disabled")  # the front is the only HTTP entry: no Serve proxy
         deployment = serve.deployment(
@@ -113,8 +148,10 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
             health_check_period_s=2.0, health_check_timeout_s=30.0,
             graceful_shutdown_timeout_s=opts.shutdown_timeout + 10.0, **replica_scaling(ray_opts, opts.parallel))
         # a local cluster's engines listen on loopback only; a real cluster's on their node's address
-        app = deployment.bind(run, options_to_json(replica_opts), "127.0.0.1" if started_cluster else None)
-        deployed = threading.Thread(target=_deploy, args=(serve, app, app_name), name="minfer-deploy", daemon=True)
+        host_ip = "127.0.0.1" if started_cluster else None
+        targets = [serve.RunTarget(deployment.bind(run, options_to_json(replica_opts[name]), host_ip, name),
+                                   name=app, route_prefix=None) for name, app in app_names.items()]
+        deployed = threading.Thread(target=_deploy, args=(serve, targets), name="minfer-deploy", daemon=True)
         deployed.start()  # the front answers /health (replicas starting) while they load
 
         config = FrontConfig(api_keys=api_keys, max_body_size=opts.max_body_size, policy=ray_opts.route_policy,
@@ -126,15 +163,16 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
                                                http=http_protocol(), lifespan="on",
                                                timeout_graceful_shutdown=opts.shutdown_timeout + 2.0))
         how = (f"{ray_opts.autoscale[0]}..{ray_opts.autoscale[1]} replicas" if ray_opts.autoscale
-               else f"{ray_opts.replicas} replicas")
+               else f"{ray_opts.replicas} replicas") + (" of each" if several else "")
         where = "a local Ray cluster" if started_cluster else f"the Ray cluster at {ray_opts.address}"
-        print(f"minfer: serving {opts.alias or model_path.name} on http://{host}:{port} ({how} on {where}, "
+        print(f"minfer: serving {', '.join(keys)} on http://{host}:{port} ({how} on {where}, "
               f"{threads} threads and {opts.parallel} parallel sequences each, {ray_opts.route_policy} routing)"
               f"{with_keys(api_keys)}", file=sys.stderr, flush=True)
         server.run(sockets=[sock])  # until SIGINT/SIGTERM (uvicorn's handlers, on this main thread)
     finally:
         try:
-            serve.delete(app_name)  # each engine gets its --shutdown-timeout for open requests
+            for app in app_names.values():
+                serve.delete(app)  # each engine gets its --shutdown-timeout for open requests
             registry.clear()
             if started_cluster:
                 serve.shutdown()
@@ -142,8 +180,8 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions) -> None:
             ray.shutdown()
 
 
-def _deploy(serve: object, app: object, name: str) -> None:
+def _deploy(serve: object, targets: list[object]) -> None:
     try:
-        serve.run(app, name=name, route_prefix=None)  # type: ignore[attr-defined]
+        serve.run_many(targets)  # type: ignore[attr-defined]  # every model's replicas start together
     except Exception as e:  # noqa: BLE001 - the front's /health shows it; the log says why
         print(f"minfer: deploying the replicas failed: {e}", file=sys.stderr, flush=True)

@@ -62,13 +62,14 @@ class Registry:
 class MinferReplica:
     """One replica: starts the engine process and reports it (the deployment's class; see the module)."""
 
-    def __init__(self, run: str, options_json: str, host: str | None = None) -> None:
-        """``host``: the address the engine listens on (None: this node's address, which the front reaches)."""
+    def __init__(self, run: str, options_json: str, host: str | None = None, model: str = "") -> None:
+        """``host``: the address the engine listens on (None: this node's address, which the front reaches);
+        ``model``: the name of the model it serves (the front's group for it)."""
         self.id = serve.get_replica_context().replica_id.unique_id
         self.registry = Registry(run)
         node = host or ray.util.get_node_ip_address()
         opts = dataclasses.replace(options_from_json(options_json), host=node, port=0)
-        self.entry: dict[str, Any] = {"id": self.id, "pid": None, "actor_pid": os.getpid(), "url": None,
+        self.entry: dict[str, Any] = {"id": self.id, "model": model, "pid": None, "actor_pid": os.getpid(), "url": None,
                                       "node": node, "slots": opts.parallel, "state": "starting", "beat": time.time()}
         self._stopping = threading.Event()
         self._lock = threading.Lock()
