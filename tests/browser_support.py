@@ -4,6 +4,7 @@ are collected (``Watched``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,3 +57,12 @@ class Watched:
         assert self.blocked == [], f"requests left the machine: {self.blocked}"
         errors = [e for e in self.errors if allow is None or allow not in e]
         assert errors == [], errors
+
+
+def wait_js(page: Any, expression: str, timeout: float = 60_000) -> None:
+    """Poll ``expression`` with page.evaluate until it is truthy (wait_for_function evaluates strings in
+    the page, which the page's Content-Security-Policy rightly refuses)."""
+    deadline = time.monotonic() + timeout / 1000
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        time.sleep(0.05)

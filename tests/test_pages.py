@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from browser_support import Watched, guarded_context, launch_chromium
+from browser_support import Watched, guarded_context, launch_chromium, wait_js
 from explorer_process import explorer_process
 
 from minfer.testing.server_process import ServerProcess
@@ -66,15 +66,6 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name) and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def wait_js(page: object, expression: str, timeout: float = 60_000) -> None:
-    """Poll ``expression`` with page.evaluate until it is truthy (wait_for_function evaluates strings in
-    the page, which the page's Content-Security-Policy rightly refuses)."""
-    deadline = time.monotonic() + timeout / 1000
-    while not page.evaluate(expression):  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
-        time.sleep(0.05)
 
 
 def give_key(page: object) -> None:

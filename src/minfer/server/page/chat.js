@@ -6,7 +6,8 @@ const CURRENT = "minfer.current";
 const SETTINGS = "minfer.settings";
 
 const $ = (id) => document.getElementById(id);
-const state = {conversations: [], current: null, controller: null, modelId: null, vision: false, pending: []};
+const state = {conversations: [], current: null, controller: null, modelId: null, vision: false, pending: [],
+  models: [], refreshing: null, propsFor: null};
 
 // ---------------------------------------------------------------------------------------------------
 // storage
@@ -83,12 +84,17 @@ function renderSidebar() {
   for (const c of state.conversations) {
     const open = el("button", {type: "button", class: "open", "aria-current": c.id === state.current ? "true" : null},
       c.title || "New chat");
-    open.addEventListener("click", () => { if (!state.controller) { state.current = c.id; save(); render(); } });
+    open.addEventListener("click", () => {
+      if (!state.controller) { state.current = c.id; save(); render(); restoreModel(c); }
+    });
     const del = el("button", {type: "button", class: "delete", "aria-label": "Delete " + (c.title || "chat")}, "×");
     del.addEventListener("click", () => {
       if (state.controller) return;
       state.conversations = state.conversations.filter((x) => x !== c);
-      if (state.current === c.id) state.current = state.conversations.length ? state.conversations[0].id : null;
+      if (state.current === c.id) {
+        state.current = state.conversations.length ? state.conversations[0].id : null;
+        restoreModel(conversation());
+      }
       save(); render();
     });
     list.append(el("li", {}, open, del));
@@ -205,6 +211,7 @@ async function answer(c) {
   let body;
   try { body = requestBody(c); } catch (e) { $("settings-error").textContent = e.message; $("settings").open = true; return; }
   saveSettings();
+  if (state.modelId) c.model = state.modelId;  // the conversation keeps the model it was answered with
   const m = {role: "assistant", content: "", stats: null};
   c.messages.push(m);
   c.updated = Date.now();
@@ -216,6 +223,8 @@ async function answer(c) {
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
+  const chosen = state.models.find((x) => x.id === state.modelId);
+  if (chosen && chosen.status && chosen.status !== "loaded") $("status").textContent = "loading " + chosen.id + "…";
   const t0 = performance.now();
   let tFirst = null, usage = null, finish = null, pending = false;
   const paint = () => {
@@ -251,7 +260,7 @@ async function answer(c) {
           if (chunk.usage) usage = chunk.usage;
           for (const choice of chunk.choices || []) {
             if (choice.delta && choice.delta.content) {
-              if (tFirst === null) tFirst = performance.now();
+              if (tFirst === null) { tFirst = performance.now(); $("status").textContent = ""; }
               m.content += choice.delta.content;
               if (!pending) { pending = true; requestAnimationFrame(paint); }
             }
@@ -286,6 +295,7 @@ async function answer(c) {
     setBusy(false);
     renderSidebar();
     $("status").textContent = m.error ? "error: " + m.error : (finish === "stopped" ? "stopped" : "");
+    if (state.models.length > 1) refreshModels();  // this answer may have loaded (or unloaded) a model
   }
 }
 
@@ -328,6 +338,75 @@ function attach(files) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// the model: a several-model server (minfer serve A B, --models-dir) lists more than one, and the picker
+// chooses the one each request names; a conversation keeps its model
+
+function modelLabel(m) {
+  return m.status ? m.id + " (" + m.status + ")" : m.id;
+}
+
+function listModels(data) {
+  state.models = (data || []).map((m) => ({id: m.id, status: m.status && m.status.value}));
+}
+
+function renderPicker() {
+  const several = state.models.length > 1;
+  $("model-picker").hidden = !several;
+  $("model-name").hidden = several;
+  const select = $("model");
+  if (!several) { select.textContent = ""; return; }
+  // options updated in place: rebuilding them would close the list if it is open
+  const ids = state.models.map((m) => m.id);
+  if ([...select.options].map((o) => o.value).join("\n") !== ids.join("\n")) {
+    select.textContent = "";
+    for (const m of state.models) select.append(el("option", {value: m.id}));
+  }
+  state.models.forEach((m, i) => { select.options[i].textContent = modelLabel(m); });
+  select.value = state.modelId;
+}
+
+// Vision is the chosen model's: /props?model=NAME (which loads it on a several-model server); the answer for a
+// model chosen since is dropped, and an error leaves images off.
+function readProps() {
+  const id = state.modelId;
+  state.propsFor = id;
+  const url = state.models.length > 1 ? "/props?model=" + encodeURIComponent(id) : "/props";
+  const apply = (vision) => {
+    if (state.propsFor !== id) return;
+    state.vision = vision;
+    $("attach").hidden = !vision;
+  };
+  apply(false);
+  apiJSON(url).then((props) => apply(Boolean(props.modalities && props.modalities.vision))).catch(() => apply(false))
+    .finally(() => { if (state.models.length > 1) refreshModels(); });  // /props?model= may have loaded it
+}
+
+function chooseModel(id) {
+  if (!state.models.some((m) => m.id === id)) return;
+  const changed = id !== state.modelId;
+  state.modelId = id;
+  $("model-name").textContent = id;
+  document.title = id + " · minfer chat";
+  renderPicker();
+  if (changed) readProps();
+}
+
+// a conversation brings back its model, when the server still has it
+function restoreModel(c) {
+  if (c && c.model && c.model !== state.modelId) chooseModel(c.model);
+}
+
+// the states (loaded, loading, unloaded) read again: when the picker gets focus and after each answer
+function refreshModels() {
+  if (state.refreshing) return state.refreshing;
+  state.refreshing = apiJSON("/v1/models").then((models) => {
+    listModels(models.data);
+    renderPicker();
+  }).catch(() => { /* the states shown stay as they were */ }).finally(() => { state.refreshing = null; });
+  return state.refreshing;
+}
+
+// ---------------------------------------------------------------------------------------------------
 
 async function start() {
   load();
@@ -344,20 +423,24 @@ async function start() {
     const files = [...(e.clipboardData ? e.clipboardData.files : [])].filter((f) => f.type.startsWith("image/"));
     if (state.vision && files.length) { e.preventDefault(); attach(files); }
   });
-  apiJSON("/props").then((props) => {
-    state.vision = Boolean(props.modalities && props.modalities.vision);
-    $("attach").hidden = !state.vision;
-  }).catch(() => {});
+  $("model").addEventListener("focus", refreshModels);
+  $("model").addEventListener("change", (e) => {
+    chooseModel(e.target.value);
+    const c = conversation();
+    if (c) { c.model = state.modelId; save(); }
+  });
   try {
     const models = await apiJSON("/v1/models");
-    if (models.data && models.data.length) {
-      state.modelId = models.data[0].id;
-      $("model-name").textContent = state.modelId;
-      document.title = state.modelId + " · minfer chat";
-    }
+    listModels(models.data);
   } catch (e) {
     $("status").textContent = "cannot reach the server: " + e.message;
   }
+  if (!state.models.length) { readProps(); return; }
+  // this conversation's model, else the first one loaded, else the first
+  const c = conversation();
+  const loaded = state.models.find((m) => m.status === "loaded");
+  const saved = c && c.model && state.models.find((m) => m.id === c.model);
+  chooseModel((saved || loaded || state.models[0]).id);
 }
 
 start();
