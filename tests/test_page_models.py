@@ -19,9 +19,6 @@ playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install 
 
 pytestmark = pytest.mark.slow
 
-# The front wants no key, but the page comes from the first model's server, which the front starts with a key of its
-# own, so the page says a key is required and asks for one: any key saved beforehand does (the front ignores it).
-KEY = "unused"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "pages"
 # the llama fixture has no chat template, and the page only chats: ChatML, written into a copy
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -40,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                          {"tokenizer.chat_template": CHATML})
     gemma3 = folder / "gemma3.gguf"
     gemma3.symlink_to(fixture_dir("gemma3") / "model-f32.gguf")
-    # both stay loaded: the page's own files come from the first model's server
+    # both stay loaded (--models-max 2): the test switches between them
     with ServerProcess(llama, [str(gemma3), "--models-max", "2", "--ctx-size", "256"]) as s:
         yield s
 
@@ -51,7 +48,8 @@ def context(browser: object) -> Iterator[object]:
 
 
 def open_page(context: object, url: str) -> tuple[Watched, list[dict], list[str]]:
-    """The chat page with the key saved, and the chat bodies and /props URLs it sends, as it sends them."""
+    """The chat page (the front wants no key: the page asks for none), and the chat bodies and /props URLs it
+    sends, as it sends them."""
     w = Watched(context)
     page = w.page
     bodies: list[dict] = []
@@ -64,7 +62,6 @@ def open_page(context: object, url: str) -> tuple[Watched, list[dict], list[str]
             props.append(request.url)  # type: ignore[attr-defined]
 
     page.on("request", seen)
-    page.add_init_script(f"localStorage.setItem('minfer.apiKey', '{KEY}')")
     page.goto(url + "/")
     return w, bodies, props
 
@@ -102,8 +99,8 @@ def test_the_picker_chooses_each_requests_model_and_a_conversation_keeps_it(serv
     page = w.page
     page.wait_for_selector("#model-picker:not([hidden])", timeout=60_000)
     assert page.locator("#model-name").is_hidden()
-    # the page itself came from llama's server, so llama is loaded and chosen; gemma3 waits for its first request
-    assert picker(page) == ("llama", ["llama (loaded)", "gemma3 (unloaded)"])
+    # the page comes from the front, which loads no model to show it: none is loaded, and the first is chosen
+    assert picker(page) == ("llama", ["llama (unloaded)", "gemma3 (unloaded)"])
     page.get_by_text("Settings").click()
     page.get_by_label("Temperature").fill("0")
     page.get_by_label("Max tokens").fill("8")

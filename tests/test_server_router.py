@@ -202,3 +202,19 @@ def test_ollama_s_unload_request_unloads_without_loading(one_at_a_time):
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="nope", keep_alive=0)
     assert e.value.status_code == 404
+
+
+def test_the_front_serves_the_pages_itself(models_dir):
+    """The chat page and its files come from the front, open without the key as a one-model server's, saying
+    whether the front wants one (not its models' servers' internal key), and load no model to show."""
+    for flags, meta in (([], '<meta name="minfer-key" content="">'),
+                        (["--api-key", "secret"], '<meta name="minfer-key" content="required">')):
+        with ServerProcess(f"--models-dir={models_dir}", flags) as s:
+            page = httpx.get(s.url + "/", timeout=60)
+            assert page.status_code == 200 and meta in page.text and "text/html" in page.headers["content-type"]
+            assert httpx.get(s.url + "/static/chat.js", timeout=60).status_code == 200
+            assert httpx.get(s.url + "/trace", timeout=60).status_code == 200
+            assert httpx.get(s.url + "/health", timeout=60).json()["models"] == {"gemma3": "unloaded",
+                                                                                  "llama": "unloaded"}
+            if flags:
+                assert httpx.get(s.url + "/v1/models", timeout=60).status_code == 401

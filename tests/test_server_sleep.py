@@ -86,6 +86,8 @@ def test_sleeps_when_idle_and_wakes_on_the_next_request(server) -> None:
     assert rss_mib(server.proc.pid) < logged + 50
     # probes answer without waking it
     assert httpx.get(url + "/health").json() == {"status": "ok"}
+    page = httpx.get(url + "/")  # the chat page comes from this server: no key asked for, no model woken
+    assert page.status_code == 200 and '<meta name="minfer-key" content="">' in page.text
     assert httpx.get(url + "/v1/models").json() == model_card
     metrics = httpx.get(url + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["Process-Start-Time-Unix"].isdigit()

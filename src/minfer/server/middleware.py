@@ -158,5 +158,10 @@ def _one_of(given: bytes, expected: list[bytes]) -> bool:
     return found
 
 
+def is_page_path(path: str) -> bool:
+    """The pages' own paths (the chat page, the explorer and their static files)."""
+    return path in OPEN_PAGE_PATHS or path.startswith(OPEN_PAGE_PREFIX)
+
+
 def _open(path: str) -> bool:
-    return path in OPEN_PATHS or path in OPEN_PAGE_PATHS or path.startswith(OPEN_PAGE_PREFIX)
+    return path in OPEN_PATHS or is_page_path(path)

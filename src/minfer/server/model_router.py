@@ -49,7 +49,7 @@ from minfer.errors import BadRequestError
 from minfer.server.cluster.front import HOP_HEADERS, ClientGone, _read_body, _wait_disconnect, stream_error
 from minfer.server.cluster.metrics_merge import merge
 from minfer.server.errors import ApiError, error_response
-from minfer.server.middleware import has_key, missing_key_error
+from minfer.server.middleware import has_key, is_page_path, missing_key_error
 from minfer.server.model_names import find_model
 from minfer.server.model_names import model_of as _model_of
 
@@ -119,7 +119,7 @@ class ModelRouter:
     """The ASGI app of a several-model server (see the module docstring)."""
 
     def __init__(self, entries: list[ModelEntry], child_args: list[str], models_max: int, api_keys: tuple[str, ...],
-                 max_body_size: int, sleep_idle: float | None = None) -> None:
+                 max_body_size: int, sleep_idle: float | None = None, ui: bool = True) -> None:
         if models_max < 1:
             raise BadRequestError(f"--models-max must be >= 1, got {models_max}")
         if sleep_idle is not None and not sleep_idle >= 0:
@@ -144,6 +144,10 @@ class ModelRouter:
         self._digests: dict[Path, tuple[tuple[int, int], asyncio.Task[str]]] = {}
         self.metrics_registry = CollectorRegistry()  # the front's own families, read from the entries at each scrape
         self.metrics_registry.register(FrontMetrics(self.entries))
+        # the chat page, the explorer and their files, served here: open without the key, as a one-model server's,
+        # saying whether this front wants one (its models' servers want the front's internal key), and loading no
+        # model to show a page
+        self.pages = _pages(bool(api_keys)) if ui else None
 
     # -- ASGI ------------------------------------------------------------------------------------
 
@@ -154,6 +158,9 @@ class ModelRouter:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
+        if self.pages is not None and method in ("GET", "HEAD") and is_page_path(path):
+            await self.pages(scope, receive, send)
+            return
         try:
             if self.api_keys and path != "/health" and not has_key(scope, self.api_keys):
                 raise missing_key_error()
@@ -609,6 +616,17 @@ class ModelRouter:
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(response.aclose())
+
+
+def _pages(key_required: bool) -> Any:
+    """An ASGI app of the pages alone (:func:`~minfer.server.routes.page.register_pages`)."""
+    from fastapi import FastAPI
+
+    from minfer.server.routes.page import register_pages
+
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    register_pages(app, chat=True, key_required=key_required)
+    return app
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

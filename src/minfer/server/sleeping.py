@@ -36,8 +36,8 @@ class SleepingServer(ModelRouter):
     """The ASGI app of a one-model server that sleeps when idle (see the module docstring)."""
 
     def __init__(self, entry: ModelEntry, arguments: list[str], api_keys: tuple[str, ...], max_body_size: int,
-                 sleep_idle: float) -> None:
-        super().__init__([entry], [], 1, api_keys, max_body_size, sleep_idle)
+                 sleep_idle: float, ui: bool = True) -> None:
+        super().__init__([entry], [], 1, api_keys, max_body_size, sleep_idle, ui=ui)
         self.arguments = arguments  # this server's own command line after `serve`
         self.start_time = int(time.time())
         self.cached_props: dict[str, Any] | None = None
@@ -198,7 +198,8 @@ def serve_sleeping(opts: Any, arguments: list[str], sleep_idle: float) -> None:
     path = Path(resolve_model(opts.model))
     name = opts.alias or path.name
     api_keys = resolve_api_keys(opts.api_keys)
-    server_app = SleepingServer(ModelEntry(name, path), arguments, api_keys, opts.max_body_size, sleep_idle)
+    server_app = SleepingServer(ModelEntry(name, path), arguments, api_keys, opts.max_body_size, sleep_idle,
+                                ui=opts.ui)
     # CORS here, in front: a preflight is answered without the key and without waking the model, and the
     # answers given while it sleeps carry the headers too (the model's server's own give way to these)
     app = with_cors(server_app, cors_policy(opts))
