@@ -94,6 +94,21 @@ def test_an_unknown_model_is_a_404_naming_both(cluster):
     assert error["code"] == "model_not_found" and "gemma3" in error["message"] and "llama" in error["message"]
 
 
+def test_ollama_s_listings_and_the_router_routes_cover_every_model(cluster):
+    import ollama
+
+    from minfer.pull import sha256_file
+
+    client = ollama.Client(host=cluster.url)
+    tags = {m.model: m.digest for m in client.list().models}
+    assert tags == {f"{name}:latest": sha256_file(path) for name, path in MODELS.items()}
+    assert {m.model for m in client.ps().models} == set(tags)  # every replica holds its model
+    assert httpx.post(cluster.url + "/models/load", json={"model": "gemma3"}).json() == {"success": True}
+    r = httpx.post(cluster.url + "/models/unload", json={"model": "gemma3"})
+    assert r.status_code == 400 and "--ray" in r.json()["error"]["message"]
+    assert httpx.post(cluster.url + "/models/load", json={"model": "mistral"}).status_code == 404
+
+
 def test_models_health_and_metrics_are_per_model(cluster, record_property):
     listed = httpx.get(cluster.url + "/models", timeout=10).json()["data"]
     assert {m["id"]: m["status"]["value"] for m in listed} == {"llama": "loaded", "gemma3": "loaded"}

@@ -162,6 +162,14 @@ class Front:
                 await error_response(missing_key_error())(scope, receive, send)
                 return
             await self._metrics(send)
+        elif len(self.models) > 1 and (scope["method"], path) in _MODELS_ROUTES:
+            if self.config.api_keys and not has_key(scope, self.config.api_keys):
+                await error_response(missing_key_error(), path)(scope, receive, send)
+                return
+            try:
+                await _MODELS_ROUTES[scope["method"], path](self, scope, receive, send)
+            except ApiError as e:
+                await error_response(e, path)(scope, receive, send)
         else:
             await self._proxy(scope, receive, send)
 
@@ -275,6 +283,41 @@ class Front:
             {"id": name, "object": "model", "created": self.created, "owned_by": "minfer",
              "replicas": len(self.ready(name)), "status": {"value": "loaded" if self.ready(name) else "loading"}}
             for name in self.models]}
+
+    async def _ollama_listing(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ollama's ``/api/tags`` and ``/api/ps`` of several models: each model's entries as a ready replica of it
+        lists them (its file's details and digest; every replica is loaded, so both list the same), in the
+        models' order. A model with no replica ready is left out until one is."""
+        assert self.client is not None
+        headers = {"Authorization": f"Bearer {self.config.api_keys[0]}"} if self.config.api_keys else {}
+
+        async def listing(name: str) -> list[Any]:
+            for r in self.ready(name):
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    response = await self.client.get(f"{r.url}{scope['path']}", headers=headers,  # type: ignore[union-attr]
+                                                     timeout=PROBE_TIMEOUT)
+                    if response.status_code == 200:
+                        return list(response.json().get("models", []))
+            return []
+
+        lists = await asyncio.gather(*(listing(name) for name in self.models))
+        await _send_json(send, 200, {"models": [m for found in lists for m in found]})
+
+    async def _load_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """llama-server's router ``POST /models/load``: every model's replicas load at start, so a known one is
+        loaded already; ``/models/unload`` is refused (the replicas hold their models for the cluster's life)."""
+        try:
+            body = json.loads(await _read_body(receive, self.config.max_body_size))
+        except (ValueError, ClientGone):
+            body = None
+        name = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ApiError("'model' is required: the name of a configured model", param="model")
+        find_model({n: n for n in self.models}, name)
+        if scope["path"] == "/models/unload":
+            raise ApiError("with --ray each model's replicas stay loaded for the cluster's life: serve without --ray "
+                           "to load and unload models on demand", param="model")
+        await _send_json(send, 200, {"success": True})
 
     async def _health(self, send: Send) -> None:
         body = self.health()
@@ -497,6 +540,12 @@ def _gone_or_cancelled(e: asyncio.CancelledError, task: asyncio.Task[Any]) -> Up
         task.uncancel()
         return UpstreamGone("the replica died")
     raise e
+
+
+# the routes about the models that a front of several answers itself (the rest go to a model's replica)
+_MODELS_ROUTES: dict[tuple[str, str], Callable[[Front, Scope, Receive, Send], Awaitable[None]]] = {
+    ("GET", "/api/tags"): Front._ollama_listing, ("GET", "/api/ps"): Front._ollama_listing,
+    ("POST", "/models/load"): Front._load_route, ("POST", "/models/unload"): Front._load_route}
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
