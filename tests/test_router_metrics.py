@@ -104,3 +104,7 @@ def test_an_unloaded_model_shows_in_the_front_gauges_only(front):
     assert merged[("minfer_model_loaded", (("model", "llama"),))] == 1
     assert merged[("minfer_models_loaded", ())] == 1
     assert merged[("minfer_model_loads_total", (("model", "gemma3"),))] == 1  # a count of loads, kept
+    # ?model= of an unloaded model is a probe: a 503 saying so, and the model stays unloaded
+    r = httpx.get(front.url + "/metrics", params={"model": "gemma3"}, timeout=60)
+    assert r.status_code == 503 and "not loaded" in r.json()["error"]["message"]
+    assert httpx.get(front.url + "/health", timeout=60).json()["models"]["gemma3"] == "unloaded"

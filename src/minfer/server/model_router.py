@@ -271,13 +271,14 @@ class ModelRouter:
         await self._raw(send, 200, body + generate_latest(self.metrics_registry), content_type)
 
     async def _model_metrics(self, entry: ModelEntry, send: Send) -> None:
-        """``GET /metrics?model=NAME``: that model's own (loaded first if need be, as any request naming it),
-        each sample labelled with its name; its server's error as it is."""
-        await self.acquire(entry)
-        try:
-            response = await self._scrape(entry)
-        finally:
-            self.release(entry)
+        """``GET /metrics?model=NAME``: that model's own, each sample labelled with its name; its server's error as
+        it is. A probe, not a use: it neither loads the model (a 503 while it is not loaded: its counters went with
+        its process) nor keeps it loaded."""
+        if entry.state != LOADED:
+            raise ApiError(f"model {entry.name!r} is not loaded: its counters went with its process (/metrics "
+                           "without ?model= has the front's gauges of every model)", status=503,
+                           type="unavailable_error", code="model_not_loaded")
+        response = await self._scrape(entry)
         if response is None:
             raise ApiError(f"the server of model {entry.name!r} did not answer /metrics", status=503,
                            type="server_error", code="model_unavailable")
