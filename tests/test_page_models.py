@@ -154,3 +154,27 @@ def test_one_model_shows_its_name_and_no_picker(server: ServerProcess, context: 
     ask(page, "Hi")
     assert bodies[-1]["model"] == "llama"
     w.clean()
+
+
+def test_inspect_traces_the_model_that_answered(server: ServerProcess, context: object) -> None:
+    """On a server of several, Inspect opens the explorer on the conversation's model: every explorer request
+    names it (?model=), so its run is held, and found again, by that model's own server."""
+    w, bodies, _ = open_page(context, server.url)
+    page = w.page
+    page.wait_for_selector("#model-picker:not([hidden])", timeout=60_000)
+    page.get_by_label("Model", exact=True).select_option("gemma3")
+    page.get_by_text("Settings").click()
+    page.get_by_label("Max tokens").fill("8")  # the exchange traced must fit the context (256)
+    ask(page, "Hello there")
+    assert bodies[-1]["model"] == "gemma3"
+    traced: list[str] = []
+    page.on("request", lambda r: traced.append(r.url) if "/trace/api/" in r.url else None)
+    page.locator("article.assistant a.inspect").last.click()
+    page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+    assert traced and all("model=gemma3" in u for u in traced), traced
+    run = page.evaluate("window.minferExplorer.run")
+    assert "model=gemma3" in page.url and f"run={run}" in page.url  # a reload opens the same run of the same model
+    runs = {name: [r["id"] for r in httpx.get(server.url + "/trace/api/runs", params={"model": name},
+                                               timeout=60).json()["runs"]] for name in ("llama", "gemma3")}
+    assert run in runs["gemma3"] and run not in runs["llama"]
+    w.clean()

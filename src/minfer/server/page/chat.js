@@ -114,7 +114,10 @@ function messageArticle(c, m, i) {
     regen.addEventListener("click", () => regenerate(i));
     const copy = el("button", {type: "button"}, "Copy answer");
     copy.addEventListener("click", () => navigator.clipboard.writeText(m.content).catch(() => {}));
-    const inspect = el("a", {href: "/trace?conversation=" + encodeURIComponent(c.id) + "&upto=" + i, class: "inspect"}, "Inspect");
+    // on a server of several, the trace is of the model that answered (the explorer names it on every request)
+    const model = state.models.length > 1 && (c.model || state.modelId);
+    const inspect = el("a", {href: "/trace?conversation=" + encodeURIComponent(c.id) + "&upto=" + i +
+      (model ? "&model=" + encodeURIComponent(model) : ""), class: "inspect"}, "Inspect");
     actions.append(regen, copy, inspect);
     art.append(actions);
   } else {

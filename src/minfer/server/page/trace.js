@@ -3,6 +3,14 @@
 
 const $ = (id) => document.getElementById(id);
 const API = "/trace/api";
+// the model traced, on a server of several (the chat page's Inspect link names it): every request names it, so the
+// server of several sends each to that model's own server, which holds its runs
+const MODEL = new URLSearchParams(location.search).get("model");
+
+function api(path) {
+  if (!MODEL) return API + path;
+  return API + path + (path.includes("?") ? "&" : "?") + "model=" + encodeURIComponent(MODEL);
+}
 // what the page holds, for people poking at it in the console (and the browser tests)
 const X = window.minferExplorer = {run: null, summary: null, graph: null, node: null, attention: null, lens: null,
   compare: null, parted: null, painted: null};
@@ -241,7 +249,7 @@ async function showNode(id, rows, cols) {
   if (rows) q.set("rows", rows);
   if (cols) q.set("cols", cols);
   let v;
-  try { v = await apiJSON(`${API}/runs/${X.run}/nodes/${id}?${q}`); } catch (e) { status("error: " + e.message); return; }
+  try { v = await apiJSON(api(`/runs/${X.run}/nodes/${id}?${q}`)); } catch (e) { status("error: " + e.message); return; }
   status("");
   X.node = Object.assign({}, v, {values: decode(v.values)});
   box.textContent = "";
@@ -278,7 +286,7 @@ async function showAttention() {
   if (want) q.set("rows", want);
   else if (n > 128) q.set("rows", (n - 128) + ":" + n);  // the last queries, against every key they see
   let a;
-  try { a = await apiJSON(`${API}/runs/${X.run}/layers/${layer}/attention/${head}?${q}`); }
+  try { a = await apiJSON(api(`/runs/${X.run}/layers/${layer}/attention/${head}?${q}`)); }
   catch (e) { box.textContent = ""; box.append(el("p", {class: "error"}, e.message)); return; }
   const A = X.attention = {layer: a.layer, head: a.head, kv_head: a.kv_head, rows: a.rows, keys: a.keys, check: a.check,
     cache_type: a.cache_type, scale: a.scale, window: a.window, nodes: a.nodes, labels: a.labels,
@@ -340,7 +348,7 @@ async function showLens() {
   const box = $("lens");
   status("logit lens …");
   let L;
-  try { L = await apiJSON(`${API}/runs/${X.run}/lens?positions=${encodeURIComponent(raw)}`); } catch (e) { status("error: " + e.message); return; }
+  try { L = await apiJSON(api(`/runs/${X.run}/lens?positions=${encodeURIComponent(raw)}`)); } catch (e) { status("error: " + e.message); return; }
   status("");
   X.lens = L;
   box.textContent = "";
@@ -364,7 +372,7 @@ async function showLens() {
 async function showCompare(b) {
   status("comparing …");
   let C;
-  try { C = await apiJSON(`${API}/compare?a=${encodeURIComponent(X.run)}&b=${encodeURIComponent(b)}`); } catch (e) { status("error: " + e.message); return; }
+  try { C = await apiJSON(api(`/compare?a=${encodeURIComponent(X.run)}&b=${encodeURIComponent(b)}`)); } catch (e) { status("error: " + e.message); return; }
   status("");
   X.compare = C;
   const box = $("compare");
@@ -388,7 +396,7 @@ async function showCompare(b) {
 // runs
 
 async function refreshRuns(selected) {
-  const list = await apiJSON(`${API}/runs`);
+  const list = await apiJSON(api(`/runs`));
   const sel = $("run");
   sel.textContent = "";
   for (const r of list.runs.slice().reverse()) sel.append(el("option", {value: r.id, selected: r.id === selected ? "" : null}, `${r.id}: ${r.description}`));
@@ -403,7 +411,7 @@ async function showLayer(withNode) {
   const layer = +$("layer").value;
   $("graph-layer").textContent = String(layer);
   const attention = showAttention();  // fetched while the graph is drawn
-  X.graph = await apiJSON(`${API}/runs/${X.run}/layers/${layer}/graph`);
+  X.graph = await apiJSON(api(`/runs/${X.run}/layers/${layer}/graph`));
   drawGraph(X.graph);
   const attnNode = X.graph.nodes.find((n) => n.op === "attn");
   await Promise.all([attention, withNode && attnNode ? showNode(attnNode.id) : null]);
@@ -412,9 +420,12 @@ async function showLayer(withNode) {
 async function openRun(id) {
   X.run = id;
   X.parted = null;
-  const s = X.summary = await apiJSON(`${API}/runs/${id}`);
+  const s = X.summary = await apiJSON(api(`/runs/${id}`));
   const url = new URL(location.href);
-  if (url.searchParams.get("run") !== id) { url.search = "?run=" + id; history.replaceState(null, "", url); }
+  if (url.searchParams.get("run") !== id) {
+    url.search = "?run=" + id + (MODEL ? "&model=" + encodeURIComponent(MODEL) : "");
+    history.replaceState(null, "", url);
+  }
   const m = s.memory;
   $("run-info").textContent = `${s.description} · ${s.tokens.length} tokens · ${s.n_layer} layers, ${s.n_head} query heads over ${s.n_head_kv} kv heads of ${s.head_dim} · ` +
     `${s.cache_type} KV cache · traced in ${fmtNum(s.seconds, 2)} s · trace memory: ${(m.held_bytes / 1048576).toFixed(1)} MiB held ` +
@@ -436,7 +447,7 @@ async function openRun(id) {
 
 async function newRun(body) {
   status("tracing …");
-  const r = await apiJSON(`${API}/runs`, {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
+  const r = await apiJSON(api(`/runs`), {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
   status("");
   return r.id;
 }
