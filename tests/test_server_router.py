@@ -218,3 +218,13 @@ def test_the_front_serves_the_pages_itself(models_dir):
                                                                                   "llama": "unloaded"}
             if flags:
                 assert httpx.get(s.url + "/v1/models", timeout=60).status_code == 401
+
+
+def test_an_encoder_beside_a_generating_model_gets_only_its_own_flags(tmp_path):
+    """--ctx-size (and the other generating flags) go to the generating models' servers only: an encoder's server
+    refuses them, so it loaded nothing when they were given to it too."""
+    (tmp_path / "bert.gguf").symlink_to(fixture_dir("bert") / "model-f32.gguf")
+    with ServerProcess(MODELS["llama"], [str(tmp_path / "bert.gguf"), "--ctx-size", "256", "--cache-ram", "8"]) as s:
+        vectors = ollama.Client(host=s.url).embed(model="bert", input=["a cat"]).embeddings
+        assert len(vectors) == 1 and len(vectors[0]) > 0
+        assert httpx.get(s.url + "/props", params={"model": "model-f32"}, timeout=300).json()["n_ctx"] == 256

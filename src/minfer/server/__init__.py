@@ -356,18 +356,21 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
     entries = model_entries(models, models_dir)
     if not entries:
         raise BadRequestError("no model to serve: give model files or folders, or --models-dir DIR")
+    # each model's server gets the flags given here; an encoder's only those it takes (it refuses the others)
     child_args: list[str] = []
+    generating_args: list[str] = []
     for name, flag in _PER_MODEL_FLAGS.items():
         value = getattr(opts, name)
         if value is not None and value != getattr(defaults, name):
-            child_args += [flag, str(value)]
+            (generating_args if name in _GENERATING_OPTIONS else child_args).extend([flag, str(value)])
     if not opts.normalize:
         child_args.append("--no-normalize")
     if not opts.cache_idle_slots:
-        child_args.append("--no-cache-idle-slots")
+        generating_args.append("--no-cache-idle-slots")
     api_keys = resolve_api_keys(opts.api_keys)
     child_args.append("--no-cors")  # the front answers CORS for all of them (else each answer has it twice)
-    router = ModelRouter(entries, child_args, models_max, api_keys, opts.max_body_size, sleep_idle)
+    router = ModelRouter(entries, child_args, models_max, api_keys, opts.max_body_size, sleep_idle,
+                         generating_args=generating_args)
     errors_to_stderr()
     socks = listening_sockets(opts.host, opts.port)
     host, port = socks[0].getsockname()[:2]

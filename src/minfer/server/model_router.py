@@ -119,7 +119,8 @@ class ModelRouter:
     """The ASGI app of a several-model server (see the module docstring)."""
 
     def __init__(self, entries: list[ModelEntry], child_args: list[str], models_max: int, api_keys: tuple[str, ...],
-                 max_body_size: int, sleep_idle: float | None = None, ui: bool = True) -> None:
+                 max_body_size: int, sleep_idle: float | None = None, ui: bool = True,
+                 generating_args: list[str] | None = None) -> None:
         if models_max < 1:
             raise BadRequestError(f"--models-max must be >= 1, got {models_max}")
         if sleep_idle is not None and not sleep_idle >= 0:
@@ -127,7 +128,8 @@ class ModelRouter:
         self.sleep_idle = sleep_idle  # seconds a model stays loaded once idle; None: until another needs its place
         self.entries = {e.name: e for e in entries}
         self.default = entries[0]
-        self.child_args = child_args
+        self.child_args = child_args  # every model's server gets these
+        self.generating_args = generating_args or []  # and a generating model's these (an encoder's refuses them)
         self.models_max = models_max
         self.api_keys = api_keys  # any one opens the front; empty: no key wanted
         self.internal_key = secrets.token_hex(16)  # the children answer only this front
@@ -507,8 +509,11 @@ class ModelRouter:
 
     def _command(self, entry: ModelEntry) -> list[str]:
         """The command line of ``entry``'s own server, on a free loopback port, answering this front alone."""
+        from minfer.models.bert import is_encoder_checkpoint
+
         return [sys.executable, "-m", "minfer", "serve", str(entry.path), "--host", "127.0.0.1", "--port", "0",
-                "--alias", entry.name, "--api-key", self.internal_key, *self.child_args]
+                "--alias", entry.name, "--api-key", self.internal_key, *self.child_args,
+                *([] if is_encoder_checkpoint(entry.path) else self.generating_args)]
 
     async def _get(self, url: str) -> int:
         assert self.client is not None
