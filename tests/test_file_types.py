@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from minfer.formats.file_types import ftype_name, vocab_type
+import pytest
+
+from minfer.formats.file_types import ftype_name, ollama_quantization, vocab_type
 
 
 def test_file_type_names_are_llama_cpps():
@@ -21,3 +23,12 @@ def test_a_file_without_its_type_is_named_by_most_of_its_bytes_guessed():
 
 def test_vocab_types_are_llama_cpps_enum():
     assert [vocab_type(m) for m in ("llama", "gpt2", "bert", "t5", None, "other")] == [1, 2, 3, 4, 0, 0]
+
+
+@pytest.mark.parametrize("file_type,expected", [
+    (15, "Q4_K_M"), (14, "Q4_K_S"), (17, "Q5_K_M"), (12, "Q3_K_M"), (13, "Q3_K_L"), (7, "Q8_0"), (3, "Q4_1"),
+    (18, "Q6_K"), (10, "Q2_K"), (21, "Q2_K_S"), (0, "F32"), (1, "F16"), (32, "BF16"), (30, "IQ4_XS"),
+    (25, "IQ4_NL"), (38, "MXFP4"), (None, None), (999, None)])
+def test_ollama_s_quantization_level_is_the_file_type_s_short_name(file_type, expected):
+    metadata = {} if file_type is None else {"general.file_type": file_type}
+    assert ollama_quantization(metadata) == expected

@@ -40,6 +40,20 @@ def ftype_name(metadata: Mapping[str, Any], tensor_types: Iterable[tuple[str, in
     return f"{'all F32' if main == 'F32' else main} (guessed)"
 
 
+def ollama_quantization(metadata: Mapping[str, Any]) -> str | None:
+    """ollama's short name of the file's type (its ``quantization_level``: ``Q4_K_M``, ``Q8_0``, ``IQ4_XS``),
+    from ``general.file_type``; None for a file without one."""
+    value = metadata.get("general.file_type")
+    if not isinstance(value, int) or value not in FTYPE_NAMES:
+        return None
+    if value == 10:  # llama.cpp's "Q2_K - Medium" is ollama's plain Q2_K
+        return "Q2_K"
+    base, _, size = FTYPE_NAMES[value].partition(" - ")
+    if size in ("Small", "Medium", "Large"):
+        return f"{base}_{size[0]}"
+    return base.removeprefix("all ").split()[0]
+
+
 def vocab_type(tokenizer_model: str | None) -> int:
     """``enum llama_vocab_type`` of a ``tokenizer.ggml.model`` name (0, none, for one llama.cpp does not know)."""
     return VOCAB_TYPES.get(tokenizer_model or "none", 0)

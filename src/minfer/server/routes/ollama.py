@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minfer import __version__
 from minfer.errors import MinferError
+from minfer.formats.file_types import ollama_quantization
 from minfer.pull import sha256_file
 from minfer.runtime.chat import ContentDelta, ReasoningDelta
 from minfer.runtime.requests import Failed, Token
@@ -87,7 +88,8 @@ class ModelFacts:
     """What ollama's listing says of the served model (a decoder's or an encoder's), computed once: details, size,
     the file's sha256."""
 
-    def __init__(self, model_id: str, path: str | os.PathLike[str], arch: str, tensors: Iterable[Any]) -> None:
+    def __init__(self, model_id: str, path: str | os.PathLike[str], arch: str, tensors: Iterable[Any],
+                 metadata: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.name = ollama_name(model_id)
         by_type: Counter[str] = Counter()
@@ -99,7 +101,10 @@ class ModelFacts:
                 by_type[t.ggml_type.name] += t.nbytes
         self._details = {"parent_model": "", "format": "gguf" if self.path.is_file() else "safetensors",
                          "family": arch, "families": [arch], "parameter_size": _parameter_size(n_params),
-                         "quantization_level": by_type.most_common(1)[0][0] if by_type else ""}
+                         # the file's own type (a Q4_K_M file's biggest matrix, the embedding, may be Q8_0);
+                         # without one, the type of most of its matrices' bytes
+                         "quantization_level": ollama_quantization(metadata or {})
+                         or (by_type.most_common(1)[0][0] if by_type else "")}
         self._digest: str | None = None
         self._lock = asyncio.Lock()
 
@@ -170,7 +175,8 @@ def model_info(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 def register(app: FastAPI, ctx: ServerContext) -> None:
     transformer = ctx.model.transformer
-    facts = ModelFacts(ctx.config.model_id, ctx.model.path, ctx.model.hparams.arch, transformer.tensors.values())
+    facts = ModelFacts(ctx.config.model_id, ctx.model.path, ctx.model.hparams.arch, transformer.tensors.values(),
+                       transformer.source.metadata)
 
     def check_model(name: str | None) -> None:
         if name is not None and name.endswith(":latest"):
