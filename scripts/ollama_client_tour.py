@@ -56,6 +56,9 @@ def tour(client: ollama.Client, chat_a: str, chat_b: str, embedder: str) -> None
     print(f"           {gen.response!r} ({gen.eval_count} tokens, done_reason {gen.done_reason})")
     vectors = step(f"embed {embedder}", lambda: client.embed(model=embedder, input=["a cat", "a dog"]))
     print(f"           {len(vectors.embeddings)} vectors of {len(vectors.embeddings[0])}")
+    statuses = step("pull smollm2 (a name minfer pull knows)", lambda: [p.status for p in client.pull("smollm2",
+                                                                                                   stream=True)])
+    assert statuses[-1] == "success", statuses
     unloaded = step(f"unload {chat_b} (keep_alive 0)", lambda: client.generate(model=chat_b, keep_alive=0))
     assert unloaded.done_reason == "unload"
     print(f"           ps: {[m.model for m in client.ps().models]}")
