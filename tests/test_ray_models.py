@@ -150,7 +150,7 @@ def _rss_mib(pid: int) -> float:
         return 0.0
 
 
-@pytest.mark.parametrize("flag", [["--models-max", "2"], ["--sleep-idle-seconds", "60"]])
+@pytest.mark.parametrize("flag", [["--models-max", "2"], ["--sleep-idle-seconds", "60"], ["--keep-alive", "5m"]])
 def test_on_demand_loading_flags_are_refused_with_ray(models_dir, flag, capsys):
     code = main(["serve", str(models_dir / "llama.gguf"), str(models_dir / "gemma3.gguf"), "--ray", *flag])
     assert code == 1

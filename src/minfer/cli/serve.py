@@ -321,7 +321,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         models = ([args.model] if args.model is not None else []) + list(args.more_models)
         if args.ray:
-            for flag, value in (("--models-max", args.models_max), ("--sleep-idle-seconds", args.sleep_idle_seconds)):
+            for flag, value in (("--models-max", args.models_max), ("--sleep-idle-seconds", args.sleep_idle_seconds),
+                                ("--keep-alive", args.keep_alive)):
                 if value is not None:
                     raise MinferError(f"{flag} with --ray: every model's replicas stay loaded; serve without --ray "
                                       "to load models on demand")
@@ -333,11 +334,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if sleep_idle is not None:
         from minfer.server.sleeping import serve_sleeping
 
+        flag = "--keep-alive" if args.keep_alive is not None else "--sleep-idle-seconds"
         if args.ray:
-            raise MinferError("--sleep-idle-seconds with --ray: Ray Serve keeps its replicas loaded; serve without "
-                              "--ray to let the model sleep")
+            raise MinferError(f"{flag} with --ray: Ray Serve keeps its replicas loaded; serve without --ray to let "
+                              "the model sleep")
         if args.model is None:
-            raise MinferError("--sleep-idle-seconds needs a MODEL to serve")
+            raise MinferError(f"{flag} needs a MODEL to serve")
         serve_sleeping(opts, _serve_arguments(), sleep_idle)
         return 0
     if args.ray:
