@@ -228,3 +228,13 @@ def test_an_encoder_beside_a_generating_model_gets_only_its_own_flags(tmp_path):
         vectors = ollama.Client(host=s.url).embed(model="bert", input=["a cat"]).embeddings
         assert len(vectors) == 1 and len(vectors[0]) > 0
         assert httpx.get(s.url + "/props", params={"model": "model-f32"}, timeout=300).json()["n_ctx"] == 256
+
+
+def test_an_encoder_s_options_among_several_drop_the_generating_ones():
+    """What --ray gives each model's replicas: an encoder's without --ctx-size and the like (as above)."""
+    from minfer.server import ServeOptions, for_model
+
+    opts = ServeOptions(ctx_size=256, cache_ram=8, parallel=3)
+    encoder = for_model(opts, fixture_dir("bert") / "model-f32.gguf")
+    assert (encoder.ctx_size, encoder.cache_ram, encoder.parallel) == (ServeOptions().ctx_size, 0, 3)
+    assert for_model(opts, MODELS["llama"]) is opts

@@ -7,7 +7,7 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +382,17 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
           f"each loaded on its first request: {names}){with_keys(api_keys)}",
           file=sys.stderr, flush=True)
     server.run(sockets=socks)
+
+
+def for_model(opts: ServeOptions, path: str | os.PathLike[str]) -> ServeOptions:
+    """``opts`` for one model among several: an encoder's without the generating options (its server refuses them;
+    given for the generating models beside it)."""
+    from minfer.models.bert import is_encoder_checkpoint
+
+    if not is_encoder_checkpoint(path):
+        return opts
+    defaults = ServeOptions()
+    return replace(opts, **{name: getattr(defaults, name) for name in _GENERATING_OPTIONS})
 
 
 # the options of a generating server that mean nothing for an encoder's, refused when given

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from minfer.errors import BadRequestError
-from minfer.server import ServeOptions, errors_to_stderr, listening_socket, with_keys
+from minfer.server import ServeOptions, errors_to_stderr, for_model, listening_socket, with_keys
 from minfer.server.api_keys import resolve_api_keys
 from minfer.server.cluster.front import Front, FrontConfig
 from minfer.server.cluster.prefix import POLICIES
@@ -123,8 +123,9 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions, models: list[str] | None
     threads = opts.threads or max(1, (os.cpu_count() or 1) // most)
     api_keys = resolve_api_keys(opts.api_keys)
     # the replicas' access logs are off: the front writes one line per request, with the replica that answered
-    replica_opts = {m.name: replace(opts, model=m.ref, threads=threads, api_keys=api_keys, log_format="off",
-                                    alias=m.name if several else opts.alias) for m in served}
+    replica_opts = {m.name: replace(for_model(opts, m.path) if several else opts, model=m.ref, threads=threads,
+                                    api_keys=api_keys, log_format="off", alias=m.name if several else opts.alias)
+                    for m in served}
 
     sock = listening_socket(opts.host, opts.port)
     host, port = sock.getsockname()[:2]
