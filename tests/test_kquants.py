@@ -201,6 +201,20 @@ def _layout_value(t: GGMLType, blk: np.ndarray, i: int) -> np.float32:
     return (f16(208) * f32(sc)) * f32((low | high << 4) - 32)
 
 
+def test_get_rows_of_a_quantized_table_gives_the_rows_dequantized_together():
+    """An embedding lookup dequantizes a few rows at a time (a bound on numpy's temporaries): ids that span
+    several such chunks, with repeats, give the whole table's dequantized rows bit for bit."""
+    from minfer.backends.cpu import reference as ref
+
+    t = GGMLType.Q6_K
+    table = weight(t, 50, 256, seed=3)
+    ids = np.random.default_rng(4).integers(0, 50, 2 * ref.GET_ROWS_CHUNK + 7)
+    out = np.full((len(ids), 256), np.nan, np.float32)
+    ref.get_rows(table, ids, out)
+    whole = deq(table.data.reshape(50, -1), t, 256)
+    assert np.array_equal(out.view(np.uint32), whole[ids].view(np.uint32))
+
+
 @pytest.mark.parametrize("t", ALL_TYPES, ids=_ids)
 def test_documented_layout(t):
     """The docstring's layout table, applied value by value, gives the dequantizers' results."""

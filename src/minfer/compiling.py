@@ -18,10 +18,11 @@ Events (numba's own event bus, :mod:`numba.core.event`, so that no layer below t
 
 Compiling is CPU-bound and single-threaded inside numba (one global compiler lock per process), so a batch
 is spread over worker processes (``python -m minfer.compiling``), each compiling its share into the shared
-on-disk cache, while this process compiles its own share; this process then loads the workers' kernels from
-the cache. ``MINFER_COMPILE_WORKERS`` caps the processes (default: the usable cores, at most 4; ``1``
-compiles in this process only). A worker that fails costs nothing but time: whatever it did not write is
-compiled here.
+on-disk cache; this process then loads their kernels from the cache. It compiles nothing itself: numba keeps
+what a compile built (LLVM modules, typing and lowering state) resident, ~300 MiB on a K-quant model, where
+loading the same kernels from the cache costs a tenth of that. ``MINFER_COMPILE_WORKERS`` caps the processes
+(default: the usable cores, at most 4). A worker that fails costs nothing but time: whatever it did not write
+is compiled here.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from minfer.errors import BadRequestError
 BATCH_EVENT = "minfer:compile"
 JOB_EVENT = "minfer:compile-job"
 MAX_DEFAULT_WORKERS = 4
-# a batch whose estimate is below this compiles in this process: starting a worker (importing numba and the
-# kernel modules) costs about a second of CPU
+# a batch whose estimate is below this compiles in one worker: starting each (importing numba and the kernel
+# modules) costs about a second of CPU
 PARALLEL_MIN_ESTIMATE_S = 4.0
 
 
@@ -112,7 +113,7 @@ def compile_workers() -> int:
 
 def _shares(jobs: Sequence[CompileJob], n: int) -> list[list[CompileJob]]:
     """``jobs`` split into ``n`` shares of about equal estimated time (longest first, each to the lightest
-    share); share 0, this process's, gets the first and longest job."""
+    share); share 0 gets the first and longest job."""
     shares: list[list[CompileJob]] = [[] for _ in range(n)]
     load = [0.0] * n
     for job in sorted(jobs, key=lambda j: -j.estimate_s):
@@ -164,7 +165,7 @@ def _compile_batch(cold: Sequence[CompileJob], workers: int) -> None:
     n = min(workers, len(cold)) if total_s >= PARALLEL_MIN_ESTIMATE_S else 1
     shares = _shares(cold, n)
     # the estimate: the largest share (they run side by side), plus a worker's start
-    estimate = max(sum(j.estimate_s for j in s) for s in shares) + (1.0 if len(shares) > 1 else 0.0)
+    estimate = max(sum(j.estimate_s for j in s) for s in shares) + 1.0
     # the label names the block types when there are any (what a user recognises: "Q4_1, Q8_0"), else
     # what the jobs serve ("the q8_0 cache", "sampling")
     whats = list(dict.fromkeys(j.what for j in cold))
@@ -181,11 +182,18 @@ def _compile_batch(cold: Sequence[CompileJob], workers: int) -> None:
                                         data={"job": name, "done": done[0], "total": len(cold)}))
 
     with event.trigger_event(BATCH_EVENT, data=data):
-        procs = [_start_worker(share, finished) for share in shares[1:]]
+        # every share compiles in a child: LLVM's compile keeps ~300 MiB of this process resident for its
+        # lifetime (modules, typing and lowering state), while loading the children's kernels from the cache
+        # costs what a warm start does; a child that cannot start leaves its share to this process
+        procs = []
+        for share in shares:
+            try:
+                procs.append(_start_worker(share, finished))
+            except OSError:
+                for job in share:
+                    job.run()
+                    finished(job.name)
         try:
-            for job in shares[0]:
-                job.run()
-                finished(job.name)
             for proc, reader in procs:
                 reader.join()
                 proc.wait()

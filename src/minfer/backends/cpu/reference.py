@@ -17,6 +17,7 @@ from minfer.graph.ir import AttnMeta, RopeMeta, RopeStyle
 
 # values of W handled per matmul chunk: bounds the dequantized f32 scratch to 8 MB
 MATMUL_CHUNK_VALUES = 1 << 21
+GET_ROWS_CHUNK = 32  # rows of a quantized table dequantized at a time (get_rows)
 
 
 def rms_norm(x: np.ndarray, eps: float, width: int, out: np.ndarray) -> None:
@@ -179,7 +180,11 @@ def rms_norm_mul(x: np.ndarray, gain: np.ndarray, eps: float, width: int, out: n
 
 def get_rows(table: np.ndarray | WeightTensor, ids: np.ndarray, out: np.ndarray) -> None:
     if isinstance(table, WeightTensor):
-        out[:] = dequantize_rows(table.rows(ids), table.ggml_type, table.shape[-1])
+        # a few rows at a time: the dequantizers' numpy temporaries are ~3x their output, 12 MiB at the top of
+        # a 512-token pass of a 2048-wide model otherwise; each row's values do not depend on the others'
+        for r0 in range(0, len(ids), GET_ROWS_CHUNK):
+            chunk = ids[r0 : r0 + GET_ROWS_CHUNK]
+            out[r0 : r0 + len(chunk)] = dequantize_rows(table.rows(chunk), table.ggml_type, table.shape[-1])
     else:
         np.take(table, ids, axis=0, out=out)
 
