@@ -242,7 +242,7 @@ def test_the_model_store_routes_say_what_to_do_instead(server, name, method, pat
 def test_version_and_ndjson(server, name):
     assert httpx.get(server.url + "/api/version").json()["version"].count(".") == 2
     with httpx.stream("POST", server.url + "/api/chat", json={"model": name, "messages": ASK,
-                                                             "options": {"num_predict": 4}}) as r:
+                                                             "options": {"num_predict": 4}}, timeout=300) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[-1]["done"] is True and all(line["done"] is False for line in lines[:-1])
