@@ -25,6 +25,19 @@ def fixture_dir(arch: str) -> Path:
     return FIXTURES / arch
 
 
+# two tiny models behind one server (the several-model router's, the Ray front's tests): distinct answers
+TWO_MODELS = {"llama": FIXTURES / "llama" / "model-f32.gguf", "gemma3": FIXTURES / "gemma3" / "model-f32.gguf"}
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of :data:`TWO_MODELS`, named by file stem (both fixtures' files are model-f32.gguf)."""
+    folder = tmp_path_factory.mktemp("models")
+    for name, path in TWO_MODELS.items():
+        (folder / f"{name}.gguf").symlink_to(path)
+    return folder
+
+
 def load_json(path: Path):
     return json.loads(path.read_text())
 

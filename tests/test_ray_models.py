@@ -9,31 +9,21 @@ model and ``/metrics`` labels each replica's samples with its model; ``--models-
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import fixture_dir
-from test_ray_serve import READY_TIMEOUT, _started, ray_processes, wait_ready
+from conftest import TWO_MODELS
+from test_ray_serve import READY_TIMEOUT, _started, assert_no_ray_left, ray_processes, wait_ready
 
 from minfer.cli import main
 from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-MODELS = {"llama": fixture_dir("llama") / "model-f32.gguf", "gemma3": fixture_dir("gemma3") / "model-f32.gguf"}
+MODELS = TWO_MODELS
 PROMPT = "The quick brown fox"
 
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("models")
-    for name, path in MODELS.items():
-        (folder / f"{name}.gguf").symlink_to(path)  # named by file stem: both fixtures are model-f32.gguf
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +36,7 @@ def cluster(models_dir: Path):
     with _started(server):
         wait_ready(server.url, 2, READY_TIMEOUT)
         yield server
-    deadline = time.monotonic() + 60
-    while (left := ray_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"Ray processes left running after the server stopped: {sorted(left)}"
+    assert_no_ray_left(before)
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,12 @@ def cluster(smollm2_path: Path):
         wait_ready(server.url, 2, READY_TIMEOUT)
         yield server
     # the front stopped its replicas and the cluster it started: nothing of Ray is left running
+    assert_no_ray_left(before)
+
+
+def assert_no_ray_left(before: set[int]) -> None:
+    """Waits for the Ray processes a stopped server started (not in ``before``) to end; kills any left, so as
+    never to slow the rest of the suite, and says so."""
     deadline = time.monotonic() + 60
     while (left := ray_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import httpx
 import ollama
 import pytest
-from conftest import fixture_dir
+from conftest import TWO_MODELS
 from prometheus_client.parser import text_string_to_metric_families
 
 from minfer.pull import sha256_file
@@ -17,18 +16,11 @@ from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-MODELS = {"llama": fixture_dir("llama") / "model-f32.gguf", "gemma3": fixture_dir("gemma3") / "model-f32.gguf"}
+MODELS = TWO_MODELS
 PREDICTED = "llamacpp:tokens_predicted_total"
 FRONT_FAMILIES = {"minfer_models_configured", "minfer_models_loaded", "minfer_model_loaded",
                   "minfer_model_requests_active", "minfer_model_load_seconds", "minfer_model_loads"}
 
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("models")
-    for name, path in MODELS.items():
-        (folder / f"{name}.gguf").symlink_to(path)
-    return folder
 
 
 @pytest.fixture(scope="module")

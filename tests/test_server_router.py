@@ -13,23 +13,16 @@ from pathlib import Path
 import httpx
 import ollama
 import pytest
-from conftest import fixture_dir
+from conftest import TWO_MODELS, fixture_dir
 from openai import OpenAI
 
 from minfer.testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-MODELS = {"llama": fixture_dir("llama") / "model-f32.gguf", "gemma3": fixture_dir("gemma3") / "model-f32.gguf"}
+MODELS = TWO_MODELS
 PROMPT = "The quick brown fox"
 
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("models")
-    for name, path in MODELS.items():
-        (folder / f"{name}.gguf").symlink_to(path)
-    return folder
 
 
 def complete(url: str, model: str, n: int = 8) -> str:
