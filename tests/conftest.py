@@ -144,17 +144,8 @@ def derive_gguf(src: Path, dst: Path, kv: dict | None = None, tensors: dict[str,
     tensor passed through ``transform(name, float32 array) -> (array, raw_dtype or None)`` when given."""
     import gguf
 
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
     kv = dict(kv or {})
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in kv:
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, field.contents())
-        else:
-            w.add_key_value(key, field.contents(), field.types[0])
+    reader, w = _gguf_copy_of_fields(src, dst, skip=set(kv))
     for key, value in kv.items():
         if isinstance(value, str):
             w.add_string(key, value)
@@ -175,6 +166,26 @@ def derive_gguf(src: Path, dst: Path, kv: dict | None = None, tensors: dict[str,
             w.add_tensor(t.name, out, raw_shape=out.shape, raw_dtype=raw_dtype)
     for name, arr in (tensors or {}).items():
         w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+    return _written(w, dst)
+
+
+def _gguf_copy_of_fields(src: Path, dst: Path, skip: set[str]):
+    """A reader of GGUF ``src`` and a writer of ``dst`` holding ``src``'s metadata less the keys in ``skip``."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in skip:
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    return reader, w
+
+
+def _written(w, dst: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -211,18 +222,8 @@ def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, drop: tuple[str, 
                  tensors: dict[str, np.ndarray] | None = None) -> Path:
     """``src`` with metadata ``kv`` replaced (strings), keys and tensors in ``drop`` left out and ``tensors``
     replaced or added (as F32): the mmproj tests' broken and altered files."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     kv, tensors = dict(kv or {}), dict(tensors or {})
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in kv or key in drop:
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, field.contents())
-        else:
-            w.add_key_value(key, field.contents(), field.types[0])
+    reader, w = _gguf_copy_of_fields(src, dst, skip=set(kv) | set(drop))
     for key, value in kv.items():
         w.add_string(key, value)
     for t in reader.tensors:
@@ -235,8 +236,4 @@ def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, drop: tuple[str, 
             w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
     for name in sorted(set(tensors) - {t.name for t in reader.tensors}):
         w.add_tensor(name, np.ascontiguousarray(tensors[name], np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return _written(w, dst)
