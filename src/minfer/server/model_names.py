@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from starlette.types import Scope
@@ -25,13 +25,22 @@ def find_model(models: Mapping[str, T], name: str) -> T:
                    status=404, type="not_found_error", param="model", code="model_not_found")
 
 
-def model_of(scope: Scope, body: bytes) -> str | None:
-    """The model a request names: its JSON body's ``model`` (ollama's older ``name``), else ``?model=``."""
-    if body[:1] == b"{":
-        with contextlib.suppress(ValueError):
-            parsed = json.loads(body)
-            name = parsed.get("model", parsed.get("name")) if isinstance(parsed, dict) else None
-            if isinstance(name, str) and name:
-                return name
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """A request body that is a JSON object, else None (the model's server answers what is wrong with it)."""
+    if body[:1] != b"{":
+        return None
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(body)
+        return parsed if isinstance(parsed, dict) else None
+    return None
+
+
+def model_of(scope: Scope, body: Mapping[str, Any] | None) -> str | None:
+    """The model a request names: its JSON body's ``model`` (ollama's older ``name``; ``body`` as
+    :func:`json_object` reads it), else ``?model=``."""
+    if body is not None:
+        name = body.get("model", body.get("name"))
+        if isinstance(name, str) and name:
+            return name
     values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model")
     return values[0] if values else None

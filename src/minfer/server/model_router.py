@@ -51,7 +51,7 @@ from minfer.server.cluster.metrics_merge import merge
 from minfer.server.errors import ApiError, error_response
 from minfer.server.middleware import has_key, is_page_path, missing_key_error
 from minfer.server.model_names import find_model
-from minfer.server.model_names import model_of as _model_of
+from minfer.server.model_names import json_object, model_of
 
 log = logging.getLogger("minfer.server")
 
@@ -552,9 +552,9 @@ class ModelRouter:
             body = await _read_body(receive, self.max_body_size + 1)  # beyond the cap: the model server's 413
         except ClientGone:
             return
-        entry = self.find(_model_of(scope, body) or self.default.name, scope["path"])
+        parsed = json_object(body)
+        entry = self.find(model_of(scope, parsed) or self.default.name, scope["path"])
         if scope["method"] == "POST":
-            parsed = _json_object(body)
             if _load_request(scope["path"], parsed) == "unload":
                 await self._unload_on_request(entry)
                 await self._json(send, _unload_answer(scope["path"], parsed))
@@ -633,16 +633,6 @@ def _pages(key_required: bool) -> Any:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     register_pages(app, chat=True, key_required=key_required)
     return app
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    """A body that is a JSON object, else None (the model's server answers what is wrong with it)."""
-    if body[:1] != b"{":
-        return None
-    with contextlib.suppress(ValueError):
-        parsed = json.loads(body)
-        return parsed if isinstance(parsed, dict) else None
-    return None
 
 
 def _keep_alive_of(body: dict[str, Any] | None) -> float | None:

@@ -41,7 +41,7 @@ from minfer.server.cluster.routing_key import PromptKeys
 from minfer.server.context import OFF_LOOP_BYTES, sse
 from minfer.server.errors import ApiError, anthropic_error_body, error_response
 from minfer.server.middleware import has_key, missing_key_error
-from minfer.server.model_names import find_model, model_of
+from minfer.server.model_names import find_model, json_object, model_of
 from minfer.server.typed_stream import sse_event
 
 log = logging.getLogger("minfer.server")
@@ -398,7 +398,7 @@ class Front:
         """The model whose replicas answer the request (one model: that one, whatever the name)."""
         if len(self.models) == 1:
             return self.default
-        name = model_of(scope, body)
+        name = model_of(scope, json_object(body))
         return self.default if name is None else find_model({n: n for n in self.models}, name)
 
     async def _route(self, scope: Scope, body: bytes, model: str, hashes: list[bytes], send: Send) -> None:
