@@ -50,8 +50,7 @@ from minfer.server.cluster.front import HOP_HEADERS, ClientGone, _read_body, _wa
 from minfer.server.cluster.metrics_merge import merge
 from minfer.server.errors import ApiError, error_response
 from minfer.server.middleware import has_key, is_page_path, missing_key_error
-from minfer.server.model_names import find_model
-from minfer.server.model_names import json_object, model_of
+from minfer.server.model_names import find_model, json_object, model_of
 
 log = logging.getLogger("minfer.server")
 
