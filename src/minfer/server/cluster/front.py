@@ -150,28 +150,32 @@ class Front:
         if scope["type"] != "http":
             return
         path = scope["path"]
-        if path == "/health":
+        if path == "/health":  # open: load balancers probe it
             await self._health(send)
-        elif len(self.models) > 1 and path in ("/v1/models", "/models") and scope["method"] == "GET":
-            if self.config.api_keys and not has_key(scope, self.config.api_keys):
-                await error_response(missing_key_error())(scope, receive, send)
-                return
-            await _send_json(send, 200, self.model_list())
-        elif path == "/metrics":
-            if self.config.api_keys and not has_key(scope, self.config.api_keys):
-                await error_response(missing_key_error())(scope, receive, send)
-                return
-            await self._metrics(send)
-        elif len(self.models) > 1 and (scope["method"], path) in _MODELS_ROUTES:
-            if self.config.api_keys and not has_key(scope, self.config.api_keys):
-                await error_response(missing_key_error(), path)(scope, receive, send)
-                return
-            try:
-                await _MODELS_ROUTES[scope["method"], path](self, scope, receive, send)
-            except ApiError as e:
-                await error_response(e, path)(scope, receive, send)
-        else:
+            return
+        own = self._own_route(scope["method"], path)
+        if own is None:
             await self._proxy(scope, receive, send)
+            return
+        try:
+            if self.config.api_keys and not has_key(scope, self.config.api_keys):
+                raise missing_key_error()
+            await own(scope, receive, send)
+        except ApiError as e:
+            await error_response(e, path)(scope, receive, send)
+
+    def _own_route(self, method: str, path: str) -> Callable[[Scope, Receive, Send], Awaitable[None]] | None:
+        """The front's own answer to ``method path`` (behind the key), or None: the request goes to a replica.
+        ``/metrics`` always; with several models also the routes about the models."""
+        if path == "/metrics":
+            return self._metrics
+        if len(self.models) > 1 and (method, path) in _MODELS_ROUTES:
+            route = _MODELS_ROUTES[method, path]
+            return lambda scope, receive, send: route(self, scope, receive, send)
+        return None
+
+    async def _model_list_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, self.model_list())
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -323,7 +327,7 @@ class Front:
         body = self.health()
         await _send_json(send, 200 if body["status"] == "ok" else 503, body)
 
-    async def _metrics(self, send: Send) -> None:
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.client is not None
         headers = {"Authorization": f"Bearer {self.config.api_keys[0]}"} if self.config.api_keys else {}
 
@@ -544,6 +548,7 @@ def _gone_or_cancelled(e: asyncio.CancelledError, task: asyncio.Task[Any]) -> Up
 
 # the routes about the models that a front of several answers itself (the rest go to a model's replica)
 _MODELS_ROUTES: dict[tuple[str, str], Callable[[Front, Scope, Receive, Send], Awaitable[None]]] = {
+    ("GET", "/v1/models"): Front._model_list_route, ("GET", "/models"): Front._model_list_route,
     ("GET", "/api/tags"): Front._ollama_listing, ("GET", "/api/ps"): Front._ollama_listing,
     ("POST", "/models/load"): Front._load_route, ("POST", "/models/unload"): Front._load_route}
 
