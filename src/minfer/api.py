@@ -200,13 +200,15 @@ class Model:
 
     def trace_forward(
         self, token_ids: Sequence[int], cache_type: str | None = None, budget: int | None = None,
-        description: str = "",
+        description: str = "", images: Sequence[PassImage] = (),
     ) -> ForwardTrace:
         """One forward pass of a fresh sequence, held for the trace explorer (:mod:`minfer.trace.explorer`).
 
         It runs on a plan and KV cache of its own (``cache_type``: this model's by default; another one
         to compare), sharing the weights and backend, so it never touches a generation's cache; call it
-        from the thread that runs the engine. ``budget``: bytes of full tensors kept (``MINFER_TRACE_MEMORY``)."""
+        from the thread that runs the engine. ``budget``: bytes of full tensors kept (``MINFER_TRACE_MEMORY``).
+        ``images``: where images' tokens go in the prompt (:meth:`image_prompt` makes both); their rows are
+        labelled ``<image k>`` and the trace marks them (``ForwardTrace.images``)."""
         ids = list(token_ids)
         if not ids:
             raise BadRequestError("no tokens to trace")
@@ -216,19 +218,25 @@ class Model:
         runner = ForwardRunner(self.transformer, self.backend, kv, max_plans=1)
         runner.lora_scales = self.runner.lora_scales
         plan = runner.plan(len(ids), len(ids))
+        placed = list(images)
 
         def execute(capture: TraceCapture) -> None:
             runner.observers = [capture]
             try:
-                runner.forward(ids, range(len(ids)))
+                runner.forward(ids, range(len(ids)), images=placed)
             finally:
                 runner.observers = []
 
+        labels = [self.tokenizer.decode([t]) if t >= 0 else "" for t in ids]
+        for k, img in enumerate(placed):
+            labels[img.first:img.end] = [f"<image {k}>"] * (img.end - img.first)
         arena = sum(a.nbytes for a in plan.pool) + kv.nbytes
-        trace = ForwardTrace.run(plan.graph, self.hparams, ids, [self.tokenizer.decode([t]) for t in ids],
-                                 kv.cache_type, self.path.name, execute, lambda t: self.tokenizer.decode([t]),
-                                 self.backend, budget, arena)
+        trace = ForwardTrace.run(plan.graph, self.hparams, ids, labels, kv.cache_type, self.path.name, execute,
+                                 lambda t: self.tokenizer.decode([t]), self.backend, budget, arena,
+                                 images=[(img.first, img.end) for img in placed],
+                                 images_bidirectional=bool(getattr(self.transformer.vision, "bidirectional", False)))
         trace.description = description or f"{self.path.name}, {kv.cache_type} cache"
+        trace.pass_images = placed
         return trace
 
     # -- embeddings ------------------------------------------------------------------------------
@@ -476,11 +484,13 @@ class Model:
             raise BadRequestError("a conversation needs a model loaded with one slot (the default engine)")
         return Conversation(self, system, seed=seed, **sampling)
 
-    def image_prompt(self, prompt: str, images: Sequence[ImageInput]) -> tuple[list[int], list[PassImage]]:
-        """The ids of a rendered prompt holding one media marker per image, and where each image's tokens go."""
+    def image_prompt(self, prompt: str, images: Sequence[ImageInput], add_special: bool = False,
+                     ) -> tuple[list[int], list[PassImage]]:
+        """The ids of a rendered prompt holding one media marker per image (``add_special``: a plain prompt, the
+        tokenizer adding its special tokens as :meth:`tokenize` does), and where each image's tokens go."""
         if self.images is None:
             raise BadRequestError(f"{self.path} takes no images (it has no vision model)")
-        return self.images.prompt(prompt, images)
+        return self.images.prompt(prompt, images, add_special)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:

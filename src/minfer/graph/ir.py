@@ -223,9 +223,6 @@ class Backend(Protocol):
     def dequantize(self, tensor: Any) -> np.ndarray:
         """A weight tensor whole, as float32 in its numpy shape (small ones: a norm's gain)."""
 
-    def embedding_rows(self, table: Any, ids: np.ndarray, out: np.ndarray) -> None:
-        """``out[i]`` = row ``ids[i]`` of the weight ``table`` (an embedding), as float32."""
-
     def float_matmul(self, x: np.ndarray, w: Any, out: np.ndarray) -> None:
         """``out = x @ W^T`` in float32 with ``W`` dequantized exactly and ``x`` as given (never rounded to
         quantized blocks): the logit lens's projection of a residual onto the vocabulary."""

@@ -302,9 +302,11 @@ class ImagePrompter:
         """What an unsplit image's marker becomes."""
         return self.runner.model.image_text(self.tokenizer.token_text)
 
-    def prompt(self, text: str, images: Sequence[ImageInput]) -> tuple[list[int], list[PassImage]]:
+    def prompt(self, text: str, images: Sequence[ImageInput], add_special: bool = False,
+               ) -> tuple[list[int], list[PassImage]]:
         """The prompt ids of ``text`` (a rendered prompt holding one :data:`MEDIA_MARKER` per image, special tokens
-        included) and where each tile's tokens go (one :class:`PassImage` per run of placeholders, in order)."""
+        included, or with ``add_special`` a plain one the tokenizer adds them to, BOS first) and where each tile's
+        tokens go (one :class:`PassImage` per run of placeholders, in order)."""
         pieces = text.split(MEDIA_MARKER)
         if len(pieces) - 1 != len(images):
             raise BadRequestError(f"the prompt holds {len(pieces) - 1} image markers for {len(images)} images "
@@ -314,7 +316,7 @@ class ImagePrompter:
         expanded = [pieces[0]]
         for (_, rows, cols), piece in zip(tiles, pieces[1:], strict=True):
             expanded += [model.image_text(self.tokenizer.token_text, rows, cols), piece]
-        ids = self.tokenizer.encode("".join(expanded), add_special=False)
+        ids = self.tokenizer.encode("".join(expanded), add_special=add_special)
         hp = model.hparams
         is_image = np.asarray(ids) == hp.image_token_id
         starts = [i for i in np.flatnonzero(is_image) if i == 0 or not is_image[i - 1]]

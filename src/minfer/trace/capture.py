@@ -13,7 +13,9 @@ from minfer.trace.tracer import array_stats
 
 class TraceCapture:
     """An observer of :meth:`Plan.run`: statistics of every node, full copies of the nodes of ``layers``,
-    the residual output of every layer, and the top tokens of the logits."""
+    the residual output of every layer, and the top tokens of the logits; with ``stats``, also full copies of
+    the nodes outside the layers but the logits (the embedding rows, an image's rows merged in, the final norm:
+    ``[tokens, n_embd]`` each)."""
 
     def __init__(self, layers: set[int], layer_outputs: dict[int, int], top: int = 5, stats: bool = True) -> None:
         self.layers = layers
@@ -22,6 +24,8 @@ class TraceCapture:
         self.record_stats = stats
         self.stats: dict[int, dict[str, Any]] = {}
         self.tensors: dict[int, np.ndarray] = {}
+        self.outside: dict[int, np.ndarray] = {}  # node id -> output, for nodes outside the layers
+        self.past_output = False
         self.kv_read: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (K, V) as attention read them
         self.residuals: dict[int, np.ndarray] = {}
         self.top_tokens: np.ndarray | None = None  # [tokens, top] ids
@@ -35,6 +39,10 @@ class TraceCapture:
         data = s.args[0] if node.op is Op.KV_STORE else s.out
         if self.record_stats:
             self.stats[node.id] = {"us": round(seconds * 1e6, 1), **array_stats(data)}
+            if node.name == "output":
+                self.past_output = True  # what follows works on the [tokens, vocab] logits: not kept
+            elif node.layer is None and node.op is not Op.INPUT and not self.past_output:
+                self.outside[node.id] = np.array(data, dtype=np.float32, copy=True)
         if node.layer in self.layers and node.name != "output":
             self.tensors[node.id] = np.array(data, dtype=np.float32, copy=True)
             if node.op is Op.ATTN:

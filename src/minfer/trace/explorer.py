@@ -17,8 +17,9 @@ Attention is the one op whose intermediates the fused kernel never materializes:
 from the engine's Q and the K/V the kernel read (:mod:`minfer.trace.head_attention`), and its output is
 compared with the fused kernel's (``check``), so what the page shows is what the engine did.
 
-What the trace recomputes outside the plan (embedding rows, the final norm's gain, the logit lens's
-matmul) runs on the backend object it is given: this layer imports no kernels. Beside this module:
+The nodes outside the layers (the embedding rows, an image's rows merged in, the final norm) are kept from
+the first run, ``[tokens, n_embd]`` each. What the trace recomputes outside the plan (the final norm's gain
+and the logit lens's matmul) runs on the backend object it is given: this layer imports no kernels. Beside this module:
 :mod:`~minfer.trace.capture` (what a run keeps), :mod:`~minfer.trace.logit_lens`,
 :mod:`~minfer.trace.page_json` (how answers are written), :mod:`~minfer.trace.compare` (two runs side
 by side) and :mod:`~minfer.trace.example` (a hand-made head).
@@ -95,13 +96,20 @@ class ForwardTrace:
     top_tokens: np.ndarray | None = None
     top_logits: np.ndarray | None = None
     recaptures: int = 0
+    outside: dict[int, np.ndarray] = field(default_factory=dict)  # the nodes outside the layers (first run)
+    # the prompt rows that took an image's tokens, [first, end) per image, and whether an image's rows see the
+    # whole image (Gemma 3) rather than the keys up to their own position (Idefics3)
+    images: list[tuple[int, int]] = field(default_factory=list)
+    images_bidirectional: bool = False
+    pass_images: list[Any] = field(default_factory=list)  # the images' tokens as given (a run traced again takes them)
 
     @classmethod
     def run(cls, graph: Graph, hparams: Any, tokens: Sequence[int], labels: list[str], cache_type: str,
             model_name: str, execute: Callable[[TraceCapture], None], decode: Callable[[int], str],
-            backend: Backend, budget: int | None = None, arena_bytes: int = 0) -> ForwardTrace:
+            backend: Backend, budget: int | None = None, arena_bytes: int = 0,
+            images: Sequence[tuple[int, int]] = (), images_bidirectional: bool = False) -> ForwardTrace:
         """Run the pass once (``execute(capture)`` runs the plan with the capture as its observer), keeping
-        the first layers whose tensors fit in ``budget``."""
+        the first layers whose tensors fit in ``budget``; ``images``: the rows that hold images' tokens."""
         budget = budget_from_env() if budget is None else budget
 
         def recapture(layers: set[int], stats: bool = False) -> TraceCapture:
@@ -110,7 +118,8 @@ class ForwardTrace:
             return capture
 
         trace = cls(graph, hparams, list(tokens), labels, cache_type, model_name, recapture, decode, backend,
-                    budget, arena_bytes)
+                    budget, arena_bytes, images=[(int(a), int(b)) for a, b in images],
+                    images_bidirectional=images_bidirectional)
         trace.by_id = {n.id: n for n in graph.nodes}
         trace.by_name = {n.name: n for n in graph.nodes if n.name}
         keep: set[int] = set()
@@ -127,6 +136,7 @@ class ForwardTrace:
         trace.stats = capture.stats
         trace.residuals = capture.residuals
         trace.top_tokens, trace.top_logits = capture.top_tokens, capture.top_logits
+        trace.outside = capture.outside
         trace._take(capture, keep)
         return trace
 
@@ -152,14 +162,30 @@ class ForwardTrace:
         return total + len(self.tokens) * (self.hparams.k_width + self.hparams.v_width) * 4
 
     def fixed_bytes(self) -> int:
-        """Bytes held whatever the budget: the residuals and the top tokens."""
+        """Bytes held whatever the budget: the residuals, the nodes outside the layers and the top tokens."""
         n = len(self.tokens)
-        return self.hparams.n_layer * n * self.hparams.n_embd * 4 + n * 5 * 12
+        outside = sum(int(np.prod(n.shape)) * 4 for n in self.graph.nodes
+                      if n.layer is None and n.op not in (Op.INPUT, Op.WEIGHT, Op.KV_LOAD, Op.QUANTIZE)
+                      and n.id < self._output_id())
+        return self.hparams.n_layer * n * self.hparams.n_embd * 4 + outside + n * 5 * 12
+
+    def _output_id(self) -> int:
+        out = self.by_name.get("output")
+        return out.id if out is not None else max(n.id for n in self.graph.nodes) + 1
+
+    def key_ends(self) -> np.ndarray:
+        """Each prompt row's last visible key position: its own, or on an image's rows (Gemma 3) the image's last."""
+        ends = np.arange(len(self.tokens), dtype=np.int64)
+        if self.images_bidirectional:
+            for first, end in self.images:
+                ends[first:end] = end - 1
+        return ends
 
     def held_bytes(self) -> int:
         held = sum(a.nbytes for tensors in self.layers.values() for a in tensors.values())
         held += sum(k.nbytes + v.nbytes for k, v in self.kv_read.values())
         held += sum(a.nbytes for a in self.residuals.values())
+        held += sum(a.nbytes for a in self.outside.values())
         if self.top_tokens is not None and self.top_logits is not None:
             held += self.top_tokens.nbytes + self.top_logits.nbytes
         return held
@@ -202,32 +228,10 @@ class ForwardTrace:
         if node.op in (Op.WEIGHT, Op.KV_LOAD, Op.QUANTIZE) or (node.op is Op.INPUT and node.layer is None):
             return None
         if node.layer is None:
-            if node.name == "output":
-                return None  # [tokens, vocab]: only its top tokens are kept
-            for layer, nid in self.layer_outputs().items():
-                if nid == node.id:
-                    return self.residuals[layer]
-            capture = self.recapture(set())  # the final norm: small, recomputed when asked
-            self.recaptures += 1
-            return self._final_from(capture, node)
+            # the nodes outside the layers (embedding, an image's rows merged in, the final norm) were kept by
+            # the first run; the logits were not ([tokens, vocab]: only their top tokens)
+            return self.outside.get(node.id)
         return self.ensure_layer(node.layer)[node.id]
-
-    def _final_from(self, capture: TraceCapture, node: Node) -> np.ndarray | None:
-        # the nodes outside layers (embedding, final norm) are cheap: recompute from the residual they read
-        src = node.inputs[0] if node.inputs else None
-        if node.op is Op.GET_ROWS:
-            out = np.empty(node.shape, np.float32)
-            self.backend.embedding_rows(node.inputs[0].source, np.asarray(self.tokens, np.int64), out)
-            return out
-        if node.op in (Op.RMS_NORM_MUL, Op.RMS_NORM) and src is not None:
-            residual = self.tensor(src)
-            if residual is None:
-                return None
-            return self.final_norm(residual, node)
-        if node.op is Op.SCALE and src is not None:
-            x = self.tensor(src)
-            return None if x is None else (x * np.float32(node.meta.factor)).astype(np.float32)
-        return None
 
     # -- views -------------------------------------------------------------------------------------
 
@@ -247,6 +251,7 @@ class ForwardTrace:
                 "labels": self.labels, "n_layer": hp.n_layer, "n_head": hp.n_head, "n_head_kv": hp.n_head_kv,
                 "head_dim": hp.head_dim_k, "head_dim_v": hp.head_dim_v, "n_embd": hp.n_embd,
                 "cache_type": self.cache_type, "seconds": round(self.seconds, 4), "memory": self.memory(),
+                "images": [list(span) for span in self.images],
                 "top_tokens": top, "outside_layers": [node_json(n) | {"stats": self.stats.get(n.id)}
                                                       for n in self.graph.nodes
                                                       if n.layer is None and n.op not in (Op.WEIGHT,)
@@ -321,25 +326,27 @@ class ForwardTrace:
         group = hp.n_head // hp.n_head_kv
         kvh = head // group
         dk, dv = hp.head_dim_k, hp.head_dim_v
+        ends = self.key_ends()[r0:r1]
+        n_keys = max(r1, int(ends.max()) + 1)  # an image's rows see keys past the last row shown
         q = tensors[nodes["q_rope"].id].reshape(n, hp.n_head, dk)[r0:r1, head]
         k_all, v_all = self.kv_read[layer]
-        k = k_all.reshape(-1, hp.n_head_kv, dk)[:r1, kvh]
-        v = v_all.reshape(-1, hp.n_head_kv, dv)[:r1, kvh]
+        k = k_all.reshape(-1, hp.n_head_kv, dk)[:n_keys, kvh]
+        v = v_all.reshape(-1, hp.n_head_kv, dv)[:n_keys, kvh]
         o_engine = tensors[attn.id].reshape(n, hp.n_head, dv)[r0:r1, head]
         window = attn.meta.window
-        ref = attention_reference(q, k, v, attn.meta.scale, np.arange(r0, r1), window)
+        ref = attention_reference(q, k, v, attn.meta.scale, np.arange(r0, r1), window, ends)
         check = attention_check(ref["output"], o_engine)
         visible = ref["visible"]
         first = np.argmax(visible, axis=1)
         o_proj = nodes["o_proj"]
         return {
-            "layer": layer, "head": head, "kv_head": kvh, "group": group, "rows": [r0, r1], "keys": r1,
+            "layer": layer, "head": head, "kv_head": kvh, "group": group, "rows": [r0, r1], "keys": n_keys,
             "scale": attn.meta.scale, "window": window, "cache_type": self.cache_type,
-            "labels": self.labels[:r1],
+            "labels": self.labels[:n_keys],
             "nodes": {key: (None if nd is None else node_json(nd)) for key, nd in nodes.items()},
             "q": b64(q), "k": b64(k), "v": b64(v),
             "scores": b64(ref["scores"]), "weights": b64(ref["weights"]),
-            "visible_from": first.tolist(), "visible_to": list(range(r0, r1)),
+            "visible_from": first.tolist(), "visible_to": ends.tolist(),
             "output_reference": b64(ref["output"]), "output": b64(o_engine),
             "o_proj": None if o_proj is None else b64(tensors[o_proj.id][r0:r1]),
             "check": check,

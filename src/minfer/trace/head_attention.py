@@ -16,17 +16,20 @@ ATTENTION_CHECK_TOL = 1e-5  # reference vs fused kernel, relative to the largest
 
 
 def attention_reference(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, positions: np.ndarray, window: int = 0
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, positions: np.ndarray, window: int = 0,
+    key_ends: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """One head's attention in float64 from the engine's float32 inputs: q ``[t, d]`` at ``positions``,
-    k ``[s, d]`` and v ``[s, dv]`` for key positions 0..s-1. Query t sees keys 0..positions[t] (in a
-    sliding-window layer, ``window`` > 0, only the last ``window`` of them). Returns the scaled scores
+    k ``[s, d]`` and v ``[s, dv]`` for key positions 0..s-1. Query t sees keys 0..positions[t], or
+    0..key_ends[t] where given (Gemma 3's image rows see their whole image); in a sliding-window layer,
+    ``window`` > 0, only keys less than ``window`` before its own position. Returns the scaled scores
     ``[t, s]``, the visibility mask, the softmax weights (masked cells exactly 0) and the output ``[t, dv]``."""
     q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
     scores = q64 @ k64.T * scale
     keys = np.arange(k64.shape[0])[None, :]
     pos = np.asarray(positions, np.int64)[:, None]
-    visible = keys <= pos
+    ends = pos if key_ends is None else np.asarray(key_ends, np.int64)[:, None]
+    visible = keys <= ends
     if window > 0:
         visible &= pos - keys < window
     masked = np.where(visible, scores, -np.inf)

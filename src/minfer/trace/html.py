@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +23,22 @@ import numpy as np
 from minfer.errors import BadRequestError
 from minfer.graph.ir import Op
 from minfer.graph.plan import Step
+from minfer.trace.head_attention import attention_reference
 from minfer.trace.tracer import array_stats
 
 
 def attention_intermediates(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0, key_ends: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """One head's attention, every intermediate kept: q ``[t, d]``, k ``[s, d]``, v ``[s, dv]`` (rows at
-    positions 0..), token t sees keys 0..t (in a sliding-window layer, ``window`` > 0, only keys
-    t - window + 1..t). Float64, from the float32 inputs the engine used."""
-    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
-    scores = q64 @ k64.T * scale
-    t, s = scores.shape
-    hidden = np.arange(s)[None, :] > np.arange(t)[:, None]
-    if window > 0:
-        hidden |= np.arange(t)[:, None] - np.arange(s)[None, :] >= window
-    masked = np.where(hidden, -np.inf, scores)
-    e = np.exp(masked - masked.max(axis=1, keepdims=True))
-    weights = e / e.sum(axis=1, keepdims=True)
-    return {"scores": scores.tolist(), "masked": [[None if math.isinf(x) else x for x in row] for row in masked],
-            "weights": weights.tolist(), "output": (weights @ v64).tolist(), "v": v64.tolist()}
+    positions 0..), token t sees keys 0..t, or 0..key_ends[t] where given (Gemma 3's image rows see their
+    whole image); in a sliding-window layer, ``window`` > 0, only keys t - window + 1... Float64, from the
+    float32 inputs the engine used (:func:`~minfer.trace.head_attention.attention_reference`)."""
+    ref = attention_reference(q, k, v, scale, np.arange(q.shape[0]), window, key_ends)
+    masked = np.where(ref["visible"], ref["scores"], -np.inf)
+    return {"scores": ref["scores"].tolist(), "masked": [[None if math.isinf(x) else x for x in row] for row in masked],
+            "weights": ref["weights"].tolist(), "output": ref["output"].tolist(),
+            "v": np.asarray(v, np.float64).tolist()}
 
 
 def inlined(n_layer: int, n_head: int, n_tokens: int, layers: list[int] | None, heads: list[int] | None,
@@ -87,10 +84,13 @@ DEFAULT_MAX_POSITIONS = 64
 
 
 def trace_page_data(
-    model: Any, prompt: str, top: int = 5, layers: list[int] | None = None, heads: list[int] | None = None,
-    max_positions: int | None = DEFAULT_MAX_POSITIONS, max_cells: int = DEFAULT_MAX_CELLS,
+    model: Any, prompt: str | Sequence[int], top: int = 5, layers: list[int] | None = None,
+    heads: list[int] | None = None, max_positions: int | None = DEFAULT_MAX_POSITIONS,
+    max_cells: int = DEFAULT_MAX_CELLS, images: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """Run ``prompt`` through ``model`` once (a fresh sequence) and collect what the page shows.
+    """Run ``prompt`` (a string, or its token ids) through ``model`` once (a fresh sequence) and collect what the
+    page shows; ``images``: where images' tokens go in the ids (``Model.image_prompt`` makes both), their rows
+    labelled ``<image k>`` and listed in ``images``.
 
     The attention matrices grow with the square of the prompt, so the page inlines only some of them:
     ``layers`` and ``heads`` (default: every head of the first layers that fit in ``max_cells`` cells) and
@@ -98,27 +98,35 @@ def trace_page_data(
     from minfer.graph import printing
     from minfer.graph.fusion import fuse
 
-    ids = model.tokenize(prompt)
+    ids = model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     hp = model.hparams
     layers, heads, n_pos = inlined(hp.n_layer, hp.n_head, len(ids), layers, heads, max_positions, max_cells)
     capture = Capture()
     model.runner.observers.append(capture)
     try:
-        logits = model.logits(ids)
+        logits = model.runner.forward(ids, range(len(ids)), images=images) if images else model.logits(ids)
     finally:
         model.runner.observers.remove(capture)
-    labels = [model.tokenizer.decode([t]) for t in ids]
+    labels = [model.tokenizer.decode([t]) if t >= 0 else "" for t in ids]
+    key_ends = np.arange(len(ids))
+    bidirectional = bool(getattr(model.transformer.vision, "bidirectional", False))
+    for k, img in enumerate(images):
+        labels[img.first:img.end] = [f"<image {k}>"] * (img.end - img.first)
+        if bidirectional:
+            key_ends[img.first:img.end] = img.end - 1
     group = hp.n_head // hp.n_head_kv
     shown = []
     for il in layers:
         p = f"blk.{il}."
         q = capture.outputs[p + "q_rope"].reshape(len(ids), hp.n_head, hp.head_dim_k)[:n_pos]
-        k = capture.outputs[p + "k_rope"].reshape(len(ids), hp.n_head_kv, hp.head_dim_k)[:n_pos]
+        # an image's rows inside the first n_pos may see keys past them (Gemma 3): the window is widened to those
+        n_keys = max(n_pos, int(key_ends[:n_pos].max()) + 1)
+        k = capture.outputs[p + "k_rope"].reshape(len(ids), hp.n_head_kv, hp.head_dim_k)[:n_keys]
         v_name = p + "v.bias" if p + "v.bias" in capture.outputs else p + "v"
-        v = capture.outputs[v_name].reshape(len(ids), hp.n_head_kv, hp.head_dim_v)[:n_pos]
+        v = capture.outputs[v_name].reshape(len(ids), hp.n_head_kv, hp.head_dim_v)[:n_keys]
         window = hp.layer_window(il)
-        per_head = [attention_intermediates(q[:, h], k[:, h // group], v[:, h // group], hp.attn_scale, window)
-                    | {"head": h} for h in heads]
+        per_head = [attention_intermediates(q[:, h], k[:, h // group], v[:, h // group], hp.attn_scale, window,
+                                            key_ends[:n_pos]) | {"head": h} for h in heads]
         shown.append({"layer": il, "heads": per_head, "window": window})
     omitted = []
     if len(layers) < hp.n_layer:
@@ -134,8 +142,10 @@ def trace_page_data(
         top_tokens.append([[int(t), model.tokenizer.decode([int(t)]), float(row[t])] for t in best])
     graph = json.loads(printing.to_json(fuse(model.transformer.build_graph(len(ids), len(ids), model.n_ctx))))
     graph["nodes"] = [n for n in graph["nodes"] if n["layer"] in (0, None) and n["op"] not in ("weight",)]
+    text = prompt if isinstance(prompt, str) else model.tokenizer.decode([t for t in ids if t >= 0])
     return {
-        "model": model.path.name, "prompt": prompt, "tokens": labels, "n_head": hp.n_head, "n_head_kv": hp.n_head_kv,
+        "model": model.path.name, "prompt": text, "tokens": labels, "images": [[img.first, img.end] for img in images],
+        "n_head": hp.n_head, "n_head_kv": hp.n_head_kv,
         "head_dim": hp.head_dim_k, "scale": hp.attn_scale, "layers": shown, "stats": capture.stats,
         "top_tokens": top_tokens, "graph": graph, "omitted": omitted,
     }

@@ -1,5 +1,5 @@
 """The :class:`~minfer.graph.ir.Backend` methods the trace explorer calls outside a plan (a norm's gain,
-embedding rows, the logit lens's matmul, a hand-made head's attention), for the CPU backend.
+the logit lens's matmul, a hand-made head's attention), for the CPU backend.
 
 They are the reference functions the kernels are checked against, except the attention, which is the
 kernel set's own (what the engine would compute for those inputs).
@@ -22,10 +22,6 @@ class ExplorerKernels:
     def dequantize(self, tensor: WeightTensor) -> np.ndarray:
         """The whole tensor as float32 in its numpy shape."""
         return ref.dequantize_tensor(tensor)
-
-    def embedding_rows(self, table: WeightTensor | np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-        """``out[i]`` = row ``ids[i]`` of ``table``, dequantized."""
-        ref.get_rows(table, ids, out)
 
     def float_matmul(self, x: np.ndarray, w: WeightTensor | np.ndarray, out: np.ndarray) -> None:
         """``out = x @ W^T``, W dequantized chunk by chunk (never whole), ``x`` as given."""

@@ -292,7 +292,7 @@ async function showAttention() {
     cache_type: a.cache_type, scale: a.scale, window: a.window, nodes: a.nodes, labels: a.labels,
     q: decode(a.q), k: decode(a.k), v: decode(a.v), scores: decode(a.scores), weights: decode(a.weights),
     output: decode(a.output), output_reference: decode(a.output_reference), o_proj: decode(a.o_proj),
-    visible_from: a.visible_from};
+    visible_from: a.visible_from, visible_to: a.visible_to};
   box.textContent = "";
   const r0 = a.rows[0];
   const tok = (i) => i + " " + tokenLabel(a.labels[i]);
@@ -320,7 +320,8 @@ async function showAttention() {
   const qo = {rowAxis: "query position", rowLabel: (i) => tok(r0 + i)};
   const ko = {rowAxis: "key position", rowLabel: tok};
   const dim = {colAxis: "head feature"};
-  const masked = (i, j) => j < A.visible_from[i] || j > r0 + i;
+  // a query sees keys visible_from..visible_to: its own position, or an image's last (Gemma 3's image rows)
+  const masked = (i, j) => j < A.visible_from[i] || j > A.visible_to[i];
   const grid = el("div");
   grid.append(heatmap("Q (after " + (nd.q_norm ? "QK-norm and " : "") + "RoPE)", A.q, Object.assign({name: "q"}, qo, dim)));
   grid.append(heatmap("K (from the cache)", A.k, Object.assign({name: "k"}, ko, dim)));
