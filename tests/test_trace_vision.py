@@ -86,9 +86,16 @@ def test_image_rows_see_their_whole_image_in_the_attention_panel(gemma3, traced)
 def test_causal_image_rows_are_not_widened():
     """SmolVLM (Idefics3) attends causally over its image rows: the panel's ends are the rows' own positions."""
     model = minfer.load(SMOLVLM / "hf", n_ctx=2048)
-    ids, placed = model.image_prompt(PROMPT, [image_input(GEMMA3, "rgb_64x64.png")], add_special=True)
-    trace = model.trace_forward(ids, images=placed)
+    inputs = [image_input(GEMMA3, "rgb_64x64.png")]
+    ids, placed = model.image_prompt(PROMPT, inputs, add_special=True)
+    trace = model.trace_forward(ids, images=placed, image_inputs=inputs)
     assert not trace.images_bidirectional and len(trace.images) == len(placed) >= 1
+    # the tower's pass holds every tile the processor cut (one PassImage each), the last node their tokens
+    vision = trace.vision
+    assert vision.n_tiles == len(placed)
+    last = vision.by_id[vision.summary()["nodes"][-1]["id"]]
+    np.testing.assert_array_equal(vision.tensor(last).reshape(len(placed), -1, placed[0].vectors.shape[1]),
+                                  np.stack([p.vectors for p in placed]))
     a = trace.attention(0, 0)
     assert a["check"]["equal"] and a["visible_to"] == list(range(len(ids)))
 
@@ -130,3 +137,96 @@ def test_html_page_data_widens_an_image_rows_keys(gemma3, traced):
     assert all(x is None for x in masked[img.first - 1][img.first:])
     weights = np.asarray(data["layers"][0]["heads"][0]["weights"])
     np.testing.assert_allclose(weights.sum(axis=1), 1, atol=1e-9)
+
+
+def test_the_vision_towers_pass_is_traced(gemma3):
+    """Every node of the tower and projector with its statistics; its last node's rows are the image's tokens the
+    text pass took; a node beyond the budget is captured again with the same values."""
+    inputs = [image_input(GEMMA3, "rgb_45x20.png")]
+    ids, placed = gemma3.image_prompt(PROMPT, inputs, add_special=True)
+    trace = gemma3.trace_forward(ids, images=placed, image_inputs=inputs)
+    vision = trace.vision
+    summary = vision.summary()
+    assert trace.summary()["vision"] and summary["tiles"] == 1
+    nodes = summary["nodes"]
+    assert len(nodes) > 10 and all(n["stats"] is not None for n in nodes)
+    assert any(n["layer"] == 0 for n in nodes) and any(".attn" in n["name"] for n in nodes)
+    last = vision.by_id[nodes[-1]["id"]]
+    np.testing.assert_array_equal(vision.tensor(last), placed[0].vectors)
+    view = vision.tensor_view(last.id)
+    assert view["shape"] == list(placed[0].vectors.shape) and view["labels"][0] == "tile 0 · 0"
+    # with no budget nothing is held, and each node asked for is the same bits again
+    tight = gemma3.trace_forward(ids, images=placed, image_inputs=inputs, budget=0).vision
+    assert tight.tensors == {} and tight.held_bytes() == 0
+    for n in nodes[::5]:
+        node = vision.by_id[n["id"]]
+        np.testing.assert_array_equal(tight.tensor(node), vision.tensor(node))
+    assert tight.recaptures == len(nodes[::5])
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def test_explorer_routes_and_page_with_an_image():
+    """`minfer trace GEMMA3 --mmproj --image --serve` as a user runs it: the run's summary marks the image rows and
+    names its vision pass; the vision routes answer; a chat exchange holding an image (a data: URL) traces with its
+    image; ``{"run": id}`` traces the same prompt and image again under another cache type; the page, in chromium,
+    shows the vision tower's nodes and a node's tensor, and the attention panel's image rows see their image."""
+    import httpx
+
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    from browser_support import Watched, guarded_context, launch_chromium, wait_js
+    from explorer_process import explorer_process
+
+    image = GEMMA3 / "images" / "rgb_45x20.png"
+    args = [str(GEMMA3 / "gguf" / "model-f32.gguf"), "What is in this image?", "--mmproj",
+            str(GEMMA3 / "gguf" / "mmproj-f32.gguf"), "--image", str(image), "-c", "256"]
+    with explorer_process(args) as url:
+        base = url.split("/trace")[0]
+        rid = url.split("run=")[1].split("&")[0]
+        with httpx.Client(base_url=base, timeout=120) as client:
+            run = client.get(f"/trace/api/runs/{rid}").json()
+            assert run["vision"] and len(run["images"]) == 1
+            first, end = run["images"][0]
+            assert run["labels"][first:end] == ["<image 0>"] * (end - first)
+            vision = client.get(f"/trace/api/runs/{rid}/vision").json()
+            assert vision["tiles"] == 1 and vision["tokens_per_tile"] == end - first
+            last = vision["nodes"][-1]
+            view = client.get(f"/trace/api/runs/{rid}/vision/nodes/{last['id']}").json()
+            assert view["shape"] == [end - first, last["shape"][1]]
+            weight = next(n for n in client.get(f"/trace/api/runs/{rid}/layers/0/graph").json()["nodes"]
+                          if n["op"] == "weight")
+            bad = client.get(f"/trace/api/runs/{rid}/vision/nodes/{weight['id'] + 10_000}")
+            assert bad.status_code == 400 and "vision pass" in bad.json()["error"]["message"]
+            messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                                     {"type": "text", "text": "What is in this image?"}]}]
+            chat = client.post("/trace/api/runs", json={"messages": messages}).json()
+            assert chat["vision"] and len(chat["images"]) == 1 and "1 images" in chat["description"]
+            again = client.post("/trace/api/runs", json={"run": rid, "cache_type": "q8_0"}).json()
+            assert again["tokens"] == run["tokens"] and again["images"] == run["images"] and again["vision"]
+            assert again["cache_type"] == "q8_0"
+            text_only = client.post("/trace/api/runs", json={"prompt": "hello"}).json()
+            assert client.get(f"/trace/api/runs/{text_only['id']}/vision").status_code == 404
+            remote = client.post("/trace/api/runs", json={"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]})
+            assert remote.status_code == 400 and "data: URL" in remote.json()["error"]["message"]
+            broken = client.post("/trace/api/runs", json={"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+            assert broken.status_code == 400, broken.text
+        for browser in launch_chromium(playwright_api):
+            for context in guarded_context(browser, 1500):
+                w = Watched(context)
+                page = w.page
+                page.goto(url)
+                page.wait_for_selector("body[data-ready='1']", timeout=60_000)
+                assert page.locator("#vision-section").is_visible()
+                assert page.locator("#vision table tr").count() == len(vision["nodes"]) + 1
+                assert f"{first}..{end - 1}" in page.locator("#run-info").inner_text()
+                page.locator(f"[data-vision-node='{last['id']}']").click()
+                wait_js(page, f"window.minferExplorer.node && window.minferExplorer.node.node.id === {last['id']}")
+                assert "Vision node" in page.locator("#node-title").inner_text()
+                ends = page.evaluate("window.minferExplorer.attention.visible_to")
+                assert ends[first:end] == [end - 1] * (end - first)
+                assert "equal" in page.locator("#attention-check").inner_text()
+                w.clean()

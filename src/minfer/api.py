@@ -57,6 +57,7 @@ from minfer.trace.capture import TraceCapture
 from minfer.trace.dump import Dumper
 from minfer.trace.explorer import ForwardTrace
 from minfer.trace.tracer import Tracer
+from minfer.trace.vision_pass import VisionCapture, VisionTrace
 
 DEFAULT_N_CTX = 4096
 
@@ -200,7 +201,7 @@ class Model:
 
     def trace_forward(
         self, token_ids: Sequence[int], cache_type: str | None = None, budget: int | None = None,
-        description: str = "", images: Sequence[PassImage] = (),
+        description: str = "", images: Sequence[PassImage] = (), image_inputs: Sequence[ImageInput] = (),
     ) -> ForwardTrace:
         """One forward pass of a fresh sequence, held for the trace explorer (:mod:`minfer.trace.explorer`).
 
@@ -208,7 +209,8 @@ class Model:
         to compare), sharing the weights and backend, so it never touches a generation's cache; call it
         from the thread that runs the engine. ``budget``: bytes of full tensors kept (``MINFER_TRACE_MEMORY``).
         ``images``: where images' tokens go in the prompt (:meth:`image_prompt` makes both); their rows are
-        labelled ``<image k>`` and the trace marks them (``ForwardTrace.images``)."""
+        labelled ``<image k>`` and the trace marks them (``ForwardTrace.images``). ``image_inputs``: those images
+        as sent, whose pass through the vision tower the trace holds too (``ForwardTrace.vision``)."""
         ids = list(token_ids)
         if not ids:
             raise BadRequestError("no tokens to trace")
@@ -237,7 +239,23 @@ class Model:
                                  images_bidirectional=bool(getattr(self.transformer.vision, "bidirectional", False)))
         trace.description = description or f"{self.path.name}, {kv.cache_type} cache"
         trace.pass_images = placed
+        trace.image_inputs = list(image_inputs)
+        if image_inputs:
+            trace.vision = self._trace_vision(image_inputs, trace.budget // 4)  # (a share of the trace's budget)
         return trace
+
+    def _trace_vision(self, images: Sequence[ImageInput], budget: int) -> VisionTrace:
+        """The vision tower's pass over ``images``' tiles, held for the trace explorer within ``budget`` bytes."""
+        if self.images is None:
+            raise BadRequestError(f"{self.path} takes no images (it has no vision model)")
+        runner = self.images.runner
+        pixels = self.images.pixels(images)
+        plan = runner.plan(len(pixels))
+
+        def execute(capture: VisionCapture) -> None:
+            runner.encode(pixels, capture.step)
+
+        return VisionTrace.run(plan.graph, execute, len(pixels), runner.model.hparams.tokens_per_image, budget)
 
     # -- embeddings ------------------------------------------------------------------------------
 

@@ -86,30 +86,33 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return _trace_encoder(args, model_ref, prompt)
     model = minfer.load(model_ref, n_ctx=args.n_ctx, quantize=args.quantize, cache_type=args.cache_type,
                         threads=args.threads, mmproj=args.mmproj)
-    ids, images = _prompt_ids(model, prompt, args.image or [])
+    ids, images, inputs = _prompt_ids(model, prompt, args.image or [])
     if args.serve:
-        return _serve_model(args, model, ids, images)
+        return _serve_model(args, model, ids, images, inputs)
     from minfer.trace.html import trace_page_data
 
     if args.positions < 1:
         raise MinferError(f"--positions must be >= 1, got {args.positions}")
     data = trace_page_data(model, ids, layers=_int_list(args.layers, "--layers"),
-                           heads=_int_list(args.heads, "--heads"), max_positions=args.positions, images=images)
+                           heads=_int_list(args.heads, "--heads"), max_positions=args.positions, images=images,
+                           image_inputs=inputs)
     return _write_page(args.html, data)
 
 
-def _prompt_ids(model: object, prompt: str, image_files: list[str]) -> tuple[list[int], list]:
-    """The prompt's ids (BOS first where the model wants one) and where its images' tokens go: an image at each
-    media marker of the prompt, or, where it has none, all of them before it (as ``minfer run --image``)."""
+def _prompt_ids(model: object, prompt: str, image_files: list[str]) -> tuple[list[int], list, list]:
+    """The prompt's ids (BOS first where the model wants one), where its images' tokens go, and the images: an
+    image at each media marker of the prompt, or, where it has none, all of them before it (as ``minfer run
+    --image``)."""
     from minfer.runtime.vision import MEDIA_MARKER, extract_images
 
     if not image_files:
-        return model.tokenize(prompt), []  # type: ignore[attr-defined]
+        return model.tokenize(prompt), [], []  # type: ignore[attr-defined]
     if MEDIA_MARKER not in prompt:
         prompt = MEDIA_MARKER * len(image_files) + prompt
     content = [{"type": "image", "path": f} for f in image_files]
     _, inputs = extract_images([{"role": "user", "content": content}], allow_paths=True)
-    return model.image_prompt(prompt, inputs, add_special=True)  # type: ignore[attr-defined]
+    ids, placed = model.image_prompt(prompt, inputs, add_special=True)  # type: ignore[attr-defined]
+    return ids, placed, inputs
 
 
 def _write_page(path: str, data: dict) -> int:
@@ -153,19 +156,20 @@ def _trace_encoder(args: argparse.Namespace, model_ref: str | None, text: str) -
     return _write_page(args.html, data)
 
 
-def _serve_model(args: argparse.Namespace, model: object, ids: list[int], images: list) -> int:
+def _serve_model(args: argparse.Namespace, model: object, ids: list[int], images: list, inputs: list) -> int:
     from minfer.server.explorer_app import ExplorerOptions, serve_explorer
     from minfer.server.routes.trace import TraceService
     from minfer.trace.compare import DumpRun
 
     name = model.path.name  # type: ignore[attr-defined]
     what = f"prompt with {len(images)} image{'s' if len(images) != 1 else ''}" if images else "prompt"
-    first = model.trace_forward(ids, images=images,  # type: ignore[attr-defined]
+    first = model.trace_forward(ids, images=images, image_inputs=inputs,  # type: ignore[attr-defined]
                                 description=f"{name}, {model.cache_type} cache, {what} ({len(ids)} tokens)")  # type: ignore[attr-defined]
     service = TraceService.on_thread(model)  # type: ignore[arg-type]
     rid = service.add(first)
     if args.compare_cache_type:
         other = model.trace_forward(ids, cache_type=args.compare_cache_type, images=images,  # type: ignore[attr-defined]
+                                    image_inputs=inputs,
                                     description=f"{name}, {args.compare_cache_type} cache, {what} ({len(ids)} tokens)")
         service.add(other)
     dumps = {f"dump:{d}": DumpRun(d) for d in args.compare_dump}

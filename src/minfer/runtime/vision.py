@@ -12,7 +12,7 @@ import binascii
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from minfer.formats.images import (
 from minfer.formats.tokenizer import Tokenizer
 from minfer.graph.fusion import fuse
 from minfer.graph.ir import Backend
-from minfer.graph.plan import BufferArena, Plan
+from minfer.graph.plan import BufferArena, Plan, Step
 from minfer.models.gemma3_vision import VisionModel
 from minfer.models.idefics3_vision import Idefics3VisionModel
 
@@ -60,9 +60,10 @@ class VisionRunner:
             self._plans.move_to_end(n_images)
         return plan
 
-    def encode(self, pixels: Sequence[np.ndarray]) -> np.ndarray:
+    def encode(self, pixels: Sequence[np.ndarray], on_step: Callable[[Step, float], None] | None = None) -> np.ndarray:
         """Each image's tokens ``[n_images, tokens_per_image, text n_embd]`` (a fresh array); ``pixels`` as the image
-        processor gives them (``[3, image_size, image_size]`` float32)."""
+        processor gives them (``[3, image_size, image_size]`` float32). ``on_step``: the trace's observer of
+        :meth:`Plan.run`."""
         hp = self.model.hparams
         n = len(pixels)
         if n == 0:
@@ -79,7 +80,7 @@ class VisionRunner:
         for i, rows in enumerate(self.model.pool_rows(n)):
             inp[f"pool.{i}"][:] = rows
         with self.backend.running(("vision", n)):
-            out = plan.run()
+            out = plan.run(on_step)
         self.images_encoded += n
         return out.reshape(n, hp.tokens_per_image, -1).copy()
 
@@ -344,7 +345,11 @@ class ImagePrompter:
 
     def encode(self, images: Sequence[ImageInput]) -> list[tuple[bytes, np.ndarray]]:
         """Each image's tiles' pixel hashes and tokens, in order (one per tile: an unsplit image's one)."""
-        return self.encode_pixels([p for img in images for p in self.tiles(img)[0]])
+        return self.encode_pixels(self.pixels(images))
+
+    def pixels(self, images: Sequence[ImageInput]) -> list[np.ndarray]:
+        """The images' tiles, in order, as the vision model takes them."""
+        return [p for img in images for p in self.tiles(img)[0]]
 
     def encode_pixels(self, pixels: Sequence[np.ndarray]) -> list[tuple[bytes, np.ndarray]]:
         """Each tile's pixel hash and tokens, the tiles not seen lately encoded in one pass."""

@@ -52,6 +52,7 @@ from minfer.trace.page_json import (
     weight_layer,
 )
 from minfer.trace.tracer import array_stats
+from minfer.trace.vision_pass import VisionTrace
 
 # bytes of held tensors (MINFER_TRACE_MEMORY overrides): a 512-token SmolLM2 pass, all 30 layers, takes 675 MiB
 DEFAULT_BUDGET = 768 << 20
@@ -102,6 +103,8 @@ class ForwardTrace:
     images: list[tuple[int, int]] = field(default_factory=list)
     images_bidirectional: bool = False
     pass_images: list[Any] = field(default_factory=list)  # the images' tokens as given (a run traced again takes them)
+    vision: VisionTrace | None = None  # the vision tower's pass that made them, when the trace ran it
+    image_inputs: list[Any] = field(default_factory=list)  # those images as sent (ImageInput), when given
 
     @classmethod
     def run(cls, graph: Graph, hparams: Any, tokens: Sequence[int], labels: list[str], cache_type: str,
@@ -186,6 +189,8 @@ class ForwardTrace:
         held += sum(k.nbytes + v.nbytes for k, v in self.kv_read.values())
         held += sum(a.nbytes for a in self.residuals.values())
         held += sum(a.nbytes for a in self.outside.values())
+        if self.vision is not None:
+            held += self.vision.held_bytes()
         if self.top_tokens is not None and self.top_logits is not None:
             held += self.top_tokens.nbytes + self.top_logits.nbytes
         return held
@@ -251,7 +256,7 @@ class ForwardTrace:
                 "labels": self.labels, "n_layer": hp.n_layer, "n_head": hp.n_head, "n_head_kv": hp.n_head_kv,
                 "head_dim": hp.head_dim_k, "head_dim_v": hp.head_dim_v, "n_embd": hp.n_embd,
                 "cache_type": self.cache_type, "seconds": round(self.seconds, 4), "memory": self.memory(),
-                "images": [list(span) for span in self.images],
+                "images": [list(span) for span in self.images], "vision": self.vision is not None,
                 "top_tokens": top, "outside_layers": [node_json(n) | {"stats": self.stats.get(n.id)}
                                                       for n in self.graph.nodes
                                                       if n.layer is None and n.op not in (Op.WEIGHT,)

@@ -25,6 +25,7 @@ from minfer.graph.ir import Op
 from minfer.graph.plan import Step
 from minfer.trace.head_attention import attention_reference
 from minfer.trace.tracer import array_stats
+from minfer.trace.vision_pass import VisionCapture
 
 
 def attention_intermediates(
@@ -86,11 +87,12 @@ DEFAULT_MAX_POSITIONS = 64
 def trace_page_data(
     model: Any, prompt: str | Sequence[int], top: int = 5, layers: list[int] | None = None,
     heads: list[int] | None = None, max_positions: int | None = DEFAULT_MAX_POSITIONS,
-    max_cells: int = DEFAULT_MAX_CELLS, images: Sequence[Any] = (),
+    max_cells: int = DEFAULT_MAX_CELLS, images: Sequence[Any] = (), image_inputs: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Run ``prompt`` (a string, or its token ids) through ``model`` once (a fresh sequence) and collect what the
     page shows; ``images``: where images' tokens go in the ids (``Model.image_prompt`` makes both), their rows
-    labelled ``<image k>`` and listed in ``images``.
+    labelled ``<image k>`` and listed in ``images``; ``image_inputs``: those images as sent, whose pass through the
+    vision tower the page shows too (``vision_stats``: every node's statistics).
 
     The attention matrices grow with the square of the prompt, so the page inlines only some of them:
     ``layers`` and ``heads`` (default: every head of the first layers that fit in ``max_cells`` cells) and
@@ -143,11 +145,18 @@ def trace_page_data(
     graph = json.loads(printing.to_json(fuse(model.transformer.build_graph(len(ids), len(ids), model.n_ctx))))
     graph["nodes"] = [n for n in graph["nodes"] if n["layer"] in (0, None) and n["op"] not in ("weight",)]
     text = prompt if isinstance(prompt, str) else model.tokenizer.decode([t for t in ids if t >= 0])
+    vision_stats: list[dict[str, Any]] = []
+    if image_inputs:  # the tower's statistics only (its outputs at real sizes are gigabytes)
+        runner, pixels = model.images.runner, model.images.pixels(image_inputs)
+        tower = VisionCapture(budget=0)
+        runner.encode(pixels, tower.step)
+        vision_stats = [{"node": n.id, "name": n.name, "op": str(n.op), "layer": n.layer, "shape": list(n.shape),
+                         **tower.stats[n.id]} for n in runner.plan(len(pixels)).graph.nodes if n.id in tower.stats]
     return {
         "model": model.path.name, "prompt": text, "tokens": labels, "images": [[img.first, img.end] for img in images],
         "n_head": hp.n_head, "n_head_kv": hp.n_head_kv,
         "head_dim": hp.head_dim_k, "scale": hp.attn_scale, "layers": shown, "stats": capture.stats,
-        "top_tokens": top_tokens, "graph": graph, "omitted": omitted,
+        "top_tokens": top_tokens, "graph": graph, "omitted": omitted, "vision_stats": vision_stats,
     }
 
 

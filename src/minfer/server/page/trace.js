@@ -232,11 +232,13 @@ function axesText(a, shape) {
   return "axes: rows = " + a.rows + " (" + shape[0] + "), columns = " + cols + (shape[1] !== undefined ? " (" + shape[1] + ")" : "");
 }
 
-async function showNode(id, rows, cols) {
-  selectNode(id);
-  const n = X.graph && X.graph.nodes.find((x) => x.id === id);
+async function showNode(id, rows, cols, vision) {
+  selectNode(vision ? null : id);
+  const nodes = vision ? X.vision && X.vision.nodes : X.graph && X.graph.nodes;
+  const n = nodes && nodes.find((x) => x.id === id);
   const box = $("node");
-  $("node-title").textContent = n ? `Node #${id}: ${n.name || n.op} (${n.op})` : "Node #" + id;
+  const where = vision ? "Vision node" : "Node";
+  $("node-title").textContent = n ? `${where} #${id}: ${n.name || n.op} (${n.op})` : where + " #" + id;
   if (n && (n.op === "weight" || n.op === "input" || n.op === "kv_load")) {
     box.textContent = "";
     box.append(el("p", {}, `${n.op} ${n.name} ${shortShape(n.shape)}` + (n.type ? " in " + n.type : "") +
@@ -249,7 +251,7 @@ async function showNode(id, rows, cols) {
   if (rows) q.set("rows", rows);
   if (cols) q.set("cols", cols);
   let v;
-  try { v = await apiJSON(api(`/runs/${X.run}/nodes/${id}?${q}`)); } catch (e) { status("error: " + e.message); return; }
+  try { v = await apiJSON(api(`/runs/${X.run}/${vision ? "vision/nodes" : "nodes"}/${id}?${q}`)); } catch (e) { status("error: " + e.message); return; }
   status("");
   X.node = Object.assign({}, v, {values: decode(v.values)});
   box.textContent = "";
@@ -269,8 +271,39 @@ async function showNode(id, rows, cols) {
     el("label", {}, "Rows ", el("input", {name: "rows", size: "8", value: r0 + ":" + r1})),
     el("label", {}, "Columns ", el("input", {name: "cols", size: "8", value: c0 + ":" + c1})),
     el("button", {type: "submit"}, "Show window"));
-  form.addEventListener("submit", (e) => { e.preventDefault(); showNode(id, form.rows.value, form.cols.value); });
+  form.addEventListener("submit", (e) => { e.preventDefault(); showNode(id, form.rows.value, form.cols.value, vision); });
   box.append(form);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// the vision tower's pass (a run whose prompt holds images)
+
+async function showVision() {
+  const box = $("vision");
+  box.textContent = "";
+  X.vision = null;
+  $("vision-section").hidden = !X.summary.vision;
+  if (!X.summary.vision) return;
+  const V = X.vision = await apiJSON(api(`/runs/${X.run}/vision`));
+  const rows = X.summary.images.map(([a, b], k) => `${a}..${b - 1} (image ${k})`).join(", ");
+  box.append(el("p", {class: "note"}, `${V.tiles} tile${V.tiles === 1 ? "" : "s"} through the vision tower and projector in ${fmtNum(V.seconds, 3)} s, ` +
+    `${V.tokens_per_tile} tokens each; prompt rows ${rows} took them. Click a node to see its tensor.`));
+  const t = el("table", {class: "data vision-nodes"});
+  t.append(el("tr", {}, ...["#", "layer", "node", "op", "shape", "µs", "mean", "rms"].map((c) => el("th", {}, c))));
+  for (const n of V.nodes) {
+    const st = n.stats || {};
+    t.append(el("tr", {}, el("td", {}, el("a", {href: "#", "data-vision-node": String(n.id), class: "node-link"}, "#" + n.id)),
+      el("td", {}, n.layer === null ? "" : String(n.layer)), el("td", {}, n.name || ""), el("td", {}, n.op), el("td", {}, shortShape(n.shape)),
+      el("td", {}, st.us === undefined ? "" : fmtNum(st.us)), el("td", {}, st.mean === undefined ? "" : fmtNum(st.mean)),
+      el("td", {}, st.rms === undefined ? "" : fmtNum(st.rms))));
+  }
+  t.addEventListener("click", (e) => {
+    const a = e.target.closest("[data-vision-node]");
+    if (!a) return;
+    e.preventDefault();
+    showNode(+a.dataset.visionNode, null, null, true);
+  });
+  box.append(t);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -429,6 +462,7 @@ async function openRun(id) {
   }
   const m = s.memory;
   $("run-info").textContent = `${s.description} · ${s.tokens.length} tokens · ${s.n_layer} layers, ${s.n_head} query heads over ${s.n_head_kv} kv heads of ${s.head_dim} · ` +
+    (s.images.length ? `images at rows ${s.images.map(([a, b]) => a + ".." + (b - 1)).join(", ")} · ` : "") +
     `${s.cache_type} KV cache · traced in ${fmtNum(s.seconds, 2)} s · trace memory: ${(m.held_bytes / 1048576).toFixed(1)} MiB held ` +
     `(budget ${(m.budget_bytes / 1048576).toFixed(0)} MiB; all layers would take ${(m.all_layers_bytes / 1048576).toFixed(1)} MiB; layers held: ${m.held_layers.length} of ${s.n_layer}` +
     `${m.held_layers.length < s.n_layer ? ", the others captured again when asked" : ""}) + plan and cache ${(m.arena_bytes / 1048576).toFixed(1)} MiB`;
@@ -438,7 +472,7 @@ async function openRun(id) {
   for (let i = 0; i < s.n_layer; i++) ls.append(el("option", {value: String(i), selected: i === wantLayer ? "" : null}, String(i)));
   const g = s.n_head / s.n_head_kv;
   for (let h = 0; h < s.n_head; h++) hs.append(el("option", {value: String(h)}, `${h} (kv ${Math.floor(h / g)})`));
-  await Promise.all([refreshRuns(id), showLayer(true)]);
+  await Promise.all([refreshRuns(id), showLayer(true), showVision()]);
   if (X.painted === null) {
     X.painted = performance.now();
     performance.mark("explorer-painted");
@@ -483,7 +517,7 @@ async function start() {
   $("compare-form").addEventListener("submit", (e) => { e.preventDefault(); if ($("compare-b").value) showCompare($("compare-b").value); });
   $("compare-cache-go").addEventListener("click", async () => {
     try {
-      const b = await newRun({tokens: X.summary.tokens, cache_type: $("compare-cache").value});
+      const b = await newRun({run: X.run, cache_type: $("compare-cache").value});
       await refreshRuns(X.run);
       $("compare-b").value = b;
       await showCompare(b);

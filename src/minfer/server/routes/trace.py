@@ -12,10 +12,13 @@ server is bounded by one budget plus the newest run's plan and cache
 at a time, so it never races a generation for the backend.
 
 ``POST /trace/api/runs`` ``{"prompt": str}``, ``{"messages": [...]}`` (a chat exchange, rendered with
-the chat template, the answer included) or ``{"tokens": [ids]}``, optional ``"cache_type"``: the run's
-summary with its ``id``.
+the chat template, the answer included; a vision model's messages may hold images as the chat routes take
+them, ``data:`` URLs), ``{"tokens": [ids]}`` or ``{"run": id}`` (that run's prompt and images again), optional
+``"cache_type"``: the run's summary with its ``id``.
 ``GET /trace/api/runs/{id}``, ``.../layers/{L}/graph``, ``.../nodes/{node}?rows=a:b&cols=c:d``,
-``.../layers/{L}/attention/{head}?rows=a:b``, ``.../lens?positions=a:b``; ``GET /trace/api/compare?a=&b=``.
+``.../layers/{L}/attention/{head}?rows=a:b``, ``.../lens?positions=a:b``; a run with images also
+``.../vision`` (the vision tower's nodes) and ``.../vision/nodes/{node}?rows=a:b&cols=c:d``;
+``GET /trace/api/compare?a=&b=``.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 
 from minfer.api import Model
+from minfer.errors import BadRequestError
+from minfer.runtime.vision import ImageInput, PassImage, extract_images
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError
 from minfer.trace.compare import DumpRun, compare
 from minfer.trace.explorer import ForwardTrace
+from minfer.trace.vision_pass import VisionTrace
 
 MAX_RUNS = 4
 MAX_LENS_POSITIONS = 64
@@ -113,15 +119,56 @@ def _int(raw: str | None, what: str, default: int) -> int:
         raise ApiError(f"{what} must be an integer, got {raw!r}", param=what) from None
 
 
-def _run_body(model: Model, body: Any) -> tuple[list[int], str | None, str]:
+@dataclass
+class RunInputs:
+    """What a new run traces: the prompt's ids, where its images' tokens go, and the images as sent."""
+
+    ids: list[int]
+    cache_type: str | None
+    what: str
+    images: list[PassImage] = field(default_factory=list)
+    image_inputs: list[ImageInput] = field(default_factory=list)
+
+
+def _message_images(model: Model, messages: list[Any]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
+    """``messages`` with their image parts as media markers, and the images; a 400 naming the field where a
+    message is not ``{role, content}`` with string or typed content, or an image is remote or not for this model."""
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str | list)
+        for m in messages)
+    if not ok:
+        raise ApiError("'messages' must be a list of {role, content} objects (content a string or a list of parts)",
+                       param="messages")
+    try:
+        plain, inputs = extract_images(messages)
+    except BadRequestError as e:
+        raise ApiError(str(e), param="messages") from None
+    remote = next((img for img in inputs if img.url is not None and not img.data), None)
+    if remote is not None:
+        raise ApiError(f"{remote.where}: the trace explorer takes images as data: URLs, not remote ones",
+                       param="messages")
+    if inputs and model.images is None:
+        raise ApiError(f"{model.path.name} takes no images (it has no vision model)", param="messages")
+    return plain, inputs
+
+
+def _run_body(model: Model, body: Any, runs: OrderedDict[str, ForwardTrace]) -> RunInputs:
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object with 'prompt' or 'messages'")
     cache_type = body.get("cache_type")
     if cache_type is not None and not isinstance(cache_type, str):
         raise ApiError("'cache_type' must be a string (f32, f16, q8_0)", param="cache_type")
-    prompt, messages, tokens = body.get("prompt"), body.get("messages"), body.get("tokens")
-    if sum(x is not None for x in (prompt, messages, tokens)) != 1:
-        raise ApiError("give exactly one of 'prompt' (a string), 'messages' (a chat exchange) or 'tokens' (ids)")
+    prompt, messages, tokens, run = body.get("prompt"), body.get("messages"), body.get("tokens"), body.get("run")
+    if sum(x is not None for x in (prompt, messages, tokens, run)) != 1:
+        raise ApiError("give exactly one of 'prompt' (a string), 'messages' (a chat exchange), 'tokens' (ids) "
+                       "or 'run' (a run's id: its prompt again)")
+    if run is not None:
+        old = runs.get(run) if isinstance(run, str) else None
+        if old is None:
+            raise ApiError(f"no trace run {run!r} (this server keeps the last {MAX_RUNS})", status=404,
+                           type="not_found_error", param="run")
+        return RunInputs(list(old.tokens), cache_type, f"run {run} again", list(old.pass_images),
+                         list(old.image_inputs))
     if tokens is not None:
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
             raise ApiError("'tokens' must be a non-empty list of token ids", param="tokens")
@@ -129,23 +176,18 @@ def _run_body(model: Model, body: Any) -> tuple[list[int], str | None, str]:
         if bad is not None:
             raise ApiError(f"token id {bad} is outside the vocabulary (0..{model.hparams.n_vocab - 1})",
                            param="tokens")
-        ids, what = list(tokens), "token ids"
-    elif messages is not None:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise ApiError("'messages' must be a list of {role, content} objects with string fields",
-                           param="messages")
-        last = messages[-1]["role"]
-        text = model.render_chat(messages, add_generation_prompt=last != "assistant")
-        ids = model.tokenize(text, add_special=False)
-        what = f"chat exchange of {len(messages)} messages"
-    else:
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError("'prompt' must be a non-empty string", param="prompt")
-        ids = model.tokenize(prompt)
-        what = "prompt"
-    return ids, cache_type, what
+        return RunInputs(list(tokens), cache_type, "token ids")
+    if messages is not None:
+        plain, inputs = _message_images(model, messages)
+        text = model.render_chat(plain, add_generation_prompt=plain[-1]["role"] != "assistant")
+        what = f"chat exchange of {len(messages)} messages" + (f" with {len(inputs)} images" if inputs else "")
+        if not inputs:
+            return RunInputs(model.tokenize(text, add_special=False), cache_type, what)
+        ids, placed = model.image_prompt(text, inputs)
+        return RunInputs(ids, cache_type, what, placed, inputs)
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError("'prompt' must be a non-empty string", param="prompt")
+    return RunInputs(model.tokenize(prompt), cache_type, "prompt")
 
 
 def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[Request], Awaitable[Any]]) -> None:
@@ -156,9 +198,14 @@ def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[
         model = service.model
         if model is None:
             raise ApiError("this explorer serves a hand-made example only (no model loaded)", status=400)
-        ids, cache_type, what = _run_body(model, await read_json(request))
-        description = f"{model.path.name}, {cache_type or model.cache_type} cache, {what} ({len(ids)} tokens)"
-        trace = await service.do(lambda: model.trace_forward(ids, cache_type=cache_type, description=description))
+        body = await read_json(request)
+        # (images are decoded and encoded on the engine's thread, as a chat request's are)
+        run = await service.do(lambda: _run_body(model, body, service.runs))
+        cache = run.cache_type or model.cache_type
+        description = f"{model.path.name}, {cache} cache, {run.what} ({len(run.ids)} tokens)"
+        trace = await service.do(lambda: model.trace_forward(
+            run.ids, cache_type=run.cache_type, description=description, images=run.images,
+            image_inputs=run.image_inputs))
         rid = service.add(trace)
         return {"id": rid, **await service.do(trace.summary)}
 
@@ -191,6 +238,26 @@ def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[
         trace = service.get(rid)
         rows = _span(request.query_params.get("rows"), "rows")
         return await service.do(lambda: trace.attention(layer, head, rows))
+
+    def vision_of(rid: str) -> VisionTrace:
+        vision = service.get(rid).vision
+        if vision is None:
+            raise ApiError(f"trace run {rid!r} holds no image (no vision pass to show)", status=404,
+                           type="not_found_error", param="id")
+        return vision
+
+    @app.get("/trace/api/runs/{rid}/vision")
+    async def vision_pass(rid: str) -> dict[str, Any]:
+        vision = vision_of(rid)
+        return await service.do(vision.summary)
+
+    @app.get("/trace/api/runs/{rid}/vision/nodes/{node}")
+    async def vision_tensor(rid: str, node: int, request: Request) -> dict[str, Any]:
+        vision = vision_of(rid)
+        q = request.query_params
+        rows, cols = _span(q.get("rows"), "rows"), _span(q.get("cols"), "cols")
+        max_rows, max_cols = _int(q.get("max_rows"), "max_rows", 256), _int(q.get("max_cols"), "max_cols", 256)
+        return await service.do(lambda: vision.tensor_view(node, rows, cols, max_rows, max_cols))
 
     @app.get("/trace/api/runs/{rid}/lens")
     async def lens(rid: str, request: Request) -> dict[str, Any]:
