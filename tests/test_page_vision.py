@@ -1,5 +1,6 @@
 """The chat page with a vision model, in a real browser (playwright driving Debian's chromium, as tests/test_pages.py):
-an image attached with the button shows as a thumbnail, goes with the message, and the answer is the Python API's."""
+an image attached with the button shows as a thumbnail, goes with the message, and the answer is the Python API's;
+its Inspect link traces the exchange with the image."""
 
 from __future__ import annotations
 
@@ -56,4 +57,9 @@ def test_an_attached_image_goes_with_the_message(server: ServerProcess, context:
                                                     {"type": "text", "text": "What is in this image?"}]}],
                       max_tokens=8, temperature=0)
     assert answer.strip() == want.strip()
+    # Inspect: the explorer traces the exchange with its image (the tower's pass shown, the image rows labelled)
+    page.locator("article.assistant a.inspect").click()
+    page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+    assert page.locator("#vision-section").is_visible() and "images at rows" in page.locator("#run-info").inner_text()
+    assert "<image 0>" in page.evaluate("window.minferExplorer.summary.labels")
     w.clean()
