@@ -11,7 +11,7 @@ garbage collector) and :mod:`minfer.api_inputs` (embedding and infill inputs mad
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ from minfer.runtime.sampling import Sampler, SamplingParams, TokenLogprob
 from minfer.runtime.sequence import GenerationStats, TokenStep
 from minfer.runtime.speculative import SpeculativeSettings
 from minfer.runtime.speculative import resolve as resolve_speculative
-from minfer.runtime.vision import ImageInput, ImagePrompter, PassImage, VisionRunner, extract_images
+from minfer.runtime.vision import ImageInput, ImagePrompter, PassImage, VisionRunner, drain, extract_images
 from minfer.trace.capture import TraceCapture
 from minfer.trace.dump import Dumper
 from minfer.trace.explorer import ForwardTrace
@@ -506,9 +506,15 @@ class Model:
                      ) -> tuple[list[int], list[PassImage]]:
         """The ids of a rendered prompt holding one media marker per image (``add_special``: a plain prompt, the
         tokenizer adding its special tokens as :meth:`tokenize` does), and where each image's tokens go."""
+        return drain(self.image_prompt_slices(prompt, images, add_special))
+
+    def image_prompt_slices(self, prompt: str, images: Sequence[ImageInput], add_special: bool = False,
+                            ) -> Generator[None, None, tuple[list[int], list[PassImage]]]:
+        """:meth:`image_prompt` as a generator that yields between two layers of the vision tower (a server runs
+        it a slice at a time between decode steps)."""
         if self.images is None:
             raise BadRequestError(f"{self.path} takes no images (it has no vision model)")
-        return self.images.prompt(prompt, images, add_special)
+        return (yield from self.images.prompt_slices(prompt, images, add_special))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,19 @@ class Plan:
         self.steps = [Step(s.node, fn, s.out, s.args) for s, fn in zip(self.steps, fns, strict=True)]
         self.output = views[graph.output.id]
         self.extras: dict[str, np.ndarray] = {k: views[v.id] for k, v in graph.extras.items()}
+
+    def run_slices(self, on_step: Callable[[Step, float], None] | None = None) -> Generator[None, None, np.ndarray]:
+        """:meth:`run` in slices: a generator that yields after each layer's last step (and returns the output),
+        so a caller can do other work between two layers (the engine decodes while an image is encoded)."""
+        steps = self.steps
+        for i, s in enumerate(steps):
+            t0 = time.perf_counter()
+            s.fn(s.node, s.out, *s.args)
+            if on_step is not None:
+                on_step(s, time.perf_counter() - t0)
+            if i + 1 < len(steps) and steps[i + 1].node.layer != s.node.layer:
+                yield
+        return self.output
 
     def run(self, on_step: Callable[[Step, float], None] | None = None) -> np.ndarray:
         """Execute every step in build order; ``on_step(step, seconds)`` (the trace) sees each step after

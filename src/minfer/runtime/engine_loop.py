@@ -15,8 +15,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from minfer.errors import BadRequestError, MinferError
@@ -32,6 +33,35 @@ class QueueFullError(MinferError):
 
 class ShuttingDownError(MinferError):
     """The loop no longer accepts requests."""
+
+
+@dataclass
+class _Call:
+    """Work for the engine's thread between two steps: ``fn()`` at once, or, ``sliced``, the generator ``fn()``
+    makes, advanced one slice (up to its next ``yield``) between each two steps, its return value the result."""
+
+    fn: Callable[[], Any]
+    future: Future[Any]
+    sliced: bool = False
+    slices: Generator[None, None, Any] | None = None
+
+    def advance(self) -> bool:
+        """Run this call (a sliced one: its next slice); whether it is done (its future then holds the result)."""
+        try:
+            if self.slices is None:
+                if not self.future.set_running_or_notify_cancel():
+                    return True
+                if not self.sliced:
+                    self.future.set_result(self.fn())
+                    return True
+                self.slices = self.fn()
+            next(self.slices)
+            return False
+        except StopIteration as done:
+            self.future.set_result(done.value)
+        except Exception as e:  # noqa: BLE001 - the caller gets it through the future
+            self.future.set_exception(e)
+        return True
 
 
 class EngineLoop:
@@ -54,8 +84,10 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._finished = threading.Event()
-        # work that must run on the engine's thread between two steps (a traced forward pass)
-        self._calls: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
+        # work that must run on the engine's thread between two steps (a traced forward pass, an image's
+        # encoding), in arrival order: the calls handed over (under the lock) and those the engine's thread holds
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._held_calls: collections.deque[_Call] = collections.deque()
 
     @property
     def metrics(self) -> EngineHooks:
@@ -122,13 +154,22 @@ class EngineLoop:
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn()`` on the engine's thread between two steps (never during one), e.g. a traced forward
         pass sharing the backend; its result or exception comes back through the future."""
-        future: Future[Any] = Future()
+        return self._queue_call(_Call(fn, Future()))
+
+    def call_in_slices(self, fn: Callable[[], Generator[None, None, Any]]) -> Future[Any]:
+        """Run the generator ``fn()`` makes on the engine's thread, one slice (up to its next ``yield``) between
+        each two steps, so that running sequences go on decoding while it works (an image's pass through the
+        vision tower, a layer at a time); its return value or exception comes back through the future. Calls run
+        in arrival order: one queued behind a sliced call waits for it to end (they may share buffers)."""
+        return self._queue_call(_Call(fn, Future(), sliced=True))
+
+    def _queue_call(self, call: _Call) -> Future[Any]:
         with self._lock:
             if self._stopping or not self._accepting:
                 raise ShuttingDownError("the server is shutting down")
-            self._calls.append((fn, future))
+            self._calls.append(call)
             self._wake.notify()
-        return future
+        return call.future
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) sequences right now."""
@@ -172,21 +213,17 @@ class EngineLoop:
         engine = self.engine
         while True:
             with self._lock:
-                while not self._stopping and not engine.running and not self._waiting and not self._calls:
+                while (not self._stopping and not engine.running and not self._waiting and not self._calls
+                       and not self._held_calls):
                     self._wake.wait(1.0)  # a timeout lets signal handlers run when this is the main thread
-                calls = list(self._calls)
+                self._held_calls.extend(self._calls)
                 self._calls.clear()
-                if self._stopping and not engine.running and not self._waiting and not calls:
+                if self._stopping and not engine.running and not self._waiting and not self._held_calls:
                     return
                 self._drop_cancelled_waiting()
                 self._admit()
-            for fn, future in calls:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except Exception as e:  # noqa: BLE001 - the caller gets it through the future
-                        future.set_exception(e)
-            if calls and not engine.running:
+            ran_calls = self._run_calls()
+            if ran_calls and not engine.running:
                 continue
             try:
                 engine.step()
@@ -199,6 +236,17 @@ class EngineLoop:
                     self._waiting.clear()
             if engine.hooks.after_events:
                 engine.hooks.after_events()
+
+    def _run_calls(self) -> bool:
+        """Run the held calls in order, up to and including one slice of the first sliced one still going (then
+        the engine steps); whether any ran."""
+        ran = bool(self._held_calls)
+        while self._held_calls:
+            call = self._held_calls[0]
+            if not call.advance():
+                break
+            self._held_calls.popleft()
+        return ran
 
     def _drop_cancelled_waiting(self) -> None:
         """Called with the lock held."""

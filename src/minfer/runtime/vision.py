@@ -12,10 +12,10 @@ import binascii
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from minfer.models.gemma3_vision import VisionModel
 from minfer.models.idefics3_vision import Idefics3VisionModel
 
 MAX_PLANS = 4
+T = TypeVar("T")
 
 
 class VisionRunner:
@@ -64,6 +65,12 @@ class VisionRunner:
         """Each image's tokens ``[n_images, tokens_per_image, text n_embd]`` (a fresh array); ``pixels`` as the image
         processor gives them (``[3, image_size, image_size]`` float32). ``on_step``: the trace's observer of
         :meth:`Plan.run`."""
+        return drain(self.encode_slices(pixels, on_step))
+
+    def encode_slices(self, pixels: Sequence[np.ndarray], on_step: Callable[[Step, float], None] | None = None,
+                      ) -> Generator[None, None, np.ndarray]:
+        """:meth:`encode` as a generator that yields between two layers of the tower (the pixels are checked
+        before the first slice runs). Two encodings must not interleave: the plans share one arena."""
         hp = self.model.hparams
         n = len(pixels)
         if n == 0:
@@ -79,10 +86,26 @@ class VisionRunner:
         inp["spans"][:] = np.repeat(np.arange(n) * hp.n_patches, hp.n_patches)
         for i, rows in enumerate(self.model.pool_rows(n)):
             inp[f"pool.{i}"][:] = rows
-        with self.backend.running(("vision", n)):
-            out = plan.run(on_step)
+        slices = plan.run_slices(on_step)
+        while True:
+            with self.backend.running():
+                try:
+                    next(slices)
+                except StopIteration as done:
+                    out = done.value
+                    break
+            yield
         self.images_encoded += n
         return out.reshape(n, hp.tokens_per_image, -1).copy()
+
+
+def drain(slices: Generator[None, None, T]) -> T:
+    """Run a generator of slices (``encode_slices``, ``prompt_slices``) to its end; its return value."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass(frozen=True)
@@ -308,6 +331,12 @@ class ImagePrompter:
         """The prompt ids of ``text`` (a rendered prompt holding one :data:`MEDIA_MARKER` per image, special tokens
         included, or with ``add_special`` a plain one the tokenizer adds them to, BOS first) and where each tile's
         tokens go (one :class:`PassImage` per run of placeholders, in order)."""
+        return drain(self.prompt_slices(text, images, add_special))
+
+    def prompt_slices(self, text: str, images: Sequence[ImageInput], add_special: bool = False,
+                      ) -> Generator[None, None, tuple[list[int], list[PassImage]]]:
+        """:meth:`prompt` as a generator that yields between two layers of the vision tower (a server's engine
+        decodes its running sequences between them)."""
         pieces = text.split(MEDIA_MARKER)
         if len(pieces) - 1 != len(images):
             raise BadRequestError(f"the prompt holds {len(pieces) - 1} image markers for {len(images)} images "
@@ -327,7 +356,7 @@ class ImagePrompter:
             raise BadRequestError(f"the prompt's text holds image placeholder tokens of its own "
                                   f"({self.tokenizer.token_text(hp.image_token_id)!r})")
         out = []
-        encoded = self.encode_pixels([p for pixels, _, _ in tiles for p in pixels])
+        encoded = yield from self.encode_pixels_slices([p for pixels, _, _ in tiles for p in pixels])
         for start, (digest, vectors) in zip(starts, encoded, strict=True):
             ids[start:start + n] = [image_token_id(digest)] * n
             out.append(PassImage(int(start), vectors))
@@ -353,10 +382,15 @@ class ImagePrompter:
 
     def encode_pixels(self, pixels: Sequence[np.ndarray]) -> list[tuple[bytes, np.ndarray]]:
         """Each tile's pixel hash and tokens, the tiles not seen lately encoded in one pass."""
+        return drain(self.encode_pixels_slices(pixels))
+
+    def encode_pixels_slices(self, pixels: Sequence[np.ndarray],
+                             ) -> Generator[None, None, list[tuple[bytes, np.ndarray]]]:
         digests = [hashlib.sha256(p.tobytes()).digest() for p in pixels]
         new = {d: p for d, p in zip(digests, pixels, strict=True) if d not in self._cache}
         if new:
-            for d, v in zip(new, self.runner.encode(list(new.values())), strict=True):
+            vectors = yield from self.runner.encode_slices(list(new.values()))
+            for d, v in zip(new, vectors, strict=True):
                 self._cache[d] = v
         for d in digests:
             self._cache.move_to_end(d)

@@ -157,9 +157,10 @@ class ServerContext:
     async def image_prompt(self, text: str, images: Sequence[ImageInput],
                            param: str = "messages") -> tuple[list[int], list[PassImage]]:
         """The prompt ids of ``text`` (a rendered prompt, one media marker per image, special tokens included)
-        and where each image's tokens go (:meth:`minfer.api.Model.image_prompt`), on the engine's thread between
-        two steps: the vision passes share the backend (its kernels' threads, the thread governor) with the
-        engine's, so they never run beside one (llama-server encodes images on its one loop too). A 400 naming
+        and where each image's tokens go (:meth:`minfer.api.Model.image_prompt`), on the engine's thread a layer of
+        the vision tower at a time between two steps: the vision passes share the backend (its kernels' threads)
+        with the engine's, so they never run beside one, and running sequences go on decoding while an image is
+        encoded (llama-server encodes an image whole on its one loop, stalling them). A 400 naming
         the image's field for a bad image, or when the model takes no images; ``param``: the field named when no
         image is to blame (a marker count that does not match)."""
         if not self.takes_images:
@@ -170,7 +171,8 @@ class ServerContext:
         self.check_text_fits([text], param)
         images = await fetch_images(images, self.config.allow_image_urls, media_path=self.config.media_path)
         try:
-            return await asyncio.wrap_future(self.engine_loop.call(lambda: self.model.image_prompt(text, images)))
+            return await asyncio.wrap_future(self.engine_loop.call_in_slices(
+                lambda: self.model.image_prompt_slices(text, images)))
         except BadRequestError as e:
             raise ApiError(str(e), param=image_error_param(str(e), images, param)) from None
 

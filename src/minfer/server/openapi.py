@@ -60,11 +60,25 @@ def _nullable(props: dict[str, Any]) -> dict[str, Any]:
     return {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in props.items()}
 
 
+# a message's content: its text, or typed parts (OpenAI's): text, and for a vision model images as data: URLs
+# (a remote http(s) URL only where the server was started with --allow-image-urls; otherwise, and for a model
+# without a vision model, an image part is a 400 naming it)
+_CONTENT_PART = {"oneOf": [
+    {"type": "object", "required": ["type", "text"],
+     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "image_url"],
+     "properties": {"type": {"const": "image_url"},
+                    "image_url": {"type": "object", "required": ["url"],
+                                  "properties": {"url": {"type": "string"},
+                                                 "detail": {"enum": ["auto", "low", "high"]}}}}},
+]}
+
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
     "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
-                   "content": {"type": "string"}},
+                   "content": {"oneOf": [{"type": "string"},
+                                         {"type": "array", "minItems": 1, "items": _CONTENT_PART}]}},
 }
 
 REQUEST_BODIES: dict[str, dict[str, Any]] = {
