@@ -5,6 +5,7 @@ and gets that model's greedy answer, and a conversation keeps its model across a
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from browser_support import Watched, guarded_context, launch_chromium, wait_js
 from conftest import fixture_dir, rewrite_gguf
 
+import minfer
 from minfer.testing.server_process import ServerProcess
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
@@ -112,10 +114,12 @@ def test_the_picker_chooses_each_requests_model_and_a_conversation_keeps_it(serv
 
     page.get_by_role("button", name="New chat").click()
     page.get_by_label("Model", exact=True).select_option("gemma3")
-    # sent at once: the request waits while gemma3 loads (its /props, asked for vision, started the load)
-    second = ask(page, "Hello there")
-    assert any(u.endswith("/props?model=gemma3") for u in props), props
+    # choosing a model loads nothing: its vision comes from the listing's capabilities, not /props?model=
     assert page.locator("#attach").is_hidden()  # neither model takes images
+    assert httpx.get(server.url + "/v1/models", timeout=60).json()["data"][1]["status"]["value"] == "unloaded"
+    # sent at once: the request waits while gemma3 loads
+    second = ask(page, "Hello there")
+    assert not props, props
     assert bodies[-1]["model"] == "gemma3"
     assert second == direct(server.url, bodies[-1])
     assert first and second != first  # another model answered the same request
@@ -177,4 +181,55 @@ def test_inspect_traces_the_model_that_answered(server: ServerProcess, context: 
     runs = {name: [r["id"] for r in httpx.get(server.url + "/trace/api/runs", params={"model": name},
                                                timeout=60).json()["runs"]] for name in ("llama", "gemma3")}
     assert run in runs["gemma3"] and run not in runs["llama"]
+    w.clean()
+
+
+VISION = fixture_dir("gemma3_vision")
+IMAGE = VISION / "images" / "rgb_45x20.png"
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A text model and a vision model (its GGUF and mmproj*.gguf in a folder of their own), one loaded at a time."""
+    folder = tmp_path_factory.mktemp("page-vision-models")
+    rewrite_gguf(fixture_dir("llama") / "model-f32.gguf", folder / "llama.gguf", {"tokenizer.chat_template": CHATML})
+    (folder / "vision").mkdir()
+    shutil.copy(VISION / "gguf" / "model-f32.gguf", folder / "vision" / "model-f32.gguf")
+    shutil.copy(VISION / "gguf" / "mmproj-f32.gguf", folder / "vision" / "mmproj-f32.gguf")
+    with ServerProcess(f"--models-dir={folder}", ["--models-max", "1", "--ctx-size", "1024"]) as s:
+        yield s
+
+
+def test_the_picker_shows_images_for_a_vision_model_without_loading_it(vision_server: ServerProcess,
+                                                                       context: object) -> None:
+    """The attach button follows the chosen model's capabilities in the listing: choosing one loads nothing (no
+    /props?model=), and an image sent to the vision model gets the Python API's answer."""
+    w, bodies, props = open_page(context, vision_server.url)
+    page = w.page
+    page.wait_for_selector("#model-picker:not([hidden])", timeout=60_000)
+    assert picker(page) == ("llama", ["llama (unloaded)", "vision (unloaded)"])
+    assert page.locator("#attach").is_hidden()
+    page.get_by_label("Model", exact=True).select_option("vision")
+    page.wait_for_selector("#attach:not([hidden])", timeout=10_000)
+    page.get_by_label("Model", exact=True).select_option("llama")
+    page.wait_for_selector("#attach", state="hidden", timeout=10_000)
+    page.get_by_label("Model", exact=True).select_option("vision")
+    page.wait_for_selector("#attach:not([hidden])", timeout=10_000)
+    listing = httpx.get(vision_server.url + "/v1/models", timeout=60).json()["data"]
+    assert {m["id"]: m["status"]["value"] for m in listing} == {"llama": "unloaded", "vision": "unloaded"}
+    assert not props, props
+
+    page.get_by_text("Settings").click()
+    page.get_by_label("Temperature").fill("0")
+    page.get_by_label("Max tokens").fill("8")
+    page.set_input_files("#image-input", str(IMAGE))
+    page.wait_for_selector("#attachments img.thumbnail")
+    answer = ask(page, "What is in this image?")
+    assert bodies[-1]["model"] == "vision"
+    model = minfer.load(VISION / "gguf" / "model-f32.gguf", mmproj=VISION / "gguf" / "mmproj-f32.gguf", n_ctx=1024)
+    want = model.chat([{"role": "user", "content": [{"type": "image", "path": str(IMAGE)},
+                                                    {"type": "text", "text": "What is in this image?"}]}],
+                      max_tokens=8, temperature=0)
+    assert answer == want
+    assert not props, props
     w.clean()

@@ -4,6 +4,9 @@ answer equals the one its model's own one-model server gives, through the openai
 
 from __future__ import annotations
 
+import base64
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -231,3 +234,143 @@ def test_an_encoder_s_options_among_several_drop_the_generating_ones():
     encoder = for_model(opts, fixture_dir("bert") / "model-f32.gguf")
     assert (encoder.ctx_size, encoder.cache_ram, encoder.parallel) == (ServeOptions().ctx_size, 0, 3)
     assert for_model(opts, MODELS["llama"]) is opts
+
+
+# -- vision models: a folder of a GGUF and its mmproj*.gguf (llama-server's router layout) -----------------------
+
+VISION = fixture_dir("gemma3_vision")
+VISION_GGUF, VISION_MMPROJ = VISION / "gguf" / "model-f32.gguf", VISION / "gguf" / "mmproj-f32.gguf"
+IMAGE = VISION / "images" / "rgb_45x20.png"
+VISION_ARGS = ["--models-max", "1", "--ctx-size", "1024", "--batch-size", "64"]
+
+
+def vision_folder(folder: Path) -> Path:
+    folder.mkdir()
+    shutil.copy(VISION_GGUF, folder / "model-f32.gguf")
+    shutil.copy(VISION_MMPROJ, folder / "mmproj-f32.gguf")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A text GGUF, a vision GGUF with its mmproj in a folder of their own, an HF vision-language folder, an encoder,
+    and a stray mmproj file (no model of its own)."""
+    folder = tmp_path_factory.mktemp("vision-models")
+    (folder / "gemma3.gguf").symlink_to(MODELS["gemma3"])  # (the llama fixture has no chat template)
+    vision_folder(folder / "gemma3v")
+    (folder / "hfvision").symlink_to(VISION / "hf")
+    (folder / "bert.gguf").symlink_to(fixture_dir("bert") / "model-f32.gguf")
+    shutil.copy(VISION_MMPROJ, folder / "mmproj-stray.gguf")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A plain HTTP server on loopback serving the vision fixture's images."""
+    import http.server
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(IMAGE.parent), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vision_front(vision_dir):
+    with ServerProcess(f"--models-dir={vision_dir}", [*VISION_ARGS, "--allow-image-urls"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def vision_expected() -> str:
+    """The Python API's greedy answer to a question about IMAGE, from the GGUF with its mmproj."""
+    import minfer
+
+    model = minfer.load(VISION_GGUF, mmproj=VISION_MMPROJ, n_ctx=1024)
+    return model.chat([{"role": "user", "content": [{"type": "image", "path": str(IMAGE)},
+                                                    {"type": "text", "text": "What is in this image?"}]}],
+                      temperature=0, max_tokens=8)
+
+
+def image_chat(url: str, model: str, image_url: str) -> httpx.Response:
+    content = [{"type": "image_url", "image_url": {"url": image_url}},
+               {"type": "text", "text": "What is in this image?"}]
+    return httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 8})
+
+
+def test_the_listing_gives_each_model_s_capabilities_without_loading_any(vision_front, vision_dir):
+    for route in ("/v1/models", "/models"):
+        data = httpx.get(vision_front.url + route, timeout=60).json()["data"]
+        assert {m["id"]: m["capabilities"] for m in data} == {
+            "bert": ["embedding"], "gemma3v": ["completion", "multimodal"], "hfvision": ["completion", "multimodal"],
+            "gemma3": ["completion"]}  # the stray mmproj file is no model
+        assert {m["status"]["value"] for m in data} == {"unloaded"}
+    assert next(m for m in data if m["id"] == "gemma3v")["path"] == str(vision_dir / "gemma3v" / "model-f32.gguf")
+    assert set(httpx.get(vision_front.url + "/health", timeout=60).json()["models"].values()) == {"unloaded"}
+
+
+def test_an_image_to_the_vision_folder_s_model_gets_the_python_api_s_answer(vision_front, vision_expected, image_host):
+    data = "data:image/png;base64," + base64.b64encode(IMAGE.read_bytes()).decode()
+    r = image_chat(vision_front.url, "gemma3v", data)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == vision_expected
+    assert states(vision_front.url)["gemma3v"] == "loaded"
+    # --allow-image-urls reached the model's server: it fetches an http image, the same one
+    r = image_chat(vision_front.url, "gemma3v", f"{image_host}/{IMAGE.name}")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == vision_expected
+    # a text model's server answers the image with its own 400 (it has no vision model), through the front
+    r = image_chat(vision_front.url, "gemma3", data)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "images_not_supported", r.text
+
+
+def test_bad_model_folders_are_one_line_errors_naming_the_folder(tmp_path):
+    from minfer.errors import BadRequestError
+    from minfer.server.model_router import model_entries
+
+    two_models = tmp_path / "two-models"
+    vision_folder(two_models)
+    shutil.copy(MODELS["llama"], two_models / "other.gguf")
+    two_projectors = tmp_path / "two-projectors"
+    vision_folder(two_projectors)
+    shutil.copy(VISION_MMPROJ, two_projectors / "mmproj-second.gguf")
+    projector_alone = tmp_path / "projector-alone"
+    projector_alone.mkdir()
+    shutil.copy(VISION_MMPROJ, projector_alone / "mmproj-f32.gguf")
+    for bad, needle in ((projector_alone, "no model GGUF beside its mmproj file"),
+                        (two_models, "2 model GGUFs (model-f32.gguf, other.gguf)"),
+                        (two_projectors, "2 mmproj files (mmproj-f32.gguf, mmproj-second.gguf)")):
+        with pytest.raises(BadRequestError, match=re.escape(needle)) as e:
+            model_entries([], str(tmp_path))  # the folders are read in name order: each bad one removed in turn
+        assert str(bad) in str(e.value) and "\n" not in str(e.value)
+        shutil.rmtree(bad)
+    # the command line: the same line, no traceback
+    vision_folder(tmp_path / "fine")
+    shutil.copy(VISION_MMPROJ, tmp_path / "fine" / "mmproj-extra.gguf")
+    r = subprocess.run([sys.executable, "-m", "minfer", "serve", f"--models-dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "2 mmproj files" in r.stderr
+    assert str(tmp_path / "fine") in r.stderr
+
+
+def test_a_good_vision_folder_and_the_flags_with_several_models(tmp_path):
+    from minfer.server import ServeOptions, refuse_one_model_flags
+    from minfer.server.model_router import model_entries
+
+    vision_folder(tmp_path / "vision")
+    (tmp_path / "mmproj-lone.gguf").symlink_to(VISION_MMPROJ)
+    (entry,) = model_entries([], str(tmp_path))  # the mmproj file directly in the folder is no model
+    assert (entry.name, entry.path, entry.mmproj) == ("vision", tmp_path / "vision" / "model-f32.gguf",
+                                                      tmp_path / "vision" / "mmproj-f32.gguf")
+    refuse_one_model_flags(ServeOptions(allow_image_urls=True))  # given to every generating model's server
+    with pytest.raises(Exception, match="--mmproj apply to one model.*mmproj\\*.gguf in a folder"):
+        refuse_one_model_flags(ServeOptions(mmproj=str(VISION_MMPROJ)))

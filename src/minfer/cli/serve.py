@@ -47,7 +47,8 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
                      help="more models: several are served behind one address, each loaded on its first request")
     srv.add_argument("--models-dir", default=None, metavar="DIR",
                      help="serve every GGUF file and model folder in DIR (named by file stem or folder name), each "
-                     "loaded on its first request")
+                     "loaded on its first request; a folder holding a GGUF and an mmproj*.gguf is a vision model "
+                     "(served with --mmproj that file)")
     srv.add_argument("--models-max", type=int, default=None, metavar="N",
                      help="with several models: most loaded at once; the least recently used idle one is unloaded "
                      f"when another is needed (default: {DEFAULT_MODELS_MAX}; not with --ray, which loads them all)")

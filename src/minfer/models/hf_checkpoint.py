@@ -369,6 +369,16 @@ _VISION_LANGUAGE = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text"),
 _VISION_MODULES: dict[str, Any] = {"gemma3": gemma3_vision, "idefics3": idefics3_vision}
 
 
+def is_vision_language_folder(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` is an HF vision-language folder minfer runs with its vision tower (its ``config.json``
+    names a known family and has a ``vision_config``), read from the config alone: nothing loaded."""
+    try:
+        cfg = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") in _VISION_LANGUAGE and "vision_config" in cfg
+
+
 def _vision_language_text_config(cfg: dict[str, Any], where: Path) -> dict[str, Any] | None:
     """The text model's config of a vision-language folder (None for any other folder): its ``text_config`` with the
     text family's ``model_type``, and the fields the outer config holds for it (``tie_word_embeddings``)."""

@@ -326,7 +326,7 @@ _PER_MODEL_FLAGS = {"parallel": "--parallel", "ctx_size": "--ctx-size", "batch_s
 _ONE_MODEL_FLAGS = {"alias": "--alias", "draft": "--model-draft", "lookup": "--lookup", "lora": "--lora",
                     "lora_merge": "--lora-merge", "lora_init_without_apply": "--lora-init-without-apply",
                     "cache_disk": "--cache-disk", "strict_model": "--strict-model",
-                    "slots": "--no-slots", "mmproj": "--mmproj", "allow_image_urls": "--allow-image-urls",
+                    "slots": "--no-slots", "mmproj": "--mmproj",
                     "sampling_defaults": "the sampling defaults (--temp, --seed, ...)", "n_predict": "--n-predict",
                     "tags": "--tags", "ui": "--no-ui", "verbose": "--verbose",
                     "chat_template_file": "--chat-template-file",
@@ -340,7 +340,10 @@ def refuse_one_model_flags(opts: ServeOptions) -> None:
     defaults = ServeOptions()
     given = [flag for name, flag in _ONE_MODEL_FLAGS.items() if getattr(opts, name) != getattr(defaults, name)]
     if given:
-        raise BadRequestError(f"{', '.join(given)} apply to one model: serve it alone to use them")
+        # with several models, a vision model's mmproj file goes beside its GGUF (llama-server's router layout)
+        where = (" (or put its GGUF and its mmproj*.gguf in a folder of their own in --models-dir)"
+                 if opts.mmproj is not None else "")
+        raise BadRequestError(f"{', '.join(given)} apply to one model: serve it alone to use them{where}")
 
 
 def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, models_max: int,
@@ -367,6 +370,8 @@ def serve_models(opts: ServeOptions, models: list[str], models_dir: str | None, 
         child_args.append("--no-normalize")
     if not opts.cache_idle_slots:
         generating_args.append("--no-cache-idle-slots")
+    if opts.allow_image_urls:  # every generating model's server fetches image URLs (an encoder takes no images)
+        generating_args.append("--allow-image-urls")
     api_keys = resolve_api_keys(opts.api_keys)
     child_args.append("--no-cors")  # the front answers CORS for all of them (else each answer has it twice)
     router = ModelRouter(entries, child_args, models_max, api_keys, opts.max_body_size, sleep_idle,

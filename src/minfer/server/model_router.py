@@ -8,11 +8,15 @@ never), or on ``POST /models/unload``. A process per model, rather than engines 
 OpenMP kernels run about 3x slower when launched off a process's main thread (each child runs its engine loop on
 its own main thread, as a one-model server does), and because an exiting process returns all of its memory.
 
+A vision model is a subfolder of ``--models-dir`` holding its GGUF and an ``mmproj*.gguf`` (llama-server's router
+layout): its server is started with ``--mmproj`` that file; ``--allow-image-urls`` goes to every generating model's.
+
 This front answers the routes about the models themselves: ``GET /v1/models`` and ``/models`` (each model with
-its ``status``: loaded, loading, unloaded), ``POST /models/load`` and ``/models/unload`` (llama-server's router
-shapes), ollama's ``GET /api/tags``, ``/api/ps`` and ``/api/version``, and ``/health``. Every other request goes
-to the model its body's ``model`` names (or ``?model=``; without one, the first model), answered by that model's
-own server: the same routes, bodies and errors as a one-model server. ``NAME:latest`` and ``NAME.gguf`` are
+its ``status``: loaded, loading, unloaded, and its ``capabilities``, read from its files without loading it),
+``POST /models/load`` and ``/models/unload`` (llama-server's router shapes), ollama's ``GET /api/tags``, ``/api/ps``
+and ``/api/version``, and ``/health``. Every other request goes to the model its body's ``model`` names (or
+``?model=``; without one, the first model), answered by that model's own server: the same routes, bodies and errors
+as a one-model server. ``NAME:latest`` and ``NAME.gguf`` are
 ``NAME``. An unknown name is a 404 listing the names there are.
 
 ``GET /metrics`` is the front's own: every loaded model's ``/metrics`` with a ``model="NAME"`` label on each sample
@@ -66,6 +70,9 @@ class ModelEntry:
 
     name: str
     path: Path
+    mmproj: Path | None = None  # the vision tower's GGUF beside the text GGUF (its server gets --mmproj)
+    # llama-server's capabilities, read from the files when the front starts (a listing loads nothing)
+    capabilities: tuple[str, ...] = ("completion",)
     state: str = UNLOADED
     url: str | None = None
     proc: asyncio.subprocess.Process | None = None
@@ -79,36 +86,82 @@ class ModelEntry:
 
     def card(self, created: int) -> dict[str, Any]:
         return {"id": self.name, "object": "model", "created": created, "owned_by": "minfer",
-                "path": str(self.path), "status": {"value": self.state}}
+                "path": str(self.path), "capabilities": list(self.capabilities), "status": {"value": self.state}}
+
+
+def model_capabilities(path: Path, mmproj: Path | None = None) -> tuple[str, ...]:
+    """A model's capabilities as its own server lists them (routes/service.py's names), from its files alone:
+    ``embedding`` for an encoder, else ``completion`` and, with a vision model (an mmproj file beside a GGUF, or an
+    HF vision-language folder), ``multimodal``."""
+    from minfer.models.bert import is_encoder_checkpoint
+    from minfer.models.hf_checkpoint import is_vision_language_folder
+
+    if is_encoder_checkpoint(path):
+        return ("embedding",)
+    takes_images = mmproj is not None or (path.is_dir() and is_vision_language_folder(path))
+    return ("completion", "multimodal") if takes_images else ("completion",)
+
+
+def is_mmproj(path: Path) -> bool:
+    """A vision tower's GGUF (llama.cpp's ``mmproj*.gguf``), which is no model of its own."""
+    return path.suffix == ".gguf" and path.name.startswith("mmproj")
+
+
+def gguf_folder(folder: Path) -> tuple[Path, Path | None] | None:
+    """A subfolder of ``--models-dir`` in llama-server's router layout: its one text GGUF and its mmproj file (or
+    None), or None when it holds no GGUF; a one-line error when it holds several of either."""
+    ggufs = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix == ".gguf")
+    if not ggufs:
+        return None
+    texts = [p for p in ggufs if not is_mmproj(p)]
+    projectors = [p for p in ggufs if is_mmproj(p)]
+    if len(texts) != 1:
+        what = "no model GGUF beside its mmproj file" if not texts else \
+            f"{len(texts)} model GGUFs ({', '.join(p.name for p in texts)})"
+        raise BadRequestError(f"--models-dir folder {str(folder)!r} holds {what}: a model's folder holds one model "
+                              "GGUF and at most one mmproj*.gguf")
+    if len(projectors) > 1:
+        raise BadRequestError(f"--models-dir folder {str(folder)!r} holds {len(projectors)} mmproj files "
+                              f"({', '.join(p.name for p in projectors)}): a model's folder holds at most one")
+    return texts[0], (projectors[0] if projectors else None)
 
 
 def model_entries(models: list[str], models_dir: str | None) -> list[ModelEntry]:
     """The configured models: each positional one (a file, a folder or a name ``minfer pull`` knows) and every
-    GGUF file and model folder in ``models_dir``, named by file stem, folder name or known name."""
+    GGUF file and model folder in ``models_dir``, named by file stem, folder name or known name. A subfolder
+    holding one GGUF and, beside it, an ``mmproj*.gguf`` (llama-server's router layout) is a model named by the
+    folder, served with ``--mmproj``; an ``mmproj*.gguf`` directly in ``models_dir`` is no model."""
     from minfer.pull import KNOWN_MODELS, resolve_model
 
-    found: list[tuple[str, Path]] = []
+    found: list[tuple[str, Path, Path | None]] = []
     for ref in models:
         path = resolve_model(ref)
         name = ref if ref in KNOWN_MODELS else Path(path).name.removesuffix(".gguf")
-        found.append((name, Path(path)))
+        found.append((name, Path(path), None))
     if models_dir is not None:
         folder = Path(models_dir)
         if not folder.is_dir():
             raise BadRequestError(f"--models-dir {models_dir!r} is not a folder")
+        in_dir = 0
         for p in sorted(folder.iterdir()):
-            if p.is_file() and p.suffix == ".gguf":
-                found.append((p.stem, p))
+            if p.is_file() and p.suffix == ".gguf" and not is_mmproj(p):
+                found.append((p.stem, p, None))
             elif p.is_dir() and (p / "config.json").is_file():
-                found.append((p.name, p))
-        if not any(p.parent == folder for _, p in found):
+                found.append((p.name, p, None))
+            elif p.is_dir() and (files := gguf_folder(p)) is not None:
+                found.append((p.name, *files))
+            else:
+                continue
+            in_dir += 1
+        if not in_dir:
             raise BadRequestError(f"--models-dir {models_dir!r} holds no GGUF file and no model folder")
-    names: dict[str, Path] = {}
-    for name, path in found:
-        if name in names and names[name] != path:
-            raise BadRequestError(f"two models are named {name!r} ({names[name]} and {path}): rename one")
-        names[name] = path
-    return [ModelEntry(name, path) for name, path in names.items()]
+    named: dict[str, tuple[Path, Path | None]] = {}
+    for name, path, mmproj in found:
+        if name in named and named[name] != (path, mmproj):
+            raise BadRequestError(f"two models are named {name!r} ({named[name][0]} and {path}): rename one")
+        named[name] = (path, mmproj)
+    return [ModelEntry(name, path, mmproj, model_capabilities(path, mmproj))
+            for name, (path, mmproj) in named.items()]
 
 
 MAX_CONVERSATIONS = 4096  # streams' ids whose model the front remembers (each a few dozen bytes)
@@ -512,7 +565,8 @@ class ModelRouter:
 
         return [sys.executable, "-m", "minfer", "serve", str(entry.path), "--host", "127.0.0.1", "--port", "0",
                 "--alias", entry.name, "--api-key", self.internal_key, *self.child_args,
-                *([] if is_encoder_checkpoint(entry.path) else self.generating_args)]
+                *([] if is_encoder_checkpoint(entry.path) else self.generating_args),
+                *([] if entry.mmproj is None else ["--mmproj", str(entry.mmproj)])]
 
     async def _get(self, url: str) -> int:
         assert self.client is not None

@@ -64,6 +64,7 @@ class RayModel:
     name: str
     path: Path
     ref: str | None  # None: the default model, which a replica on a joined cluster resolves on its node
+    mmproj: Path | None = None  # a --models-dir folder's vision tower GGUF, beside the model's (--mmproj)
 
 
 def ray_models(opts: ServeOptions, ray_opts: RayOptions, models: list[str],
@@ -81,7 +82,7 @@ def ray_models(opts: ServeOptions, ray_opts: RayOptions, models: list[str],
     entries = model_entries(models, models_dir)
     if not entries:
         raise BadRequestError("no model to serve: give model files or folders, or --models-dir DIR")
-    return [RayModel(e.name, e.path, str(e.path)) for e in entries]
+    return [RayModel(e.name, e.path, str(e.path), e.mmproj) for e in entries]
 
 
 def replica_scaling(ray_opts: RayOptions, parallel: int) -> dict[str, object]:
@@ -124,7 +125,8 @@ def serve_ray(opts: ServeOptions, ray_opts: RayOptions, models: list[str] | None
     api_keys = resolve_api_keys(opts.api_keys)
     # the replicas' access logs are off: the front writes one line per request, with the replica that answered
     replica_opts = {m.name: replace(for_model(opts, m.path) if several else opts, model=m.ref, threads=threads,
-                                    api_keys=api_keys, log_format="off", alias=m.name if several else opts.alias)
+                                    api_keys=api_keys, log_format="off", alias=m.name if several else opts.alias,
+                                    mmproj=str(m.mmproj) if m.mmproj is not None else opts.mmproj)
                     for m in served}
 
     sock = listening_socket(opts.host, opts.port)

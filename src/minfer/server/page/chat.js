@@ -319,7 +319,8 @@ function send() {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// images (a vision model: /props says so), attached with the button or pasted, sent as data: URLs
+// images (a vision model: its listing's capabilities or /props say so), attached with the button or pasted,
+// sent as data: URLs
 
 function renderAttachments() {
   const box = $("attachments");
@@ -349,7 +350,8 @@ function modelLabel(m) {
 }
 
 function listModels(data) {
-  state.models = (data || []).map((m) => ({id: m.id, status: m.status && m.status.value}));
+  state.models = (data || []).map((m) => ({id: m.id, status: m.status && m.status.value,
+    vision: Array.isArray(m.capabilities) && m.capabilities.includes("multimodal")}));
 }
 
 function renderPicker() {
@@ -368,20 +370,26 @@ function renderPicker() {
   select.value = state.modelId;
 }
 
-// Vision is the chosen model's: /props?model=NAME (which loads it on a several-model server); the answer for a
-// model chosen since is dropped, and an error leaves images off.
+function showVision(vision) {
+  state.vision = vision;
+  $("attach").hidden = !vision;
+}
+
+// Vision is the chosen model's. Several models: its capabilities in the /v1/models listing (choosing one loads
+// nothing; /props?model= would load it). One model: /props; the answer for a model chosen since is dropped, and an
+// error leaves images off.
 function readProps() {
   const id = state.modelId;
   state.propsFor = id;
-  const url = state.models.length > 1 ? "/props?model=" + encodeURIComponent(id) : "/props";
-  const apply = (vision) => {
-    if (state.propsFor !== id) return;
-    state.vision = vision;
-    $("attach").hidden = !vision;
-  };
+  if (state.models.length > 1) {
+    const chosen = state.models.find((m) => m.id === id);
+    showVision(Boolean(chosen && chosen.vision));
+    return;
+  }
+  const apply = (vision) => { if (state.propsFor === id) showVision(vision); };
   apply(false);
-  apiJSON(url).then((props) => apply(Boolean(props.modalities && props.modalities.vision))).catch(() => apply(false))
-    .finally(() => { if (state.models.length > 1) refreshModels(); });  // /props?model= may have loaded it
+  apiJSON("/props").then((props) => apply(Boolean(props.modalities && props.modalities.vision)))
+    .catch(() => apply(false));
 }
 
 function chooseModel(id) {
