@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -237,3 +239,38 @@ def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, drop: tuple[str, 
     for name in sorted(set(tensors) - {t.name for t in reader.tensors}):
         w.add_tensor(name, np.ascontiguousarray(tensors[name], np.float32))
     return _written(w, dst)
+
+
+@contextmanager
+def static_http_server(directory: Path, extra: dict[str, bytes] | None = None) -> Iterator[str]:
+    """A plain HTTP server on loopback serving the files of ``directory`` and the bytes of ``extra`` (URL path ->
+    body), quietly; its base URL (``http://127.0.0.1:PORT``) while the ``with`` lasts."""
+    import http.server
+    import threading
+
+    files = extra or {}
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(directory), **kwargs)
+
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = files.get(self.path)
+            if body is None:
+                super().do_GET()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import ollama
 import pytest
-from conftest import TWO_MODELS, fixture_dir
+from conftest import TWO_MODELS, fixture_dir, static_http_server
 from openai import OpenAI
 
 from minfer.testing.server_process import ServerProcess
@@ -267,20 +267,8 @@ def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def image_host():
     """A plain HTTP server on loopback serving the vision fixture's images."""
-    import http.server
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(IMAGE.parent), **kwargs)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with static_http_server(IMAGE.parent) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from conftest import static_http_server
 
 import minfer
 from minfer.runtime.vision import MEDIA_MARKER, ImageInput, PassImage
@@ -290,32 +291,9 @@ def test_a_text_model_refuses_images_on_every_api(text_server):
 @pytest.fixture(scope="module")
 def image_host():
     """A plain HTTP server on loopback serving the fixture's images, and a 21 MiB file at /big.png."""
-    import http.server
-    import threading
-
     big = b"\x89PNG\r\n\x1a\n" + b"\x00" * (21 * 1024 * 1024)
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(IMAGES), **kwargs)
-
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            if self.path == "/big.png":
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(big)))
-                self.end_headers()
-                self.wfile.write(big)
-                return
-            super().do_GET()
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with static_http_server(IMAGES, {"/big.png": big}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
