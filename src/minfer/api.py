@@ -56,6 +56,7 @@ from minfer.runtime.vision import ImageInput, ImagePrompter, PassImage, VisionRu
 from minfer.trace.capture import TraceCapture
 from minfer.trace.dump import Dumper
 from minfer.trace.explorer import ForwardTrace
+from minfer.trace.head_attention import label_image_rows
 from minfer.trace.tracer import Tracer
 from minfer.trace.vision_pass import VisionCapture, VisionTrace
 
@@ -229,16 +230,12 @@ class Model:
             finally:
                 runner.observers = []
 
-        labels = [self.tokenizer.decode([t]) if t >= 0 else "" for t in ids]
-        for k, img in enumerate(placed):
-            labels[img.first:img.end] = [f"<image {k}>"] * (img.end - img.first)
+        labels = label_image_rows([self.tokenizer.decode([t]) if t >= 0 else "" for t in ids], placed)
         arena = sum(a.nbytes for a in plan.pool) + kv.nbytes
         trace = ForwardTrace.run(plan.graph, self.hparams, ids, labels, kv.cache_type, self.path.name, execute,
-                                 lambda t: self.tokenizer.decode([t]), self.backend, budget, arena,
-                                 images=[(img.first, img.end) for img in placed],
+                                 lambda t: self.tokenizer.decode([t]), self.backend, budget, arena, images=placed,
                                  images_bidirectional=bool(getattr(self.transformer.vision, "bidirectional", False)))
         trace.description = description or f"{self.path.name}, {kv.cache_type} cache"
-        trace.pass_images = placed
         trace.image_inputs = list(image_inputs)
         if image_inputs:
             trace.vision = self._trace_vision(image_inputs, trace.budget // 4)  # (a share of the trace's budget)

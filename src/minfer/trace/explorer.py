@@ -27,7 +27,6 @@ by side) and :mod:`~minfer.trace.example` (a hand-made head).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections import OrderedDict
@@ -41,17 +40,16 @@ from minfer.errors import BadRequestError
 from minfer.graph.ir import Backend, Graph, Node, Op
 from minfer.trace import logit_lens
 from minfer.trace.capture import TraceCapture
-from minfer.trace.head_attention import attention_check, attention_reference
+from minfer.trace.head_attention import attention_check, attention_reference, image_key_ends
 from minfer.trace.page_json import (
-    HISTOGRAM_BINS,
     MAX_CELLS,
     b64,
     node_axes,
     node_json,
     span_within,
+    tensor_window,
     weight_layer,
 )
-from minfer.trace.tracer import array_stats
 from minfer.trace.vision_pass import VisionTrace
 
 # bytes of held tensors (MINFER_TRACE_MEMORY overrides): a 512-token SmolLM2 pass, all 30 layers, takes 675 MiB
@@ -98,11 +96,10 @@ class ForwardTrace:
     top_logits: np.ndarray | None = None
     recaptures: int = 0
     outside: dict[int, np.ndarray] = field(default_factory=dict)  # the nodes outside the layers (first run)
-    # the prompt rows that took an image's tokens, [first, end) per image, and whether an image's rows see the
-    # whole image (Gemma 3) rather than the keys up to their own position (Idefics3)
-    images: list[tuple[int, int]] = field(default_factory=list)
+    # the prompt's images (PassImage: rows first..end - 1 took its tokens; a run traced again takes them), and
+    # whether an image's rows see the whole image (Gemma 3) rather than the keys up to their own position (Idefics3)
+    images: list[Any] = field(default_factory=list)
     images_bidirectional: bool = False
-    pass_images: list[Any] = field(default_factory=list)  # the images' tokens as given (a run traced again takes them)
     vision: VisionTrace | None = None  # the vision tower's pass that made them, when the trace ran it
     image_inputs: list[Any] = field(default_factory=list)  # those images as sent (ImageInput), when given
 
@@ -110,9 +107,10 @@ class ForwardTrace:
     def run(cls, graph: Graph, hparams: Any, tokens: Sequence[int], labels: list[str], cache_type: str,
             model_name: str, execute: Callable[[TraceCapture], None], decode: Callable[[int], str],
             backend: Backend, budget: int | None = None, arena_bytes: int = 0,
-            images: Sequence[tuple[int, int]] = (), images_bidirectional: bool = False) -> ForwardTrace:
+            images: Sequence[Any] = (), images_bidirectional: bool = False) -> ForwardTrace:
         """Run the pass once (``execute(capture)`` runs the plan with the capture as its observer), keeping
-        the first layers whose tensors fit in ``budget``; ``images``: the rows that hold images' tokens."""
+        the first layers whose tensors fit in ``budget``; ``images``: the prompt's images (``PassImage`` s), whose
+        rows ``labels`` already name."""
         budget = budget_from_env() if budget is None else budget
 
         def recapture(layers: set[int], stats: bool = False) -> TraceCapture:
@@ -121,8 +119,7 @@ class ForwardTrace:
             return capture
 
         trace = cls(graph, hparams, list(tokens), labels, cache_type, model_name, recapture, decode, backend,
-                    budget, arena_bytes, images=[(int(a), int(b)) for a, b in images],
-                    images_bidirectional=images_bidirectional)
+                    budget, arena_bytes, images=list(images), images_bidirectional=images_bidirectional)
         trace.by_id = {n.id: n for n in graph.nodes}
         trace.by_name = {n.name: n for n in graph.nodes if n.name}
         keep: set[int] = set()
@@ -175,14 +172,6 @@ class ForwardTrace:
     def _output_id(self) -> int:
         out = self.by_name.get("output")
         return out.id if out is not None else max(n.id for n in self.graph.nodes) + 1
-
-    def key_ends(self) -> np.ndarray:
-        """Each prompt row's last visible key position: its own, or on an image's rows (Gemma 3) the image's last."""
-        ends = np.arange(len(self.tokens), dtype=np.int64)
-        if self.images_bidirectional:
-            for first, end in self.images:
-                ends[first:end] = end - 1
-        return ends
 
     def held_bytes(self) -> int:
         held = sum(a.nbytes for tensors in self.layers.values() for a in tensors.values())
@@ -256,7 +245,7 @@ class ForwardTrace:
                 "labels": self.labels, "n_layer": hp.n_layer, "n_head": hp.n_head, "n_head_kv": hp.n_head_kv,
                 "head_dim": hp.head_dim_k, "head_dim_v": hp.head_dim_v, "n_embd": hp.n_embd,
                 "cache_type": self.cache_type, "seconds": round(self.seconds, 4), "memory": self.memory(),
-                "images": [list(span) for span in self.images], "vision": self.vision is not None,
+                "images": [[img.first, img.end] for img in self.images], "vision": self.vision is not None,
                 "top_tokens": top, "outside_layers": [node_json(n) | {"stats": self.stats.get(n.id)}
                                                       for n in self.graph.nodes
                                                       if n.layer is None and n.op not in (Op.WEIGHT,)
@@ -290,17 +279,10 @@ class ForwardTrace:
         if data is None:
             raise BadRequestError(f"node {node_id} ({node.name or node.op}) has no tensor to show"
                                   + (" (the logits: see the top tokens)" if node.name == "output" else ""))
-        a = data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1)
-        r0, r1 = span_within(rows, a.shape[0], "rows")
-        c0, c1 = span_within(cols, a.shape[1], "cols")
-        rs, cs = max(1, math.ceil((r1 - r0) / max(1, max_rows))), max(1, math.ceil((c1 - c0) / max(1, max_cols)))
-        window = a[r0:r1:rs, c0:c1:cs]
-        finite = a[np.isfinite(a)]
-        counts, edges = np.histogram(finite, bins=HISTOGRAM_BINS) if finite.size else (np.zeros(0), np.zeros(0))
-        return {"node": node_json(node), "shape": list(data.shape), "axes": node_axes(node, self.hparams),
-                "rows": [r0, r1, rs], "cols": [c0, c1, cs], "values": b64(window), "stats": array_stats(a),
-                "histogram": {"counts": counts.astype(int).tolist(), "edges": edges.tolist()},
-                "labels": self.labels[r0:r1:rs] if a.shape[0] == len(self.tokens) else None}
+        window, shown = tensor_window(data, rows, cols, max_rows, max_cols)
+        return {"node": node_json(node), "axes": node_axes(node, self.hparams), **window,
+                "labels": [self.labels[r] for r in shown] if data.ndim > 1 and data.shape[0] == len(self.tokens)
+                else None}
 
     # -- attention -----------------------------------------------------------------------------------
 
@@ -331,7 +313,7 @@ class ForwardTrace:
         group = hp.n_head // hp.n_head_kv
         kvh = head // group
         dk, dv = hp.head_dim_k, hp.head_dim_v
-        ends = self.key_ends()[r0:r1]
+        ends = image_key_ends(n, self.images, self.images_bidirectional)[r0:r1]
         n_keys = max(r1, int(ends.max()) + 1)  # an image's rows see keys past the last row shown
         q = tensors[nodes["q_rope"].id].reshape(n, hp.n_head, dk)[r0:r1, head]
         k_all, v_all = self.kv_read[layer]

@@ -8,6 +8,7 @@ beside the reference's, so what a page shows is what the engine did.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,24 @@ def attention_reference(
     e = np.exp(masked - masked.max(axis=1, keepdims=True))
     weights = e / e.sum(axis=1, keepdims=True)
     return {"scores": scores, "visible": visible, "weights": weights, "output": weights @ v64}
+
+
+def image_key_ends(n: int, images: Sequence[Any], bidirectional: bool) -> np.ndarray:
+    """Each of ``n`` prompt rows' last visible key position: its own, or, with ``bidirectional`` (Gemma 3), on an
+    image's rows (``images``: objects with ``first`` and ``end``, a prompt's ``PassImage`` s) the image's last."""
+    ends = np.arange(n, dtype=np.int64)
+    if bidirectional:
+        for img in images:
+            ends[img.first:img.end] = img.end - 1
+    return ends
+
+
+def label_image_rows(labels: list[str], images: Sequence[Any]) -> list[str]:
+    """``labels`` (one per prompt row) with each image's rows labelled ``<image k>``."""
+    out = list(labels)
+    for k, img in enumerate(images):
+        out[img.first:img.end] = [f"<image {k}>"] * (img.end - img.first)
+    return out
 
 
 def attention_check(reference: np.ndarray, engine: np.ndarray) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 from minfer.errors import BadRequestError
 from minfer.graph.ir import Op
 from minfer.graph.plan import Step
-from minfer.trace.head_attention import attention_reference
+from minfer.trace.head_attention import attention_reference, image_key_ends, label_image_rows
 from minfer.trace.tracer import array_stats
 from minfer.trace.vision_pass import VisionCapture
 
@@ -109,13 +109,8 @@ def trace_page_data(
         logits = model.runner.forward(ids, range(len(ids)), images=images) if images else model.logits(ids)
     finally:
         model.runner.observers.remove(capture)
-    labels = [model.tokenizer.decode([t]) if t >= 0 else "" for t in ids]
-    key_ends = np.arange(len(ids))
-    bidirectional = bool(getattr(model.transformer.vision, "bidirectional", False))
-    for k, img in enumerate(images):
-        labels[img.first:img.end] = [f"<image {k}>"] * (img.end - img.first)
-        if bidirectional:
-            key_ends[img.first:img.end] = img.end - 1
+    labels = label_image_rows([model.tokenizer.decode([t]) if t >= 0 else "" for t in ids], images)
+    key_ends = image_key_ends(len(ids), images, bool(getattr(model.transformer.vision, "bidirectional", False)))
     group = hp.n_head // hp.n_head_kv
     shown = []
     for il in layers:

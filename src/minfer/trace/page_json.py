@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import math
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from minfer.errors import BadRequestError
 from minfer.formats.tensors import ExpertTensors, WeightTensor
 from minfer.graph.ir import Node, Op
+from minfer.trace.tracer import array_stats
 
 MAX_CELLS = 256  # a tensor view is at most this many rows and columns (strided beyond)
 HISTOGRAM_BINS = 48
@@ -58,6 +60,21 @@ def weight_layer(node: Node) -> int | None:
     if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
         return int(parts[1])
     return None
+
+
+def tensor_window(data: np.ndarray, rows: tuple[int, int] | None, cols: tuple[int, int] | None, max_rows: int,
+                  max_cols: int) -> tuple[dict[str, Any], range]:
+    """A window of a node's output as a page shows it, strided to at most ``max_rows x max_cols`` cells (the step
+    says which rows and columns are shown), with the whole tensor's statistics and histogram; and the rows shown."""
+    a = data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1)
+    r0, r1 = span_within(rows, a.shape[0], "rows")
+    c0, c1 = span_within(cols, a.shape[1], "cols")
+    rs, cs = max(1, math.ceil((r1 - r0) / max(1, max_rows))), max(1, math.ceil((c1 - c0) / max(1, max_cols)))
+    finite = a[np.isfinite(a)]
+    counts, edges = np.histogram(finite, bins=HISTOGRAM_BINS) if finite.size else (np.zeros(0), np.zeros(0))
+    return ({"shape": list(data.shape), "rows": [r0, r1, rs], "cols": [c0, c1, cs],
+             "values": b64(a[r0:r1:rs, c0:c1:cs]), "stats": array_stats(a),
+             "histogram": {"counts": counts.astype(int).tolist(), "edges": edges.tolist()}}, range(r0, r1, rs))
 
 
 def span_within(span: tuple[int, int] | None, n: int, what: str) -> tuple[int, int]:

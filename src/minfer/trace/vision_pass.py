@@ -9,7 +9,6 @@ run), keeping that node.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import numpy as np
 from minfer.errors import BadRequestError
 from minfer.graph.ir import Graph, Node, Op
 from minfer.graph.plan import Step
-from minfer.trace.page_json import HISTOGRAM_BINS, MAX_CELLS, b64, node_json, span_within
+from minfer.trace.page_json import MAX_CELLS, node_json, tensor_window
 from minfer.trace.tracer import array_stats
 
 SKIPPED = (Op.INPUT, Op.WEIGHT, Op.KV_LOAD, Op.QUANTIZE)
@@ -113,15 +112,8 @@ class VisionTrace:
         strided to at most ``max_rows x max_cols`` cells, with the whole tensor's statistics and histogram."""
         node = self.node(node_id)
         data = self.tensor(node)
-        a = data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1)
-        r0, r1 = span_within(rows, a.shape[0], "rows")
-        c0, c1 = span_within(cols, a.shape[1], "cols")
-        rs, cs = max(1, math.ceil((r1 - r0) / max(1, max_rows))), max(1, math.ceil((c1 - c0) / max(1, max_cols)))
-        finite = a[np.isfinite(a)]
-        counts, edges = np.histogram(finite, bins=HISTOGRAM_BINS) if finite.size else (np.zeros(0), np.zeros(0))
-        per_tile = a.shape[0] // self.n_tiles if a.shape[0] % self.n_tiles == 0 else 0
-        return {"node": node_json(node), "shape": list(data.shape),
-                "axes": {"rows": "patch or image token (tile by tile)", "cols": "feature"},
-                "rows": [r0, r1, rs], "cols": [c0, c1, cs], "values": b64(a[r0:r1:rs, c0:c1:cs]),
-                "stats": array_stats(a), "histogram": {"counts": counts.astype(int).tolist(), "edges": edges.tolist()},
-                "labels": [f"tile {r // per_tile} · {r % per_tile}" for r in range(r0, r1, rs)] if per_tile else None}
+        window, shown = tensor_window(data, rows, cols, max_rows, max_cols)
+        n_rows = data.shape[0] if data.ndim > 1 else 1
+        per_tile = n_rows // self.n_tiles if n_rows % self.n_tiles == 0 else 0
+        return {"node": node_json(node), "axes": {"rows": "patch or image token (tile by tile)", "cols": "feature"},
+                **window, "labels": [f"tile {r // per_tile} · {r % per_tile}" for r in shown] if per_tile else None}

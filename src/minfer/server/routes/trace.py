@@ -167,7 +167,7 @@ def _run_body(model: Model, body: Any, runs: OrderedDict[str, ForwardTrace]) -> 
         if old is None:
             raise ApiError(f"no trace run {run!r} (this server keeps the last {MAX_RUNS})", status=404,
                            type="not_found_error", param="run")
-        return RunInputs(list(old.tokens), cache_type, f"run {run} again", list(old.pass_images),
+        return RunInputs(list(old.tokens), cache_type, f"run {run} again", list(old.images),
                          list(old.image_inputs))
     if tokens is not None:
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
