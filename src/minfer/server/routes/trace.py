@@ -119,6 +119,13 @@ def _int(raw: str | None, what: str, default: int) -> int:
         raise ApiError(f"{what} must be an integer, got {raw!r}", param=what) from None
 
 
+def _window(request: Request) -> tuple[tuple[int, int] | None, tuple[int, int] | None, int, int]:
+    """A tensor view's query: ``rows=a:b``, ``cols=c:d``, ``max_rows``, ``max_cols`` (256 each by default)."""
+    q = request.query_params
+    return (_span(q.get("rows"), "rows"), _span(q.get("cols"), "cols"), _int(q.get("max_rows"), "max_rows", 256),
+            _int(q.get("max_cols"), "max_cols", 256))
+
+
 @dataclass
 class RunInputs:
     """What a new run traces: the prompt's ids, where its images' tokens go, and the images as sent."""
@@ -228,10 +235,8 @@ def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[
     @app.get("/trace/api/runs/{rid}/nodes/{node}")
     async def node_tensor(rid: str, node: int, request: Request) -> dict[str, Any]:
         trace = service.get(rid)
-        q = request.query_params
-        rows, cols = _span(q.get("rows"), "rows"), _span(q.get("cols"), "cols")
-        max_rows, max_cols = _int(q.get("max_rows"), "max_rows", 256), _int(q.get("max_cols"), "max_cols", 256)
-        return await service.do(lambda: trace.tensor_view(node, rows, cols, max_rows, max_cols))
+        window = _window(request)
+        return await service.do(lambda: trace.tensor_view(node, *window))
 
     @app.get("/trace/api/runs/{rid}/layers/{layer}/attention/{head}")
     async def attention(rid: str, layer: int, head: int, request: Request) -> dict[str, Any]:
@@ -254,10 +259,8 @@ def register_explorer(app: FastAPI, service: TraceService, read_json: Callable[[
     @app.get("/trace/api/runs/{rid}/vision/nodes/{node}")
     async def vision_tensor(rid: str, node: int, request: Request) -> dict[str, Any]:
         vision = vision_of(rid)
-        q = request.query_params
-        rows, cols = _span(q.get("rows"), "rows"), _span(q.get("cols"), "cols")
-        max_rows, max_cols = _int(q.get("max_rows"), "max_rows", 256), _int(q.get("max_cols"), "max_cols", 256)
-        return await service.do(lambda: vision.tensor_view(node, rows, cols, max_rows, max_cols))
+        window = _window(request)
+        return await service.do(lambda: vision.tensor_view(node, *window))
 
     @app.get("/trace/api/runs/{rid}/lens")
     async def lens(rid: str, request: Request) -> dict[str, Any]:
