@@ -179,11 +179,7 @@ function requestBody(c) {
   if (system) messages.push({role: "system", content: system});
   for (const m of c.messages) {
     if (m.error && !m.content) continue;
-    // a message's images go before its text, as OpenAI image_url parts (data: URLs)
-    const content = m.images && m.images.length
-      ? [...m.images.map((url) => ({type: "image_url", image_url: {url}})), {type: "text", text: m.content}]
-      : m.content;
-    messages.push({role: m.role, content});
+    messages.push({role: m.role, content: messageContent(m)});
   }
   const body = {messages, stream: true, stream_options: {include_usage: true}};
   if (state.modelId) body.model = state.modelId;

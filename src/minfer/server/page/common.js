@@ -78,3 +78,11 @@ function fmtNum(x, digits) {
   if (a !== 0 && (a >= 1e5 || a < 1e-3)) return x.toExponential(digits || 3);
   return String(+x.toFixed(digits === undefined ? 4 : digits));
 }
+
+// a stored chat message's content as the server takes it: its images (data: URLs) before its text, as OpenAI
+// image_url parts, or the text alone (the chat page sends it; the explorer's Inspect traces it)
+function messageContent(m) {
+  return m.images && m.images.length
+    ? [...m.images.map((url) => ({type: "image_url", image_url: {url}})), {type: "text", text: m.content}]
+    : m.content;
+}

@@ -497,13 +497,7 @@ function exchangeFromChat(convId, upto) {
   try { system = (JSON.parse(localStorage.getItem("minfer.settings") || "{}").system || "").trim(); } catch (e) { system = ""; }
   if (system) messages.push({role: "system", content: system});
   const end = upto === null ? c.messages.length - 1 : +upto;
-  // a message's images go before its text, as the chat page sends them (OpenAI image_url parts, data: URLs)
-  for (const m of c.messages.slice(0, end + 1)) {
-    const content = m.images && m.images.length
-      ? [...m.images.map((url) => ({type: "image_url", image_url: {url}})), {type: "text", text: m.content}]
-      : m.content;
-    messages.push({role: m.role, content});
-  }
+  for (const m of c.messages.slice(0, end + 1)) messages.push({role: m.role, content: messageContent(m)});
   return messages;
 }
 
