@@ -376,16 +376,20 @@ def is_vision_language_folder(directory: str | os.PathLike[str]) -> bool:
         cfg = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(cfg, dict) and cfg.get("model_type") in _VISION_LANGUAGE and "vision_config" in cfg
+    return isinstance(cfg, dict) and _is_vision_language(cfg)
+
+
+def _is_vision_language(cfg: dict[str, Any]) -> bool:
+    """A vision-language family minfer runs with its tower: a known ``model_type`` with a ``vision_config``."""
+    return isinstance(cfg.get("model_type"), str) and cfg["model_type"] in _VISION_LANGUAGE and "vision_config" in cfg
 
 
 def _vision_language_text_config(cfg: dict[str, Any], where: Path) -> dict[str, Any] | None:
     """The text model's config of a vision-language folder (None for any other folder): its ``text_config`` with the
     text family's ``model_type``, and the fields the outer config holds for it (``tie_word_embeddings``)."""
-    model_type = cfg.get("model_type")
-    known = _VISION_LANGUAGE.get(model_type) if isinstance(model_type, str) else None
-    if known is None or "vision_config" not in cfg:
+    if not _is_vision_language(cfg):
         return None
+    known = _VISION_LANGUAGE[cfg["model_type"]]
     classes = cfg.get("architectures")
     if isinstance(classes, list) and classes and known[0] not in classes:
         raise ModelError(f"{where}: architectures {classes} is not a model minfer runs for model_type "
