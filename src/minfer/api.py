@@ -169,6 +169,23 @@ class Model:
         not reused."""
         self.runner.set_lora(lora_scales(scales, len(self.transformer.loras)))
 
+    def add_lora_adapter(self, path: str | os.PathLike[str]) -> int:
+        """Load one more LoRA adapter (a GGUF adapter file or a PEFT folder) while the model serves: its id. It
+        starts off (scale 0) for every sequence, so nothing that runs changes; a request turns it on with its
+        ``lora``. Call it on the thread that runs the engine, between two steps (a server's
+        ``EngineLoop.call``): the prepared plans were built for the old adapter set and are dropped here (the
+        next pass of each shape builds its plan again), and the running sequences' scales grow by a 0.
+        Cached prefixes computed before keep their old scales, so they are not reused under the new ones."""
+        k = self.transformer.add_lora(path)
+        runner = self.runner
+        # every scale array the runner holds gets the new adapter's 0; a set_lora checks their length
+        runner.lora_scales = np.append(runner.lora_scales, np.float32(0.0))
+        for seq, scales in list(runner._sequence_lora.items()):
+            runner.set_lora(np.append(scales, np.float32(0.0)), seq=seq)
+        # a plan's graph has a node per adapter beside each adapted matmul: the old plans lack the new one's
+        runner._plans.clear()
+        return k
+
     @property
     def cache_type(self) -> str:
         return self.kv.cache_type

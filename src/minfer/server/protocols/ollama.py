@@ -197,6 +197,21 @@ def _options(body: Mapping[str, Any], slot_context: int) -> dict[str, Any]:
     return out
 
 
+def check_parameters(value: Any, slot_context: int) -> dict[str, Any]:
+    """``/api/create``'s ``parameters`` (a variant's default ``options``), checked as ``options`` are: a copy,
+    without the nulls; a 400 naming ``parameters.NAME`` for a bad one."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _err("must be an object of model options", "parameters")
+    try:
+        _options({"options": value}, slot_context)
+    except ApiError as e:
+        param = (e.param or "options").replace("options", "parameters", 1)
+        raise ApiError(e.message.replace("options", "parameters", 1), param=param) from None
+    return {k: v for k, v in value.items() if v is not None}
+
+
 def _format(value: Any) -> dict[str, Any] | None:
     if value is None or value == "":
         return None

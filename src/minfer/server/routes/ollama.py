@@ -39,8 +39,11 @@ from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError, api_error, cancelled_error
 from minfer.server.jobs import Job
+from minfer.server.ollama_blobs import BlobStore, blob_hex
+from minfer.server.ollama_variants import Variant, Variants, tagged
 from minfer.server.protocols.ollama import (
     OllamaRequest,
+    check_parameters,
     durations,
     load_answer,
     load_request,
@@ -60,8 +63,17 @@ NOT_HERE = {
     "delete": "minfer does not keep a model store: delete the GGUF file or folder itself",
     "copy": "minfer does not keep a model store: copy the GGUF file, or serve it under another name with --alias",
     "create": "minfer does not build models from Modelfiles: serve a GGUF file or HF folder, with --chat-template "
-              "and sampling flags for what a Modelfile would set",
+              "and sampling flags for what a Modelfile would set (/api/create makes a LoRA adapter's variant "
+              "of the served model: from and adapters)",
     "push": "minfer does not push models to a registry",
+}
+# /api/create's fields that would build a model minfer cannot make here, and what to do instead
+CREATE_UNSUPPORTED = {
+    "files": "minfer serves the one model it was started with: start it on the GGUF file or HF folder",
+    "quantize": "minfer quantizes at load: start the server with --quantize",
+    "template": "the base's chat template is used: start the server with --chat-template-file",
+    "messages": "a variant cannot carry a conversation: send the messages with each /api/chat request",
+    "modelfile": "send the Modelfile's FROM as from and its ADAPTER as adapters (the client's create does)",
 }
 
 
@@ -122,15 +134,27 @@ class ModelFacts:
                 self._digest = await asyncio.to_thread(model_sha256, self.path)
         return self._digest
 
-    async def listing(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.name, "modified_at": self.modified_at(), "size": self.size,
-                "digest": await self.digest(), "details": self.details()}
+    async def listing(self, variant: Variant | None = None) -> dict[str, Any]:
+        """``/api/tags``' entry of the model or of one of its adapters' ``variant``s (the base's size with the
+        adapter's, the base as its ``parent_model``)."""
+        if variant is None:
+            return {"name": self.name, "model": self.name, "modified_at": self.modified_at(), "size": self.size,
+                    "digest": await self.digest(), "details": self.details()}
+        return {"name": variant.name, "model": variant.name,
+                "modified_at": variant.modified_at or modified_at(variant.path),
+                "size": self.size + _size(variant.path), "digest": await variant.digest(await self.digest()),
+                "details": {**self.details(), "parent_model": self.name}}
 
-    async def running(self, context_length: int) -> dict[str, Any]:
+    async def running(self, context_length: int, variant: Variant | None = None) -> dict[str, Any]:
         """``/api/ps``'s entry: loaded for the server's life (ollama writes a far-off expiry for keep_alive -1)."""
-        listing = await self.listing()
+        listing = await self.listing(variant)
         del listing["modified_at"]
         return {**listing, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0, "context_length": context_length}
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file, or of a folder's files."""
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def model_name(body: Any) -> str:
@@ -177,15 +201,58 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     transformer = ctx.model.transformer
     facts = ModelFacts(ctx.config.model_id, ctx.model.path, ctx.model.hparams.arch, transformer.tensors.values(),
                        transformer.source.metadata)
+    variants = Variants.of_startup_adapters(facts.name, ctx.model.lora_adapters)
+    blobs = BlobStore(os.environ.get("MINFER_OLLAMA_BLOBS") or None)
 
-    def check_model(name: str | None) -> None:
+    def check_model(name: str | None, field: str = "model") -> Variant | None:
+        """The variant ``name`` names, or None for the served model; a 404 for a name neither (under
+        --strict-model: any other name reaches the served model)."""
+        if not isinstance(name, str):
+            return None  # (the body's parser names the field)
+        variant = variants.get(name)
+        if variant is not None:
+            return variant
         if name is not None and name.endswith(":latest"):
             name = name.removesuffix(":latest")
         try:
             ctx.check_model(name)
         except ApiError as e:
-            raise ApiError(f"model {name!r} not found (this server has {facts.name!r})", status=404,
-                           param="model", code="model_not_found") from e
+            raise ApiError(f"{'model' if field == 'model' else field}: model {name!r} not found (this server has "
+                           f"{', '.join(repr(n) for n in [facts.name, *(v.name for v in variants)])})",
+                           status=404, param=field, code="model_not_found") from e
+        return None
+
+    def is_served(name: str) -> bool:
+        """Whether ``name`` is one of the served model's own names (whatever --strict-model says)."""
+        return tagged(name) == facts.name or name.removesuffix(":latest") in ctx.names
+
+    def with_variant(body: dict[str, Any], variant: Variant | None, generate: bool) -> dict[str, Any]:
+        """A chat or generate body with the variant's defaults: its options under the request's own, its system
+        prompt where the request sends none."""
+        if variant is None:
+            return body
+        body = dict(body)
+        if variant.parameters:
+            options = body.get("options")
+            body["options"] = {**variant.parameters, **options} if isinstance(options, dict) else \
+                (variant.parameters if options is None else options)
+        if variant.system is not None:
+            messages = body.get("messages")
+            if generate and not body.get("system") and not body.get("raw"):
+                body["system"] = variant.system
+            elif not generate and isinstance(messages, list) and not any(
+                    isinstance(m, dict) and m.get("role") == "system" for m in messages):
+                body["messages"] = [{"role": "system", "content": variant.system}, *messages]
+        return body
+
+    def run_variant(req: OllamaRequest, variant: Variant | None) -> OllamaRequest:
+        """The request runs the variant's adapter alone (the served model's name is checked for it: a variant's
+        is not among the OpenAI side's names)."""
+        if variant is not None:
+            params = req.chat.params if req.chat is not None else req.completion.params if req.completion else None
+            assert params is not None
+            params.lora, params.model = variant.lora, None
+        return req
 
     def base(req: OllamaRequest) -> dict[str, Any]:
         return {"model": req.model, "created_at": now_rfc3339()}
@@ -216,7 +283,6 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     async def chat_answer(request: Request, req: OllamaRequest, generate: bool) -> Response:
         assert req.chat is not None
-        check_model(req.model)
         turn = await ChatTurn.start(ctx, req.chat)
         n_prompt = len(turn.prompt_ids)
 
@@ -268,7 +334,6 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         """``/api/generate`` with ``raw``: the prompt as it is, no template."""
         assert req.completion is not None
         params = req.completion.params
-        check_model(req.model)
         prompt = req.completion.prompts[0]
         ids = await ctx.tokenize(prompt, add_special=True) if isinstance(prompt, str) else prompt
         job = ctx.submit([ids], params)
@@ -324,7 +389,9 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         answered = load_or_unload("/api/chat", body)
         if answered is not None:
             return answered
-        return await chat_answer(request, parse_ollama_chat(body, ctx.engine_loop.slot_context), generate=False)
+        variant = check_model(body.get("model") if isinstance(body, dict) else None)
+        req = parse_ollama_chat(with_variant(body, variant, generate=False), ctx.engine_loop.slot_context)
+        return await chat_answer(request, run_variant(req, variant), generate=False)
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
@@ -332,7 +399,9 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
         answered = load_or_unload("/api/generate", body)
         if answered is not None:
             return answered
-        req = parse_ollama_generate(body, ctx.engine_loop.slot_context)
+        variant = check_model(body.get("model") if isinstance(body, dict) else None)
+        req = run_variant(parse_ollama_generate(with_variant(body, variant, generate=True),
+                                                ctx.engine_loop.slot_context), variant)
         if req.completion is not None:
             return await raw_answer(request, req)
         return await chat_answer(request, req, generate=True)
@@ -387,19 +456,20 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        return {"models": [await facts.listing()]}
+        return {"models": [await facts.listing(v) for v in (None, *variants)]}
 
     @app.get("/api/ps")
     async def ps() -> dict[str, Any]:
-        return {"models": [await facts.running(ctx.engine_loop.slot_context)]}
+        return {"models": [await facts.running(ctx.engine_loop.slot_context, v) for v in (None, *variants)]}
 
     @app.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
         body = await ctx.read_json(request)
-        check_model(model_name(body))
+        variant = check_model(model_name(body))
         model = ctx.model
-        defaults = model.generation_defaults
-        parameters = "\n".join(f"{k:<15} {v}" for k, v in defaults.items() if isinstance(v, int | float | str))
+        defaults = {**model.generation_defaults, **(variant.parameters if variant is not None else {})}
+        parameters = "\n".join(f"{k:<15} {x}" for k, v in defaults.items() for x in (v if isinstance(v, list) else [v])
+                               if isinstance(x, int | float | str))
         template = model.chat_template.source if model.chat_template is not None else ""
         capabilities = ["completion"]
         if model.chat_template is not None and "tools" in template:
@@ -410,10 +480,19 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             capabilities.append("embedding")
         if ctx.takes_images:
             capabilities.append("vision")
-        return {"modelfile": f"# served by minfer {__version__}\nFROM {model.path}\n", "parameters": parameters,
-                "template": template, "details": facts.details(),
-                "model_info": model_info(ctx.model.transformer.source.metadata), "capabilities": capabilities,
-                "modified_at": facts.modified_at()}
+        shown = {"modelfile": f"# served by minfer {__version__}\nFROM {model.path}\n", "parameters": parameters,
+                 "template": template, "details": facts.details(),
+                 "model_info": model_info(ctx.model.transformer.source.metadata), "capabilities": capabilities,
+                 "modified_at": facts.modified_at()}
+        if variant is not None:  # a LoRA adapter's variant: its Modelfile, the base as its parent
+            listing = await facts.listing(variant)
+            shown.update(modelfile=f"# served by minfer {__version__}\n" + variant.modelfile(model.path),
+                         details=listing["details"], modified_at=listing["modified_at"])
+            if variant.system is not None:
+                shown["system"] = variant.system
+            if variant.license is not None:
+                shown["license"] = variant.license
+        return shown
 
     @app.get("/api/version")
     async def version() -> dict[str, str]:
@@ -456,8 +535,107 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
             raise ApiError(f"/api/{what} is not available: {NOT_HERE[what]}", status=501, type="not_implemented")
         return answer
 
-    app.add_api_route("/api/delete", not_here("delete"), methods=["DELETE"])
-    for what in ("copy", "create", "push"):
+    for what in ("copy", "push"):
         app.add_api_route(f"/api/{what}", not_here(what), methods=["POST"])
+
+    @app.head("/api/blobs/{digest}")
+    async def blob_exists(digest: str) -> Response:
+        return Response(status_code=200 if blobs.has(digest) else 404)
+
+    @app.post("/api/blobs/{digest}")
+    async def blob_upload(digest: str, request: Request) -> Response:
+        blob_hex(digest)  # a bad digest is refused before the body is read
+        return Response(status_code=201 if await blobs.write(digest, request.stream()) else 200)
+
+    def create_adapter(adapters: Any) -> tuple[str, str]:
+        """``/api/create``'s ``adapters``: the (name, digest) of its one adapter blob, which must be held."""
+        if not isinstance(adapters, dict) or len(adapters) != 1:
+            raise ApiError("adapters: must be an object naming one adapter blob, {\"NAME.gguf\": \"sha256:...\"} "
+                           f"(minfer runs one adapter a variant), got {adapters!r:.80}", param="adapters")
+        [(file, digest)] = adapters.items()
+        where = f"adapters[{file!r}]"
+        if not isinstance(digest, str):
+            raise ApiError(f"{where}: must be a blob digest, got {digest!r:.60}", param="adapters")
+        if not blobs.has(digest, where):
+            raise ApiError(f"{where}: blob {digest} is not on this server: upload it first (POST /api/blobs/"
+                           f"{digest}; the client's create_blob)", param="adapters")
+        return file, digest
+
+    @app.post("/api/create")
+    async def create(request: Request) -> Response:
+        body = await ctx.read_json(request)
+        name = tagged(model_name(body))
+        for field, instead in CREATE_UNSUPPORTED.items():
+            if body.get(field):
+                raise ApiError(f"{field}: not supported by minfer's /api/create: {instead}", status=501,
+                               param=field, type="not_implemented")
+        stream = body.get("stream", True)
+        if not isinstance(stream, bool | None):
+            raise ApiError(f"stream: must be true or false, got {stream!r}", param="stream")
+        base_name = body.get("from")
+        if base_name is None and body.get("adapters") is None:  # a model of its own, not a variant
+            raise ApiError(f"/api/create is not available: {NOT_HERE['create']}", status=501, type="not_implemented")
+        if not isinstance(base_name, str) or not base_name:
+            raise ApiError(f"from: is required, the served model ({facts.name!r}) that the adapter adapts",
+                           param="from")
+        if variants.get(base_name) is not None:
+            raise ApiError(f"from: {base_name!r} is a variant of {facts.name!r}: make a variant from "
+                           f"{facts.name!r} itself", param="from")
+        if not is_served(base_name):
+            raise ApiError(f"from: model {base_name!r} not found (this server serves {facts.name!r}, the only "
+                           "model a variant can adapt)", status=404, param="from", code="model_not_found")
+        if body.get("adapters") is None:
+            raise ApiError("adapters: is required (one LoRA adapter blob: minfer can only make a variant of the "
+                           f"served model {facts.name!r})", param="adapters", status=501, type="not_implemented")
+        file, digest = create_adapter(body["adapters"])
+        system = body.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ApiError(f"system: must be a string, got {system!r:.60}", param="system")
+        parameters = check_parameters(body.get("parameters"), ctx.engine_loop.slot_context)
+        license_text = body.get("license")
+        if isinstance(license_text, list) and all(isinstance(x, str) for x in license_text):
+            license_text = "\n".join(license_text)
+        if license_text is not None and not isinstance(license_text, str):
+            raise ApiError(f"license: must be a string or a list of strings, got {license_text!r:.60}",
+                           param="license")
+        existing = variants.get(name)
+        if is_served(name) or (
+                existing is not None and not existing.created):
+            raise ApiError(f"model: {name!r} is the name of a model this server was started with: choose another",
+                           param="model")
+        path = blobs.path(digest)
+        adapter = variants.adapter_of_blob(digest)
+        if adapter is None:
+            try:  # between two engine steps: the plans are rebuilt for the new adapter set
+                adapter = await asyncio.wrap_future(ctx.engine_loop.call(lambda: ctx.model.add_lora_adapter(path)))
+            except MinferError as e:
+                raise ApiError(f"adapters[{file!r}]: {e}", param="adapters") from None
+        variants.add(Variant(name, adapter, 1.0, path, created=True, system=system, parameters=parameters,
+                             license=license_text, modified_at=now_rfc3339()), blob=digest)
+        if stream is False:
+            return JSONResponse({"status": "success"})
+        statuses = [f"using existing layer {digest}", "creating new layer", "writing manifest", "success"]
+        return _stream(_lines(statuses))
+
+    @app.delete("/api/delete")
+    async def delete(request: Request) -> Response:
+        body = await ctx.read_json(request)
+        name = model_name(body)
+        variant = check_model(name)
+        if variant is None and not is_served(name):
+            raise ApiError(f"model: model {name!r} not found", status=404, param="model", code="model_not_found")
+        if variant is None:  # (not implemented, as for any other model store)
+            raise ApiError(f"/api/delete is not available for {name!r}, the served model: {NOT_HERE['delete']} "
+                           "(only a variant /api/create made can be deleted)", status=501, type="not_implemented")
+        if not variant.created:
+            raise ApiError(f"model: {variant.name!r} is an adapter the server was started with (--lora): start it "
+                           "without that adapter", param="model")
+        variants.remove(variant.name)
+        return Response(status_code=200)
+
+
+async def _lines(statuses: Iterable[str]) -> AsyncIterator[bytes]:
+    for status in statuses:
+        yield _ndjson({"status": status})
 
 
