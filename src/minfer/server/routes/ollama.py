@@ -1,6 +1,13 @@
 """ollama's API on the same server and port: ``/api/chat``, ``/api/generate``, ``/api/embed``,
-``/api/embeddings``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``, ``/api/pull``; ``/api/delete``,
-``/api/copy``, ``/api/create`` and ``/api/push`` answer 501 saying what minfer does instead.
+``/api/embeddings``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``, ``/api/pull``; ``/api/copy`` and
+``/api/push`` answer 501 saying what minfer does instead.
+
+LoRA adapters are model variants (:mod:`minfer.server.ollama_variants`): those loaded with ``--lora`` are listed as
+``<base>:<adapter stem>`` and run with that adapter alone; ``/api/blobs`` (:mod:`minfer.server.ollama_blobs`) and
+``/api/create`` (``from`` the served model, one GGUF ``adapters`` blob, ``system``, ``parameters``, ``license``)
+load one more between two engine steps, and ``/api/delete`` removes such a variant. ``/api/create`` of a model
+of its own (no ``from`` and ``adapters``, or ``files``, ``quantize``, ``template``, ``messages``) and
+``/api/delete`` of the served model answer 501.
 
 Streams are NDJSON (one JSON object a line; ``stream`` defaults to true, as ollama's), the last object
 ``done: true`` with ``done_reason`` and the counts and durations; an error after the stream began is a last
