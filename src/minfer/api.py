@@ -177,13 +177,7 @@ class Model:
         next pass of each shape builds its plan again), and the running sequences' scales grow by a 0.
         Cached prefixes computed before keep their old scales, so they are not reused under the new ones."""
         k = self.transformer.add_lora(path)
-        runner = self.runner
-        # every scale array the runner holds gets the new adapter's 0; a set_lora checks their length
-        runner.lora_scales = np.append(runner.lora_scales, np.float32(0.0))
-        for seq, scales in list(runner._sequence_lora.items()):
-            runner.set_lora(np.append(scales, np.float32(0.0)), seq=seq)
-        # a plan's graph has a node per adapter beside each adapted matmul: the old plans lack the new one's
-        runner._plans.clear()
+        self.runner.adapter_added()
         return k
 
     @property

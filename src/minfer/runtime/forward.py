@@ -74,6 +74,15 @@ class ForwardRunner:
         else:
             self._sequence_lora[seq] = values
 
+    def adapter_added(self) -> None:
+        """The model has one more LoRA adapter (appended to ``model.loras``): it starts at scale 0 for the
+        defaults and for every sequence with scales of its own, and the plans built for the old adapter set
+        (a node per adapter beside each adapted matmul) are dropped, to be built again by the next passes."""
+        self.lora_scales = np.append(self.lora_scales, np.float32(0.0))
+        for seq, scales in self._sequence_lora.items():
+            self._sequence_lora[seq] = np.append(scales, np.float32(0.0))
+        self._plans.clear()
+
     def lora_of(self, seq: int) -> np.ndarray:
         """The adapter scales sequence ``seq`` runs with."""
         return self._sequence_lora.get(seq, self.lora_scales)
