@@ -31,8 +31,10 @@ TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 HF_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def write_adapter(model_path: Path, rank: int, out: Path) -> tuple[Path, bool]:
-    """A random rank-``rank`` PEFT adapter of every linear layer of the model; (folder, base is float)."""
+def write_adapter(model_path: Path, rank: int, out: Path, dtype: str = "f16") -> tuple[Path, bool]:
+    """A random rank-``rank`` PEFT adapter of every linear layer of the model, stored as ``dtype`` (``f16``, as
+    adapters trained in half precision are, and as llama.cpp's converter writes them; or ``f32``); (folder, base
+    is float)."""
     base = TransformerModel.from_path(model_path)
     rng = np.random.default_rng(0)
     tensors = {}
@@ -44,8 +46,9 @@ def write_adapter(model_path: Path, rank: int, out: Path) -> tuple[Path, bool]:
         floats &= t.ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
         module = "base_model.model." + hf_tensor_name(base.arch.hf, name).removesuffix(".weight")
         n_out, n_in = t.shape
-        tensors[module + ".lora_A.weight"] = (rng.standard_normal((rank, n_in)) * 0.01).astype(np.float32)
-        tensors[module + ".lora_B.weight"] = (rng.standard_normal((n_out, rank)) * 0.01).astype(np.float32)
+        store = np.float16 if dtype == "f16" else np.float32
+        tensors[module + ".lora_A.weight"] = (rng.standard_normal((rank, n_in)) * 0.01).astype(store)
+        tensors[module + ".lora_B.weight"] = (rng.standard_normal((n_out, rank)) * 0.01).astype(store)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
     (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
@@ -77,10 +80,11 @@ def main() -> None:
     ap.add_argument("-p", "--prompt", type=int, default=128)
     ap.add_argument("-n", "--gen", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", choices=("f16", "f32"), default="f16", help="the adapter's stored type")
     args = ap.parse_args()
     path = resolve_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        adapter, floats = write_adapter(path, args.rank, Path(tmp) / "adapter")
+        adapter, floats = write_adapter(path, args.rank, Path(tmp) / "adapter", args.dtype)
         n_ctx = args.prompt + args.gen + 8
         models = {"base": minfer.load(path, n_ctx=n_ctx, threads=args.threads),
                   f"rank-{args.rank} unmerged": minfer.load(path, n_ctx=n_ctx, threads=args.threads, lora=adapter)}
@@ -97,8 +101,8 @@ def main() -> None:
                 runs[name].append(timed(models[name], prompt, args.gen))
     base_pp = statistics.median(p for p, _ in runs["base"])
     base_tg = statistics.median(g for _, g in runs["base"])
-    print(f"{path.name}, {args.threads} threads, pp{args.prompt} / tg{args.gen}, median of {args.rounds} alternating "
-          "rounds")
+    print(f"{path.name}, {args.dtype} adapter, {args.threads} threads, pp{args.prompt} / tg{args.gen}, median of "
+          f"{args.rounds} alternating rounds")
     for name, rs in runs.items():
         pp, tg = statistics.median(p for p, _ in rs), statistics.median(g for _, g in rs)
         print(f"  {name:22s} pp {pp:8.1f} t/s ({pp / base_pp:5.3f}x base)   "

@@ -109,22 +109,29 @@ def test_two_adapters_add_their_updates():
                                atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("n_rows", [1, 3, 8, 33])
-def test_the_compiled_lora_kernel_equals_the_numpy_reference(n_rows):
+@pytest.mark.parametrize(("n_rows", "n_in", "rank", "n_out"),
+                         [(1, 96, 16, 160), (3, 96, 16, 160), (8, 96, 16, 160), (33, 96, 16, 160),
+                          (1, 99, 5, 75), (9, 99, 5, 75), (2, 64, 24, 8)])
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+def test_the_compiled_lora_kernel_equals_the_numpy_reference(n_rows, n_in, rank, n_out, half):
     """The kernel's contract (lora_kernels): the reference's values within float32 rounding, rows with scale 0 are
-    y's bits, in place equals out of place, and a row's bits do not depend on the batch around it."""
+    y's bits, in place equals out of place, and a row's bits do not depend on the batch around it. Shapes with
+    tails: inputs not a multiple of 4, a rank not a multiple of 8, outputs not a multiple of 8 or 32. An adapter
+    whose values are float16 exactly is read as float16 and gives the bits of its float32 copy."""
     from minfer.backends.cpu import lora_kernels
     from minfer.backends.cpu import reference as ref
 
-    rng = np.random.default_rng(n_rows)
-    n_in, rank, n_out = 96, 16, 160
+    rng = np.random.default_rng(n_rows + n_in)
     x = rng.standard_normal((n_rows, n_in), dtype=np.float32)
     y = rng.standard_normal((n_rows, n_out), dtype=np.float32)
     a = rng.standard_normal((rank, n_in), dtype=np.float32) * 0.1
     b = rng.standard_normal((n_out, rank), dtype=np.float32) * 0.1
+    if half:
+        a, b = a.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32)
     scales = rng.standard_normal(n_rows).astype(np.float32)
     scales[::3] = 0
-    at, bt = lora_kernels.transposed(a), lora_kernels.transposed(b)
+    at, bt = lora_kernels.operands(a, b)
+    assert (at.dtype, bt.dtype) == ((np.uint16, np.uint16) if half else (np.float32, np.float32))
     want, got = np.empty_like(y), np.empty_like(y)
     ref.lora(y, x, a, b, scales, 0.5, want)
     lora_kernels.lora(y, x, at, bt, scales, 0.5, got)
@@ -136,6 +143,11 @@ def test_the_compiled_lora_kernel_equals_the_numpy_reference(n_rows):
     last = np.empty_like(y[-1:])
     lora_kernels.lora(y[-1:], x[-1:], at, bt, scales[-1:], 0.5, last)
     assert np.array_equal(last, got[-1:])
+    if half:  # the float32 copy of the same values: the same bits
+        at32, bt32 = (np.ascontiguousarray(m.view(np.float16).astype(np.float32)) for m in (at, bt))
+        from32 = np.empty_like(y)
+        lora_kernels.lora(y, x, at32, bt32, scales, 0.5, from32)
+        assert np.array_equal(from32, got)
 
 
 def test_an_adapter_of_the_output_projection_of_tied_embeddings(tmp_path):

@@ -232,7 +232,8 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         self._rope_tables: dict[tuple, Any] = {}
         self._prepared: dict[int, tuple[WeightTensor, Any]] = {}  # id(tensor) -> (tensor, its prepared form)
         self._gemm_panels: dict[int, tuple[WeightTensor, np.ndarray]] = {}  # id(tensor) -> (tensor, float_gemm panels)
-        self._lora_transposed: dict[int, tuple[WeightTensor, np.ndarray]] = {}  # id -> (A or B, its transpose)
+        # (id of A, id of B) -> (A, B, A^T, B^T as the LoRA kernel reads them)
+        self._lora_operands: dict[tuple[int, int], tuple[WeightTensor, WeightTensor, np.ndarray, np.ndarray]] = {}
         self.expert_reads = ExpertReads()
         # kernels are compiled when a plan first needs them (prepare_kernels), only those it needs
         self.compiler = KernelCompiler()
@@ -362,26 +363,20 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
 
     def _lora_kernel(self, node: Node) -> Callable[..., None]:
         """A LoRA node's kernel over its A and B as float32 arrays, whatever the kernel set made of them as
-        weights: numpy's products (reference), or the compiled row kernel on transposed copies, made once per
-        adapter matrix and shared by every plan (fast)."""
+        weights: numpy's products (reference), or the compiled row kernel on its transposed operands, made once
+        per adapter matrix pair and shared by every plan (fast)."""
         a, b = (ref.dequantize_tensor(i.source) for i in node.inputs[2:4])
         factor = node.meta.factor
         if self.kernels != "fast":
             return lambda node, out, y, x, _a, _b, scales: ref.lora(y, x, a, b, scales, factor, out)
         from minfer.backends.cpu import lora_kernels
 
-        at, bt = (self._transposed(i.source, m) for i, m in zip(node.inputs[2:4], (a, b), strict=True))
-        return lambda node, out, y, x, _a, _b, scales: lora_kernels.lora(y, x, at, bt, scales, factor, out)
-
-    def _transposed(self, tensor: WeightTensor, values: np.ndarray) -> np.ndarray:
-        held = self._lora_transposed.get(id(tensor))
-        if held is not None and held[0] is tensor:
-            return held[1]
-        from minfer.backends.cpu import lora_kernels
-
-        at = lora_kernels.transposed(values)
-        self._lora_transposed[id(tensor)] = (tensor, at)
-        return at
+        pair = (node.inputs[2].source, node.inputs[3].source)
+        held = self._lora_operands.get((id(pair[0]), id(pair[1])))
+        if held is None or held[0] is not pair[0] or held[1] is not pair[1]:
+            held = self._lora_operands[(id(pair[0]), id(pair[1]))] = (*pair, *lora_kernels.operands(a, b))
+        run = lora_kernels.bound(held[2], held[3], factor)
+        return lambda node, out, y, x, _a, _b, scales: run(y, x, scales, out)
 
     def _moe_experts_kernel(self, node: Node) -> Callable[..., None]:
         """The batch's tokens grouped by expert; each chosen expert's three matrices multiplied once for the

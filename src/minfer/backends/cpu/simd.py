@@ -691,6 +691,72 @@ def mul_f32x8(typingctx, a, b):
 
 
 @intrinsic
+def fma_f64(typingctx, a, b, c):
+    """``a * b + c`` on float64 scalars, one rounding where the CPU fuses (as ``madd_wide_f64x8`` lane by lane)."""
+    if not (a == types.float64 and b == types.float64 and c == types.float64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if FMA:
+            return ir_call(builder, "llvm.fma.f64", LL_F64, list(args))
+        return builder.fadd(builder.fmul(args[0], args[1]), args[2])
+
+    return types.float64(types.float64, types.float64, types.float64), codegen
+
+
+@intrinsic
+def madd_wide_f64x8(typingctx, acc, x, v):
+    """``acc + double(x) * double(v)`` lane by lane, eight float32 values widened (exactly): one float64
+    rounding where the CPU fuses multiply-add, else two (with a float32 ``x`` the product is exact, so the
+    result is the same either way)."""
+    if not (acc == f64x8 and isinstance(x, types.Float) and v == f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xs = ir_splat(builder, context.cast(builder, args[1], sig.args[1], types.float64), 8)
+        wide = builder.fpext(args[2], f64x8.llvm_type())
+        if FMA:
+            return ir_call(builder, "llvm.fma.v8f64", wide.type, [xs, wide, args[0]])
+        return builder.fadd(args[0], builder.fmul(xs, wide))
+
+    return f64x8(acc, x, v), codegen
+
+
+@intrinsic
+def add_f64x8(typingctx, a, b):
+    return f64x8(f64x8, f64x8), lambda context, builder, sig, args: builder.fadd(args[0], args[1])
+
+
+@intrinsic
+def store_f64x8(typingctx, arr, i, v):
+    """arr[i:i+8] = v for a float64 array."""
+    if not (is_1d(arr) and arr.dtype == types.float64 and v == f64x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1], f64x8.llvm_type())
+        builder.store(args[2], p, align=8)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, v), codegen
+
+
+@intrinsic
+def scaled_add_narrow_f32x8(typingctx, y, s, u):
+    """``float32(double(y) + s * u)`` lane by lane (``s`` a float64 scalar, ``u`` float64 lanes): one rounding
+    to float32 after the float64 arithmetic."""
+    if not (y == f32x8 and s == types.float64 and u == f64x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        wide = builder.fadd(builder.fpext(args[0], f64x8.llvm_type()), builder.fmul(ir_splat(builder, args[1], 8),
+                                                                                    args[2]))
+        return builder.fptrunc(wide, V8F)
+
+    return f32x8(y, s, u), codegen
+
+
+@intrinsic
 def fma_f32x8(typingctx, acc, a, b):
     """acc + a * b on eight float32 lanes, one rounding per lane where the CPU fuses multiply-add."""
     return f32x8(f32x8, f32x8, f32x8), lambda context, builder, sig, args: ir_fmadd(builder, args[1], args[2], args[0])
