@@ -294,7 +294,7 @@ class ModelRouter:
     async def digest(self, path: Path) -> str:
         """The sha256 a model's own server gives as its ``digest``, computed on a worker thread once per file
         identity (its size and modification time; of a folder, its files'): a file replaced is hashed again."""
-        from minfer.server.routes.ollama import model_sha256
+        from minfer.server.ollama_blobs import model_sha256
 
         try:
             identity = await asyncio.to_thread(_file_identity, path)

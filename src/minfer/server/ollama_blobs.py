@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from minfer.pull import sha256_file
 from minfer.server.errors import ApiError
 
 _DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
@@ -79,3 +80,13 @@ class BlobStore:
         if self._owned is not None:
             self._owned.cleanup()
             self._owned = None
+
+
+def model_sha256(path: Path) -> str:
+    """ollama's ``digest`` of a model: its file's sha256 (of a folder: of its files' names and sha256s, sorted)."""
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
+    return h.hexdigest()

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minfer.server.ollama_blobs import model_sha256
+
 
 @dataclass
 class Variant:
@@ -52,8 +54,6 @@ class Variant:
         """The adapter's sha256 mixed with the base's (the same adapter on another base is another model),
         computed on a worker thread once."""
         if self._digest is None:
-            from minfer.server.routes.ollama import model_sha256
-
             adapter = await asyncio.to_thread(model_sha256, self.path)
             self._digest = hashlib.sha256(f"{base_digest}\n{adapter}\n".encode()).hexdigest()
         return self._digest

@@ -22,7 +22,6 @@ turn as OpenAI's endpoints, so the text at temperature 0 is theirs.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import os
@@ -38,7 +37,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minfer import __version__
 from minfer.errors import MinferError
 from minfer.formats.file_types import ollama_quantization
-from minfer.pull import sha256_file
 from minfer.runtime.chat import ContentDelta, ReasoningDelta
 from minfer.runtime.requests import Failed, Token
 from minfer.runtime.sampling import TokenLogprob
@@ -46,7 +44,7 @@ from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError, api_error, cancelled_error
 from minfer.server.jobs import Job
-from minfer.server.ollama_blobs import BlobStore, blob_hex
+from minfer.server.ollama_blobs import BlobStore, blob_hex, model_sha256
 from minfer.server.ollama_variants import Variant, Variants, tagged
 from minfer.server.protocols.ollama import (
     OllamaRequest,
@@ -172,16 +170,6 @@ def model_name(body: Any) -> str:
     if not isinstance(name, str) or not name:
         raise ApiError("model: is required (a model name)", param="model")
     return name
-
-
-def model_sha256(path: Path) -> str:
-    """ollama's ``digest`` of a model: its file's sha256 (of a folder: of its files' names and sha256s, sorted)."""
-    if path.is_file():
-        return sha256_file(path)
-    h = hashlib.sha256()
-    for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(f"{p.relative_to(path)}\0{sha256_file(p)}\n".encode())
-    return h.hexdigest()
 
 
 def _parameter_size(n: int) -> str:
