@@ -21,9 +21,11 @@ adapter stored in F16, as llama.cpp's converter writes them, and nearly every BF
 in registers, exactly, so the results are the float32 copy's bits from half the bytes. A decode pass reads every
 adapter matrix once from memory, so the bytes are its cost.
 
-Rows with scale 0 (sequences without the adapter) are ``y``'s own values, bit for bit. From
-``PARALLEL_ROWS`` rows on (a prompt) the rows are shared among the threads; fewer run on the calling thread,
-where a parallel region's start cost more than the work (32 us a node instead of 9 on SmolLM2).
+Rows go four at a time (:func:`_rows4`: each vector of A and B loaded and widened once for the four, each row's
+operations unchanged), the rest one by one. Rows with scale 0 (sequences without the adapter) are ``y``'s own
+values, bit for bit. From ``PARALLEL_ROWS`` rows on (a prompt) blocks of ``BLOCK`` rows are shared among the
+threads; fewer run on the calling thread, where a parallel region's start cost more than the work (32 us a node
+instead of 9 on SmolLM2).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from minfer.backends.cpu.simd import (
 )
 
 PARALLEL_ROWS = 8
+BLOCK = 16  # rows per work item of a prompt (four blocks of four)
 LANES = 8  # the rank is padded to a multiple of this (one vector of A^T's row)
 F16_BITS = np.uint16  # an operand of float16 bit patterns (load_row_f32x8 widens them)
 
@@ -106,18 +109,120 @@ def _one(y, x, at, bt, scales, factor, out, i, t) -> None:  # pragma: no cover -
             out[i, j] = y[i, j]
 
 
-@njit(nogil=True, cache=True, error_model="numpy", parallel=True)
-def _lora_parallel(y, x, at, bt, scales, factor, out) -> None:  # pragma: no cover - compiled
-    n = x.shape[0]
-    for i in prange(n):
-        t = np.empty(at.shape[1], np.float64)
-        _one(y, x, at, bt, scales, factor, out, i, t)
+@njit(nogil=True, cache=True, error_model="numpy")
+def _rows4(y, x, at, bt, scales, factor, out, r, t4) -> None:  # pragma: no cover - compiled
+    """Rows ``r..r+3`` at once, each row's operations exactly :func:`_row`'s (so its bits): every vector of A
+    and B is loaded and widened once for the four rows (a prompt's cost was those loads and conversions).
+    ``t4``: a float64 scratch ``[4, rank8]``."""
+    n_in, rank = at.shape
+    n_out = y.shape[1]
+    for k in range(0, rank, 8):
+        p00, p01, p02, p03 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        p10, p11, p12, p13 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        p20, p21, p22, p23 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        p30, p31, p32, p33 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        c = 0
+        while c + 4 <= n_in:
+            a0, a1 = load_row_f32x8(at, c, k), load_row_f32x8(at, c + 1, k)
+            a2, a3 = load_row_f32x8(at, c + 2, k), load_row_f32x8(at, c + 3, k)
+            p00, p01 = madd_wide_f64x8(p00, x[r, c], a0), madd_wide_f64x8(p01, x[r, c + 1], a1)
+            p02, p03 = madd_wide_f64x8(p02, x[r, c + 2], a2), madd_wide_f64x8(p03, x[r, c + 3], a3)
+            p10, p11 = madd_wide_f64x8(p10, x[r + 1, c], a0), madd_wide_f64x8(p11, x[r + 1, c + 1], a1)
+            p12, p13 = madd_wide_f64x8(p12, x[r + 1, c + 2], a2), madd_wide_f64x8(p13, x[r + 1, c + 3], a3)
+            p20, p21 = madd_wide_f64x8(p20, x[r + 2, c], a0), madd_wide_f64x8(p21, x[r + 2, c + 1], a1)
+            p22, p23 = madd_wide_f64x8(p22, x[r + 2, c + 2], a2), madd_wide_f64x8(p23, x[r + 2, c + 3], a3)
+            p30, p31 = madd_wide_f64x8(p30, x[r + 3, c], a0), madd_wide_f64x8(p31, x[r + 3, c + 1], a1)
+            p32, p33 = madd_wide_f64x8(p32, x[r + 3, c + 2], a2), madd_wide_f64x8(p33, x[r + 3, c + 3], a3)
+            c += 4
+        while c < n_in:
+            a0 = load_row_f32x8(at, c, k)
+            p00, p10 = madd_wide_f64x8(p00, x[r, c], a0), madd_wide_f64x8(p10, x[r + 1, c], a0)
+            p20, p30 = madd_wide_f64x8(p20, x[r + 2, c], a0), madd_wide_f64x8(p30, x[r + 3, c], a0)
+            c += 1
+        store_f64x8(t4[0], k, add_f64x8(add_f64x8(p00, p01), add_f64x8(p02, p03)))
+        store_f64x8(t4[1], k, add_f64x8(add_f64x8(p10, p11), add_f64x8(p12, p13)))
+        store_f64x8(t4[2], k, add_f64x8(add_f64x8(p20, p21), add_f64x8(p22, p23)))
+        store_f64x8(t4[3], k, add_f64x8(add_f64x8(p30, p31), add_f64x8(p32, p33)))
+    s0, s1 = np.float64(scales[r]) * factor, np.float64(scales[r + 1]) * factor
+    s2, s3 = np.float64(scales[r + 2]) * factor, np.float64(scales[r + 3]) * factor
+    j = 0
+    while j + 16 <= n_out:
+        u00, u01, u10, u11 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        u20, u21, u30, u31 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        for k in range(rank):
+            b0, b1 = load_row_f32x8(bt, k, j), load_row_f32x8(bt, k, j + 8)
+            u00, u01 = madd_wide_f64x8(u00, t4[0, k], b0), madd_wide_f64x8(u01, t4[0, k], b1)
+            u10, u11 = madd_wide_f64x8(u10, t4[1, k], b0), madd_wide_f64x8(u11, t4[1, k], b1)
+            u20, u21 = madd_wide_f64x8(u20, t4[2, k], b0), madd_wide_f64x8(u21, t4[2, k], b1)
+            u30, u31 = madd_wide_f64x8(u30, t4[3, k], b0), madd_wide_f64x8(u31, t4[3, k], b1)
+        _store_update(y, out, r, j, s0, u00, u01)
+        _store_update(y, out, r + 1, j, s1, u10, u11)
+        _store_update(y, out, r + 2, j, s2, u20, u21)
+        _store_update(y, out, r + 3, j, s3, u30, u31)
+        j += 16
+    if j < n_out:  # the last outputs row by row, as _row computes them
+        for q in range(4):
+            s = np.float64(scales[r + q]) * factor
+            if s != 0:
+                _columns(y, bt, rank, s, out, r + q, t4[q], j)
+            else:
+                for jj in range(j, n_out):
+                    out[r + q, jj] = y[r + q, jj]
+
+
+@njit(inline="always")
+def _store_update(y, out, i, j, s, u0, u1) -> None:  # pragma: no cover - compiled
+    """``out[i, j:j+16] = y + s · u`` (``_row``'s rounding); ``y``'s own values where ``s`` is 0."""
+    if s != 0:
+        store_row_f32x8(out, i, j, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j), s, u0))
+        store_row_f32x8(out, i, j + 8, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j + 8), s, u1))
+    else:
+        store_row_f32x8(out, i, j, load_row_f32x8(y, i, j))
+        store_row_f32x8(out, i, j + 8, load_row_f32x8(y, i, j + 8))
+
+
+@njit(inline="always")
+def _columns(y, bt, rank, s, out, i, t, j0) -> None:  # pragma: no cover - compiled
+    """Row ``i``'s outputs from ``j0`` on, eight at a time then one by one, as :func:`_row`'s loops do."""
+    n_out = y.shape[1]
+    j = j0
+    while j + 8 <= n_out:
+        u = zeros_f64x8()
+        for k in range(rank):
+            u = madd_wide_f64x8(u, t[k], load_row_f32x8(bt, k, j))
+        store_row_f32x8(out, i, j, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j), s, u))
+        j += 8
+    while j < n_out:
+        u = 0.0
+        for k in range(rank):
+            u = fma_f64(t[k], np.float64(row_value_f32(bt, k, j)), u)
+        out[i, j] = np.float32(np.float64(y[i, j]) + s * u)
+        j += 1
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _lora_serial(y, x, at, bt, scales, factor, out, t) -> None:  # pragma: no cover - compiled
-    for i in range(x.shape[0]):
-        _one(y, x, at, bt, scales, factor, out, i, t)
+def _block(y, x, at, bt, scales, factor, out, r0, r1, t4) -> None:  # pragma: no cover - compiled
+    """Rows ``r0..r1``: four at a time (:func:`_rows4`), the rest one by one."""
+    r = r0
+    while r + 4 <= r1:
+        _rows4(y, x, at, bt, scales, factor, out, r, t4)
+        r += 4
+    while r < r1:
+        _one(y, x, at, bt, scales, factor, out, r, t4[0])
+        r += 1
+
+
+@njit(nogil=True, cache=True, error_model="numpy", parallel=True)
+def _lora_parallel(y, x, at, bt, scales, factor, out) -> None:  # pragma: no cover - compiled
+    n = x.shape[0]
+    for b in prange((n + BLOCK - 1) // BLOCK):
+        _block(y, x, at, bt, scales, factor, out, b * BLOCK, min(n, b * BLOCK + BLOCK),
+               np.empty((4, at.shape[1]), np.float64))
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _lora_serial(y, x, at, bt, scales, factor, out, t4) -> None:  # pragma: no cover - compiled
+    _block(y, x, at, bt, scales, factor, out, 0, x.shape[0], t4)
 
 
 def lora(y: np.ndarray, x: np.ndarray, at: np.ndarray, bt: np.ndarray, scales: np.ndarray, factor: float,
@@ -132,7 +237,7 @@ def bound(at: np.ndarray, bt: np.ndarray, factor: float) -> Callable[[np.ndarray
     """:func:`lora` of one adapter matrix pair as a function of ``(y, x, scales, out)``, its scratch made once:
     what a plan calls per pass (at decode the kernel is a few microseconds, so the call's own cost counts)."""
     f = np.float64(factor)
-    t = np.empty(at.shape[1], np.float64)
+    t = np.empty((4, at.shape[1]), np.float64)
 
     def run(y: np.ndarray, x: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
         if x.shape[0] >= PARALLEL_ROWS:
