@@ -151,6 +151,20 @@ def test_the_compiled_lora_kernel_equals_the_numpy_reference(n_rows, n_in, rank,
         assert np.array_equal(from32, got)
 
 
+def test_the_adapter_matrices_lie_in_one_mapping_in_the_order_a_pass_reads_them():
+    """The fast kernels' A^T and B^T of every adapted matrix are laid out one after the other, each on a cache
+    line, in the order the decode plan's nodes run (one stream through memory per pass, on huge pages)."""
+    d = lora_dir("llama", "r16-all-rslora") / "peft"
+    model = minfer.load(fixture_dir("llama") / "model-f32.gguf", n_ctx=64, threads=2, lora=[(d, 1.0)])
+    model.logits(fixture_sequences("llama")[2][:3])
+    held = model.backend._lora_operands
+    nodes = [s.node for s in model.runner.plan(1, 1).steps if s.node.op.value == "lora"]
+    arrays = [m for n in nodes for m in held[(id(n.inputs[2].source), id(n.inputs[3].source))][2:]]
+    assert len(arrays) == 2 * 7 * model.hparams.n_layer
+    for first, then in zip(arrays, arrays[1:]):
+        assert then.ctypes.data == first.ctypes.data + (first.nbytes + 63) // 64 * 64
+
+
 def test_an_adapter_of_the_output_projection_of_tied_embeddings(tmp_path):
     """qwen2's fixture ties its output projection to the embeddings: PEFT's lm_head adapter adapts the projection
     alone (known answer: the base's logits plus (alpha / r) · B·A·h, h the final norm's output); merging it would

@@ -57,8 +57,29 @@ F16_BITS = np.uint16  # an operand of float16 bit patterns (load_row_f32x8 widen
 def _row(y, x, at, bt, s, out, i, t) -> None:  # pragma: no cover - compiled
     """Row ``i``'s update, in the fixed order of the module docstring; ``t``: a float64 scratch ``[rank8]``."""
     n_in, rank = at.shape
-    n_out = bt.shape[1]
-    for k in range(0, rank, 8):
+    k = 0
+    while k + 16 <= rank:  # two vectors of the rank in one pass over A^T's rows (one stream from memory)
+        p0, p1, p2, p3 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        q0, q1, q2, q3 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        c = 0
+        while c + 4 <= n_in:
+            p0 = madd_wide_f64x8(p0, x[i, c], load_row_f32x8(at, c, k))
+            q0 = madd_wide_f64x8(q0, x[i, c], load_row_f32x8(at, c, k + 8))
+            p1 = madd_wide_f64x8(p1, x[i, c + 1], load_row_f32x8(at, c + 1, k))
+            q1 = madd_wide_f64x8(q1, x[i, c + 1], load_row_f32x8(at, c + 1, k + 8))
+            p2 = madd_wide_f64x8(p2, x[i, c + 2], load_row_f32x8(at, c + 2, k))
+            q2 = madd_wide_f64x8(q2, x[i, c + 2], load_row_f32x8(at, c + 2, k + 8))
+            p3 = madd_wide_f64x8(p3, x[i, c + 3], load_row_f32x8(at, c + 3, k))
+            q3 = madd_wide_f64x8(q3, x[i, c + 3], load_row_f32x8(at, c + 3, k + 8))
+            c += 4
+        while c < n_in:
+            p0 = madd_wide_f64x8(p0, x[i, c], load_row_f32x8(at, c, k))
+            q0 = madd_wide_f64x8(q0, x[i, c], load_row_f32x8(at, c, k + 8))
+            c += 1
+        store_f64x8(t, k, add_f64x8(add_f64x8(p0, p1), add_f64x8(p2, p3)))
+        store_f64x8(t, k + 8, add_f64x8(add_f64x8(q0, q1), add_f64x8(q2, q3)))
+        k += 16
+    if k < rank:
         p0, p1, p2, p3 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
         c = 0
         while c + 4 <= n_in:
@@ -71,32 +92,7 @@ def _row(y, x, at, bt, s, out, i, t) -> None:  # pragma: no cover - compiled
             p0 = madd_wide_f64x8(p0, x[i, c], load_row_f32x8(at, c, k))
             c += 1
         store_f64x8(t, k, add_f64x8(add_f64x8(p0, p1), add_f64x8(p2, p3)))
-    j = 0
-    while j + 32 <= n_out:
-        u0, u1, u2, u3 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
-        for k in range(rank):
-            tk = t[k]
-            u0 = madd_wide_f64x8(u0, tk, load_row_f32x8(bt, k, j))
-            u1 = madd_wide_f64x8(u1, tk, load_row_f32x8(bt, k, j + 8))
-            u2 = madd_wide_f64x8(u2, tk, load_row_f32x8(bt, k, j + 16))
-            u3 = madd_wide_f64x8(u3, tk, load_row_f32x8(bt, k, j + 24))
-        store_row_f32x8(out, i, j, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j), s, u0))
-        store_row_f32x8(out, i, j + 8, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j + 8), s, u1))
-        store_row_f32x8(out, i, j + 16, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j + 16), s, u2))
-        store_row_f32x8(out, i, j + 24, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j + 24), s, u3))
-        j += 32
-    while j + 8 <= n_out:
-        u0 = zeros_f64x8()
-        for k in range(rank):
-            u0 = madd_wide_f64x8(u0, t[k], load_row_f32x8(bt, k, j))
-        store_row_f32x8(out, i, j, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j), s, u0))
-        j += 8
-    while j < n_out:  # the same float64 operations one lane at a time
-        u = 0.0
-        for k in range(rank):
-            u = fma_f64(t[k], np.float64(row_value_f32(bt, k, j)), u)
-        out[i, j] = np.float32(np.float64(y[i, j]) + s * u)
-        j += 1
+    _columns(y, bt, rank, s, out, i, t, 0)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -149,8 +145,9 @@ def _rows4(y, x, at, bt, scales, factor, out, r, t4) -> None:  # pragma: no cove
     while j + 16 <= n_out:
         u00, u01, u10, u11 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
         u20, u21, u30, u31 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        r0 = j // 8 * rank
         for k in range(rank):
-            b0, b1 = load_row_f32x8(bt, k, j), load_row_f32x8(bt, k, j + 8)
+            b0, b1 = load_row_f32x8(bt, r0 + k, 0), load_row_f32x8(bt, r0 + rank + k, 0)
             u00, u01 = madd_wide_f64x8(u00, t4[0, k], b0), madd_wide_f64x8(u01, t4[0, k], b1)
             u10, u11 = madd_wide_f64x8(u10, t4[1, k], b0), madd_wide_f64x8(u11, t4[1, k], b1)
             u20, u21 = madd_wide_f64x8(u20, t4[2, k], b0), madd_wide_f64x8(u21, t4[2, k], b1)
@@ -183,19 +180,37 @@ def _store_update(y, out, i, j, s, u0, u1) -> None:  # pragma: no cover - compil
 
 @njit(inline="always")
 def _columns(y, bt, rank, s, out, i, t, j0) -> None:  # pragma: no cover - compiled
-    """Row ``i``'s outputs from ``j0`` on, eight at a time then one by one, as :func:`_row`'s loops do."""
+    """Row ``i``'s outputs from ``j0`` (a multiple of 8) on: ``y + s · (t · B^T)``, each lane's sum over the rank
+    ascending from 0, in float64, then rounded once; four groups of eight at a time, then one group, then the
+    last outputs one by one (the same operations on each lane)."""
     n_out = y.shape[1]
     j = j0
+    while j + 32 <= n_out:
+        u0, u1, u2, u3 = zeros_f64x8(), zeros_f64x8(), zeros_f64x8(), zeros_f64x8()
+        r0 = j // 8 * rank
+        for k in range(rank):
+            tk = t[k]
+            u0 = madd_wide_f64x8(u0, tk, load_row_f32x8(bt, r0 + k, 0))
+            u1 = madd_wide_f64x8(u1, tk, load_row_f32x8(bt, r0 + rank + k, 0))
+            u2 = madd_wide_f64x8(u2, tk, load_row_f32x8(bt, r0 + 2 * rank + k, 0))
+            u3 = madd_wide_f64x8(u3, tk, load_row_f32x8(bt, r0 + 3 * rank + k, 0))
+        store_row_f32x8(out, i, j, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j), s, u0))
+        store_row_f32x8(out, i, j + 8, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j + 8), s, u1))
+        store_row_f32x8(out, i, j + 16, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j + 16), s, u2))
+        store_row_f32x8(out, i, j + 24, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j + 24), s, u3))
+        j += 32
     while j + 8 <= n_out:
         u = zeros_f64x8()
+        r0 = j // 8 * rank
         for k in range(rank):
-            u = madd_wide_f64x8(u, t[k], load_row_f32x8(bt, k, j))
+            u = madd_wide_f64x8(u, t[k], load_row_f32x8(bt, r0 + k, 0))
         store_row_f32x8(out, i, j, scaled_add_narrow_f32x8(load_row_f32x8(y, i, j), s, u))
         j += 8
+    r0 = j // 8 * rank
     while j < n_out:
         u = 0.0
         for k in range(rank):
-            u = fma_f64(t[k], np.float64(row_value_f32(bt, k, j)), u)
+            u = fma_f64(t[k], np.float64(row_value_f32(bt, r0 + k, j % 8)), u)
         out[i, j] = np.float32(np.float64(y[i, j]) + s * u)
         j += 1
 
@@ -249,15 +264,20 @@ def bound(at: np.ndarray, bt: np.ndarray, factor: float) -> Callable[[np.ndarray
 
 
 def operands(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What :func:`lora` reads of A ``[rank, n_in]`` and B ``[n_out, rank]``: A^T ``[n_in, rank8]`` and B^T
-    ``[rank8, n_out]``, C-contiguous, the rank padded with zeros to a multiple of 8, each as float16 bits where
-    every one of its values is a float16 exactly, else float32."""
-    rank = a.shape[0]
+    """What the kernels read of A ``[rank, n_in]`` and B ``[n_out, rank]``, the rank padded with zeros to a
+    multiple of 8 (``rank8``): A^T ``[n_in, rank8]``, and B^T in groups of eight outputs, ``[n8 · rank8, 8]``
+    (``n8`` the groups, the last padded with zeros): row ``g · rank8 + k`` holds ``B[8g:8g+8, k]``, so that
+    the updates of consecutive outputs read B in one stream. Each as float16 bits where every one of its
+    values is a float16 exactly, else float32."""
+    rank, n_in = a.shape
+    n_out = b.shape[0]
     rank8 = -(-rank // LANES) * LANES
-    at = np.zeros((a.shape[1], rank8), np.float32)
+    n8 = -(-n_out // LANES)
+    at = np.zeros((n_in, rank8), np.float32)
     at[:, :rank] = a.T
-    bt = np.zeros((rank8, b.shape[0]), np.float32)
-    bt[:rank] = b.T
+    bt = np.zeros((rank8, n8 * LANES), np.float32)
+    bt[:rank, :n_out] = b.T
+    bt = np.ascontiguousarray(bt.reshape(rank8, n8, LANES).transpose(1, 0, 2)).reshape(n8 * rank8, LANES)
     return _narrowed(at), _narrowed(bt)
 
 
