@@ -161,7 +161,7 @@ def test_the_adapter_matrices_lie_in_one_mapping_in_the_order_a_pass_reads_them(
     nodes = [s.node for s in model.runner.plan(1, 1).steps if s.node.op.value == "lora"]
     arrays = [m for n in nodes for m in held[(id(n.inputs[2].source), id(n.inputs[3].source))][2:]]
     assert len(arrays) == 2 * 7 * model.hparams.n_layer
-    for first, then in zip(arrays, arrays[1:]):
+    for first, then in zip(arrays[:-1], arrays[1:], strict=True):
         assert then.ctypes.data == first.ctypes.data + (first.nbytes + 63) // 64 * 64
 
 
