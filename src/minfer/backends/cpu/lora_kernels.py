@@ -1,25 +1,25 @@
 """The compiled LoRA update, ``out = y + s·B·(A·x)`` row by row (``reference.lora`` is its numpy namesake).
 
 One call per adapted matmul: numpy's version made six calls of its own per node, and a decode pass of
-SmolLM2-135M with a rank-16 adapter on all seven matrices of its 30 layers has 210 such nodes. The kernel reads
-A and B transposed (:func:`operands`): A^T ``[n_in, rank8]`` and B^T ``[rank8, n_out]``, the rank rounded up to
-a multiple of 8 with zero columns of A (so zero rows of B), so that both products are loops over eight-lane
-vectors (:mod:`~minfer.backends.cpu.simd`):
+SmolLM2-135M with a rank-16 adapter on all seven matrices of its 30 layers has 210 such nodes. The kernels read
+A and B as :func:`operands` lays them out: the rank padded with zeros to a multiple of 8 (``rank8``, one vector),
+A^T ``[n_in, rank8]``, and B^T in groups of eight outputs. The arithmetic is float64 on eight-lane vectors
+(:mod:`~minfer.backends.cpu.simd`):
 
 * ``t = x·A^T``: four partial sums over the inputs ``c`` (``c mod 4``, the inputs past the last group of four
-  into the first), added as ``(p0 + p1) + (p2 + p3)``: four independent chains instead of one, whose latency
-  bounded the kernel;
-* ``u = t·B^T``: for eight outputs at a time, ``Σ_k t_k·B^T[k]`` with ``k`` ascending, four such groups at once;
-* ``out = y + s·u`` (PEFT's order: the product, scaled, then added), one fused multiply-add where the CPU has it.
+  into the first), added as ``(p0 + p1) + (p2 + p3)``; each product of two float32 values is exact;
+* ``u = t·B^T``: each output's sum over the rank, ascending from 0, fused multiply-adds where the CPU has them;
+* ``out = float32(y + s·u)``: PEFT's order (the product, scaled, then added), rounded to float32 once.
 
-Each sum runs in this fixed order whatever the batch, so a row's bits are its own: alone, in a prompt, or on
-any number of threads. Zero-padded ranks add exact zeros. The results differ from the reference's BLAS products
-by float32 rounding only (``tests/test_lora.py`` holds both to transformers).
+So the update is all but correctly rounded, and what is left of the difference from transformers + PEFT is
+their own float32 rounding (the llama rsLoRA fixture: 6.3e-5 at worst, the float64 numpy product's figure; the
+float32 kernel before this one: 7.9e-5, and a float32 variant with partial sums 1.3e-4, over the 1e-4 bound).
+Each sum runs in its fixed order whatever the batch, so a row's bits are its own: alone, in a prompt, or on any
+number of threads. Zero-padded ranks add exact zeros.
 
 A^T and B^T are kept as float16 where that is lossless (every value of the matrix is a float16 exactly: an
 adapter stored in F16, as llama.cpp's converter writes them, and nearly every BF16 one): the kernel widens them
-in registers, exactly, so the results are the float32 copy's bits from half the bytes. A decode pass reads every
-adapter matrix once from memory, so the bytes are its cost.
+in registers, exactly, so the results are the float32 copy's bits from half the bytes.
 
 Rows go four at a time (:func:`_rows4`: each vector of A and B loaded and widened once for the four, each row's
 operations unchanged), the rest one by one. Rows with scale 0 (sequences without the adapter) are ``y``'s own
