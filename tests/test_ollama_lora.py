@@ -7,6 +7,8 @@ enough to change the text)."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -28,13 +30,19 @@ BASE, PEFT, HALF = "model-f32:latest", "model-f32:peft", "model-f32:adapter-f32"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def blobs(tmp_path_factory):
+    return tmp_path_factory.mktemp("blobs")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, blobs):
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(TEMPLATE)
     # adapter 0: the PEFT folder at 1.0; adapter 1: the same adapter's GGUF file at 0.5; --strict-model: a variant's
     # name must reach it all the same
     args = ["--parallel", "2", "--ctx-size", "512", "--strict-model", "--chat-template-file", str(template),
-            "--lora", str(LORA / "peft"), "--lora-scaled", str(GGUF_ADAPTER), "0.5"]
+            "--lora", str(LORA / "peft"), "--lora-scaled", str(GGUF_ADAPTER), "0.5",
+            "--ollama-blobs", str(blobs)]
     with ServerProcess(MODEL, args) as s:
         yield s
 
@@ -106,7 +114,7 @@ def test_a_variant_runs_its_adapter_alone_at_its_loaded_scale(client, oai):
     assert generated == openai_chat(oai, [{"id": 1, "scale": 0.5}])
 
 
-def test_blobs_are_checked_and_held(server, client, tmp_path):
+def test_blobs_are_checked_and_held(server, client, blobs):
     digest = "sha256:" + sha256(GGUF_ADAPTER)
     assert httpx.head(f"{server.url}/api/blobs/sha256:{'0' * 64}").status_code == 404
     r = httpx.post(f"{server.url}/api/blobs/sha256:{'0' * 64}", content=b"not this")
@@ -115,6 +123,17 @@ def test_blobs_are_checked_and_held(server, client, tmp_path):
     assert httpx.post(f"{server.url}/api/blobs/md5:abc", content=b"x").status_code == 400
     assert client.create_blob(GGUF_ADAPTER) == digest
     assert httpx.head(f"{server.url}/api/blobs/{digest}").status_code == 200
+    assert (blobs / f"sha256-{digest.removeprefix('sha256:')}").read_bytes() == GGUF_ADAPTER.read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["file", "no parent"])
+def test_a_bad_blobs_folder_is_a_one_line_error(tmp_path, kind):
+    folder = tmp_path / "file" if kind == "file" else tmp_path / "no" / "such"
+    if kind == "file":
+        folder.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "minfer", "serve", str(MODEL), "--ollama-blobs", str(folder)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"--ollama-blobs {str(folder)!r}" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_create_makes_a_variant_that_runs_the_uploaded_adapter(server, client, oai):

@@ -129,6 +129,9 @@ def add_parsers(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     srv.add_argument("--allow-image-urls", action="store_true",
                      help="fetch http(s) image URLs that requests name (20 MiB and 10 s at most each); the server "
                      "then makes requests to any address a client names: only where that is safe (SECURITY.md)")
+    srv.add_argument("--ollama-blobs", default=None, metavar="DIR",
+                     help="keep the blobs that ollama clients upload (POST /api/blobs, for /api/create's adapters) "
+                     "in DIR; default: a temporary folder of the server's life")
     srv.add_argument("--media-path", default=None, metavar="DIR",
                      help="read file:// image URLs that requests name from DIR (paths relative to it, never out of "
                      "it); default: file:// URLs are refused")
@@ -285,6 +288,18 @@ def _media_path(folder: str | None) -> str | None:
     return folder
 
 
+def _blobs_folder(folder: str | None) -> str | None:
+    """--ollama-blobs: a folder, made if missing (its parent must exist)."""
+    if folder is None:
+        return None
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise MinferError(f"--ollama-blobs {folder!r} is not a folder")
+    parent = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(parent):
+        raise MinferError(f"--ollama-blobs {folder!r}: its parent folder {parent!r} does not exist")
+    return folder
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from minfer.server import ServeOptions, parse_size, serve
     from minfer.server.api_keys import server_api_keys
@@ -307,7 +322,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        **lora_kwargs(args), sampling_defaults=sampling_kwargs(args) or None, n_predict=args.n_predict,
                        tags=args.tags, ui=args.ui, verbose=args.verbose, chat_template_file=args.chat_template_file,
                        slot_save_path=args.slot_save_path, cache_idle_slots=args.cache_idle_slots,
-                       chat_template_kwargs=template_kwargs(args) or None, media_path=_media_path(args.media_path))
+                       chat_template_kwargs=template_kwargs(args) or None, media_path=_media_path(args.media_path),
+                       ollama_blobs=_blobs_folder(args.ollama_blobs))
     sleep_idle = args.sleep_idle_seconds if args.sleep_idle_seconds is None or args.sleep_idle_seconds >= 0 else None
     if args.keep_alive is not None:
         if args.sleep_idle_seconds is not None:

@@ -59,6 +59,7 @@ class ServeOptions:
     lora_merge: bool = False  # added into the weights at load
     lora_init_without_apply: bool = False  # loaded with scale 0
     allow_image_urls: bool = False  # fetch http(s) image URLs (SECURITY.md)
+    ollama_blobs: str | None = None  # where ollama clients' uploaded blobs are kept (None: a temporary folder)
     mmproj: str | None = None  # a text GGUF's vision tower and projector (llama.cpp's mmproj file): images
     metrics: bool = True  # GET /metrics (--no-metrics: answered 501, as llama-server without --metrics)
     # llama-server's server-wide settings (cli/llama_server_flags.py)
@@ -271,7 +272,7 @@ def serve(opts: ServeOptions) -> None:
                           allow_image_urls=opts.allow_image_urls, metrics_endpoint=opts.metrics,
                           aliases=aliases, tags=name_set(opts.tags), ui=opts.ui, verbose=opts.verbose,
                           slot_save_path=opts.slot_save_path, chat_template_kwargs=opts.chat_template_kwargs or {},
-                          media_path=opts.media_path,
+                          media_path=opts.media_path, ollama_blobs=opts.ollama_blobs,
                           **defaults)
     access_log.configure(opts.log_format)
     errors_to_stderr()

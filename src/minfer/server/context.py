@@ -54,6 +54,7 @@ class ServerConfig:
     max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; beyond them a request is a 413
     log_format: str = "text"  # the access log: text, json or off
     allow_image_urls: bool = False  # fetch http(s) image URLs (--allow-image-urls; see SECURITY.md)
+    ollama_blobs: str | None = None  # --ollama-blobs: where /api/blobs keeps uploads (None: a temporary folder)
     metrics_endpoint: bool = True  # GET /metrics (--no-metrics: a 501, as llama-server without --metrics)
     # llama-server's server-wide settings: the defaults of requests that do not set them (--temp, --seed, -n)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)  # SamplingParams fields, the seed apart

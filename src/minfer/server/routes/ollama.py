@@ -197,7 +197,7 @@ def register(app: FastAPI, ctx: ServerContext) -> None:
     facts = ModelFacts(ctx.config.model_id, ctx.model.path, ctx.model.hparams.arch, transformer.tensors.values(),
                        transformer.source.metadata)
     variants = Variants.of_startup_adapters(facts.name, ctx.model.lora_adapters)
-    blobs = BlobStore(os.environ.get("MINFER_OLLAMA_BLOBS") or None)
+    blobs = BlobStore(ctx.config.ollama_blobs)
 
     def check_model(name: str | None, field: str = "model") -> Variant | None:
         """The variant ``name`` names, or None for the served model; a 404 for a name neither (under
