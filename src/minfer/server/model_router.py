@@ -758,14 +758,15 @@ def _listing(entry: ModelEntry) -> dict[str, Any]:
     """ollama's listing of a configured model, from its file alone (loaded or not); its digest is added by
     :meth:`ModelRouter.digest`."""
     from minfer.models.bert import gguf_architecture
+    from minfer.server.ollama_blobs import model_size
     from minfer.server.routes.ollama import modified_at, ollama_name
 
     path = entry.path
     family = ""
+    size = model_size(path)
     if path.is_file():
-        size, family, fmt = path.stat().st_size, gguf_architecture(path) or "", "gguf"
+        family, fmt = gguf_architecture(path) or "", "gguf"
     else:
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         with contextlib.suppress(OSError, ValueError):
             family = str(json.loads((path / "config.json").read_text()).get("model_type", ""))
         fmt = "safetensors"

@@ -82,6 +82,11 @@ class BlobStore:
             self._owned = None
 
 
+def model_size(path: Path) -> int:
+    """ollama's ``size`` of a model: its file's bytes (of a folder: its files')."""
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 def model_sha256(path: Path) -> str:
     """ollama's ``digest`` of a model: its file's sha256 (of a folder: of its files' names and sha256s, sorted)."""
     if path.is_file():

@@ -44,7 +44,7 @@ from minfer.server.chat_turn import ChatTurn, TurnDelta, TurnFinished
 from minfer.server.context import ServerContext
 from minfer.server.errors import ApiError, api_error, cancelled_error
 from minfer.server.jobs import Job
-from minfer.server.ollama_blobs import BlobStore, blob_hex, model_sha256
+from minfer.server.ollama_blobs import BlobStore, blob_hex, model_sha256, model_size
 from minfer.server.ollama_variants import Variant, Variants, tagged
 from minfer.server.protocols.ollama import (
     OllamaRequest,
@@ -147,7 +147,7 @@ class ModelFacts:
                     "digest": await self.digest(), "details": self.details()}
         return {"name": variant.name, "model": variant.name,
                 "modified_at": variant.modified_at or modified_at(variant.path),
-                "size": self.size + _size(variant.path), "digest": await variant.digest(await self.digest()),
+                "size": self.size + model_size(variant.path), "digest": await variant.digest(await self.digest()),
                 "details": {**self.details(), "parent_model": self.name}}
 
     async def running(self, context_length: int, variant: Variant | None = None) -> dict[str, Any]:
@@ -155,11 +155,6 @@ class ModelFacts:
         listing = await self.listing(variant)
         del listing["modified_at"]
         return {**listing, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0, "context_length": context_length}
-
-
-def _size(path: Path) -> int:
-    """Bytes of a file, or of a folder's files."""
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def model_name(body: Any) -> str:
