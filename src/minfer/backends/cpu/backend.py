@@ -391,16 +391,14 @@ class CPUBackend(explorer_kernels.ExplorerKernels):
         """A LoRA node's kernel over its A and B as float32 arrays, whatever the kernel set made of them as
         weights: numpy's products (reference), or the compiled row kernel on its transposed operands, made once
         per adapter matrix pair and shared by every plan (fast)."""
-        a, b = (ref.dequantize_tensor(i.source) for i in node.inputs[2:4])
         factor = node.meta.factor
         if self.kernels != "fast":
+            a, b = (ref.dequantize_tensor(i.source) for i in node.inputs[2:4])
             return lambda node, out, y, x, _a, _b, scales: ref.lora(y, x, a, b, scales, factor, out)
         from minfer.backends.cpu import lora_kernels
 
-        pair = (node.inputs[2].source, node.inputs[3].source)
-        held = self._lora_operands.get((id(pair[0]), id(pair[1])))
-        if held is None or held[0] is not pair[0] or held[1] is not pair[1]:
-            held = self._lora_operands[(id(pair[0]), id(pair[1]))] = (*pair, *lora_kernels.operands(a, b))
+        self._lay_out_lora_operands([node])  # (made when the plan was prepared: a lookup then)
+        held = self._lora_operands[(id(node.inputs[2].source), id(node.inputs[3].source))]
         run = lora_kernels.bound(held[2], held[3], factor)
         return lambda node, out, y, x, _a, _b, scales: run(y, x, scales, out)
 
