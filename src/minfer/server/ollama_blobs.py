@@ -53,7 +53,7 @@ class BlobStore:
 
     async def write(self, digest: str, chunks: AsyncIterator[bytes]) -> bool:
         """Store the body ``chunks`` as blob ``digest`` once its sha256 is checked: whether it was new (a blob
-        already held is read to the end and kept as it is). A 400 naming the digest when the body's differs."""
+        already held is replaced by the same bytes). A 400 naming the digest when the body's differs."""
         target = self.path(digest)
         want = blob_hex(digest)
         h = hashlib.sha256()
